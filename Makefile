@@ -1,0 +1,44 @@
+# fencepost — every target creates .venv and installs when needed.
+PY        ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+STAMP     := $(VENV)/.installed
+PROTO_SRC := $(wildcard proto/fencepost/v1/*.proto)
+GEN_DIR   := clients/python
+ADDR      ?= 127.0.0.1:50051
+DB        ?= ./fencepost.db
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help all serve test lint proto bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+all: test  ## exactly what CI runs (lint + every test)
+
+serve: $(STAMP)  ## start the coordinator on $(ADDR) with the SQLite file $(DB)
+	$(BIN)/fencepost serve --listen $(ADDR) --db $(DB)
+
+test: $(STAMP) lint  ## lint, then every test (slow ones included)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## ruff and mypy on our own code
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+proto: $(STAMP)  ## regenerate the checked-in stubs from proto/
+	$(BIN)/python -m fencepost_server._codegen $(GEN_DIR)
+
+bench: $(STAMP)  ## benchmarks (not tests): end to end vs echo, and the writer alone
+	$(BIN)/python bench/run_all.py
+
+clean:  ## remove the venv, caches and local databases
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info fencepost.db fencepost.db-*
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""fencepost SDK (placeholder, replaced below)."""

@@ -1,0 +1,1 @@
+"""fencepost coordinator server."""

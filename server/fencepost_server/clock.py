@@ -1,0 +1,63 @@
+"""The server's clock. Only the server's clock decides expiry (SPEC §4).
+
+``SystemClock`` reads the system wall clock (never the database's). Tests inject
+``ManualClock`` and move it explicitly; they never sleep waiting for an expiry.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now_ms(self) -> int: ...
+
+
+class SystemClock:
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000
+
+
+class ManualClock:
+    """A clock that only moves when told to (thread-safe)."""
+
+    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
+        self._now = start_ms
+        self._lock = threading.Lock()
+
+    def now_ms(self) -> int:
+        with self._lock:
+            return self._now
+
+    def advance(self, ms: int) -> int:
+        if ms < 0:
+            raise ValueError("a clock does not go backwards")
+        with self._lock:
+            self._now += ms
+            return self._now
+
+    def set(self, now_ms: int) -> None:
+        with self._lock:
+            if now_ms < self._now:
+                raise ValueError("a clock does not go backwards")
+            self._now = now_ms
+
+
+class OffsetClock:
+    """The system clock plus an offset that only grows (the torture hook that
+    jumps the server's clock forward in a real process)."""
+
+    def __init__(self) -> None:
+        self._offset = 0
+        self._system = SystemClock()
+
+    def now_ms(self) -> int:
+        return self._system.now_ms() + self._offset
+
+    def jump(self, ms: int) -> int:
+        if ms < 0:
+            raise ValueError("a clock does not go backwards")
+        self._offset += ms
+        return self.now_ms()

@@ -1,0 +1,61 @@
+"""Results and refusals as plain data, for the durable request-id cache (SPEC §5.5).
+
+A repeated request id is answered with exactly the original answer, also after
+a restart, so answers are stored as JSON-able dicts. Pure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from typing import Any
+
+from . import ledger as L
+from .errors import Code, LedgerError
+from .records import record_from_dict, record_to_dict
+
+
+def fingerprint(cmd: L.Command) -> str:
+    """A digest of the command without its request id: a reused id with a
+    different request is refused rather than answered with a stale answer."""
+    return hashlib.blake2b(repr(replace(cmd, request_id="")).encode(), digest_size=16).hexdigest()
+
+
+def encode(answer: L.Result | LedgerError) -> dict[str, Any]:
+    match answer:
+        case LedgerError():
+            d: dict[str, Any] = {"t": "error", "code": answer.code.value, "msg": answer.message}
+            if answer.field is not None:
+                d["field"] = answer.field
+            if answer.record is not None:
+                d["r"] = record_to_dict(answer.record)
+            return d
+        case L.Created():
+            return {"t": "created", "ok": answer.created, "r": record_to_dict(answer.record)}
+        case L.Swapped():
+            d = {"t": "swapped", "ok": answer.swapped}
+            if answer.record is not None:
+                d["r"] = record_to_dict(answer.record)
+            return d
+        case L.Deleted():
+            return {"t": "deleted", "ok": answer.deleted, "rev": answer.revision,
+                    "tok": answer.fencing_token}
+        case _:
+            return {"t": "record", "r": record_to_dict(answer)}
+
+
+def decode(d: dict[str, Any]) -> L.Result | LedgerError:
+    rec = record_from_dict(d["r"]) if "r" in d else None
+    match d["t"]:
+        case "error":
+            return LedgerError(Code(d["code"]), d["msg"], rec, d.get("field"))
+        case "created":
+            assert rec is not None
+            return L.Created(d["ok"], rec)
+        case "swapped":
+            return L.Swapped(d["ok"], rec)
+        case "deleted":
+            return L.Deleted(d["ok"], d["rev"], d["tok"])
+        case _:
+            assert rec is not None
+            return rec

@@ -1,0 +1,488 @@
+"""Pure decisions for the ledger and the raw seam (SPEC §3-§5, §7).
+
+``decide(cmd, current, tombstone, now, revision)`` returns a ``Decision``: the
+change to write (a new record, a delete, or nothing) and the caller's result,
+or raises ``LedgerError``. No I/O, no clock reads, no asyncio/grpc/sqlite3:
+the writer supplies the committed state, the time and the next revision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .errors import Code, LedgerError, validation
+from .records import (
+    CheckpointRef,
+    Lease,
+    Outcome,
+    Record,
+    Status,
+    Suspension,
+    can_transition,
+    is_terminal,
+)
+
+DEFAULT_TTL_MS = 60_000
+MIN_TTL_MS = 100
+MAX_TTL_MS = 24 * 60 * 60 * 1000
+
+
+# -- commands ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire:
+    run_id: str
+    owner: str
+    ttl_ms: int = DEFAULT_TTL_MS
+    lock_delay_ms: int = 0
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Renew:
+    run_id: str
+    owner: str
+    fencing_token: int
+    ttl_ms: int | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordCheckpoint:
+    run_id: str
+    owner: str
+    fencing_token: int
+    key: str
+    snapshot_version: int
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Suspend:
+    run_id: str
+    owner: str
+    fencing_token: int
+    pending_approval_ids: tuple[str, ...] = ()
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    run_id: str
+    owner: str
+    fencing_token: int
+    status: Status
+    outcome: Outcome | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    run_id: str
+    owner: str
+    fencing_token: int
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    run_id: str
+    message: str | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResume:
+    run_id: str
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteRun:
+    run_id: str
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RawCreate:
+    record: Record
+    request_id: str = ""
+
+    @property
+    def run_id(self) -> str:
+        return self.record.run_id
+
+
+@dataclass(frozen=True, slots=True)
+class RawCompareAndSet:
+    run_id: str
+    expected_version: int
+    next: Record
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RawDelete:
+    run_id: str
+    request_id: str = ""
+
+
+Command = (
+    Acquire | Renew | RecordCheckpoint | Suspend | Finish | Release | Cancel | RequestResume
+    | DeleteRun | RawCreate | RawCompareAndSet | RawDelete
+)
+HandleCommand = Renew | RecordCheckpoint | Suspend | Finish | Release
+
+
+# -- results and changes --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Created:
+    created: bool
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class Swapped:
+    swapped: bool
+    record: Record | None
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    deleted: bool
+    revision: int = 0
+    fencing_token: int = 0
+
+
+Result = Record | Created | Swapped | Deleted
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    run_id: str
+    fencing_token: int
+    revision: int
+
+
+Change = Put | Delete
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    change: Change | None
+    result: Result
+
+
+def decide(
+    cmd: Command, current: Record | None, tombstone: int, now: int, revision: int
+) -> Decision:
+    """Decide one command against the committed record (or None when absent).
+
+    ``tombstone`` is the last fencing token of a deleted run with this id (0 if
+    none); ``revision`` is the revision a change made by this command gets.
+    """
+    return _DECIDERS[type(cmd)](cmd, current, tombstone, now, revision)
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def _write(cur: Record, now: int, revision: int, **changes: Any) -> Record:
+    return replace(cur, version=cur.version + 1, updated_at=now, revision=revision, **changes)
+
+
+def _unchanged(cur: Record) -> Decision:
+    return Decision(None, cur)
+
+
+def _put(rec: Record) -> Decision:
+    return Decision(Put(rec), rec)
+
+
+def _check_transition(cur: Record, dst: Status) -> None:
+    if is_terminal(cur.status):
+        raise LedgerError(
+            Code.RUN_ALREADY_TERMINAL,
+            f"run {cur.run_id!r} is {cur.status.name.lower()}",
+            cur,
+        )
+    if not can_transition(cur.status, dst):
+        raise LedgerError(
+            Code.RUN_INVALID_TRANSITION,
+            f"run {cur.run_id!r} cannot move from {cur.status.name.lower()} "
+            f"to {dst.name.lower()}",
+            cur,
+        )
+
+
+def _fence(cmd: HandleCommand, cur: Record | None) -> Record:
+    """SPEC §5.2 fence check: exists, same token, same lease owner."""
+    if cur is None:
+        raise LedgerError(Code.RUN_LEASE_LOST, f"run {cmd.run_id!r} no longer exists")
+    if cur.fencing_token != cmd.fencing_token:
+        raise LedgerError(
+            Code.RUN_LEASE_LOST,
+            f"fencing token {cmd.fencing_token} is stale; run {cmd.run_id!r} "
+            f"is at {cur.fencing_token}",
+            cur,
+        )
+    if cur.lease is None or cur.lease.owner != cmd.owner:
+        raise LedgerError(
+            Code.RUN_LEASE_LOST,
+            f"owner {cmd.owner!r} does not hold the lease of run {cmd.run_id!r}",
+            cur,
+        )
+    if cur.status is not Status.RUNNING:
+        _check_transition(cur, Status.RUNNING)  # raises: terminal or not running
+        raise LedgerError(
+            Code.RUN_INVALID_TRANSITION, f"run {cmd.run_id!r} is not running", cur
+        )
+    return cur
+
+
+def _converged(cmd: HandleCommand, cur: Record | None, target: Status) -> bool:
+    """Convergence for lease-dropping commands retried by the same handle."""
+    return (
+        cur is not None
+        and cur.status is target
+        and cur.fencing_token == cmd.fencing_token
+    )
+
+
+# -- ledger commands ----------------------------------------------------------------
+
+
+def _acquire(cmd: Acquire, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    lease = Lease(cmd.owner, now, now + cmd.ttl_ms, cmd.ttl_ms, cmd.lock_delay_ms)
+    if cur is None:
+        return _put(
+            Record(
+                run_id=cmd.run_id,
+                version=1,
+                status=Status.RUNNING,
+                attempt=1,
+                fencing_token=tombstone + 1,
+                created_at=now,
+                updated_at=now,
+                lease=lease,
+                revision=rev,
+            )
+        )
+    if is_terminal(cur.status):
+        raise LedgerError(
+            Code.RUN_ALREADY_TERMINAL, f"run {cmd.run_id!r} is {cur.status.name.lower()}", cur
+        )
+    if cur.status is Status.SUSPENDED:
+        raise LedgerError(
+            Code.RUN_SUSPENDED, f"run {cmd.run_id!r} is suspended; RequestResume first", cur
+        )
+    held = cur.lease
+    attempt = cur.attempt
+    if held is not None:
+        if held.owner != cmd.owner and held.blocks_others(now):
+            raise LedgerError(
+                Code.RUN_LEASE_HELD,
+                f"run {cmd.run_id!r} is leased by another owner until "
+                f"{held.expires_at + held.lock_delay_ms} ms",
+                cur,
+            )
+        if not (held.owner == cmd.owner and held.live(now)):
+            attempt += 1  # takes over a lease that existed and expired
+    return _put(
+        _write(
+            cur,
+            now,
+            rev,
+            status=Status.RUNNING,
+            attempt=attempt,
+            fencing_token=cur.fencing_token + 1,
+            lease=lease,
+            suspension=None,
+        )
+    )
+
+
+def _renew(cmd: Renew, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    cur = _fence(cmd, cur)
+    assert cur.lease is not None
+    ttl = cmd.ttl_ms if cmd.ttl_ms is not None else cur.lease.ttl_ms
+    return _put(_write(cur, now, rev, lease=replace(cur.lease, expires_at=now + ttl)))
+
+
+def _record_checkpoint(
+    cmd: RecordCheckpoint, cur: Record | None, tombstone: int, now: int, rev: int
+) -> Decision:
+    cur = _fence(cmd, cur)
+    assert cur.lease is not None
+    return _put(
+        _write(
+            cur,
+            now,
+            rev,
+            checkpoint_ref=CheckpointRef(cmd.key, cmd.snapshot_version, now),
+            lease=replace(cur.lease, expires_at=now + cur.lease.ttl_ms),
+        )
+    )
+
+
+def _suspend(cmd: Suspend, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    if _converged(cmd, cur, Status.SUSPENDED):
+        assert cur is not None
+        return _unchanged(cur)
+    cur = _fence(cmd, cur)
+    _check_transition(cur, Status.SUSPENDED)
+    return _put(
+        _write(
+            cur,
+            now,
+            rev,
+            status=Status.SUSPENDED,
+            lease=None,
+            suspension=Suspension(now, cmd.pending_approval_ids),
+        )
+    )
+
+
+_DEFAULT_OUTCOME = {Status.COMPLETED: "ok", Status.CANCELLED: "cancelled"}
+
+
+def _finish(cmd: Finish, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    if cmd.status not in _DEFAULT_OUTCOME and cmd.status is not Status.FAILED:
+        raise validation("status", "must be COMPLETED, FAILED or CANCELLED")
+    if cmd.status is Status.FAILED and cmd.outcome is None:
+        raise validation("outcome", "is required when status is FAILED")
+    if _converged(cmd, cur, cmd.status):
+        assert cur is not None
+        return _unchanged(cur)
+    cur = _fence(cmd, cur)
+    _check_transition(cur, cmd.status)
+    outcome = cmd.outcome or Outcome(_DEFAULT_OUTCOME[cmd.status])
+    return _put(_write(cur, now, rev, status=cmd.status, lease=None, outcome=outcome))
+
+
+def _release(cmd: Release, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    if _converged(cmd, cur, Status.QUEUED):
+        assert cur is not None
+        return _unchanged(cur)
+    cur = _fence(cmd, cur)
+    _check_transition(cur, Status.QUEUED)
+    return _put(_write(cur, now, rev, status=Status.QUEUED, lease=None))
+
+
+def _not_found(run_id: str) -> LedgerError:
+    return LedgerError(Code.RUN_NOT_FOUND, f"run {run_id!r} not found")
+
+
+def _cancel(cmd: Cancel, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    if cur is None:
+        raise _not_found(cmd.run_id)
+    if cur.status is Status.CANCELLED:
+        return _unchanged(cur)
+    _check_transition(cur, Status.CANCELLED)
+    return _put(
+        _write(
+            cur,
+            now,
+            rev,
+            status=Status.CANCELLED,
+            fencing_token=cur.fencing_token + 1,
+            lease=None,
+            suspension=None,
+            outcome=Outcome("cancelled", cmd.message),
+        )
+    )
+
+
+def _request_resume(
+    cmd: RequestResume, cur: Record | None, tombstone: int, now: int, rev: int
+) -> Decision:
+    if cur is None:
+        raise _not_found(cmd.run_id)
+    if cur.status is Status.QUEUED:
+        return _unchanged(cur)
+    if is_terminal(cur.status):
+        _check_transition(cur, Status.QUEUED)  # raises RUN_ALREADY_TERMINAL
+    if cur.status is Status.RUNNING and cur.lease is not None and cur.lease.blocks_others(now):
+        raise LedgerError(
+            Code.RUN_LEASE_HELD, f"run {cmd.run_id!r} is running under a live lease", cur
+        )
+    return _put(_write(cur, now, rev, status=Status.QUEUED, lease=None, suspension=None))
+
+
+def _delete_run(cmd: DeleteRun, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    if cur is None:
+        raise _not_found(cmd.run_id)
+    return Decision(
+        Delete(cmd.run_id, cur.fencing_token, rev), Deleted(True, rev, cur.fencing_token)
+    )
+
+
+# -- raw seam -----------------------------------------------------------------------
+
+
+def _raw_create(cmd: RawCreate, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    if cmd.record.version != 1:
+        raise validation("run.version", "must be 1 on create")
+    if cur is not None:
+        return Decision(None, Created(False, cur))
+    if cmd.record.fencing_token <= tombstone:
+        raise validation(
+            "run.fencing_token",
+            f"must be above {tombstone}, the last token of the deleted run with this id",
+        )
+    rec = replace(cmd.record, revision=rev)
+    return Decision(Put(rec), Created(True, rec))
+
+
+def _raw_cas(
+    cmd: RawCompareAndSet, cur: Record | None, tombstone: int, now: int, rev: int
+) -> Decision:
+    if cmd.next.run_id != cmd.run_id:
+        raise validation("next.run_id", "must equal run_id")
+    if cmd.next.version != cmd.expected_version + 1:
+        raise validation("next.version", "must be expected_version + 1")
+    if cur is None or cur.version != cmd.expected_version:
+        return Decision(None, Swapped(False, cur))
+    if cmd.next.fencing_token < cur.fencing_token:
+        raise LedgerError(
+            Code.RUN_VALIDATION_ERROR,
+            f"next.fencing_token: must not go backwards (stored {cur.fencing_token})",
+            cur,
+            field="next.fencing_token",
+        )
+    rec = replace(cmd.next, revision=rev)
+    return Decision(Put(rec), Swapped(True, rec))
+
+
+def _raw_delete(cmd: RawDelete, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    if cur is None:
+        return Decision(None, Deleted(False))
+    return Decision(
+        Delete(cmd.run_id, cur.fencing_token, rev), Deleted(True, rev, cur.fencing_token)
+    )
+
+
+_DECIDERS: dict[type, Callable[[Any, Record | None, int, int, int], Decision]] = {
+    Acquire: _acquire,
+    Renew: _renew,
+    RecordCheckpoint: _record_checkpoint,
+    Suspend: _suspend,
+    Finish: _finish,
+    Release: _release,
+    Cancel: _cancel,
+    RequestResume: _request_resume,
+    DeleteRun: _delete_run,
+    RawCreate: _raw_create,
+    RawCompareAndSet: _raw_cas,
+    RawDelete: _raw_delete,
+}

@@ -1,0 +1,158 @@
+"""Input rules (SPEC §10), pure. Every failure names the field it refers to."""
+
+from __future__ import annotations
+
+from . import ledger as L
+from .errors import validation
+from .records import Record, Status
+
+MAX_RUN_ID_BYTES = 512
+MAX_OWNER_BYTES = 256
+MAX_REQUEST_ID_BYTES = 128
+MAX_KEY_BYTES = 1024
+MAX_CODE_BYTES = 128
+MAX_MESSAGE_BYTES = 4096
+MAX_APPROVAL_IDS = 1000
+MAX_APPROVAL_ID_BYTES = 256
+MAX_LOCK_DELAY_MS = L.MAX_TTL_MS
+MAX_INT64 = 2**63 - 1
+
+
+def _has_control(s: str) -> bool:
+    return any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in s)
+
+
+def text(field: str, value: str, max_bytes: int, *, min_bytes: int = 1) -> str:
+    """A UTF-8 string of min..max bytes without control characters."""
+    n = len(value.encode("utf-8", "surrogatepass"))
+    if n < min_bytes:
+        raise validation(field, "must not be empty" if min_bytes == 1 else
+                         f"must be at least {min_bytes} bytes")
+    if n > max_bytes:
+        raise validation(field, f"must be at most {max_bytes} bytes (got {n})")
+    if _has_control(value):
+        raise validation(field, "must not contain control characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise validation(field, "must be valid UTF-8") from None
+    return value
+
+
+def run_id(value: str, field: str = "run_id") -> str:
+    return text(field, value, MAX_RUN_ID_BYTES)
+
+
+def owner(value: str, field: str = "owner") -> str:
+    return text(field, value, MAX_OWNER_BYTES)
+
+
+def request_id(value: str) -> str:
+    if value:
+        text("request_id", value, MAX_REQUEST_ID_BYTES)
+    return value
+
+
+def int_range(field: str, value: int, lo: int, hi: int = MAX_INT64) -> int:
+    if not lo <= value <= hi:
+        raise validation(field, f"must be between {lo} and {hi} (got {value})")
+    return value
+
+
+def ttl(value: int, field: str = "lease_ttl_ms") -> int:
+    return int_range(field, value, L.MIN_TTL_MS, L.MAX_TTL_MS)
+
+
+def fencing_token(value: int) -> int:
+    return int_range("fencing_token", value, 1)
+
+
+def approval_ids(ids: tuple[str, ...], field: str = "pending_approval_ids") -> tuple[str, ...]:
+    if len(ids) > MAX_APPROVAL_IDS:
+        raise validation(field, f"at most {MAX_APPROVAL_IDS} ids (got {len(ids)})")
+    for i, v in enumerate(ids):
+        text(f"{field}[{i}]", v, MAX_APPROVAL_ID_BYTES)
+    return ids
+
+
+def record(rec: Record, prefix: str = "run") -> Record:
+    """A well-formed record for the raw seam (field names prefixed, e.g. run.version)."""
+    p = prefix + "."
+    if rec.schema != 1:
+        raise validation(p + "schema", "must be 1")
+    run_id(rec.run_id, p + "run_id")
+    int_range(p + "version", rec.version, 1)
+    if not isinstance(rec.status, Status):
+        raise validation(p + "status", "must be a known status")
+    int_range(p + "attempt", rec.attempt, 1)
+    int_range(p + "fencing_token", rec.fencing_token, 1)
+    int_range(p + "created_at", rec.created_at, 0)
+    int_range(p + "updated_at", rec.updated_at, rec.created_at)
+    if rec.lease is not None:
+        owner(rec.lease.owner, p + "lease.owner")
+        int_range(p + "lease.acquired_at", rec.lease.acquired_at, 0)
+        int_range(p + "lease.expires_at", rec.lease.expires_at, rec.lease.acquired_at)
+        int_range(p + "lease.ttl_ms", rec.lease.ttl_ms, 0, L.MAX_TTL_MS)
+        int_range(p + "lease.lock_delay_ms", rec.lease.lock_delay_ms, 0, MAX_LOCK_DELAY_MS)
+    if rec.checkpoint_ref is not None:
+        text(p + "checkpoint_ref.key", rec.checkpoint_ref.key, MAX_KEY_BYTES)
+        int_range(p + "checkpoint_ref.snapshot_version", rec.checkpoint_ref.snapshot_version, 0)
+    if rec.outcome is not None:
+        text(p + "outcome.code", rec.outcome.code, MAX_CODE_BYTES)
+        if rec.outcome.message is not None:
+            text(p + "outcome.message", rec.outcome.message, MAX_MESSAGE_BYTES, min_bytes=0)
+    if rec.suspension is not None:
+        approval_ids(rec.suspension.pending_approval_ids, p + "suspension.pending_approval_ids")
+    return rec
+
+
+def command(cmd: L.Command) -> L.Command:
+    """Check every field of a command; returns it unchanged or raises."""
+    request_id(cmd.request_id)
+    match cmd:
+        case L.Acquire():
+            run_id(cmd.run_id)
+            owner(cmd.owner)
+            ttl(cmd.ttl_ms)
+            int_range("lock_delay_ms", cmd.lock_delay_ms, 0, MAX_LOCK_DELAY_MS)
+        case L.Renew() | L.RecordCheckpoint() | L.Suspend() | L.Finish() | L.Release():
+            run_id(cmd.run_id)
+            owner(cmd.owner)
+            fencing_token(cmd.fencing_token)
+            match cmd:
+                case L.Renew(ttl_ms=t) if t is not None:
+                    ttl(t)
+                case L.RecordCheckpoint():
+                    text("key", cmd.key, MAX_KEY_BYTES)
+                    int_range("snapshot_version", cmd.snapshot_version, 0)
+                case L.Suspend():
+                    approval_ids(cmd.pending_approval_ids)
+                case L.Finish():
+                    if cmd.status not in (Status.COMPLETED, Status.FAILED, Status.CANCELLED):
+                        raise validation("status", "must be COMPLETED, FAILED or CANCELLED")
+                    if cmd.outcome is not None:
+                        text("outcome.code", cmd.outcome.code, MAX_CODE_BYTES)
+                        if cmd.outcome.message is not None:
+                            text("outcome.message", cmd.outcome.message, MAX_MESSAGE_BYTES,
+                                 min_bytes=0)
+                    elif cmd.status is Status.FAILED:
+                        raise validation("outcome", "is required when status is FAILED")
+        case L.Cancel():
+            run_id(cmd.run_id)
+            if cmd.message is not None:
+                text("message", cmd.message, MAX_MESSAGE_BYTES, min_bytes=0)
+        case L.RequestResume() | L.DeleteRun() | L.RawDelete():
+            run_id(cmd.run_id)
+        case L.RawCreate():
+            record(cmd.record, "run")
+            if cmd.record.version != 1:
+                raise validation("run.version", "must be 1 on create")
+        case L.RawCompareAndSet():
+            run_id(cmd.run_id)
+            int_range("expected_version", cmd.expected_version, 1, MAX_INT64 - 1)
+            record(cmd.next, "next")
+            if cmd.next.run_id != cmd.run_id:
+                raise validation("next.run_id", "must equal run_id")
+            if cmd.next.version != cmd.expected_version + 1:
+                raise validation("next.version", "must be expected_version + 1")
+    return cmd

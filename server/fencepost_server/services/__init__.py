@@ -1,0 +1,1 @@
+"""gRPC servicers: validate -> command -> await the writer -> convert."""

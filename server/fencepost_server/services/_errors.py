@@ -1,0 +1,84 @@
+"""The one place a domain error becomes a gRPC status (SPEC §8)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from ..convert import record_to_pb
+from ..core.errors import Code, LedgerError
+
+DOMAIN = "fencepost"
+log = logging.getLogger("fencepost.services")
+
+GRPC_CODE: dict[Code, grpc.StatusCode] = {
+    Code.RUN_VALIDATION_ERROR: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.RUN_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Code.RUN_LEASE_HELD: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.RUN_LEASE_LOST: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.RUN_ALREADY_TERMINAL: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.RUN_SUSPENDED: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.RUN_INVALID_TRANSITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.RUN_CONFLICT: grpc.StatusCode.ABORTED,
+    Code.RUN_INTEGRITY_ERROR: grpc.StatusCode.DATA_LOSS,
+    Code.RUN_STORE_ATOMIC_REQUIRED: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.INVALID_RUN_STATE: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.STORAGE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.STORAGE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def to_status(err: LedgerError) -> grpc.Status:
+    code = GRPC_CODE[err.code]
+    metadata = {}
+    if err.field is not None:
+        metadata["field"] = err.field
+    if err.record is not None:
+        metadata["run_id"] = err.record.run_id
+        metadata["fencing_token"] = str(err.record.fencing_token)
+        metadata["version"] = str(err.record.version)
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=err.code.value, domain=DOMAIN, metadata=metadata))
+    details = [info]
+    if err.record is not None:
+        rec = any_pb2.Any()
+        rec.Pack(record_to_pb(err.record))
+        details.append(rec)
+    return rpc_status.to_status(
+        status_pb2.Status(code=code.value[0], message=err.message, details=details)
+    )
+
+
+def internal_status(exc: BaseException) -> grpc.Status:
+    return rpc_status.to_status(
+        status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}")
+    )
+
+
+H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
+
+
+def handler(fn: H) -> H:
+    """Wrap a unary servicer method: a LedgerError becomes its status, any
+    other exception INTERNAL (logged); nothing escapes to crash the server."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except LedgerError as err:
+            await context.abort_with_status(to_status(err))
+        except (grpc.aio.AbortError, grpc.RpcError):
+            raise
+        except Exception as exc:
+            log.exception("unexpected error in %s", fn.__name__)
+            await context.abort_with_status(internal_status(exc))
+
+    return wrapper  # type: ignore[return-value]

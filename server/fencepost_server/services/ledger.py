@@ -1,0 +1,183 @@
+"""fencepost.v1.Ledger: thin handlers over the writer and the committed state."""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import hashlib
+import json
+
+import grpc
+
+from fencepost.v1 import ledger_pb2 as pb
+from fencepost.v1 import ledger_pb2_grpc
+
+from .. import convert
+from ..core import validate
+from ..core.errors import Code, LedgerError, validation
+from ..core.records import Record, Status
+from ..writer import Writer
+from ._errors import handler
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+def _filter_key(statuses: frozenset[Status], owner: str) -> str:
+    raw = repr((sorted(int(s) for s in statuses), owner)).encode()
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
+def encode_page_token(after: str, fkey: str) -> str:
+    raw = json.dumps({"a": after, "f": fkey}).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_page_token(token: str, fkey: str) -> str:
+    try:
+        padded = token + "=" * (-len(token) % 4)
+        data = json.loads(base64.urlsafe_b64decode(padded.encode()))
+        after, got = data["a"], data["f"]
+        if not isinstance(after, str):
+            raise TypeError
+    except Exception:
+        raise validation("page_token", "is not a token this server issued") from None
+    if got != fkey:
+        raise validation("page_token", "was issued for different filters")
+    return after
+
+
+def list_page(
+    writer: Writer, statuses: frozenset[Status], owner: str, page_size: int, page_token: str
+) -> tuple[list[Record], str]:
+    """One page of runs ordered by run_id from the committed state."""
+    fkey = _filter_key(statuses, owner)
+    after = decode_page_token(page_token, fkey) if page_token else None
+    st = writer.state
+    ids = st.sorted_ids
+    i = bisect.bisect_right(ids, after) if after is not None else 0
+    out: list[Record] = []
+    while i < len(ids):
+        rec = st.runs[ids[i]]
+        i += 1
+        if statuses and rec.status not in statuses:
+            continue
+        if owner and (rec.lease is None or rec.lease.owner != owner):
+            continue
+        out.append(rec)
+        if len(out) == page_size:
+            break
+    more = any(
+        (not statuses or st.runs[k].status in statuses)
+        and (not owner or (st.runs[k].lease is not None and st.runs[k].lease.owner == owner))  # type: ignore[union-attr]
+        for k in ids[i:]
+    ) if len(out) == page_size else False
+    return out, encode_page_token(out[-1].run_id, fkey) if more and out else ""
+
+
+class LedgerService(ledger_pb2_grpc.LedgerServicer):
+    def __init__(self, writer: Writer) -> None:
+        self.writer = writer
+
+    async def _record(self, cmd: object) -> Record:
+        result = await self.writer.submit(cmd)  # type: ignore[arg-type]
+        assert isinstance(result, Record)
+        return result
+
+    @handler
+    async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
+        rec = await self._record(convert.acquire(request))
+        return pb.AcquireResponse(run=convert.record_to_pb(rec))
+
+    @handler
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:
+        rec = await self._record(convert.renew(request))
+        return pb.RenewResponse(run=convert.record_to_pb(rec))
+
+    @handler
+    async def RecordCheckpoint(
+        self, request: pb.RecordCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RecordCheckpointResponse:
+        rec = await self._record(convert.record_checkpoint(request))
+        return pb.RecordCheckpointResponse(run=convert.record_to_pb(rec))
+
+    @handler
+    async def Suspend(self, request: pb.SuspendRequest, context: grpc.aio.ServicerContext) -> pb.SuspendResponse:
+        rec = await self._record(convert.suspend(request))
+        return pb.SuspendResponse(run=convert.record_to_pb(rec))
+
+    @handler
+    async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext) -> pb.FinishResponse:
+        rec = await self._record(convert.finish(request))
+        return pb.FinishResponse(run=convert.record_to_pb(rec))
+
+    @handler
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        rec = await self._record(convert.release(request))
+        return pb.ReleaseResponse(run=convert.record_to_pb(rec))
+
+    @handler
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
+        rec = await self._record(convert.cancel(request))
+        return pb.CancelResponse(run=convert.record_to_pb(rec))
+
+    @handler
+    async def RequestResume(
+        self, request: pb.RequestResumeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RequestResumeResponse:
+        rec = await self._record(convert.request_resume(request))
+        return pb.RequestResumeResponse(run=convert.record_to_pb(rec))
+
+    @handler
+    async def GetRun(self, request: pb.GetRunRequest, context: grpc.aio.ServicerContext) -> pb.GetRunResponse:
+        validate.run_id(request.run_id)
+        st = self.writer.state
+        rec = st.runs.get(request.run_id)
+        if rec is None:
+            raise LedgerError(Code.RUN_NOT_FOUND, f"run {request.run_id!r} not found")
+        return pb.GetRunResponse(run=convert.record_to_pb(rec), revision=st.revision)
+
+    @handler
+    async def ListRuns(self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext) -> pb.ListRunsResponse:
+        statuses = frozenset(
+            convert.status_from_pb(s, f"statuses[{i}]") for i, s in enumerate(request.statuses)
+        )
+        if request.owner:
+            validate.owner(request.owner)
+        size = validate.int_range("page_size", request.page_size, 0, MAX_PAGE_SIZE) or DEFAULT_PAGE_SIZE
+        revision = self.writer.state.revision
+        runs, token = list_page(self.writer, statuses, request.owner, size, request.page_token)
+        return pb.ListRunsResponse(
+            runs=[convert.record_to_pb(r) for r in runs], next_page_token=token, revision=revision
+        )
+
+    @handler
+    async def DeleteRun(self, request: pb.DeleteRunRequest, context: grpc.aio.ServicerContext) -> pb.DeleteRunResponse:
+        from ..core.ledger import Deleted
+
+        result = await self.writer.submit(convert.delete_run(request))
+        assert isinstance(result, Deleted)
+        return pb.DeleteRunResponse(revision=result.revision, fencing_token=result.fencing_token)
+
+    @handler
+    async def ValidateFence(
+        self, request: pb.ValidateFenceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ValidateFenceResponse:
+        validate.run_id(request.run_id)
+        validate.fencing_token(request.fencing_token)
+        st = self.writer.state
+        rec = st.runs.get(request.run_id)
+        if rec is None:
+            return pb.ValidateFenceResponse(current=False, found=False, revision=st.revision)
+        current = (
+            rec.fencing_token == request.fencing_token
+            and rec.status is Status.RUNNING
+            and rec.lease is not None
+        )
+        return pb.ValidateFenceResponse(
+            current=current,
+            found=True,
+            fencing_token=rec.fencing_token,
+            status=int(rec.status),  # type: ignore[arg-type]
+            revision=st.revision,
+        )

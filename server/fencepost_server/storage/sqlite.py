@@ -1,0 +1,291 @@
+"""SQLite storage: schema, migrations, rows <-> records.
+
+One write connection, opened by the writer in its own thread (``open``), so
+per-connection pragmas stick. Every batch is one ``BEGIN IMMEDIATE ... COMMIT``
+in WAL mode with ``synchronous=FULL`` unless told otherwise: COMMIT returns
+only after the WAL is fsynced, and only then does the writer answer anyone.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import Code, LedgerError
+from ..core.records import Record, record_from_dict, record_to_dict
+
+SCHEMA_VERSION = 1
+
+# Each entry migrates user_version i -> i + 1. Append; never edit a shipped one.
+MIGRATIONS: list[list[str]] = [
+    [
+        """CREATE TABLE meta (
+               key   TEXT PRIMARY KEY,
+               value INTEGER NOT NULL
+           ) WITHOUT ROWID""",
+        "INSERT INTO meta (key, value) VALUES ('revision', 0)",
+        # The current record per run; `record` is the full JSON form, the other
+        # columns are for operators and indexes.
+        """CREATE TABLE runs (
+               run_id        TEXT PRIMARY KEY,
+               version       INTEGER NOT NULL,
+               status        INTEGER NOT NULL,
+               fencing_token INTEGER NOT NULL,
+               owner         TEXT,
+               revision      INTEGER NOT NULL,
+               record        TEXT NOT NULL
+           ) WITHOUT ROWID""",
+        # The last fencing token of deleted runs: tokens are never reused.
+        """CREATE TABLE tombstones (
+               run_id        TEXT PRIMARY KEY,
+               fencing_token INTEGER NOT NULL,
+               deleted_at    INTEGER NOT NULL
+           ) WITHOUT ROWID""",
+        # Retained change history (one row per committed change) for watches.
+        """CREATE TABLE changes (
+               revision     INTEGER PRIMARY KEY,
+               run_id       TEXT NOT NULL,
+               kind         INTEGER NOT NULL,
+               record       TEXT,
+               committed_at INTEGER NOT NULL
+           )""",
+        # Answers to recent request ids (SPEC §5.5).
+        """CREATE TABLE requests (
+               request_id  TEXT PRIMARY KEY,
+               fingerprint TEXT NOT NULL,
+               answer      TEXT NOT NULL,
+               created_at  INTEGER NOT NULL
+           ) WITHOUT ROWID""",
+        "CREATE INDEX requests_by_age ON requests (created_at)",
+    ],
+]
+
+KIND_PUT = 1
+KIND_DELETE = 2
+
+
+class Durability(StrEnum):
+    # synchronous=FULL: an acknowledged write survives a crash and a power cut.
+    FULL = "full"
+    # synchronous=NORMAL: survives a process crash; a power cut may lose the
+    # last commits that were acknowledged.
+    NORMAL = "normal"
+
+
+@dataclass
+class LoadedState:
+    runs: dict[str, Record] = field(default_factory=dict)
+    tombstones: dict[str, int] = field(default_factory=dict)
+    revision: int = 0
+
+
+@dataclass
+class Batch:
+    """Everything one group commit writes."""
+
+    puts: dict[str, Record] = field(default_factory=dict)
+    deletes: dict[str, tuple[int, int]] = field(default_factory=dict)  # run_id -> (token, at)
+    changes: list[tuple[int, str, int, Record | None]] = field(default_factory=list)
+    requests: list[tuple[str, str, dict[str, Any], int]] = field(default_factory=list)
+    revision: int = 0
+    now: int = 0
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _storage_error(exc: sqlite3.Error) -> LedgerError:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code == sqlite3.SQLITE_FULL:
+        return LedgerError(Code.STORAGE_FULL, f"write not made durable, nothing changed: {exc}")
+    return LedgerError(
+        Code.STORAGE_UNAVAILABLE, f"write not made durable, nothing changed: {exc}"
+    )
+
+
+class SqliteStorage:
+    """The embedded backend. Not thread-safe: the writer thread owns it."""
+
+    backend = "sqlite"
+
+    def __init__(self, path: str | Path, durability: Durability = Durability.FULL) -> None:
+        self.path = str(path)
+        self.durability = Durability(durability)
+        self._db: sqlite3.Connection | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open the single write connection and migrate. Refuses files that are
+        not fencepost databases or were written by a newer release."""
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if self.path != ":memory:" and mode.lower() != "wal":
+                raise RuntimeError(f"{self.path}: could not enable WAL (got {mode})")
+            sync = "FULL" if self.durability is Durability.FULL else "NORMAL"
+            db.execute(f"PRAGMA synchronous={sync}")
+            db.execute("PRAGMA busy_timeout=5000")
+            db.execute("PRAGMA foreign_keys=ON")
+            self._migrate(db)
+        except sqlite3.DatabaseError as exc:
+            db.close()
+            raise RuntimeError(
+                f"{self.path} is not a usable fencepost database ({exc}); refusing to start"
+            ) from exc
+        except BaseException:
+            db.close()
+            raise
+        self._db = db
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{self.path} has schema {version}; this fencepost knows up to "
+                f"{SCHEMA_VERSION}. Refusing to start (upgrade fencepost)."
+            )
+        if version == 0:
+            tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+            if tables:
+                raise RuntimeError(
+                    f"{self.path} holds tables but no fencepost schema; refusing to start"
+                )
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for stmt in MIGRATIONS[target - 1]:
+                    db.execute(stmt)
+                db.execute(f"PRAGMA user_version={target}")
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        if self._db is not None:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error:
+                pass
+            self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError("storage is not open")
+        return self._db
+
+    # -- reads (writer thread) --------------------------------------------------
+
+    def load(self) -> LoadedState:
+        db = self.db
+        state = LoadedState()
+        for (text,) in db.execute("SELECT record FROM runs"):
+            rec = record_from_dict(json.loads(text))
+            state.runs[rec.run_id] = rec
+        state.tombstones = dict(db.execute("SELECT run_id, fencing_token FROM tombstones"))
+        state.revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0]
+        return state
+
+    def lookup_request(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
+        row = self.db.execute(
+            "SELECT fingerprint, answer FROM requests WHERE request_id = ?", (request_id,)
+        ).fetchone()
+        return None if row is None else (row[0], json.loads(row[1]))
+
+    def history(self, from_revision: int, limit: int = 10_000) -> list[tuple[int, str, int, Record | None]]:
+        rows = self.db.execute(
+            "SELECT revision, run_id, kind, record FROM changes WHERE revision >= ? "
+            "ORDER BY revision LIMIT ?",
+            (from_revision, limit),
+        ).fetchall()
+        return [
+            (rev, run_id, kind, record_from_dict(json.loads(text)) if text else None)
+            for rev, run_id, kind, text in rows
+        ]
+
+    # -- the one write path ------------------------------------------------------
+
+    def write(self, batch: Batch, prune: Sequence[tuple[str, Iterable[Any]]] = ()) -> None:
+        """Write a whole batch in one transaction and commit (durably).
+        On any failure rolls back and raises LedgerError(STORAGE_*)."""
+        db = self.db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                if batch.puts:
+                    db.executemany(
+                        "INSERT INTO runs (run_id, version, status, fencing_token, owner, "
+                        "revision, record) VALUES (?,?,?,?,?,?,?) ON CONFLICT (run_id) DO "
+                        "UPDATE SET version=excluded.version, status=excluded.status, "
+                        "fencing_token=excluded.fencing_token, owner=excluded.owner, "
+                        "revision=excluded.revision, record=excluded.record",
+                        [
+                            (r.run_id, r.version, int(r.status), r.fencing_token,
+                             r.lease.owner if r.lease else None, r.revision,
+                             _dumps(record_to_dict(r)))
+                            for r in batch.puts.values()
+                        ],
+                    )
+                if batch.deletes:
+                    db.executemany(
+                        "DELETE FROM runs WHERE run_id = ?", [(k,) for k in batch.deletes]
+                    )
+                    db.executemany(
+                        "INSERT INTO tombstones (run_id, fencing_token, deleted_at) "
+                        "VALUES (?,?,?) ON CONFLICT (run_id) DO UPDATE SET "
+                        "fencing_token=max(fencing_token, excluded.fencing_token), "
+                        "deleted_at=excluded.deleted_at",
+                        [(k, tok, at) for k, (tok, at) in batch.deletes.items()],
+                    )
+                if batch.changes:
+                    db.executemany(
+                        "INSERT INTO changes (revision, run_id, kind, record, committed_at) "
+                        "VALUES (?,?,?,?,?)",
+                        [
+                            (rev, run_id, kind,
+                             _dumps(record_to_dict(rec)) if rec is not None else None,
+                             batch.now)
+                            for rev, run_id, kind, rec in batch.changes
+                        ],
+                    )
+                    db.execute(
+                        "UPDATE meta SET value = ? WHERE key = 'revision'", (batch.revision,)
+                    )
+                if batch.requests:
+                    db.executemany(
+                        "INSERT OR REPLACE INTO requests (request_id, fingerprint, answer, "
+                        "created_at) VALUES (?,?,?,?)",
+                        [(rid, fp, _dumps(ans), at) for rid, fp, ans, at in batch.requests],
+                    )
+                for sql, params in prune:
+                    db.execute(sql, tuple(params))
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise _storage_error(exc) from exc
+
+    @staticmethod
+    def prune_statements(request_cutoff_ms: int, keep_from_revision: int) -> list[tuple[str, Iterable[Any]]]:
+        return [
+            ("DELETE FROM requests WHERE created_at < ?", (request_cutoff_ms,)),
+            ("DELETE FROM changes WHERE revision < ?", (keep_from_revision,)),
+        ]
+
+
+def open_read_only(path: str | Path) -> sqlite3.Connection:
+    """A read-only connection for inspection and tests (cannot write)."""
+    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)

@@ -1,0 +1,348 @@
+"""The single writer: queue, group commit, revision, change feed.
+
+Every write — ledger, raw seam, later the engine store — is a command put on
+one bounded queue. One task takes whatever is queued (up to ``max_batch``),
+hands the whole batch to one dedicated thread that decides each command in
+order against the committed state plus the batch's own earlier changes,
+writes the rows and commits once; only after that commit is durable are the
+callers answered, the in-memory committed state moved and the change feed
+published. A refused command does not disturb its neighbours; a failed commit
+fails every command of the batch and moves nothing.
+
+Only this module (through ``SqliteStorage.open``) opens a write connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .clock import Clock
+from .core import codec
+from .core import ledger as L
+from .core.errors import Code, LedgerError
+from .core.records import Record
+from .storage.sqlite import KIND_DELETE, KIND_PUT, Batch, SqliteStorage
+
+log = logging.getLogger("fencepost.writer")
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeEvent:
+    """One committed change to one record, in revision order."""
+
+    revision: int
+    kind: int  # KIND_PUT or KIND_DELETE
+    run_id: str
+    record: Record | None  # the new record (PUT) or None (DELETE)
+    previous: Record | None  # the record before this change
+
+
+class WriterClosed(LedgerError):
+    def __init__(self) -> None:
+        super().__init__(Code.STORAGE_UNAVAILABLE, "the server is shutting down; retry elsewhere")
+
+
+@dataclass
+class WriterStats:
+    batches: int = 0
+    commands: int = 0
+    failed_commits: int = 0
+    max_batch: int = 0
+    commit_seconds: float = 0.0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.commands / self.batches if self.batches else 0.0
+
+
+@dataclass
+class LedgerState:
+    """The committed state, read by handlers on the event loop. Only the writer
+    task moves it, and only after a commit."""
+
+    runs: dict[str, Record] = field(default_factory=dict)
+    tombstones: dict[str, int] = field(default_factory=dict)
+    revision: int = 0
+    sorted_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Item:
+    cmd: L.Command
+    fut: asyncio.Future[Any]
+
+
+_STOP = object()
+
+
+class Writer:
+    def __init__(
+        self,
+        storage: SqliteStorage,
+        clock: Clock,
+        *,
+        max_batch: int = 1024,
+        queue_size: int = 16_384,
+        request_retention_ms: int = 15 * 60_000,
+        history_revisions: int = 100_000,
+        prune_every_ms: int = 30_000,
+    ) -> None:
+        if request_retention_ms < 10 * 60_000:
+            raise ValueError("request ids must be remembered for at least 10 minutes")
+        self.storage = storage
+        self.clock = clock
+        self.max_batch = max_batch
+        self.request_retention_ms = request_retention_ms
+        self.history_revisions = history_revisions
+        self.prune_every_ms = prune_every_ms
+        self.state = LedgerState()
+        self.stats = WriterStats()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-writer")
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._busy = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._last_prune = 0
+        self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        loaded = await loop.run_in_executor(self._executor, self._open_and_load)
+        self.state = LedgerState(
+            runs=loaded.runs,
+            tombstones=loaded.tombstones,
+            revision=loaded.revision,
+            sorted_ids=sorted(loaded.runs),
+        )
+        self._task = asyncio.create_task(self._run(), name="fencepost-writer")
+
+    def _open_and_load(self) -> Any:
+        self.storage.open()
+        return self.storage.load()
+
+    async def close(self) -> None:
+        """Stop accepting, finish everything queued, close the database."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._task is not None:
+            await self._queue.put(_STOP)
+            await self._task
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.storage.close)
+        self._executor.shutdown(wait=True)
+
+    # -- the API -----------------------------------------------------------------
+
+    async def submit(self, cmd: L.Command) -> L.Result:
+        """Queue a command; return its result once its commit is durable, or
+        raise its LedgerError. If the caller is cancelled the write still
+        happens (a cancelled request abandons its reply, not its write)."""
+        if self._closing:
+            raise WriterClosed()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._idle.clear()
+        await self._queue.put(_Item(cmd, fut))
+        result = await fut
+        return result  # type: ignore[no-any-return]
+
+    def subscribe(self, listener: Callable[[list[ChangeEvent]], None]) -> Callable[[], None]:
+        """Call ``listener(events)`` on the loop after every commit that changed
+        records. The listener must not block; returns an unsubscribe function."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    async def wait_idle(self) -> None:
+        """Wait until nothing is queued or in flight (for tests)."""
+        while not (self._queue.empty() and not self._busy):
+            self._idle.clear()
+            await self._idle.wait()
+
+    def history(self, from_revision: int, limit: int = 10_000) -> Any:
+        return self.storage.history(from_revision, limit)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    # -- the loop ----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        stopping = False
+        while not stopping:
+            first = await self._queue.get()
+            batch: list[_Item] = []
+            if first is _STOP:
+                stopping = True
+            else:
+                batch.append(first)
+            while len(batch) < self.max_batch and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is _STOP:
+                    stopping = True
+                    continue
+                batch.append(item)
+            if batch:
+                self._busy = True
+                try:
+                    await self._commit(loop, batch)
+                finally:
+                    self._busy = False
+            if self._queue.empty():
+                self._idle.set()
+        # anything queued after the stop marker (cannot happen: submit refuses)
+
+    async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
+        now = self.clock.now_ms()
+        started = time.perf_counter()
+        try:
+            outcome = await loop.run_in_executor(self._executor, self._apply, batch, now)
+        except LedgerError as exc:  # the commit failed: nothing moved
+            self.stats.failed_commits += 1
+            log.error("commit failed for %d commands: %s", len(batch), exc.message)
+            for item in batch:
+                if not item.fut.done():
+                    item.fut.set_exception(LedgerError(exc.code, exc.message))
+            return
+        except BaseException as exc:  # a bug: fail the batch, keep serving
+            self.stats.failed_commits += 1
+            log.exception("writer batch crashed")
+            for item in batch:
+                if not item.fut.done():
+                    item.fut.set_exception(
+                        LedgerError(Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}")
+                    )
+            return
+        answers, overlay, tombs, revision, events = outcome
+        self.stats.batches += 1
+        self.stats.commands += len(batch)
+        self.stats.max_batch = max(self.stats.max_batch, len(batch))
+        self.stats.commit_seconds += time.perf_counter() - started
+        self._publish_state(overlay, tombs, revision)
+        for item, answer in zip(batch, answers, strict=True):
+            if item.fut.done():
+                continue
+            if isinstance(answer, BaseException):
+                item.fut.set_exception(answer)
+            else:
+                item.fut.set_result(answer)
+        if events:
+            for listener in list(self._listeners):
+                try:
+                    listener(events)
+                except Exception:
+                    log.exception("change-feed listener failed")
+
+    def _publish_state(
+        self, overlay: dict[str, Record | None], tombs: dict[str, int], revision: int
+    ) -> None:
+        st = self.state
+        for run_id, rec in overlay.items():
+            if rec is None:
+                if st.runs.pop(run_id, None) is not None:
+                    i = bisect.bisect_left(st.sorted_ids, run_id)
+                    if i < len(st.sorted_ids) and st.sorted_ids[i] == run_id:
+                        del st.sorted_ids[i]
+            else:
+                if run_id not in st.runs:
+                    bisect.insort(st.sorted_ids, run_id)
+                st.runs[run_id] = rec
+        st.tombstones.update(tombs)
+        st.revision = revision
+
+    # -- the writer thread -------------------------------------------------------
+
+    def _apply(self, batch: list[_Item], now: int) -> tuple[Any, ...]:
+        """Decide every command of the batch in order and commit once.
+        Runs in the writer thread; reads the committed state, never moves it."""
+        committed = self.state
+        overlay: dict[str, Record | None] = {}
+        tombs: dict[str, int] = {}
+        answered: dict[str, tuple[str, Any]] = {}
+        out = Batch(now=now)
+        answers: list[Any] = []
+        events: list[ChangeEvent] = []
+        rev = committed.revision
+        for item in batch:
+            cmd = item.cmd
+            rid = cmd.request_id
+            fp = ""
+            if rid:
+                fp = codec.fingerprint(cmd)
+                hit = answered.get(rid)
+                if hit is None:
+                    stored = self.storage.lookup_request(rid)
+                    if stored is not None:
+                        hit = (stored[0], codec.decode(stored[1]))
+                if hit is not None:
+                    answers.append(
+                        hit[1] if hit[0] == fp else LedgerError(
+                            Code.RUN_VALIDATION_ERROR,
+                            "request_id: already used for a different request",
+                            field="request_id",
+                        )
+                    )
+                    continue
+            run_id = cmd.run_id
+            cur = overlay[run_id] if run_id in overlay else committed.runs.get(run_id)
+            tomb = tombs.get(run_id, committed.tombstones.get(run_id, 0))
+            answer: Any
+            try:
+                decision = L.decide(cmd, cur, tomb, now, rev + 1)
+            except LedgerError as exc:
+                answer = exc
+            else:
+                answer = decision.result
+                change = decision.change
+                if change is not None:
+                    rev += 1
+                    if isinstance(change, L.Put):
+                        overlay[run_id] = change.record
+                        out.puts[run_id] = change.record
+                        out.deletes.pop(run_id, None)
+                        out.changes.append((rev, run_id, KIND_PUT, change.record))
+                        events.append(ChangeEvent(rev, KIND_PUT, run_id, change.record, cur))
+                    else:
+                        overlay[run_id] = None
+                        out.puts.pop(run_id, None)
+                        tombs[run_id] = max(tomb, change.fencing_token)
+                        out.deletes[run_id] = (tombs[run_id], now)
+                        out.changes.append((rev, run_id, KIND_DELETE, None))
+                        events.append(ChangeEvent(rev, KIND_DELETE, run_id, None, cur))
+            if rid:
+                answered[rid] = (fp, answer)
+                out.requests.append((rid, fp, codec.encode(answer), now))
+            answers.append(answer)
+        out.revision = rev
+        prune: list[Any] = []
+        if now - self._last_prune >= self.prune_every_ms:
+            prune = SqliteStorage.prune_statements(
+                now - self.request_retention_ms, rev - self.history_revisions + 1
+            )
+        self.storage.write(out, prune)
+        if prune:
+            self._last_prune = now
+        return answers, overlay, tombs, rev, events
+
+
+@contextlib.asynccontextmanager
+async def running_writer(storage: SqliteStorage, clock: Clock, **kw: Any) -> Any:
+    writer = Writer(storage, clock, **kw)
+    await writer.start()
+    try:
+        yield writer
+    finally:
+        await writer.close()
