@@ -1,0 +1,84 @@
+"""A real coordinator on a real loopback port, in a background thread with its
+own event loop: for tests (sync or async) and the SDK's pytest fixture.
+
+    with ServerThread(db_path, clock=ManualClock()) as srv:
+        srv.address        # "127.0.0.1:PORT"
+        srv.clock.advance(61_000)
+        srv.restart()      # graceful stop + start on the same file and port
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .app import App, Settings
+from .clock import Clock, SystemClock
+
+T = TypeVar("T")
+
+
+class ServerThread:
+    def __init__(
+        self,
+        db_path: str | Path,
+        clock: Clock | None = None,
+        listen: str = "127.0.0.1:0",
+        **settings: Any,
+    ) -> None:
+        self.db_path = str(db_path)
+        self.clock: Any = clock or SystemClock()
+        self._listen = listen
+        self._settings = settings
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fencepost-server",
+                                        daemon=True)
+        self._thread.start()
+        self.app: App | None = None
+        self.port = 0
+
+    def call(self, fn: Callable[[], Awaitable[T]], timeout: float = 30) -> T:
+        """Run a coroutine on the server's loop and wait for its result."""
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(fn(), self._loop)  # type: ignore[arg-type]
+        return fut.result(timeout)
+
+    def start(self) -> ServerThread:
+        listen = self._listen if not self.port else f"127.0.0.1:{self.port}"
+        settings = Settings(listen=listen, db_path=self.db_path, **self._settings)
+        self.app = self.call(lambda: App(settings, self.clock).start())
+        self.port = self.app.port
+        return self
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self.app is not None:
+            app, self.app = self.app, None
+            self.call(lambda: app.stop(grace))
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def writer(self) -> Any:
+        assert self.app is not None and self.app.writer is not None
+        return self.app.writer
+
+    def close(self) -> None:
+        self.stop()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
