@@ -16,15 +16,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fencepost.v1 import ledger_pb2, ledger_pb2_grpc, run_store_pb2, run_store_pb2_grpc
+from fencepost.v1 import ledger_pb2, run_store_pb2
 
 from .clock import Clock, SystemClock
+from .services._registry import add_service
 from .services.ledger import LedgerService
 from .services.run_store import RunStoreService
 from .storage.sqlite import Durability, SqliteStorage
 from .writer import Writer
 
 log = logging.getLogger("fencepost")
+health_aio: Any = health.aio  # type: ignore[attr-defined]  # untyped in grpcio-health-checking
 
 SERVICE_NAMES = (
     ledger_pb2.DESCRIPTOR.services_by_name["Ledger"].full_name,
@@ -76,7 +78,7 @@ class App:
     clock: Clock = field(default_factory=SystemClock)
     writer: Writer | None = None
     server: grpc.aio.Server | None = None
-    health: health.aio.HealthServicer | None = None
+    health: Any = None
     port: int = 0
 
     async def start(self) -> App:
@@ -97,9 +99,17 @@ class App:
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options)
-        ledger_pb2_grpc.add_LedgerServicer_to_server(LedgerService(self.writer), self.server)
-        run_store_pb2_grpc.add_RunStoreServicer_to_server(RunStoreService(self.writer), self.server)
-        self.health = health.aio.HealthServicer()
+        add_service(
+            self.server,
+            LedgerService(self.writer),
+            ledger_pb2.DESCRIPTOR.services_by_name["Ledger"],
+        )
+        add_service(
+            self.server,
+            RunStoreService(self.writer),
+            run_store_pb2.DESCRIPTOR.services_by_name["RunStore"],
+        )
+        self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -115,7 +125,10 @@ class App:
             start_metrics(s.metrics_port, self.writer)
         log.info(
             "fencepost serving on %s (db=%s, durability=%s, revision=%d, runs=%d)",
-            self.address, Path(s.db_path), s.durability.value, self.writer.state.revision,
+            self.address,
+            Path(s.db_path),
+            s.durability.value,
+            self.writer.state.revision,
             len(self.writer.state.runs),
         )
         return self

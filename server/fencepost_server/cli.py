@@ -33,22 +33,39 @@ EXIT_UNREACHABLE = 3
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="run the coordinator")
-    p.add_argument("--listen", help="address to listen on (env FENCEPOST_LISTEN; "
-                   "default 127.0.0.1:50051)")
-    p.add_argument("--db", dest="db_path", help="SQLite database file (env FENCEPOST_DB; "
-                   "default ./fencepost.db)")
-    p.add_argument("--durability", choices=[d.value for d in Durability],
-                   help="full (default): acknowledged writes survive power loss; normal: they "
-                   "survive a process crash but the last ones may be lost on power loss "
-                   "(env FENCEPOST_DURABILITY)")
+    p.add_argument(
+        "--listen", help="address to listen on (env FENCEPOST_LISTEN; default 127.0.0.1:50051)"
+    )
+    p.add_argument(
+        "--db",
+        dest="db_path",
+        help="SQLite database file (env FENCEPOST_DB; default ./fencepost.db)",
+    )
+    p.add_argument(
+        "--durability",
+        choices=[d.value for d in Durability],
+        help="full (default): acknowledged writes survive power loss; normal: they "
+        "survive a process crash but the last ones may be lost on power loss "
+        "(env FENCEPOST_DURABILITY)",
+    )
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (env FENCEPOST_LOG_LEVEL)")
-    p.add_argument("--metrics-port", type=int,
-                   help="serve Prometheus metrics on this loopback port (env "
-                   "FENCEPOST_METRICS_PORT; default off)")
-    p.add_argument("--max-message-bytes", type=int,
-                   help="largest request accepted (env FENCEPOST_MAX_MESSAGE_BYTES; 4 MiB)")
-    p.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float,
-                   help="seconds in-flight calls get on SIGTERM (default 5)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this loopback port (env "
+        "FENCEPOST_METRICS_PORT; default off)",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        help="largest request accepted (env FENCEPOST_MAX_MESSAGE_BYTES; 4 MiB)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        dest="shutdown_grace_s",
+        type=float,
+        help="seconds in-flight calls get on SIGTERM (default 5)",
+    )
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -39,13 +39,22 @@ def record_to_pb(r: Record) -> rpb.Run:
     )
     if r.lease is not None:
         le = r.lease
-        msg.lease.CopyFrom(rpb.Lease(owner=le.owner, acquired_at=_ts(le.acquired_at),
-                                     expires_at=_ts(le.expires_at), ttl_ms=le.ttl_ms,
-                                     lock_delay_ms=le.lock_delay_ms))
+        msg.lease.CopyFrom(
+            rpb.Lease(
+                owner=le.owner,
+                acquired_at=_ts(le.acquired_at),
+                expires_at=_ts(le.expires_at),
+                ttl_ms=le.ttl_ms,
+                lock_delay_ms=le.lock_delay_ms,
+            )
+        )
     if r.checkpoint_ref is not None:
         c = r.checkpoint_ref
-        msg.checkpoint_ref.CopyFrom(rpb.CheckpointRef(key=c.key, snapshot_version=c.snapshot_version,
-                                                      saved_at=_ts(c.saved_at)))
+        msg.checkpoint_ref.CopyFrom(
+            rpb.CheckpointRef(
+                key=c.key, snapshot_version=c.snapshot_version, saved_at=_ts(c.saved_at)
+            )
+        )
     if r.outcome is not None:
         msg.outcome.code = r.outcome.code
         if r.outcome.message is not None:
@@ -74,8 +83,9 @@ def record_from_pb(m: rpb.Run, prefix: str) -> Record:
     lease = None
     if m.HasField("lease"):
         le = m.lease
-        lease = Lease(le.owner, _ms(le.acquired_at), _ms(le.expires_at), le.ttl_ms,
-                      le.lock_delay_ms)
+        lease = Lease(
+            le.owner, _ms(le.acquired_at), _ms(le.expires_at), le.ttl_ms, le.lock_delay_ms
+        )
     ckpt = None
     if m.HasField("checkpoint_ref"):
         c = m.checkpoint_ref
@@ -119,15 +129,21 @@ def renew(req: lpb.RenewRequest) -> L.Renew:
 
 def record_checkpoint(req: lpb.RecordCheckpointRequest) -> L.RecordCheckpoint:
     return validate.command(  # type: ignore[return-value]
-        L.RecordCheckpoint(req.run_id, req.owner, req.fencing_token, req.key,
-                           req.snapshot_version, req.request_id)
+        L.RecordCheckpoint(
+            req.run_id, req.owner, req.fencing_token, req.key, req.snapshot_version, req.request_id
+        )
     )
 
 
 def suspend(req: lpb.SuspendRequest) -> L.Suspend:
     return validate.command(  # type: ignore[return-value]
-        L.Suspend(req.run_id, req.owner, req.fencing_token, tuple(req.pending_approval_ids),
-                  req.request_id)
+        L.Suspend(
+            req.run_id,
+            req.owner,
+            req.fencing_token,
+            tuple(req.pending_approval_ids),
+            req.request_id,
+        )
     )
 
 

@@ -35,8 +35,9 @@ class ServerThread:
         self._listen = listen
         self._settings = settings
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fencepost-server",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="fencepost-server", daemon=True
+        )
         self._thread.start()
         self.app: App | None = None
         self.port = 0

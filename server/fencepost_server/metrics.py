@@ -17,15 +17,21 @@ class WriterCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         w = self.writer
-        yield GaugeMetricFamily("fencepost_writer_queue_depth", "Commands waiting for the writer",
-                                value=w.queue_depth)
-        yield CounterMetricFamily("fencepost_writer_batches", "Group commits", value=w.stats.batches)
-        yield CounterMetricFamily("fencepost_writer_commands", "Commands committed",
-                                  value=w.stats.commands)
-        yield CounterMetricFamily("fencepost_writer_failed_commits", "Commits that failed",
-                                  value=w.stats.failed_commits)
-        yield CounterMetricFamily("fencepost_writer_commit_seconds", "Time spent in batches",
-                                  value=w.stats.commit_seconds)
+        yield GaugeMetricFamily(
+            "fencepost_writer_queue_depth", "Commands waiting for the writer", value=w.queue_depth
+        )
+        yield CounterMetricFamily(
+            "fencepost_writer_batches", "Group commits", value=w.stats.batches
+        )
+        yield CounterMetricFamily(
+            "fencepost_writer_commands", "Commands committed", value=w.stats.commands
+        )
+        yield CounterMetricFamily(
+            "fencepost_writer_failed_commits", "Commits that failed", value=w.stats.failed_commits
+        )
+        yield CounterMetricFamily(
+            "fencepost_writer_commit_seconds", "Time spent in batches", value=w.stats.commit_seconds
+        )
         yield GaugeMetricFamily("fencepost_revision", "Server revision", value=w.state.revision)
         yield GaugeMetricFamily("fencepost_runs", "Runs stored", value=len(w.state.runs))
 

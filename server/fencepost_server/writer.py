@@ -289,7 +289,9 @@ class Writer:
                         hit = (stored[0], codec.decode(stored[1]))
                 if hit is not None:
                     answers.append(
-                        hit[1] if hit[0] == fp else LedgerError(
+                        hit[1]
+                        if hit[0] == fp
+                        else LedgerError(
                             Code.RUN_VALIDATION_ERROR,
                             "request_id: already used for a different request",
                             field="request_id",

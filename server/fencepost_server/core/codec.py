@@ -38,8 +38,12 @@ def encode(answer: L.Result | LedgerError) -> dict[str, Any]:
                 d["r"] = record_to_dict(answer.record)
             return d
         case L.Deleted():
-            return {"t": "deleted", "ok": answer.deleted, "rev": answer.revision,
-                    "tok": answer.fencing_token}
+            return {
+                "t": "deleted",
+                "ok": answer.deleted,
+                "rev": answer.revision,
+                "tok": answer.fencing_token,
+            }
         case _:
             return {"t": "record", "r": record_to_dict(answer)}
 

@@ -131,8 +131,18 @@ class RawDelete:
 
 
 Command = (
-    Acquire | Renew | RecordCheckpoint | Suspend | Finish | Release | Cancel | RequestResume
-    | DeleteRun | RawCreate | RawCompareAndSet | RawDelete
+    Acquire
+    | Renew
+    | RecordCheckpoint
+    | Suspend
+    | Finish
+    | Release
+    | Cancel
+    | RequestResume
+    | DeleteRun
+    | RawCreate
+    | RawCompareAndSet
+    | RawDelete
 )
 HandleCommand = Renew | RecordCheckpoint | Suspend | Finish | Release
 
@@ -219,8 +229,7 @@ def _check_transition(cur: Record, dst: Status) -> None:
     if not can_transition(cur.status, dst):
         raise LedgerError(
             Code.RUN_INVALID_TRANSITION,
-            f"run {cur.run_id!r} cannot move from {cur.status.name.lower()} "
-            f"to {dst.name.lower()}",
+            f"run {cur.run_id!r} cannot move from {cur.status.name.lower()} to {dst.name.lower()}",
             cur,
         )
 
@@ -244,19 +253,13 @@ def _fence(cmd: HandleCommand, cur: Record | None) -> Record:
         )
     if cur.status is not Status.RUNNING:
         _check_transition(cur, Status.RUNNING)  # raises: terminal or not running
-        raise LedgerError(
-            Code.RUN_INVALID_TRANSITION, f"run {cmd.run_id!r} is not running", cur
-        )
+        raise LedgerError(Code.RUN_INVALID_TRANSITION, f"run {cmd.run_id!r} is not running", cur)
     return cur
 
 
 def _converged(cmd: HandleCommand, cur: Record | None, target: Status) -> bool:
     """Convergence for lease-dropping commands retried by the same handle."""
-    return (
-        cur is not None
-        and cur.status is target
-        and cur.fencing_token == cmd.fencing_token
-    )
+    return cur is not None and cur.status is target and cur.fencing_token == cmd.fencing_token
 
 
 # -- ledger commands ----------------------------------------------------------------

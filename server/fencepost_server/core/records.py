@@ -31,9 +31,7 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
     Status.RUNNING: frozenset(
         {Status.SUSPENDED, Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.QUEUED}
     ),
-    Status.SUSPENDED: frozenset(
-        {Status.QUEUED, Status.RUNNING, Status.CANCELLED, Status.FAILED}
-    ),
+    Status.SUSPENDED: frozenset({Status.QUEUED, Status.RUNNING, Status.CANCELLED, Status.FAILED}),
     Status.COMPLETED: frozenset(),
     Status.FAILED: frozenset(),
     Status.CANCELLED: frozenset(),
@@ -120,8 +118,13 @@ def record_to_dict(r: Record) -> dict[str, Any]:
     }
     if r.lease is not None:
         lease = r.lease
-        d["lease"] = [lease.owner, lease.acquired_at, lease.expires_at, lease.ttl_ms,
-                      lease.lock_delay_ms]
+        d["lease"] = [
+            lease.owner,
+            lease.acquired_at,
+            lease.expires_at,
+            lease.ttl_ms,
+            lease.lock_delay_ms,
+        ]
     if r.checkpoint_ref is not None:
         c = r.checkpoint_ref
         d["checkpoint_ref"] = [c.key, c.snapshot_version, c.saved_at]

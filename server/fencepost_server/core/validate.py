@@ -26,8 +26,9 @@ def text(field: str, value: str, max_bytes: int, *, min_bytes: int = 1) -> str:
     """A UTF-8 string of min..max bytes without control characters."""
     n = len(value.encode("utf-8", "surrogatepass"))
     if n < min_bytes:
-        raise validation(field, "must not be empty" if min_bytes == 1 else
-                         f"must be at least {min_bytes} bytes")
+        raise validation(
+            field, "must not be empty" if min_bytes == 1 else f"must be at least {min_bytes} bytes"
+        )
     if n > max_bytes:
         raise validation(field, f"must be at most {max_bytes} bytes (got {n})")
     if _has_control(value):
@@ -133,8 +134,12 @@ def command(cmd: L.Command) -> L.Command:
                     if cmd.outcome is not None:
                         text("outcome.code", cmd.outcome.code, MAX_CODE_BYTES)
                         if cmd.outcome.message is not None:
-                            text("outcome.message", cmd.outcome.message, MAX_MESSAGE_BYTES,
-                                 min_bytes=0)
+                            text(
+                                "outcome.message",
+                                cmd.outcome.message,
+                                MAX_MESSAGE_BYTES,
+                                min_bytes=0,
+                            )
                     elif cmd.status is Status.FAILED:
                         raise validation("outcome", "is required when status is FAILED")
         case L.Cancel():

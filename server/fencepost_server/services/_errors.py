@@ -13,7 +13,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ..convert import record_to_pb
-from ..core.errors import Code, LedgerError
+from ..core.errors import Code, LedgerError, validation
+from ._registry import Malformed
 
 DOMAIN = "fencepost"
 log = logging.getLogger("fencepost.services")
@@ -72,13 +73,15 @@ def handler(fn: H) -> H:
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if isinstance(request, Malformed):
+                raise validation("request", f"undecodable {request.type_name}: {request.error}")
             return await fn(self, request, context)
         except LedgerError as err:
-            await context.abort_with_status(to_status(err))
+            await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
         except Exception as exc:
             log.exception("unexpected error in %s", fn.__name__)
-            await context.abort_with_status(internal_status(exc))
+            await context.abort_with_status(internal_status(exc))  # type: ignore[attr-defined]
 
     return wrapper  # type: ignore[return-value]

@@ -67,11 +67,15 @@ def list_page(
         out.append(rec)
         if len(out) == page_size:
             break
-    more = any(
-        (not statuses or st.runs[k].status in statuses)
-        and (not owner or (st.runs[k].lease is not None and st.runs[k].lease.owner == owner))  # type: ignore[union-attr]
-        for k in ids[i:]
-    ) if len(out) == page_size else False
+    more = (
+        any(
+            (not statuses or st.runs[k].status in statuses)
+            and (not owner or (st.runs[k].lease is not None and st.runs[k].lease.owner == owner))  # type: ignore[union-attr]
+            for k in ids[i:]
+        )
+        if len(out) == page_size
+        else False
+    )
     return out, encode_page_token(out[-1].run_id, fkey) if more and out else ""
 
 
@@ -85,12 +89,16 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         return result
 
     @handler
-    async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
+    async def Acquire(
+        self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AcquireResponse:
         rec = await self._record(convert.acquire(request))
         return pb.AcquireResponse(run=convert.record_to_pb(rec))
 
     @handler
-    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:
+    async def Renew(
+        self, request: pb.RenewRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RenewResponse:
         rec = await self._record(convert.renew(request))
         return pb.RenewResponse(run=convert.record_to_pb(rec))
 
@@ -102,22 +110,30 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         return pb.RecordCheckpointResponse(run=convert.record_to_pb(rec))
 
     @handler
-    async def Suspend(self, request: pb.SuspendRequest, context: grpc.aio.ServicerContext) -> pb.SuspendResponse:
+    async def Suspend(
+        self, request: pb.SuspendRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SuspendResponse:
         rec = await self._record(convert.suspend(request))
         return pb.SuspendResponse(run=convert.record_to_pb(rec))
 
     @handler
-    async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext) -> pb.FinishResponse:
+    async def Finish(
+        self, request: pb.FinishRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FinishResponse:
         rec = await self._record(convert.finish(request))
         return pb.FinishResponse(run=convert.record_to_pb(rec))
 
     @handler
-    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
         rec = await self._record(convert.release(request))
         return pb.ReleaseResponse(run=convert.record_to_pb(rec))
 
     @handler
-    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
+    async def Cancel(
+        self, request: pb.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CancelResponse:
         rec = await self._record(convert.cancel(request))
         return pb.CancelResponse(run=convert.record_to_pb(rec))
 
@@ -129,7 +145,9 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         return pb.RequestResumeResponse(run=convert.record_to_pb(rec))
 
     @handler
-    async def GetRun(self, request: pb.GetRunRequest, context: grpc.aio.ServicerContext) -> pb.GetRunResponse:
+    async def GetRun(
+        self, request: pb.GetRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetRunResponse:
         validate.run_id(request.run_id)
         st = self.writer.state
         rec = st.runs.get(request.run_id)
@@ -138,13 +156,18 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         return pb.GetRunResponse(run=convert.record_to_pb(rec), revision=st.revision)
 
     @handler
-    async def ListRuns(self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext) -> pb.ListRunsResponse:
+    async def ListRuns(
+        self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListRunsResponse:
         statuses = frozenset(
             convert.status_from_pb(s, f"statuses[{i}]") for i, s in enumerate(request.statuses)
         )
         if request.owner:
             validate.owner(request.owner)
-        size = validate.int_range("page_size", request.page_size, 0, MAX_PAGE_SIZE) or DEFAULT_PAGE_SIZE
+        size = (
+            validate.int_range("page_size", request.page_size, 0, MAX_PAGE_SIZE)
+            or DEFAULT_PAGE_SIZE
+        )
         revision = self.writer.state.revision
         runs, token = list_page(self.writer, statuses, request.owner, size, request.page_token)
         return pb.ListRunsResponse(
@@ -152,7 +175,9 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         )
 
     @handler
-    async def DeleteRun(self, request: pb.DeleteRunRequest, context: grpc.aio.ServicerContext) -> pb.DeleteRunResponse:
+    async def DeleteRun(
+        self, request: pb.DeleteRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteRunResponse:
         from ..core.ledger import Deleted
 
         result = await self.writer.submit(convert.delete_run(request))

@@ -19,13 +19,17 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
         self.writer = writer
 
     @handler
-    async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeResponse:
         return pb.DescribeResponse(
             atomicity=pb.ATOMICITY_CROSS_PROCESS, backend=self.writer.storage.backend, schema=1
         )
 
     @handler
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
+    async def Get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetResponse:
         validate.run_id(request.run_id)
         st = self.writer.state
         rec = st.runs.get(request.run_id)
@@ -34,7 +38,9 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
         return pb.GetResponse(found=True, run=convert.record_to_pb(rec), revision=st.revision)
 
     @handler
-    async def Create(self, request: pb.CreateRequest, context: grpc.aio.ServicerContext) -> pb.CreateResponse:
+    async def Create(
+        self, request: pb.CreateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateResponse:
         result = await self.writer.submit(convert.raw_create(request))
         assert isinstance(result, L.Created)
         return pb.CreateResponse(created=result.created, run=convert.record_to_pb(result.record))
@@ -51,7 +57,9 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
         return resp
 
     @handler
-    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+    async def Delete(
+        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteResponse:
         result = await self.writer.submit(convert.raw_delete(request))
         assert isinstance(result, L.Deleted)
         return pb.DeleteResponse(deleted=result.deleted, revision=result.revision)

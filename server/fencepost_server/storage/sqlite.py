@@ -104,9 +104,7 @@ def _storage_error(exc: sqlite3.Error) -> LedgerError:
     code = getattr(exc, "sqlite_errorcode", None)
     if code == sqlite3.SQLITE_FULL:
         return LedgerError(Code.STORAGE_FULL, f"write not made durable, nothing changed: {exc}")
-    return LedgerError(
-        Code.STORAGE_UNAVAILABLE, f"write not made durable, nothing changed: {exc}"
-    )
+    return LedgerError(Code.STORAGE_UNAVAILABLE, f"write not made durable, nothing changed: {exc}")
 
 
 class SqliteStorage:
@@ -203,7 +201,9 @@ class SqliteStorage:
         ).fetchone()
         return None if row is None else (row[0], json.loads(row[1]))
 
-    def history(self, from_revision: int, limit: int = 10_000) -> list[tuple[int, str, int, Record | None]]:
+    def history(
+        self, from_revision: int, limit: int = 10_000
+    ) -> list[tuple[int, str, int, Record | None]]:
         rows = self.db.execute(
             "SELECT revision, run_id, kind, record FROM changes WHERE revision >= ? "
             "ORDER BY revision LIMIT ?",
@@ -231,9 +231,15 @@ class SqliteStorage:
                         "fencing_token=excluded.fencing_token, owner=excluded.owner, "
                         "revision=excluded.revision, record=excluded.record",
                         [
-                            (r.run_id, r.version, int(r.status), r.fencing_token,
-                             r.lease.owner if r.lease else None, r.revision,
-                             _dumps(record_to_dict(r)))
+                            (
+                                r.run_id,
+                                r.version,
+                                int(r.status),
+                                r.fencing_token,
+                                r.lease.owner if r.lease else None,
+                                r.revision,
+                                _dumps(record_to_dict(r)),
+                            )
                             for r in batch.puts.values()
                         ],
                     )
@@ -253,9 +259,13 @@ class SqliteStorage:
                         "INSERT INTO changes (revision, run_id, kind, record, committed_at) "
                         "VALUES (?,?,?,?,?)",
                         [
-                            (rev, run_id, kind,
-                             _dumps(record_to_dict(rec)) if rec is not None else None,
-                             batch.now)
+                            (
+                                rev,
+                                run_id,
+                                kind,
+                                _dumps(record_to_dict(rec)) if rec is not None else None,
+                                batch.now,
+                            )
                             for rev, run_id, kind, rec in batch.changes
                         ],
                     )
@@ -279,7 +289,9 @@ class SqliteStorage:
             raise _storage_error(exc) from exc
 
     @staticmethod
-    def prune_statements(request_cutoff_ms: int, keep_from_revision: int) -> list[tuple[str, Iterable[Any]]]:
+    def prune_statements(
+        request_cutoff_ms: int, keep_from_revision: int
+    ) -> list[tuple[str, Iterable[Any]]]:
         return [
             ("DELETE FROM requests WHERE created_at < ?", (request_cutoff_ms,)),
             ("DELETE FROM changes WHERE revision < ?", (keep_from_revision,)),

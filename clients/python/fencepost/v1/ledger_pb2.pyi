@@ -670,8 +670,8 @@ class ValidateFenceResponse(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     current: _builtins.bool
-    """True exactly when the run exists and fencing_token is its current token
-    and the run is not terminal.
+    """True exactly when the run exists, is RUNNING under a lease, and
+    fencing_token is its current token: the presenter may still write.
     """
     found: _builtins.bool
     """Whether the run exists."""

@@ -1,0 +1,96 @@
+"""Health, reflection, graceful restart, and refusing a database that isn't ours."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from fencepost.v1 import ledger_pb2 as pb
+from fencepost_server.harness import ServerThread
+from fencepost_server.storage.sqlite import SqliteStorage
+
+
+def test_health_serving_for_every_service(channel) -> None:  # type: ignore[no-untyped-def]
+    stub = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "fencepost.v1.Ledger", "fencepost.v1.RunStore"):
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=name))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_services(channel) -> None:  # type: ignore[no-untyped-def]
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    req = reflection_pb2.ServerReflectionRequest(list_services="")
+    resp = next(iter(stub.ServerReflectionInfo(iter([req]))))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"fencepost.v1.Ledger", "fencepost.v1.RunStore", "grpc.health.v1.Health"} <= names
+
+
+def test_state_survives_a_graceful_restart(server, ledger) -> None:  # type: ignore[no-untyped-def]
+    for i in range(20):
+        ledger.Acquire(pb.AcquireRequest(run_id=f"r{i}", owner="w"))
+    rev = server.writer.state.revision
+    server.restart()
+    assert server.writer.state.revision == rev
+    assert len(server.writer.state.runs) == 20
+    assert ledger.Acquire(pb.AcquireRequest(run_id="next", owner="w")).run.revision == rev + 1
+
+
+def test_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
+    bad = tmp_path / "junk.db"
+    bad.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(RuntimeError, match="refusing to start"):
+        SqliteStorage(bad).open()
+    assert bad.read_bytes() == b"this is not sqlite" * 100  # never silently recreated
+
+
+def test_refuses_a_foreign_database_and_a_newer_schema(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign.db"
+    db = sqlite3.connect(foreign)
+    db.execute("CREATE TABLE t (x)")
+    db.commit()
+    db.close()
+    with pytest.raises(RuntimeError, match="no fencepost schema"):
+        SqliteStorage(foreign).open()
+    newer = tmp_path / "newer.db"
+    st = SqliteStorage(newer)
+    st.open()
+    st.db.execute("PRAGMA user_version=99")
+    st.close()
+    with pytest.raises(RuntimeError, match="schema 99"):
+        SqliteStorage(newer).open()
+
+
+def test_server_runs_at_synchronous_full_by_default(server) -> None:  # type: ignore[no-untyped-def]
+    sync = server.call(lambda: _pragma(server, "synchronous"))
+    mode = server.call(lambda: _pragma(server, "journal_mode"))
+    assert (sync, mode) == (2, "wal")  # 2 == FULL
+
+
+async def _pragma(server: ServerThread, name: str) -> object:
+    import asyncio
+
+    w = server.writer
+    return await asyncio.get_running_loop().run_in_executor(
+        w._executor, lambda: w.storage.db.execute(f"PRAGMA {name}").fetchone()[0]
+    )
+
+
+def test_cancelled_call_still_writes(server, channel) -> None:  # type: ignore[no-untyped-def]
+    stub = pb  # noqa: F841 - the write must land even if the caller gives up
+    from fencepost.v1 import ledger_pb2_grpc
+
+    ledger = ledger_pb2_grpc.LedgerStub(channel)
+    fut = ledger.Acquire.future(pb.AcquireRequest(run_id="c", owner="w", request_id="c1"))
+    fut.cancel()
+    server.call(lambda: server.writer.wait_idle())
+    again = ledger.Acquire(pb.AcquireRequest(run_id="c", owner="w", request_id="c1"))
+    # either the first call's write landed (answered from the request cache)
+    # or it never reached the server; in both cases exactly one acquisition
+    assert again.run.fencing_token == 1
+    with pytest.raises(grpc.RpcError):
+        ledger.Acquire(pb.AcquireRequest(run_id="c", owner="other"))
