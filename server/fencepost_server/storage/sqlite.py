@@ -223,6 +223,12 @@ class SqliteStorage:
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
+                # encode each record once: the runs row and its history row share it
+                encoded = {
+                    id(rec): _dumps(record_to_dict(rec))
+                    for _, _, _, rec in batch.changes
+                    if rec is not None
+                }
                 if batch.puts:
                     db.executemany(
                         "INSERT INTO runs (run_id, version, status, fencing_token, owner, "
@@ -238,7 +244,7 @@ class SqliteStorage:
                                 r.fencing_token,
                                 r.lease.owner if r.lease else None,
                                 r.revision,
-                                _dumps(record_to_dict(r)),
+                                encoded[id(r)],
                             )
                             for r in batch.puts.values()
                         ],
@@ -263,7 +269,7 @@ class SqliteStorage:
                                 rev,
                                 run_id,
                                 kind,
-                                _dumps(record_to_dict(rec)) if rec is not None else None,
+                                encoded[id(rec)] if rec is not None else None,
                                 batch.now,
                             )
                             for rev, run_id, kind, rec in batch.changes
