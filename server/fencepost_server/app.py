@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from .clock import Clock, SystemClock
 from .services._registry import add_service
 from .services.ledger import LedgerService
 from .services.run_store import RunStoreService
-from .storage.sqlite import Durability, SqliteStorage
+from .storage.sqlite import Durability, HistoryReader, SqliteStorage
+from .streams import FenceHub
 from .writer import Writer
 
 log = logging.getLogger("fencepost")
@@ -48,6 +50,9 @@ class Settings:
     max_batch: int = 1024
     request_retention_s: int = 15 * 60
     history_revisions: int = 100_000
+    history_max_age_s: int = 0  # 0: no age limit on the watch history
+    prune_every_s: float = 30.0
+    stream_queue_limit: int = 65_536  # messages a stream may lag before it is dropped
     metrics_port: int = 0  # 0: no metrics endpoint
 
     @classmethod
@@ -62,6 +67,8 @@ class Settings:
             "FENCEPOST_MAX_MESSAGE_BYTES": ("max_message_bytes", int),
             "FENCEPOST_METRICS_PORT": ("metrics_port", int),
             "FENCEPOST_SHUTDOWN_GRACE_S": ("shutdown_grace_s", float),
+            "FENCEPOST_HISTORY_REVISIONS": ("history_revisions", int),
+            "FENCEPOST_HISTORY_MAX_AGE_S": ("history_max_age_s", int),
         }
         for var, (name, typ) in mapping.items():
             if var in env and env[var] != "":
@@ -79,7 +86,10 @@ class App:
     writer: Writer | None = None
     server: grpc.aio.Server | None = None
     health: Any = None
+    hub: FenceHub | None = None
     port: int = 0
+    _history: HistoryReader | None = None
+    _history_executor: ThreadPoolExecutor | None = None
 
     async def start(self) -> App:
         s = self.settings
@@ -90,8 +100,14 @@ class App:
             max_batch=s.max_batch,
             request_retention_ms=s.request_retention_s * 1000,
             history_revisions=s.history_revisions,
+            history_max_age_ms=s.history_max_age_s * 1000,
+            prune_every_ms=int(s.prune_every_s * 1000),
         )
         await self.writer.start()
+        self.hub = FenceHub(self.writer, self.clock, queue_limit=s.stream_queue_limit)
+        self.hub.start()
+        self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
+        self._history = HistoryReader(s.db_path)
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
@@ -101,7 +117,7 @@ class App:
         self.server = grpc.aio.server(options=options)
         add_service(
             self.server,
-            LedgerService(self.writer),
+            LedgerService(self.writer, self.hub, self._history, self._history_executor),
             ledger_pb2.DESCRIPTOR.services_by_name["Ledger"],
         )
         add_service(
@@ -149,10 +165,18 @@ class App:
         grace = self.settings.shutdown_grace_s if grace is None else grace
         if self.health is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.hub is not None:
+            self.hub.shutdown()  # streams end with UNAVAILABLE
         if self.server is not None:
             await self.server.stop(grace)
+        if self.hub is not None:
+            await self.hub.close()
         if self.writer is not None:
             await self.writer.close()
+        if self._history_executor is not None and self._history is not None:
+            history = self._history
+            await asyncio.get_running_loop().run_in_executor(self._history_executor, history.close)
+            self._history_executor.shutdown(wait=True)
         log.info("fencepost stopped")
 
 

@@ -43,6 +43,7 @@ class ChangeEvent:
     run_id: str
     record: Record | None  # the new record (PUT) or None (DELETE)
     previous: Record | None  # the record before this change
+    cause: type  # the command class that made the change (L.Acquire, L.Cancel...)
 
 
 class WriterClosed(LedgerError):
@@ -72,6 +73,8 @@ class LedgerState:
     tombstones: dict[str, int] = field(default_factory=dict)
     revision: int = 0
     sorted_ids: list[str] = field(default_factory=list)
+    # Changes at or below this revision are no longer retained (watch floor).
+    compacted: int = 0
 
 
 @dataclass(slots=True)
@@ -93,6 +96,7 @@ class Writer:
         queue_size: int = 16_384,
         request_retention_ms: int = 15 * 60_000,
         history_revisions: int = 100_000,
+        history_max_age_ms: int = 0,
         prune_every_ms: int = 30_000,
     ) -> None:
         if request_retention_ms < 10 * 60_000:
@@ -102,6 +106,7 @@ class Writer:
         self.max_batch = max_batch
         self.request_retention_ms = request_retention_ms
         self.history_revisions = history_revisions
+        self.history_max_age_ms = history_max_age_ms
         self.prune_every_ms = prune_every_ms
         self.state = LedgerState()
         self.stats = WriterStats()
@@ -125,6 +130,7 @@ class Writer:
             tombstones=loaded.tombstones,
             revision=loaded.revision,
             sorted_ids=sorted(loaded.runs),
+            compacted=loaded.compacted,
         )
         self._task = asyncio.create_task(self._run(), name="fencepost-writer")
 
@@ -158,6 +164,20 @@ class Writer:
         result = await fut
         return result  # type: ignore[no-any-return]
 
+    def submit_nowait(self, cmd: L.Command) -> asyncio.Future[Any]:
+        """Queue a command without awaiting; the future resolves as ``submit``
+        would. For streams that answer many commands by callback. Raises
+        WriterClosed, or LedgerError(STORAGE_UNAVAILABLE) when the queue is full."""
+        if self._closing:
+            raise WriterClosed()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        try:
+            self._queue.put_nowait(_Item(cmd, fut))
+        except asyncio.QueueFull:
+            raise LedgerError(Code.STORAGE_UNAVAILABLE, "writer queue is full; retry") from None
+        self._idle.clear()
+        return fut
+
     def subscribe(self, listener: Callable[[list[ChangeEvent]], None]) -> Callable[[], None]:
         """Call ``listener(events)`` on the loop after every commit that changed
         records. The listener must not block; returns an unsubscribe function."""
@@ -169,9 +189,6 @@ class Writer:
         while not (self._queue.empty() and not self._busy):
             self._idle.clear()
             await self._idle.wait()
-
-    def history(self, from_revision: int, limit: int = 10_000) -> Any:
-        return self.storage.history(from_revision, limit)
 
     @property
     def queue_depth(self) -> int:
@@ -226,12 +243,14 @@ class Writer:
                         LedgerError(Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}")
                     )
             return
-        answers, overlay, tombs, revision, events = outcome
+        answers, overlay, tombs, revision, events, compacted = outcome
         self.stats.batches += 1
         self.stats.commands += len(batch)
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
         self.stats.commit_seconds += time.perf_counter() - started
         self._publish_state(overlay, tombs, revision)
+        if compacted is not None:
+            self.state.compacted = compacted
         for item, answer in zip(batch, answers, strict=True):
             if item.fut.done():
                 continue
@@ -316,28 +335,34 @@ class Writer:
                         out.puts[run_id] = change.record
                         out.deletes.pop(run_id, None)
                         out.changes.append((rev, run_id, KIND_PUT, change.record))
-                        events.append(ChangeEvent(rev, KIND_PUT, run_id, change.record, cur))
+                        events.append(
+                            ChangeEvent(rev, KIND_PUT, run_id, change.record, cur, type(cmd))
+                        )
                     else:
                         overlay[run_id] = None
                         out.puts.pop(run_id, None)
                         tombs[run_id] = max(tomb, change.fencing_token)
                         out.deletes[run_id] = (tombs[run_id], now)
                         out.changes.append((rev, run_id, KIND_DELETE, None))
-                        events.append(ChangeEvent(rev, KIND_DELETE, run_id, None, cur))
+                        events.append(ChangeEvent(rev, KIND_DELETE, run_id, None, cur, type(cmd)))
             if rid:
                 answered[rid] = (fp, answer)
                 out.requests.append((rid, fp, codec.encode(answer), now))
             answers.append(answer)
         out.revision = rev
-        prune: list[Any] = []
+        compacted = None
         if now - self._last_prune >= self.prune_every_ms:
-            prune = SqliteStorage.prune_statements(
-                now - self.request_retention_ms, rev - self.history_revisions + 1
+            age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
+            out.prune = (
+                now - self.request_retention_ms,
+                rev - self.history_revisions + 1,
+                age_cutoff,
             )
-        self.storage.write(out, prune)
-        if prune:
+        self.storage.write(out)
+        if out.prune is not None:
             self._last_prune = now
-        return answers, overlay, tombs, rev, events
+            compacted = out.compacted
+        return answers, overlay, tombs, rev, events, compacted
 
 
 @contextlib.asynccontextmanager

@@ -24,6 +24,10 @@ class Code(StrEnum):
     # The write could not be made durable (SPEC §9); nothing changed.
     STORAGE_FULL = "STORAGE_FULL"
     STORAGE_UNAVAILABLE = "STORAGE_UNAVAILABLE"
+    # WatchRuns: the requested revision is older than the retained history.
+    RUN_REVISION_COMPACTED = "RUN_REVISION_COMPACTED"
+    # A stream (KeepAlive, WatchRuns) fell too far behind reading and was dropped.
+    STREAM_TOO_SLOW = "STREAM_TOO_SLOW"
 
 
 class LedgerError(Exception):

@@ -6,6 +6,8 @@ import base64
 import bisect
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
@@ -16,8 +18,11 @@ from .. import convert
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
 from ..core.records import Record, Status
+from ..storage.sqlite import HistoryReader
+from ..streams import FenceHub
 from ..writer import Writer
 from ._errors import handler
+from .streams import StreamHandlers
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -79,9 +84,28 @@ def list_page(
     return out, encode_page_token(out[-1].run_id, fkey) if more and out else ""
 
 
-class LedgerService(ledger_pb2_grpc.LedgerServicer):
-    def __init__(self, writer: Writer) -> None:
+class LedgerService(StreamHandlers, ledger_pb2_grpc.LedgerServicer):
+    def __init__(
+        self,
+        writer: Writer,
+        hub: FenceHub,
+        history: HistoryReader,
+        history_executor: ThreadPoolExecutor,
+    ) -> None:
         self.writer = writer
+        self.hub = hub
+        self.history = history
+        self.history_executor = history_executor
+
+    @handler
+    async def KeepAlive(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await self._keepalive(request_iterator, context)
+
+    @handler
+    async def WatchRuns(
+        self, request: pb.WatchRunsRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        await self._watch(request, context)
 
     async def _record(self, cmd: object) -> Record:
         result = await self.writer.submit(cmd)  # type: ignore[arg-type]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -82,6 +81,7 @@ class LoadedState:
     runs: dict[str, Record] = field(default_factory=dict)
     tombstones: dict[str, int] = field(default_factory=dict)
     revision: int = 0
+    compacted: int = 0
 
 
 @dataclass
@@ -94,6 +94,9 @@ class Batch:
     requests: list[tuple[str, str, dict[str, Any], int]] = field(default_factory=list)
     revision: int = 0
     now: int = 0
+    # (request cutoff ms, keep changes from revision, optional change age cutoff ms)
+    prune: tuple[int, int, int | None] | None = None
+    compacted: int | None = None  # set by write() when it pruned
 
 
 def _dumps(obj: Any) -> str:
@@ -193,7 +196,14 @@ class SqliteStorage:
             state.runs[rec.run_id] = rec
         state.tombstones = dict(db.execute("SELECT run_id, fencing_token FROM tombstones"))
         state.revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0]
+        state.compacted = self._compacted(db, state.revision)
         return state
+
+    @staticmethod
+    def _compacted(db: sqlite3.Connection, revision: int) -> int:
+        """Everything at or below this revision is gone from the history."""
+        low = db.execute("SELECT min(revision) FROM changes").fetchone()[0]
+        return revision if low is None else low - 1
 
     def lookup_request(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
         row = self.db.execute(
@@ -201,22 +211,9 @@ class SqliteStorage:
         ).fetchone()
         return None if row is None else (row[0], json.loads(row[1]))
 
-    def history(
-        self, from_revision: int, limit: int = 10_000
-    ) -> list[tuple[int, str, int, Record | None]]:
-        rows = self.db.execute(
-            "SELECT revision, run_id, kind, record FROM changes WHERE revision >= ? "
-            "ORDER BY revision LIMIT ?",
-            (from_revision, limit),
-        ).fetchall()
-        return [
-            (rev, run_id, kind, record_from_dict(json.loads(text)) if text else None)
-            for rev, run_id, kind, text in rows
-        ]
-
     # -- the one write path ------------------------------------------------------
 
-    def write(self, batch: Batch, prune: Sequence[tuple[str, Iterable[Any]]] = ()) -> None:
+    def write(self, batch: Batch) -> None:
         """Write a whole batch in one transaction and commit (durably).
         On any failure rolls back and raises LedgerError(STORAGE_*)."""
         db = self.db
@@ -284,8 +281,13 @@ class SqliteStorage:
                         "created_at) VALUES (?,?,?,?)",
                         [(rid, fp, _dumps(ans), at) for rid, fp, ans, at in batch.requests],
                     )
-                for sql, params in prune:
-                    db.execute(sql, tuple(params))
+                if batch.prune is not None:
+                    request_cutoff, keep_from, age_cutoff = batch.prune
+                    db.execute("DELETE FROM requests WHERE created_at < ?", (request_cutoff,))
+                    db.execute("DELETE FROM changes WHERE revision < ?", (keep_from,))
+                    if age_cutoff is not None:
+                        db.execute("DELETE FROM changes WHERE committed_at < ?", (age_cutoff,))
+                    batch.compacted = self._compacted(db, batch.revision)
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
@@ -294,16 +296,37 @@ class SqliteStorage:
         except sqlite3.Error as exc:
             raise _storage_error(exc) from exc
 
-    @staticmethod
-    def prune_statements(
-        request_cutoff_ms: int, keep_from_revision: int
-    ) -> list[tuple[str, Iterable[Any]]]:
-        return [
-            ("DELETE FROM requests WHERE created_at < ?", (request_cutoff_ms,)),
-            ("DELETE FROM changes WHERE revision < ?", (keep_from_revision,)),
-        ]
-
 
 def open_read_only(path: str | Path) -> sqlite3.Connection:
     """A read-only connection for inspection and tests (cannot write)."""
     return sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+
+
+class HistoryReader:
+    """Reads the retained change history on its own read-only connection (for
+    WatchRuns replay), so replay never runs on the writer's connection. WAL
+    lets it read committed history while the writer commits."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._db: sqlite3.Connection | None = None
+
+    def read(
+        self, from_revision: int, to_revision: int, limit: int = 1000
+    ) -> list[tuple[int, str, int, Record | None]]:
+        if self._db is None:
+            self._db = open_read_only(self.path)
+        rows = self._db.execute(
+            "SELECT revision, run_id, kind, record FROM changes "
+            "WHERE revision >= ? AND revision <= ? ORDER BY revision LIMIT ?",
+            (from_revision, to_revision, limit),
+        ).fetchall()
+        return [
+            (rev, run_id, kind, record_from_dict(json.loads(text)) if text else None)
+            for rev, run_id, kind, text in rows
+        ]
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None

@@ -16,6 +16,8 @@ detail with domain "fencepost" and reason one of:
   RUN_INTEGRITY_ERROR    DATA_LOSS
   STORAGE_FULL           RESOURCE_EXHAUSTED   the write could not be made durable
   STORAGE_UNAVAILABLE    UNAVAILABLE          the write could not be made durable
+  RUN_REVISION_COMPACTED OUT_OF_RANGE         WatchRuns: history no longer retained
+  STREAM_TOO_SLOW        RESOURCE_EXHAUSTED   a stream reader fell too far behind
 When the server read a record to decide, that record is attached as a
 second detail (a packed fencepost.v1.Run).
 
@@ -32,7 +34,9 @@ from collections import abc as _abc
 from fencepost.v1 import record_pb2 as _record_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -43,6 +47,66 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _LostReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LostReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LostReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LOST_REASON_UNSPECIFIED: _LostReason.ValueType  # 0
+    LOST_REASON_TAKEN_OVER: _LostReason.ValueType  # 1
+    """Another acquisition (takeover after expiry, or a newer acquire)."""
+    LOST_REASON_CANCELLED: _LostReason.ValueType  # 2
+    """An operator cancelled the run."""
+    LOST_REASON_DELETED: _LostReason.ValueType  # 3
+    """The run was deleted."""
+    LOST_REASON_FENCE_MOVED: _LostReason.ValueType  # 4
+    """A raw compare-and-set moved the token or the owner, or the lease was
+    dropped (released, suspended, resumed) under this token.
+    """
+    LOST_REASON_FINISHED: _LostReason.ValueType  # 5
+    """The run was finished (by another handle under the same token)."""
+
+class LostReason(_LostReason, metaclass=_LostReasonEnumTypeWrapper):
+    """Why a tracked fence moved."""
+
+LOST_REASON_UNSPECIFIED: LostReason.ValueType  # 0
+LOST_REASON_TAKEN_OVER: LostReason.ValueType  # 1
+"""Another acquisition (takeover after expiry, or a newer acquire)."""
+LOST_REASON_CANCELLED: LostReason.ValueType  # 2
+"""An operator cancelled the run."""
+LOST_REASON_DELETED: LostReason.ValueType  # 3
+"""The run was deleted."""
+LOST_REASON_FENCE_MOVED: LostReason.ValueType  # 4
+"""A raw compare-and-set moved the token or the owner, or the lease was
+dropped (released, suspended, resumed) under this token.
+"""
+LOST_REASON_FINISHED: LostReason.ValueType  # 5
+"""The run was finished (by another handle under the same token)."""
+Global___LostReason: _TypeAlias = LostReason  # noqa: Y015
+
+class _ChangeKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ChangeKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ChangeKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CHANGE_KIND_UNSPECIFIED: _ChangeKind.ValueType  # 0
+    CHANGE_KIND_PUT: _ChangeKind.ValueType  # 1
+    """Created or updated: `record` is the new version."""
+    CHANGE_KIND_DELETE: _ChangeKind.ValueType  # 2
+    """Deleted: `record` is absent."""
+
+class ChangeKind(_ChangeKind, metaclass=_ChangeKindEnumTypeWrapper):
+    """What a change did to a record."""
+
+CHANGE_KIND_UNSPECIFIED: ChangeKind.ValueType  # 0
+CHANGE_KIND_PUT: ChangeKind.ValueType  # 1
+"""Created or updated: `record` is the new version."""
+CHANGE_KIND_DELETE: ChangeKind.ValueType  # 2
+"""Deleted: `record` is absent."""
+Global___ChangeKind: _TypeAlias = ChangeKind  # noqa: Y015
 
 @_typing.final
 class AcquireRequest(_message.Message):
@@ -697,3 +761,375 @@ class ValidateFenceResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ValidateFenceResponse: _TypeAlias = ValidateFenceResponse  # noqa: Y015
+
+@_typing.final
+class KeepAliveRequest(_message.Message):
+    """---------------------------------------------------------------------------
+    KeepAlive
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELLO_FIELD_NUMBER: _builtins.int
+    RENEW_FIELD_NUMBER: _builtins.int
+    TRACK_FIELD_NUMBER: _builtins.int
+    UNTRACK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def hello(self) -> Global___KeepAliveHello: ...
+    @_builtins.property
+    def renew(self) -> Global___KeepAliveRenew: ...
+    @_builtins.property
+    def track(self) -> Global___KeepAliveTrack: ...
+    @_builtins.property
+    def untrack(self) -> Global___KeepAliveUntrack: ...
+    def __init__(
+        self,
+        *,
+        hello: Global___KeepAliveHello | None = ...,
+        renew: Global___KeepAliveRenew | None = ...,
+        track: Global___KeepAliveTrack | None = ...,
+        untrack: Global___KeepAliveUntrack | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello", "kind", b"kind", "renew", b"renew", "track", b"track", "untrack", b"untrack"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello", "kind", b"kind", "renew", b"renew", "track", b"track", "untrack", b"untrack"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "renew", "track", "untrack"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___KeepAliveRequest: _TypeAlias = KeepAliveRequest  # noqa: Y015
+
+@_typing.final
+class KeepAliveHello(_message.Message):
+    """First message on a stream: who the worker is. Every renew on the stream is
+    made as this owner.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """The worker's identity, 1-256 bytes (as in AcquireRequest.owner)."""
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveHello: _TypeAlias = KeepAliveHello  # noqa: Y015
+
+@_typing.final
+class KeepAliveRenew(_message.Message):
+    """Renew a lease held by this stream's owner, and track it (as `track`).
+    Answered by `renewed`, or by `lost` when the fence moved, or by `error`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    fencing_token: _builtins.int
+    """The token the worker acquired."""
+    lease_ttl_ms: _builtins.int
+    """New ttl in ms (100 - 86 400 000). Absent: the ttl of the acquire."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        fencing_token: _builtins.int = ...,
+        lease_ttl_ms: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_ttl_ms", b"_lease_ttl_ms", "lease_ttl_ms", b"lease_ttl_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ttl_ms", b"_lease_ttl_ms", "fencing_token", b"fencing_token", "lease_ttl_ms", b"lease_ttl_ms", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__lease_ttl_ms: _TypeAlias = _typing.Literal["lease_ttl_ms"]  # noqa: Y015
+    _WhichOneofArgType__lease_ttl_ms: _TypeAlias = _typing.Literal["_lease_ttl_ms", b"_lease_ttl_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lease_ttl_ms) -> _WhichOneofReturnType__lease_ttl_ms | None: ...
+
+Global___KeepAliveRenew: _TypeAlias = KeepAliveRenew  # noqa: Y015
+
+@_typing.final
+class KeepAliveTrack(_message.Message):
+    """Watch a run's fence at a token without renewing it: the stream gets `lost`
+    when the fence moves and `expiring` when the lease passes its expiry.
+    If the fence already moved, `lost` comes at once.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    fencing_token: _builtins.int
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        fencing_token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveTrack: _TypeAlias = KeepAliveTrack  # noqa: Y015
+
+@_typing.final
+class KeepAliveUntrack(_message.Message):
+    """Stop tracking a run (after Finish/Release/Suspend, say)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveUntrack: _TypeAlias = KeepAliveUntrack  # noqa: Y015
+
+@_typing.final
+class KeepAliveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RENEWED_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    EXPIRING_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def renewed(self) -> Global___KeepAliveRenewed: ...
+    @_builtins.property
+    def lost(self) -> Global___KeepAliveLost: ...
+    @_builtins.property
+    def expiring(self) -> Global___KeepAliveExpiring: ...
+    @_builtins.property
+    def error(self) -> Global___KeepAliveError: ...
+    def __init__(
+        self,
+        *,
+        renewed: Global___KeepAliveRenewed | None = ...,
+        lost: Global___KeepAliveLost | None = ...,
+        expiring: Global___KeepAliveExpiring | None = ...,
+        error: Global___KeepAliveError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "expiring", b"expiring", "kind", b"kind", "lost", b"lost", "renewed", b"renewed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "expiring", b"expiring", "kind", b"kind", "lost", b"lost", "renewed", b"renewed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["renewed", "lost", "expiring", "error"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___KeepAliveResponse: _TypeAlias = KeepAliveResponse  # noqa: Y015
+
+@_typing.final
+class KeepAliveRenewed(_message.Message):
+    """A renewal was committed durably."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    TTL_REMAINING_MS_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    fencing_token: _builtins.int
+    ttl_remaining_ms: _builtins.int
+    """expires_at minus the server's now at the commit, in ms. A client adds it
+    to its own monotonic clock reading taken when it *sent* the renewal to get
+    a safe-until deadline that clock skew cannot stretch.
+    """
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """The new expiry (server clock)."""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        fencing_token: _builtins.int = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        ttl_remaining_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "fencing_token", b"fencing_token", "run_id", b"run_id", "ttl_remaining_ms", b"ttl_remaining_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveRenewed: _TypeAlias = KeepAliveRenewed  # noqa: Y015
+
+@_typing.final
+class KeepAliveLost(_message.Message):
+    """The run's fence moved away from the tracked token; pushed as soon as the
+    commit that moved it is durable. The run is no longer tracked.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    fencing_token: _builtins.int
+    """The token that was tracked (no longer valid)."""
+    reason: Global___LostReason.ValueType
+    @_builtins.property
+    def record(self) -> _record_pb2.Run:
+        """The record after the change; absent when deleted."""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        fencing_token: _builtins.int = ...,
+        reason: Global___LostReason.ValueType = ...,
+        record: _record_pb2.Run | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "reason", b"reason", "record", b"record", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveLost: _TypeAlias = KeepAliveLost  # noqa: Y015
+
+@_typing.final
+class KeepAliveExpiring(_message.Message):
+    """A tracked lease passed its expiry with no renewal: another owner may take
+    it any moment. Sent once per expiry; a later renewal re-arms it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    fencing_token: _builtins.int
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        fencing_token: _builtins.int = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "fencing_token", b"fencing_token", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveExpiring: _TypeAlias = KeepAliveExpiring  # noqa: Y015
+
+@_typing.final
+class KeepAliveError(_message.Message):
+    """A per-run failure (validation, not found...). The stream stays open."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    code: _builtins.str
+    """An error reason of the file comment, e.g. RUN_VALIDATION_ERROR."""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveError: _TypeAlias = KeepAliveError  # noqa: Y015
+
+@_typing.final
+class WatchRunsRequest(_message.Message):
+    """---------------------------------------------------------------------------
+    WatchRuns
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_IDS_FIELD_NUMBER: _builtins.int
+    FROM_REVISION_FIELD_NUMBER: _builtins.int
+    from_revision: _builtins.int
+    """Replay retained changes with revision >= from_revision first; 0 means
+    only changes committed after the watch starts.
+    """
+    @_builtins.property
+    def run_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only these runs; empty means every run. At most 1000 ids."""
+
+    def __init__(
+        self,
+        *,
+        run_ids: _abc.Iterable[_builtins.str] | None = ...,
+        from_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_revision", b"from_revision", "run_ids", b"run_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRunsRequest: _TypeAlias = WatchRunsRequest  # noqa: Y015
+
+@_typing.final
+class WatchRunsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVISION_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """The change's revision; strictly increasing along a stream."""
+    kind: Global___ChangeKind.ValueType
+    run_id: _builtins.str
+    @_builtins.property
+    def record(self) -> _record_pb2.Run:
+        """The record as written by this change; absent for DELETE."""
+
+    def __init__(
+        self,
+        *,
+        revision: _builtins.int = ...,
+        kind: Global___ChangeKind.ValueType = ...,
+        run_id: _builtins.str = ...,
+        record: _record_pb2.Run | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "record", b"record", "revision", b"revision", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRunsResponse: _TypeAlias = WatchRunsResponse  # noqa: Y015

@@ -94,6 +94,16 @@ class LedgerStub:
                 request_serializer=fencepost_dot_v1_dot_ledger__pb2.ValidateFenceRequest.SerializeToString,
                 response_deserializer=fencepost_dot_v1_dot_ledger__pb2.ValidateFenceResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.stream_stream(
+                '/fencepost.v1.Ledger/KeepAlive',
+                request_serializer=fencepost_dot_v1_dot_ledger__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=fencepost_dot_v1_dot_ledger__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
+        self.WatchRuns = channel.unary_stream(
+                '/fencepost.v1.Ledger/WatchRuns',
+                request_serializer=fencepost_dot_v1_dot_ledger__pb2.WatchRunsRequest.SerializeToString,
+                response_deserializer=fencepost_dot_v1_dot_ledger__pb2.WatchRunsResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -207,6 +217,31 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request_iterator, context):
+        """One bidirectional stream per worker process: renews any number of its
+        leases and brings back revocations (SPEC §6.1; protocol in
+        docs/STREAMS.md). The first client message must be `hello`. Per-run
+        failures come back as `error` and never close the stream. A stream that
+        drops revokes nothing: leases live by their ttl.
+        Stream-level errors: RUN_VALIDATION_ERROR (no or bad hello).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchRuns(self, request, context):
+        """Stream every committed change, in revision order (SPEC §6.2). With
+        from_revision > 0, first replays the retained history from that revision,
+        then goes live, with no gap and no duplicate.
+        Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
+        when from_revision is older than the retained history; RESOURCE_EXHAUSTED
+        (reason STREAM_TOO_SLOW) when the watcher fell too far behind — resume
+        from the last revision received + 1.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +304,16 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.ValidateFence,
                     request_deserializer=fencepost_dot_v1_dot_ledger__pb2.ValidateFenceRequest.FromString,
                     response_serializer=fencepost_dot_v1_dot_ledger__pb2.ValidateFenceResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.stream_stream_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=fencepost_dot_v1_dot_ledger__pb2.KeepAliveRequest.FromString,
+                    response_serializer=fencepost_dot_v1_dot_ledger__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'WatchRuns': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRuns,
+                    request_deserializer=fencepost_dot_v1_dot_ledger__pb2.WatchRunsRequest.FromString,
+                    response_serializer=fencepost_dot_v1_dot_ledger__pb2.WatchRunsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -595,6 +640,60 @@ class Ledger:
             '/fencepost.v1.Ledger/ValidateFence',
             fencepost_dot_v1_dot_ledger__pb2.ValidateFenceRequest.SerializeToString,
             fencepost_dot_v1_dot_ledger__pb2.ValidateFenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fencepost.v1.Ledger/KeepAlive',
+            fencepost_dot_v1_dot_ledger__pb2.KeepAliveRequest.SerializeToString,
+            fencepost_dot_v1_dot_ledger__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fencepost.v1.Ledger/WatchRuns',
+            fencepost_dot_v1_dot_ledger__pb2.WatchRunsRequest.SerializeToString,
+            fencepost_dot_v1_dot_ledger__pb2.WatchRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

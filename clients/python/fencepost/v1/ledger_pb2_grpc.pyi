@@ -16,6 +16,8 @@ detail with domain "fencepost" and reason one of:
   RUN_INTEGRITY_ERROR    DATA_LOSS
   STORAGE_FULL           RESOURCE_EXHAUSTED   the write could not be made durable
   STORAGE_UNAVAILABLE    UNAVAILABLE          the write could not be made durable
+  RUN_REVISION_COMPACTED OUT_OF_RANGE         WatchRuns: history no longer retained
+  STREAM_TOO_SLOW        RESOURCE_EXHAUSTED   a stream reader fell too far behind
 When the server read a record to decide, that record is attached as a
 second detail (a packed fencepost.v1.Run).
 
@@ -115,6 +117,23 @@ class LedgerStub:
     downstream resources that must refuse stale writers (SPEC §5.4).
     Errors: RUN_VALIDATION_ERROR.
     """
+    KeepAlive: _grpc.StreamStreamMultiCallable[_ledger_pb2.KeepAliveRequest, _ledger_pb2.KeepAliveResponse]
+    """One bidirectional stream per worker process: renews any number of its
+    leases and brings back revocations (SPEC §6.1; protocol in
+    docs/STREAMS.md). The first client message must be `hello`. Per-run
+    failures come back as `error` and never close the stream. A stream that
+    drops revokes nothing: leases live by their ttl.
+    Stream-level errors: RUN_VALIDATION_ERROR (no or bad hello).
+    """
+    WatchRuns: _grpc.UnaryStreamMultiCallable[_ledger_pb2.WatchRunsRequest, _ledger_pb2.WatchRunsResponse]
+    """Stream every committed change, in revision order (SPEC §6.2). With
+    from_revision > 0, first replays the retained history from that revision,
+    then goes live, with no gap and no duplicate.
+    Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
+    when from_revision is older than the retained history; RESOURCE_EXHAUSTED
+    (reason STREAM_TOO_SLOW) when the watcher fell too far behind — resume
+    from the last revision received + 1.
+    """
 
 @_typing.type_check_only
 class LedgerAsyncStub(LedgerStub):
@@ -177,6 +196,23 @@ class LedgerAsyncStub(LedgerStub):
     """Ask whether a fencing token is still the run's current one, for
     downstream resources that must refuse stale writers (SPEC §5.4).
     Errors: RUN_VALIDATION_ERROR.
+    """
+    KeepAlive: _aio.StreamStreamMultiCallable[_ledger_pb2.KeepAliveRequest, _ledger_pb2.KeepAliveResponse]  # type: ignore[assignment]
+    """One bidirectional stream per worker process: renews any number of its
+    leases and brings back revocations (SPEC §6.1; protocol in
+    docs/STREAMS.md). The first client message must be `hello`. Per-run
+    failures come back as `error` and never close the stream. A stream that
+    drops revokes nothing: leases live by their ttl.
+    Stream-level errors: RUN_VALIDATION_ERROR (no or bad hello).
+    """
+    WatchRuns: _aio.UnaryStreamMultiCallable[_ledger_pb2.WatchRunsRequest, _ledger_pb2.WatchRunsResponse]  # type: ignore[assignment]
+    """Stream every committed change, in revision order (SPEC §6.2). With
+    from_revision > 0, first replays the retained history from that revision,
+    then goes live, with no gap and no duplicate.
+    Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
+    when from_revision is older than the retained history; RESOURCE_EXHAUSTED
+    (reason STREAM_TOO_SLOW) when the watcher fell too far behind — resume
+    from the last revision received + 1.
     """
 
 class LedgerServicer(metaclass=_abc_1.ABCMeta):
@@ -309,6 +345,35 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         """Ask whether a fencing token is still the run's current one, for
         downstream resources that must refuse stale writers (SPEC §5.4).
         Errors: RUN_VALIDATION_ERROR.
+        """
+
+    @_abc_1.abstractmethod
+    def KeepAlive(
+        self,
+        request_iterator: _MaybeAsyncIterator[_ledger_pb2.KeepAliveRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ledger_pb2.KeepAliveResponse], _abc.AsyncIterator[_ledger_pb2.KeepAliveResponse]]:
+        """One bidirectional stream per worker process: renews any number of its
+        leases and brings back revocations (SPEC §6.1; protocol in
+        docs/STREAMS.md). The first client message must be `hello`. Per-run
+        failures come back as `error` and never close the stream. A stream that
+        drops revokes nothing: leases live by their ttl.
+        Stream-level errors: RUN_VALIDATION_ERROR (no or bad hello).
+        """
+
+    @_abc_1.abstractmethod
+    def WatchRuns(
+        self,
+        request: _ledger_pb2.WatchRunsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ledger_pb2.WatchRunsResponse], _abc.AsyncIterator[_ledger_pb2.WatchRunsResponse]]:
+        """Stream every committed change, in revision order (SPEC §6.2). With
+        from_revision > 0, first replays the retained history from that revision,
+        then goes live, with no gap and no duplicate.
+        Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
+        when from_revision is older than the retained history; RESOURCE_EXHAUSTED
+        (reason STREAM_TOO_SLOW) when the watcher fell too far behind — resume
+        from the last revision received + 1.
         """
 
 def add_LedgerServicer_to_server(servicer: LedgerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,202 @@
+"""The streaming Ledger RPCs: KeepAlive and WatchRuns (SPEC §6).
+
+Each stream's handler runs a *pump* task (messages out) and, for KeepAlive, a
+*reader* task (messages in), and waits for the first of: the pump ending, the
+reader ending, or the stream's Stop (overflow, shutdown). The pump is
+cancelled from outside, so a client that stopped reading cannot pin a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from fencepost.v1 import ledger_pb2 as pb
+
+from ..core import ledger as L
+from ..core import validate
+from ..core.errors import Code, LedgerError, validation
+from ..storage.sqlite import HistoryReader
+from ..streams import FenceHub, Session, Stop, Watch, lost_message, lost_reason, watch_message
+from ._registry import Malformed
+
+log = logging.getLogger("fencepost.streams")
+
+MAX_WATCH_IDS = 1000
+REPLAY_PAGE = 1000
+
+
+def _error(run_id: str, err: LedgerError) -> pb.KeepAliveResponse:
+    return pb.KeepAliveResponse(
+        error=pb.KeepAliveError(run_id=run_id, code=err.code.value, message=err.message)
+    )
+
+
+def _stop_error(stop: Stop) -> LedgerError:
+    if stop.reason == Stop.OVERFLOW:
+        return LedgerError(
+            Code.STREAM_TOO_SLOW,
+            "the stream fell too far behind reading and was dropped; reconnect "
+            "(WatchRuns: resume from the last revision received + 1)",
+        )
+    return LedgerError(Code.STORAGE_UNAVAILABLE, "the server is shutting down; reconnect")
+
+
+async def _run_until_stopped(stop: Stop, *tasks: asyncio.Task[Any]) -> None:
+    """Wait for the first task to end or the stop signal; cancel the rest.
+    Re-raises a task's error; raises the stop's LedgerError."""
+    stopper = asyncio.create_task(stop.event.wait())
+    try:
+        done, _ = await asyncio.wait({stopper, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (stopper, *tasks):
+            t.cancel()
+        for t in (stopper, *tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+    for t in tasks:
+        if t in done and not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+    if stop.reason is not None:
+        raise _stop_error(stop)
+
+
+class StreamHandlers:
+    """Mixed into LedgerService: needs self.writer, self.hub, self.history."""
+
+    writer: Any
+    hub: FenceHub
+    history: HistoryReader
+    history_executor: ThreadPoolExecutor
+
+    # -- KeepAlive -------------------------------------------------------------------
+
+    async def _keepalive(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> None:
+        requests = aiter(requests)
+        first = await anext(requests, None)
+        if first is None:
+            return
+        if isinstance(first, Malformed) or first.WhichOneof("kind") != "hello":
+            raise validation("hello", "the first message must be hello{owner}")
+        owner = validate.owner(first.hello.owner, "hello.owner")
+        session = Session(owner, limit=self.hub.queue_limit)
+        self.hub.sessions.add(session)
+        try:
+            reader = asyncio.create_task(self._keepalive_reader(session, requests))
+            pump = asyncio.create_task(self._keepalive_pump(session, context))
+            await _run_until_stopped(session.stop, reader, pump)
+        finally:
+            self.hub.drop(session)
+
+    async def _keepalive_pump(self, session: Session, context: grpc.aio.ServicerContext) -> None:
+        outbox = session.outbox
+        while True:
+            msg = await outbox.get()
+            await context.write(msg)
+
+    async def _keepalive_reader(self, session: Session, requests: AsyncIterator[Any]) -> None:
+        async for msg in requests:
+            run_id = ""
+            try:
+                if isinstance(msg, Malformed):
+                    raise validation("request", f"undecodable {msg.type_name}: {msg.error}")
+                kind = msg.WhichOneof("kind")
+                if kind == "renew":
+                    r = msg.renew
+                    run_id = r.run_id
+                    ttl = r.lease_ttl_ms if r.HasField("lease_ttl_ms") else None
+                    cmd = validate.command(L.Renew(r.run_id, session.owner, r.fencing_token, ttl))
+                    fut = self.writer.submit_nowait(cmd)
+                    fut.add_done_callback(
+                        functools.partial(self._renew_done, session, r.run_id, r.fencing_token)
+                    )
+                elif kind == "track":
+                    run_id = msg.track.run_id
+                    validate.run_id(run_id, "track.run_id")
+                    token = validate.int_range("track.fencing_token", msg.track.fencing_token, 1)
+                    self.hub.track(session, run_id, token)
+                elif kind == "untrack":
+                    run_id = msg.untrack.run_id
+                    validate.run_id(run_id, "untrack.run_id")
+                    self.hub.untrack(session, run_id)
+                elif kind == "hello":
+                    raise validation("hello", "may be sent only once, first")
+                else:
+                    raise validation("kind", "empty message: set renew, track or untrack")
+            except LedgerError as err:
+                session.send(_error(run_id, err))
+        # the client half-closed: it is done with this stream
+
+    def _renew_done(
+        self, session: Session, run_id: str, token: int, fut: asyncio.Future[Any]
+    ) -> None:
+        if fut.cancelled() or session not in self.hub.sessions:
+            return
+        err = fut.exception()
+        if err is None:
+            self.hub.renewed(session, run_id, token)
+        elif isinstance(err, LedgerError) and err.code is Code.RUN_LEASE_LOST:
+            self.hub.untrack(session, run_id)
+            session.send(lost_message(run_id, token, lost_reason(err.record, token), err.record))
+        elif isinstance(err, LedgerError):
+            session.send(_error(run_id, err))
+        else:
+            log.error("renew failed unexpectedly: %r", err)
+            session.send(_error(run_id, LedgerError(Code.STORAGE_UNAVAILABLE, "internal error")))
+
+    # -- WatchRuns -------------------------------------------------------------------
+
+    async def _watch(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        if len(request.run_ids) > MAX_WATCH_IDS:
+            raise validation("run_ids", f"at most {MAX_WATCH_IDS} ids")
+        for i, rid in enumerate(request.run_ids):
+            validate.run_id(rid, f"run_ids[{i}]")
+        start = validate.int_range("from_revision", request.from_revision, 0)
+        watch = Watch(frozenset(request.run_ids), limit=self.hub.queue_limit)
+        self.hub.watchers.add(watch)  # subscribe first ...
+        upto = self.writer.state.revision  # ... then read the revision: no gap, no dup
+        try:
+            if start and start <= self.writer.state.compacted:
+                raise LedgerError(
+                    Code.RUN_REVISION_COMPACTED,
+                    f"from_revision {start} is older than the retained history "
+                    f"(oldest kept: {self.writer.state.compacted + 1}); re-list and watch "
+                    "from the current revision",
+                )
+            pump = asyncio.create_task(self._watch_pump(watch, start, upto, context))
+            await _run_until_stopped(watch.stop, pump)
+        finally:
+            self.hub.watchers.discard(watch)
+
+    def _in_executor(self, fn: Any, *args: Any) -> Awaitable[Any]:
+        return asyncio.get_running_loop().run_in_executor(self.history_executor, fn, *args)
+
+    async def _watch_pump(
+        self, watch: Watch, start: int, upto: int, context: grpc.aio.ServicerContext
+    ) -> None:
+        if start:
+            nxt = start
+            while nxt <= upto:
+                rows = await self._in_executor(self.history.read, nxt, upto, REPLAY_PAGE)
+                if not rows or rows[0][0] != nxt:
+                    raise LedgerError(
+                        Code.RUN_REVISION_COMPACTED,
+                        f"revision {nxt} was compacted during replay; re-list and watch again",
+                    )
+                for rev, run_id, kind, rec in rows:
+                    if not watch.run_ids or run_id in watch.run_ids:
+                        await context.write(watch_message(rev, kind, run_id, rec))
+                nxt = rows[-1][0] + 1
+        queue = watch.queue
+        while True:
+            ev = await queue.get()
+            await context.write(watch_message(ev.revision, ev.kind, ev.run_id, ev.record))

@@ -1,0 +1,321 @@
+"""KeepAlive sessions and WatchRuns subscriptions over the writer's change feed.
+
+Streams never touch the write path's database connection and never make the
+writer wait: the writer calls ``FenceHub.on_changes`` after each commit, which
+only looks up in-memory maps and puts messages on per-stream bounded queues.
+A stream that cannot keep up is dropped with a clear status (its leases live
+by their ttl; the client reconnects and re-tracks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fencepost.v1 import ledger_pb2 as pb
+
+from .clock import Clock
+from .convert import _ts, record_to_pb
+from .core import ledger as L
+from .core.records import Record, Status, is_terminal
+from .storage.sqlite import KIND_DELETE
+from .writer import ChangeEvent, Writer
+
+log = logging.getLogger("fencepost.streams")
+
+SESSION_QUEUE_LIMIT = 65_536
+
+
+def lost_reason(record: Record | None, token: int, cause: type | None = None) -> int:
+    """Why the fence of a tracked (run, token) is gone, given the record now."""
+    if record is None or cause in (L.DeleteRun, L.RawDelete):
+        return pb.LOST_REASON_DELETED
+    if cause is L.Cancel:
+        return pb.LOST_REASON_CANCELLED
+    if cause is L.Acquire:
+        return pb.LOST_REASON_TAKEN_OVER
+    if cause is L.Finish:
+        return pb.LOST_REASON_FINISHED
+    if cause in (L.RawCompareAndSet, L.RawCreate, L.Release, L.Suspend, L.RequestResume):
+        return pb.LOST_REASON_FENCE_MOVED
+    # learned late (track after the fact): derive from the record
+    if record.status is Status.CANCELLED and record.fencing_token > token:
+        return pb.LOST_REASON_CANCELLED
+    if is_terminal(record.status):
+        return pb.LOST_REASON_FINISHED
+    if record.fencing_token != token and record.lease is not None:
+        return pb.LOST_REASON_TAKEN_OVER
+    return pb.LOST_REASON_FENCE_MOVED
+
+
+def holds(record: Record | None, token: int, owner: str | None = None) -> bool:
+    """Whether (token[, owner]) is still the live fence of the record."""
+    return (
+        record is not None
+        and record.fencing_token == token
+        and record.lease is not None
+        and record.status is Status.RUNNING
+        and (owner is None or record.lease.owner == owner)
+    )
+
+
+@dataclass
+class Tracked:
+    token: int
+    owner: str  # the lease owner at the tracked token
+    expires_at: int
+    expiring_sent: bool = False
+
+
+class Stop:
+    """Why a stream must end: set once, awaited by the stream's handler, which
+    cancels its pump even when that pump is blocked on a full HTTP/2 window."""
+
+    OVERFLOW = "overflow"
+    SHUTDOWN = "shutdown"
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self.event.set()
+
+
+@dataclass(eq=False)
+class Session:
+    """One KeepAlive stream."""
+
+    owner: str
+    limit: int = SESSION_QUEUE_LIMIT
+    outbox: asyncio.Queue[pb.KeepAliveResponse] = field(default_factory=asyncio.Queue)
+    tracked: dict[str, Tracked] = field(default_factory=dict)
+    stop: Stop = field(default_factory=Stop)
+
+    def send(self, msg: pb.KeepAliveResponse) -> None:
+        if self.stop.reason is not None:
+            return
+        if self.outbox.qsize() >= self.limit:
+            self.stop.set(Stop.OVERFLOW)
+            return
+        self.outbox.put_nowait(msg)
+
+
+class FenceHub:
+    """Maps tracked (run, token) pairs to KeepAlive sessions; pushes `lost` on
+    commits that move a fence and `expiring` when a tracked lease passes its
+    expiry unrenewed."""
+
+    def __init__(
+        self,
+        writer: Writer,
+        clock: Clock,
+        *,
+        expiry_poll_s: float = 0.02,
+        queue_limit: int = SESSION_QUEUE_LIMIT,
+    ) -> None:
+        self.writer = writer
+        self.queue_limit = queue_limit
+        self.clock = clock
+        self.expiry_poll_s = expiry_poll_s
+        self.by_run: dict[str, set[Session]] = {}
+        self._deadlines: list[tuple[int, int, str, Session]] = []
+        self._seq = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+        self.sessions: set[Session] = set()
+        self.watchers: set[Watch] = set()
+
+    def start(self) -> None:
+        self._unsubscribe = self.writer.subscribe(self.on_changes)
+        self._task = asyncio.create_task(self._expiry_loop(), name="fencepost-expiry")
+
+    def shutdown(self) -> None:
+        """End every stream with UNAVAILABLE (clients reconnect elsewhere/later)."""
+        for session in list(self.sessions):
+            session.stop.set(Stop.SHUTDOWN)
+        for watch in list(self.watchers):
+            watch.stop.set(Stop.SHUTDOWN)
+
+    async def close(self) -> None:
+        self.shutdown()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # -- sessions ---------------------------------------------------------------------
+
+    def track(self, session: Session, run_id: str, token: int) -> None:
+        """Track (run, token) for the session, or push `lost` at once when the
+        fence already moved."""
+        rec = self.writer.state.runs.get(run_id)
+        if not holds(rec, token):
+            self.untrack(session, run_id)
+            session.send(lost_message(run_id, token, lost_reason(rec, token), rec))
+            return
+        assert rec is not None and rec.lease is not None
+        self._arm(session, run_id, token, rec.lease.owner, rec.lease.expires_at)
+
+    def _arm(self, session: Session, run_id: str, token: int, owner: str, expires_at: int) -> None:
+        entry = session.tracked.get(run_id)
+        if entry is None or entry.token != token or entry.owner != owner:
+            session.tracked[run_id] = Tracked(token, owner, expires_at)
+            self.by_run.setdefault(run_id, set()).add(session)
+        else:
+            entry.expires_at = expires_at
+            entry.expiring_sent = False
+        heapq.heappush(self._deadlines, (expires_at, next(self._seq), run_id, session))
+
+    def untrack(self, session: Session, run_id: str) -> None:
+        if session.tracked.pop(run_id, None) is not None:
+            sessions = self.by_run.get(run_id)
+            if sessions is not None:
+                sessions.discard(session)
+                if not sessions:
+                    del self.by_run[run_id]
+
+    def drop(self, session: Session) -> None:
+        self.sessions.discard(session)
+        for run_id in list(session.tracked):
+            self.untrack(session, run_id)
+
+    def renewed(self, session: Session, run_id: str, token: int) -> None:
+        """After a stream renewal committed: answer `renewed` and keep tracking,
+        unless a later commit already moved the fence (then `lost`)."""
+        rec = self.writer.state.runs.get(run_id)
+        if not holds(rec, token, session.owner):
+            self.track(session, run_id, token)  # pushes lost
+            return
+        assert rec is not None and rec.lease is not None
+        self._arm(session, run_id, token, session.owner, rec.lease.expires_at)
+        now = self.clock.now_ms()
+        session.send(
+            pb.KeepAliveResponse(
+                renewed=pb.KeepAliveRenewed(
+                    run_id=run_id,
+                    fencing_token=token,
+                    expires_at=_ts(rec.lease.expires_at),
+                    ttl_remaining_ms=max(0, rec.lease.expires_at - now),
+                )
+            )
+        )
+
+    # -- the change feed --------------------------------------------------------------
+
+    def on_changes(self, events: list[ChangeEvent]) -> None:
+        for ev in events:
+            sessions = self.by_run.get(ev.run_id)
+            if sessions:
+                self._fence_event(ev, sessions)
+        for watch in list(self.watchers):
+            watch.offer(events)
+
+    def _fence_event(self, ev: ChangeEvent, sessions: set[Session]) -> None:
+        rec = ev.record
+        for session in list(sessions):
+            entry = session.tracked[ev.run_id]
+            if holds(rec, entry.token, entry.owner):
+                assert rec is not None and rec.lease is not None
+                if rec.lease.expires_at != entry.expires_at:
+                    self._arm(session, ev.run_id, entry.token, entry.owner, rec.lease.expires_at)
+                continue
+            self.untrack(session, ev.run_id)
+            own_drop = (
+                rec is not None
+                and rec.fencing_token == entry.token
+                and ev.cause in (L.Finish, L.Release, L.Suspend)
+                and ev.previous is not None
+                and ev.previous.lease is not None
+                and ev.previous.lease.owner == session.owner
+            )
+            if own_drop:
+                continue  # this worker's own handle finished/released/suspended it
+            session.send(
+                lost_message(ev.run_id, entry.token, lost_reason(rec, entry.token, ev.cause), rec)
+            )
+
+    # -- expiry -------------------------------------------------------------------------
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.expiry_poll_s)
+            try:
+                self.check_expiry()
+            except Exception:  # never let the loop die
+                log.exception("expiry check failed")
+
+    def check_expiry(self) -> None:
+        now = self.clock.now_ms()
+        dl = self._deadlines
+        while dl and dl[0][0] <= now:
+            expires_at, _, run_id, session = heapq.heappop(dl)
+            entry = session.tracked.get(run_id)
+            if entry is None or entry.expires_at != expires_at or entry.expiring_sent:
+                continue  # stale heap entry
+            entry.expiring_sent = True
+            session.send(
+                pb.KeepAliveResponse(
+                    expiring=pb.KeepAliveExpiring(
+                        run_id=run_id, fencing_token=entry.token, expires_at=_ts(expires_at)
+                    )
+                )
+            )
+
+
+def lost_message(run_id: str, token: int, reason: int, rec: Record | None) -> pb.KeepAliveResponse:
+    lost = pb.KeepAliveLost(run_id=run_id, fencing_token=token, reason=reason)  # type: ignore[arg-type]
+    if rec is not None:
+        lost.record.CopyFrom(record_to_pb(rec))
+    return pb.KeepAliveResponse(lost=lost)
+
+
+# -- WatchRuns ------------------------------------------------------------------------------
+
+
+WATCH_QUEUE_LIMIT = 10_000
+
+
+class Watch:
+    """One WatchRuns subscriber: a bounded queue fed by the change feed. When
+    the queue is full the watch is stopped (never the writer)."""
+
+    def __init__(self, run_ids: frozenset[str], limit: int = WATCH_QUEUE_LIMIT) -> None:
+        self.run_ids = run_ids
+        self.limit = limit
+        self.queue: asyncio.Queue[ChangeEvent] = asyncio.Queue()
+        self.stop = Stop()
+
+    def offer(self, events: list[ChangeEvent]) -> None:
+        if self.stop.reason is not None:
+            return
+        for ev in events:
+            if self.run_ids and ev.run_id not in self.run_ids:
+                continue
+            if self.queue.qsize() >= self.limit:
+                self.stop.set(Stop.OVERFLOW)
+                return
+            self.queue.put_nowait(ev)
+
+
+def watch_message(
+    revision: int, kind: int, run_id: str, rec: Record | None
+) -> pb.WatchRunsResponse:
+    msg = pb.WatchRunsResponse(
+        revision=revision,
+        kind=pb.CHANGE_KIND_DELETE if kind == KIND_DELETE else pb.CHANGE_KIND_PUT,
+        run_id=run_id,
+    )
+    if rec is not None:
+        msg.record.CopyFrom(record_to_pb(rec))
+    return msg

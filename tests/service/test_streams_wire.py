@@ -1,0 +1,301 @@
+"""KeepAlive and WatchRuns on the wire (SPEC §6), with generated async stubs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from _records import bump
+
+from fencepost.v1 import ledger_pb2 as pb
+from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
+from fencepost.v1 import record_pb2 as rpb
+from fencepost.v1 import run_store_pb2 as spb
+from fencepost_server.clock import ManualClock
+from fencepost_server.harness import ServerThread
+
+COMPLETED = rpb.RUN_STATUS_COMPLETED
+
+
+class Stream:
+    """A KeepAlive stream driven from a test. A background task reads into a
+    queue: cancelling a pending read() would cancel the whole call."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self.call:
+                self.inbox.put_nowait(msg)
+        except BaseException as exc:  # surfaced by recv()
+            self.inbox.put_nowait(exc)
+        else:
+            self.inbox.put_nowait(grpc.aio.EOF)
+
+    async def send(self, **kind: Any) -> None:
+        await self.call.write(pb.KeepAliveRequest(**kind))
+
+    async def recv(self, wait_s: float = 3.0) -> pb.KeepAliveResponse:
+        msg = await asyncio.wait_for(self.inbox.get(), wait_s)
+        if isinstance(msg, BaseException):
+            raise msg
+        assert msg is not grpc.aio.EOF, "stream ended"
+        return msg  # type: ignore[no-any-return]
+
+    async def nothing(self, within: float = 0.3) -> None:
+        await asyncio.sleep(within)
+        assert self.inbox.empty(), f"unexpected message {self.inbox.get_nowait()}"
+
+
+@pytest.fixture
+async def aio(server: ServerThread) -> AsyncIterator[tuple[Any, Any]]:
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        yield ledger_pb2_grpc.LedgerStub(ch), run_store_pb2_grpc.RunStoreStub(ch)
+
+
+async def open_stream(ledger: Any, owner: str) -> Stream:
+    s = Stream(ledger.KeepAlive())
+    await s.send(hello=pb.KeepAliveHello(owner=owner))
+    return s
+
+
+async def acquire(ledger: Any, run_id: str, owner: str, **kw: Any) -> rpb.Run:
+    return (await ledger.Acquire(pb.AcquireRequest(run_id=run_id, owner=owner, **kw))).run
+
+
+async def test_renew_answers_renewed_with_remaining_ttl(aio, clock) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    run = await acquire(ledger, "r", "w", lease_ttl_ms=2_000)
+    s = await open_stream(ledger, "w")
+    clock.advance(500)
+    await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=run.fencing_token))
+    msg = await s.recv()
+    assert msg.WhichOneof("kind") == "renewed"
+    assert msg.renewed.ttl_remaining_ms == 2_000
+    assert msg.renewed.expires_at.ToMilliseconds() == clock.now_ms() + 2_000
+    await s.send(
+        renew=pb.KeepAliveRenew(run_id="r", fencing_token=run.fencing_token, lease_ttl_ms=5_000)
+    )
+    assert (await s.recv()).renewed.ttl_remaining_ms == 5_000
+
+
+async def test_first_message_must_be_hello(aio) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    call = ledger.KeepAlive()
+    await call.write(pb.KeepAliveRequest(track=pb.KeepAliveTrack(run_id="r", fencing_token=1)))
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await call.read()
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello" in (ei.value.details() or "")
+
+
+async def test_per_run_errors_do_not_close_the_stream(aio) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    run = await acquire(ledger, "r", "w")
+    s = await open_stream(ledger, "w")
+    await s.send(renew=pb.KeepAliveRenew(run_id="", fencing_token=1))
+    err = (await s.recv()).error
+    assert err.code == "RUN_VALIDATION_ERROR" and "run_id" in err.message
+    await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=1, lease_ttl_ms=1))
+    assert (await s.recv()).error.code == "RUN_VALIDATION_ERROR"
+    await s.send(hello=pb.KeepAliveHello(owner="again"))
+    assert (await s.recv()).error.code == "RUN_VALIDATION_ERROR"
+    await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=run.fencing_token))
+    assert (await s.recv()).WhichOneof("kind") == "renewed"
+
+
+@pytest.mark.parametrize("cause", ["takeover", "cancel", "delete", "raw_cas", "raw_cas_owner"])
+async def test_lost_is_pushed_for_each_cause(aio, clock, cause: str) -> None:  # type: ignore[no-untyped-def]
+    ledger, store = aio
+    run = await acquire(ledger, "r", "w1", lease_ttl_ms=1_000)
+    s = await open_stream(ledger, "w1")
+    await s.send(track=pb.KeepAliveTrack(run_id="r", fencing_token=run.fencing_token))
+    await s.nothing(0.1)
+    if cause == "takeover":
+        clock.advance(1_000)
+        await acquire(ledger, "r", "w2")
+        want = pb.LOST_REASON_TAKEN_OVER
+    elif cause == "cancel":
+        await ledger.Cancel(pb.CancelRequest(run_id="r"))
+        want = pb.LOST_REASON_CANCELLED
+    elif cause == "delete":
+        await ledger.DeleteRun(pb.DeleteRunRequest(run_id="r"))
+        want = pb.LOST_REASON_DELETED
+    else:
+        nxt = bump(run)
+        if cause == "raw_cas":
+            nxt.fencing_token = run.fencing_token + 1
+        else:
+            nxt.lease.owner = "intruder"
+        assert (
+            await store.CompareAndSet(
+                spb.CompareAndSetRequest(run_id="r", expected_version=run.version, next=nxt)
+            )
+        ).swapped
+        want = pb.LOST_REASON_FENCE_MOVED
+    lost = (await s.recv()).lost
+    assert (lost.run_id, lost.fencing_token, lost.reason) == ("r", run.fencing_token, want)
+    assert lost.HasField("record") == (cause != "delete")
+    await s.nothing(0.1)  # pushed once: no longer tracked
+
+
+async def test_finish_by_another_handle_is_finished(aio) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    run = await acquire(ledger, "r", "w1")
+    observer = await open_stream(ledger, "observer")
+    holder = await open_stream(ledger, "w1")
+    for s in (observer, holder):
+        await s.send(track=pb.KeepAliveTrack(run_id="r", fencing_token=run.fencing_token))
+    await ledger.Finish(
+        pb.FinishRequest(run_id="r", owner="w1", fencing_token=run.fencing_token, status=COMPLETED)
+    )
+    lost = (await observer.recv()).lost
+    assert lost.reason == pb.LOST_REASON_FINISHED and lost.record.status == COMPLETED
+    await holder.nothing(0.3)  # the holder's own finish is not a loss
+
+
+async def test_track_after_the_fact_reports_at_once(aio, clock) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    old = await acquire(ledger, "r", "w1", lease_ttl_ms=1_000)
+    clock.advance(1_000)
+    new = await acquire(ledger, "r", "w2")
+    await ledger.Finish(
+        pb.FinishRequest(run_id="r", owner="w2", fencing_token=new.fencing_token, status=COMPLETED)
+    )
+    s = await open_stream(ledger, "w1")
+    await s.send(track=pb.KeepAliveTrack(run_id="r", fencing_token=old.fencing_token))
+    assert (await s.recv()).lost.reason == pb.LOST_REASON_FINISHED
+    await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=old.fencing_token))
+    assert (await s.recv()).lost.reason == pb.LOST_REASON_FINISHED
+
+
+async def test_expiring_when_renewals_stop_and_rearmed_by_renewal(aio, clock) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    run = await acquire(ledger, "r", "w", lease_ttl_ms=1_000)
+    s = await open_stream(ledger, "w")
+    await s.send(track=pb.KeepAliveTrack(run_id="r", fencing_token=run.fencing_token))
+    clock.advance(999)
+    await s.nothing(0.15)
+    clock.advance(1)
+    exp = (await s.recv()).expiring
+    assert (exp.run_id, exp.fencing_token) == ("r", run.fencing_token)
+    assert exp.expires_at.ToMilliseconds() == clock.now_ms()
+    await s.nothing(0.15)  # once per expiry
+    await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=run.fencing_token))
+    assert (await s.recv()).WhichOneof("kind") == "renewed"  # expired but not taken: renewable
+    clock.advance(1_000)
+    assert (await s.recv()).WhichOneof("kind") == "expiring"
+
+
+async def test_untrack_stops_pushes(aio) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    run = await acquire(ledger, "r", "w")
+    s = await open_stream(ledger, "w")
+    await s.send(track=pb.KeepAliveTrack(run_id="r", fencing_token=run.fencing_token))
+    await s.send(untrack=pb.KeepAliveUntrack(run_id="r"))
+    await asyncio.sleep(0.05)
+    await ledger.Cancel(pb.CancelRequest(run_id="r"))
+    await s.nothing(0.3)
+
+
+async def test_closing_the_stream_revokes_nothing(aio, server) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    run = await acquire(ledger, "r", "w", lease_ttl_ms=10_000)
+    s = await open_stream(ledger, "w")
+    await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=run.fencing_token))
+    await s.recv()
+    s.call.cancel()
+    await asyncio.sleep(0.1)
+    rec = server.writer.state.runs["r"]
+    assert rec.fencing_token == run.fencing_token and rec.lease.owner == "w"
+
+
+# -- WatchRuns --------------------------------------------------------------------------
+
+
+async def collect(call: Any, n: int, wait_s: float = 5.0) -> list[pb.WatchRunsResponse]:
+    async def take() -> list[pb.WatchRunsResponse]:
+        return [await call.read() for _ in range(n)]
+
+    return await asyncio.wait_for(take(), wait_s)
+
+
+async def test_watch_live_and_filtered(aio) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    all_ = ledger.WatchRuns(pb.WatchRunsRequest())
+    only_b = ledger.WatchRuns(pb.WatchRunsRequest(run_ids=["b"]))
+    await asyncio.sleep(0.1)  # let the watches subscribe
+    a = await acquire(ledger, "a", "w")
+    await acquire(ledger, "b", "w")
+    await ledger.DeleteRun(pb.DeleteRunRequest(run_id="a"))
+    got = await collect(all_, 3)
+    assert [(m.revision, m.run_id, m.kind) for m in got] == [
+        (1, "a", pb.CHANGE_KIND_PUT),
+        (2, "b", pb.CHANGE_KIND_PUT),
+        (3, "a", pb.CHANGE_KIND_DELETE),
+    ]
+    assert got[0].record == a and not got[2].HasField("record")
+    got_b = await collect(only_b, 1)
+    assert got_b[0].run_id == "b"
+    all_.cancel()
+    only_b.cancel()
+
+
+async def test_watch_replays_then_goes_live_without_gap_or_dup(aio) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    for i in range(30):
+        await acquire(ledger, f"r{i}", "w")
+    call = ledger.WatchRuns(pb.WatchRunsRequest(from_revision=11))
+    writer = asyncio.gather(*(acquire(ledger, f"s{i}", "w") for i in range(30)))
+    got = await collect(call, 50)
+    await writer
+    assert [m.revision for m in got] == list(range(11, 61))
+    call.cancel()
+
+
+async def test_watch_rejects_compacted_revisions(tmp_path: Path) -> None:
+    clock = ManualClock()
+    with ServerThread(tmp_path / "db", clock=clock, history_revisions=10, prune_every_s=0) as srv:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            ledger = ledger_pb2_grpc.LedgerStub(ch)
+            for i in range(25):
+                await acquire(ledger, f"r{i}", "w")
+            call = ledger.WatchRuns(pb.WatchRunsRequest(from_revision=3))
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await call.read()
+            assert ei.value.code() == grpc.StatusCode.OUT_OF_RANGE
+            ok = ledger.WatchRuns(pb.WatchRunsRequest(from_revision=16))
+            assert [m.revision for m in await collect(ok, 10)] == list(range(16, 26))
+            ok.cancel()
+
+
+async def test_a_watcher_that_never_reads_is_dropped_not_the_writer(tmp_path: Path) -> None:
+    with ServerThread(tmp_path / "db", stream_queue_limit=200) as srv:
+        # no BDP probing: the window stays at 64 KiB, as for a client that stalled
+        async with grpc.aio.insecure_channel(
+            srv.address, options=[("grpc.http2.bdp_probe", 0)]
+        ) as ch:
+            ledger = ledger_pb2_grpc.LedgerStub(ch)
+            slow = ledger.WatchRuns(pb.WatchRunsRequest())
+            await asyncio.sleep(0.1)
+            big = "x" * 400  # fill the HTTP/2 window quickly
+            for i in range(600):
+                await ledger.Acquire(pb.AcquireRequest(run_id=f"{big}{i}", owner="w"))
+            assert srv.writer.state.revision == 600  # the writer never waited
+
+            async def drain() -> grpc.StatusCode:
+                try:
+                    async for _ in slow:
+                        pass
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+                return grpc.StatusCode.OK
+
+            assert await asyncio.wait_for(drain(), 20) == grpc.StatusCode.RESOURCE_EXHAUSTED
