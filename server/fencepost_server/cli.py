@@ -96,12 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fencepost", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    try:
-        from . import cli_ops
-    except ImportError:  # pragma: no cover - operator commands not built
-        cli_ops = None  # type: ignore[assignment]
-    if cli_ops is not None:
-        cli_ops.add_parsers(sub, default_addr=os.environ.get("FENCEPOST_ADDR", "127.0.0.1:50051"))
+    from . import cli_ops
+
+    cli_ops.add_parsers(sub, default_addr=os.environ.get("FENCEPOST_ADDR", "127.0.0.1:50051"))
     return parser
 
 

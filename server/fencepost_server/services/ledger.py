@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import bisect
 import hashlib
+import itertools
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -55,33 +56,25 @@ def decode_page_token(token: str, fkey: str) -> str:
 def list_page(
     writer: Writer, statuses: frozenset[Status], owner: str, page_size: int, page_token: str
 ) -> tuple[list[Record], str]:
-    """One page of runs ordered by run_id from the committed state."""
+    """One page of runs ordered by run_id from the committed state. Scans from
+    the token's position and stops at the first match past a full page, so a
+    page costs what it skips, not the size of the table."""
     fkey = _filter_key(statuses, owner)
     after = decode_page_token(page_token, fkey) if page_token else None
     st = writer.state
     ids = st.sorted_ids
     i = bisect.bisect_right(ids, after) if after is not None else 0
     out: list[Record] = []
-    while i < len(ids):
-        rec = st.runs[ids[i]]
-        i += 1
+    for k in itertools.islice(ids, i, None):
+        rec = st.runs[k]
         if statuses and rec.status not in statuses:
             continue
         if owner and (rec.lease is None or rec.lease.owner != owner):
             continue
+        if len(out) == page_size:  # one more match exists: there is a next page
+            return out, encode_page_token(out[-1].run_id, fkey)
         out.append(rec)
-        if len(out) == page_size:
-            break
-    more = (
-        any(
-            (not statuses or st.runs[k].status in statuses)
-            and (not owner or (st.runs[k].lease is not None and st.runs[k].lease.owner == owner))  # type: ignore[union-attr]
-            for k in ids[i:]
-        )
-        if len(out) == page_size
-        else False
-    )
-    return out, encode_page_token(out[-1].run_id, fkey) if more and out else ""
+    return out, ""
 
 
 class LedgerService(StreamHandlers, ledger_pb2_grpc.LedgerServicer):
@@ -98,11 +91,13 @@ class LedgerService(StreamHandlers, ledger_pb2_grpc.LedgerServicer):
         self.history_executor = history_executor
 
     @handler
-    async def KeepAlive(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+    async def KeepAlive(  # type: ignore[override]
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> None:
         await self._keepalive(request_iterator, context)
 
     @handler
-    async def WatchRuns(
+    async def WatchRuns(  # type: ignore[override]
         self, request: pb.WatchRunsRequest, context: grpc.aio.ServicerContext
     ) -> None:
         await self._watch(request, context)

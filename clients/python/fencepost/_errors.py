@@ -1,0 +1,248 @@
+"""Exceptions raised by the fencepost SDK, and the one function that turns a
+gRPC error into one of them (``from_rpc_error``). Nothing else in the SDK
+looks at a gRPC status, and nothing anywhere matches on message text.
+
+The tree::
+
+    FencepostError                  .code .record .field .message .grpc_code
+    ├── ValidationError             RUN_VALIDATION_ERROR       (.field names the input)
+    ├── RunNotFoundError            RUN_NOT_FOUND
+    ├── LeaseHeldError              RUN_LEASE_HELD
+    ├── LeaseLostError              RUN_LEASE_LOST             (the handle's fence moved)
+    ├── AlreadyTerminalError        RUN_ALREADY_TERMINAL
+    ├── RunSuspendedError           RUN_SUSPENDED
+    ├── InvalidTransitionError      RUN_INVALID_TRANSITION
+    ├── ConflictError               RUN_CONFLICT
+    ├── IntegrityError              RUN_INTEGRITY_ERROR
+    ├── AtomicStoreRequiredError    RUN_STORE_ATOMIC_REQUIRED
+    ├── InvalidRunStateError        INVALID_RUN_STATE
+    ├── StorageFullError            STORAGE_FULL               (nothing was written)
+    ├── StorageUnavailableError     STORAGE_UNAVAILABLE        (nothing was written)
+    ├── UnauthenticatedError        UNAUTHENTICATED
+    ├── PermissionDeniedError       PERMISSION_DENIED
+    ├── RpcError                    a reason this SDK has no class for yet (.code is
+    │                               the reason), or a status with no fencepost reason
+    │                               (.code is the gRPC status name, e.g. "INTERNAL")
+    └── UnavailableError            no answer: UNAVAILABLE after every retry, or a
+        │                           read's deadline passed (.code "UNAVAILABLE" or
+        │                           "DEADLINE_EXCEEDED")
+        └── OutcomeUnknownError     a mutation got no answer: it may or may not have
+                                    been applied. Retrying it with a fresh call is
+                                    safe for the converging commands (finish,
+                                    suspend, release, cancel, resume) and reads
+                                    the current state for the others.
+
+``.record`` is the run record the server observed when it refused (for
+example the record that shows who holds the lease), or None.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from ._records import RunRecord, record_from_pb
+from .v1 import record_pb2
+
+DOMAIN = "fencepost"
+
+
+class FencepostError(Exception):
+    """Base of every error the SDK raises for a failed call."""
+
+    code: str = ""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        record: RunRecord | None = None,
+        field: str | None = None,
+        grpc_code: grpc.StatusCode | None = None,
+    ) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.record = record
+        self.field = field
+        self.grpc_code = grpc_code
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}" if self.code else self.message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code!r}, {self.message!r})"
+
+
+class ValidationError(FencepostError):
+    """Bad input; ``.field`` names it (e.g. "lease_ttl_ms"). Nothing changed."""
+
+    code = "RUN_VALIDATION_ERROR"
+
+
+class RunNotFoundError(FencepostError):
+    code = "RUN_NOT_FOUND"
+
+
+class LeaseHeldError(FencepostError):
+    """Another owner holds a live lease (``.record.lease`` says who, until when)."""
+
+    code = "RUN_LEASE_HELD"
+
+
+class LeaseLostError(FencepostError):
+    """The handle's fence moved: taken over, cancelled, deleted or finished by
+    another handle. The handle can make no further write."""
+
+    code = "RUN_LEASE_LOST"
+
+
+class AlreadyTerminalError(FencepostError):
+    code = "RUN_ALREADY_TERMINAL"
+
+
+class RunSuspendedError(FencepostError):
+    """The run is suspended; ``request_resume`` it before acquiring."""
+
+    code = "RUN_SUSPENDED"
+
+
+class InvalidTransitionError(FencepostError):
+    code = "RUN_INVALID_TRANSITION"
+
+
+class ConflictError(FencepostError):
+    code = "RUN_CONFLICT"
+
+
+class IntegrityError(FencepostError):
+    code = "RUN_INTEGRITY_ERROR"
+
+
+class AtomicStoreRequiredError(FencepostError):
+    code = "RUN_STORE_ATOMIC_REQUIRED"
+
+
+class InvalidRunStateError(FencepostError):
+    code = "INVALID_RUN_STATE"
+
+
+class StorageFullError(FencepostError):
+    """The server could not make the write durable (disk full); nothing changed."""
+
+    code = "STORAGE_FULL"
+
+
+class StorageUnavailableError(FencepostError):
+    """The server could not make the write durable, or is shutting down;
+    nothing changed. Retried automatically like any UNAVAILABLE."""
+
+    code = "STORAGE_UNAVAILABLE"
+
+
+class UnauthenticatedError(FencepostError):
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(FencepostError):
+    code = "PERMISSION_DENIED"
+
+
+class RpcError(FencepostError):
+    """A gRPC status without a fencepost reason (INTERNAL, UNIMPLEMENTED...).
+    ``.code`` is the gRPC status name."""
+
+
+class UnavailableError(FencepostError):
+    """The server gave no answer: unreachable after every retry, or a read's
+    deadline passed."""
+
+    code = "UNAVAILABLE"
+
+
+class OutcomeUnknownError(UnavailableError):
+    """A mutation got no answer, so it may or may not have been applied."""
+
+
+_BY_REASON: dict[str, type[FencepostError]] = {
+    cls.code: cls
+    for cls in (
+        ValidationError,
+        RunNotFoundError,
+        LeaseHeldError,
+        LeaseLostError,
+        AlreadyTerminalError,
+        RunSuspendedError,
+        InvalidTransitionError,
+        ConflictError,
+        IntegrityError,
+        AtomicStoreRequiredError,
+        InvalidRunStateError,
+        StorageFullError,
+        StorageUnavailableError,
+        UnauthenticatedError,
+        PermissionDeniedError,
+    )
+}
+
+# Status codes that mean "no answer arrived" rather than "the server refused".
+_NO_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _rich_status(err: grpc.RpcError) -> status_pb2.Status | None:
+    try:
+        return rpc_status.from_call(err)  # type: ignore[arg-type]
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+def from_rpc_error(err: grpc.RpcError, *, mutation: bool) -> FencepostError:
+    """The SDK's single mapping from a gRPC error to a ``FencepostError``.
+
+    A status with a fencepost ``ErrorInfo`` becomes the class for its reason,
+    with ``.record`` unpacked from the attached ``fencepost.v1.Run`` and
+    ``.field`` from the ErrorInfo metadata. Without one, UNAVAILABLE and
+    DEADLINE_EXCEEDED become ``OutcomeUnknownError`` for a mutation and
+    ``UnavailableError`` otherwise; any other status becomes ``RpcError``.
+    """
+    code_fn = getattr(err, "code", None)
+    grpc_code: grpc.StatusCode = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
+    details_fn = getattr(err, "details", None)
+    message = (details_fn() if callable(details_fn) else None) or str(err)
+
+    reason: str | None = None
+    field: str | None = None
+    record: RunRecord | None = None
+    rich = _rich_status(err)
+    if rich is not None:
+        for detail in rich.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                if info.domain == DOMAIN:
+                    reason = info.reason
+                    field = info.metadata.get("field") or None
+            elif detail.Is(record_pb2.Run.DESCRIPTOR):
+                run = record_pb2.Run()
+                detail.Unpack(run)
+                try:
+                    record = record_from_pb(run)
+                except ValueError:
+                    record = None
+
+    if reason is not None:
+        cls = _BY_REASON.get(reason)
+        if cls is not None:
+            return cls(message, record=record, field=field, grpc_code=grpc_code)
+        return RpcError(message, code=reason, record=record, field=field, grpc_code=grpc_code)
+    if grpc_code in _NO_ANSWER:
+        no_answer = OutcomeUnknownError if mutation else UnavailableError
+        return no_answer(message, code=grpc_code.name, grpc_code=grpc_code)
+    if grpc_code is grpc.StatusCode.UNAUTHENTICATED:
+        return UnauthenticatedError(message, grpc_code=grpc_code)
+    if grpc_code is grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDeniedError(message, grpc_code=grpc_code)
+    return RpcError(message, code=grpc_code.name, grpc_code=grpc_code)

@@ -1,0 +1,270 @@
+"""The run record as Python values, the lifecycle table (SPEC §2-§3) and the
+conversions from the wire. I/O-free: shared by the async and the sync client.
+
+Times are timezone-aware ``datetime`` objects in UTC with millisecond
+precision (the server's clock); durations are ``int`` milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from .v1 import record_pb2
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+class RunStatus(StrEnum):
+    """Lifecycle status of a run. The value is the lower-case name on the CLI
+    and in JSON; ``str(RunStatus.RUNNING) == "running"``."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+_TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+
+_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.QUEUED: frozenset({RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.FAILED}),
+    RunStatus.RUNNING: frozenset(
+        {
+            RunStatus.SUSPENDED,
+            RunStatus.COMPLETED,
+            RunStatus.FAILED,
+            RunStatus.CANCELLED,
+            RunStatus.QUEUED,
+        }
+    ),
+    RunStatus.SUSPENDED: frozenset(
+        {RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.FAILED}
+    ),
+    RunStatus.COMPLETED: frozenset(),
+    RunStatus.FAILED: frozenset(),
+    RunStatus.CANCELLED: frozenset(),
+}
+
+# RunStatus <-> fencepost.v1.RunStatus numbers (0, UNSPECIFIED, is never stored).
+_TO_PB: dict[RunStatus, int] = {
+    RunStatus.QUEUED: record_pb2.RUN_STATUS_QUEUED,
+    RunStatus.RUNNING: record_pb2.RUN_STATUS_RUNNING,
+    RunStatus.SUSPENDED: record_pb2.RUN_STATUS_SUSPENDED,
+    RunStatus.COMPLETED: record_pb2.RUN_STATUS_COMPLETED,
+    RunStatus.FAILED: record_pb2.RUN_STATUS_FAILED,
+    RunStatus.CANCELLED: record_pb2.RUN_STATUS_CANCELLED,
+}
+_FROM_PB: dict[int, RunStatus] = {v: k for k, v in _TO_PB.items()}
+
+
+def parse_status(status: RunStatus | str) -> RunStatus:
+    """A ``RunStatus`` from the enum or its string ("running", case-insensitive).
+    Raises ``ValueError`` for anything else."""
+    if isinstance(status, RunStatus):
+        return status
+    try:
+        return RunStatus(str(status).lower())
+    except ValueError:
+        names = ", ".join(s.value for s in RunStatus)
+        raise ValueError(f"unknown run status {status!r} (expected one of {names})") from None
+
+
+def is_terminal(status: RunStatus | str) -> bool:
+    """True for ``completed``, ``failed`` and ``cancelled``: nothing leaves them."""
+    return parse_status(status) in _TERMINAL
+
+
+def can_transition(src: RunStatus | str, dst: RunStatus | str) -> bool:
+    """True when ``src -> dst`` is a legal lifecycle move (SPEC §3).
+    Same status to same status is not a transition (False)."""
+    return parse_status(dst) in _TRANSITIONS[parse_status(src)]
+
+
+def status_to_pb(status: RunStatus | str) -> int:
+    return _TO_PB[parse_status(status)]
+
+
+def status_from_pb(value: int) -> RunStatus | None:
+    """The status for a wire number; None for UNSPECIFIED or a number this SDK
+    does not know."""
+    return _FROM_PB.get(value)
+
+
+# -- the record -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """The lease written on a record: who may advance the run, and until when
+    (server time). Not to be confused with ``Lease``, the handle a worker holds."""
+
+    owner: str
+    acquired_at: datetime
+    expires_at: datetime
+    ttl_ms: int
+    lock_delay_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRef:
+    """Pointer to the worker's latest durable checkpoint."""
+
+    key: str
+    snapshot_version: int
+    saved_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a run ended."""
+
+    code: str
+    message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Suspension:
+    """Why and since when a run is suspended."""
+
+    suspended_at: datetime
+    pending_approval_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """The authoritative record of one run (SPEC §2), as the server last wrote it."""
+
+    run_id: str
+    version: int
+    status: RunStatus
+    attempt: int
+    fencing_token: int
+    created_at: datetime
+    updated_at: datetime
+    lease: LeaseInfo | None = None
+    checkpoint_ref: CheckpointRef | None = None
+    outcome: Outcome | None = None
+    suspension: Suspension | None = None
+    revision: int = 0
+    schema: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict: status as its string, times as ISO 8601 UTC strings
+        with milliseconds; absent sub-records are absent keys."""
+        d: dict[str, Any] = {
+            "run_id": self.run_id,
+            "status": self.status.value,
+            "version": self.version,
+            "attempt": self.attempt,
+            "fencing_token": self.fencing_token,
+        }
+        if self.lease is not None:
+            d["lease"] = {
+                "owner": self.lease.owner,
+                "acquired_at": format_time(self.lease.acquired_at),
+                "expires_at": format_time(self.lease.expires_at),
+                "ttl_ms": self.lease.ttl_ms,
+                "lock_delay_ms": self.lease.lock_delay_ms,
+            }
+        if self.checkpoint_ref is not None:
+            d["checkpoint_ref"] = {
+                "key": self.checkpoint_ref.key,
+                "snapshot_version": self.checkpoint_ref.snapshot_version,
+                "saved_at": format_time(self.checkpoint_ref.saved_at),
+            }
+        if self.outcome is not None:
+            d["outcome"] = {"code": self.outcome.code}
+            if self.outcome.message is not None:
+                d["outcome"]["message"] = self.outcome.message
+        if self.suspension is not None:
+            d["suspension"] = {
+                "suspended_at": format_time(self.suspension.suspended_at),
+                "pending_approval_ids": list(self.suspension.pending_approval_ids),
+            }
+        d["created_at"] = format_time(self.created_at)
+        d["updated_at"] = format_time(self.updated_at)
+        d["revision"] = self.revision
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class FenceStatus:
+    """Answer of ``validate_fence``: ``current`` is True exactly when the run
+    exists, is running under a lease and the token presented is its current one."""
+
+    current: bool
+    found: bool
+    fencing_token: int
+    status: RunStatus | None
+    revision: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    """Answer of ``delete``: the run's last fencing token (a later acquire of the
+    same id continues above it) and the revision of the delete."""
+
+    fencing_token: int
+    revision: int
+
+
+# -- wire -> Python -----------------------------------------------------------------
+
+
+def format_time(t: datetime) -> str:
+    return t.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def time_from_pb(ts: Timestamp) -> datetime:
+    return _EPOCH + timedelta(milliseconds=ts.seconds * 1000 + ts.nanos // 1_000_000)
+
+
+def record_from_pb(m: record_pb2.Run) -> RunRecord:
+    status = status_from_pb(m.status)
+    if status is None:
+        raise ValueError(f"the server sent run {m.run_id!r} with unknown status {m.status}")
+    lease = None
+    if m.HasField("lease"):
+        le = m.lease
+        lease = LeaseInfo(
+            owner=le.owner,
+            acquired_at=time_from_pb(le.acquired_at),
+            expires_at=time_from_pb(le.expires_at),
+            ttl_ms=le.ttl_ms,
+            lock_delay_ms=le.lock_delay_ms,
+        )
+    ckpt = None
+    if m.HasField("checkpoint_ref"):
+        c = m.checkpoint_ref
+        ckpt = CheckpointRef(c.key, c.snapshot_version, time_from_pb(c.saved_at))
+    outcome = None
+    if m.HasField("outcome"):
+        msg = m.outcome.message if m.outcome.HasField("message") else None
+        outcome = Outcome(m.outcome.code, msg)
+    susp = None
+    if m.HasField("suspension"):
+        susp = Suspension(
+            time_from_pb(m.suspension.suspended_at), tuple(m.suspension.pending_approval_ids)
+        )
+    return RunRecord(
+        run_id=m.run_id,
+        version=m.version,
+        status=status,
+        attempt=m.attempt,
+        fencing_token=m.fencing_token,
+        created_at=time_from_pb(m.created_at),
+        updated_at=time_from_pb(m.updated_at),
+        lease=lease,
+        checkpoint_ref=ckpt,
+        outcome=outcome,
+        suspension=susp,
+        revision=m.revision,
+        schema=m.schema,
+    )

@@ -1,0 +1,123 @@
+"""Retries (AIP-194): only UNAVAILABLE is retried, with jittered exponential
+backoff, bounded in total time. A mutation carries one request id for all its
+attempts (SPEC §5.5), so a retry after a lost answer gets the original answer
+instead of applying the command twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from ._errors import FencepostError, OutcomeUnknownError, from_rpc_error
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a call is retried when the server is unavailable.
+
+    ``total_timeout_s`` bounds the time spent retrying (no new attempt starts
+    after it); ``attempt_timeout_s`` is each attempt's gRPC deadline (None: no
+    deadline); ``max_attempts`` of 1 disables retries.
+    """
+
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+    total_timeout_s: float = 10.0
+    attempt_timeout_s: float | None = 10.0
+    max_attempts: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.initial_backoff_s <= 0 or self.max_backoff_s < self.initial_backoff_s:
+            raise ValueError("need 0 < initial_backoff_s <= max_backoff_s")
+        if self.multiplier < 1:
+            raise ValueError("multiplier must be >= 1")
+        if not 0 <= self.jitter < 1:
+            raise ValueError("jitter must be in [0, 1)")
+        if self.total_timeout_s < 0:
+            raise ValueError("total_timeout_s must be >= 0")
+        if self.attempt_timeout_s is not None and self.attempt_timeout_s <= 0:
+            raise ValueError("attempt_timeout_s must be > 0 or None")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1 or None")
+
+    @classmethod
+    def no_retry(cls, attempt_timeout_s: float | None = 10.0) -> RetryPolicy:
+        """One attempt only."""
+        return cls(max_attempts=1, attempt_timeout_s=attempt_timeout_s)
+
+    def backoffs(self) -> _Backoff:
+        return _Backoff(self)
+
+
+class _Backoff:
+    def __init__(self, policy: RetryPolicy) -> None:
+        self._policy = policy
+        self._next = policy.initial_backoff_s
+
+    def next(self) -> float:
+        p = self._policy
+        delay = self._next * random.uniform(1 - p.jitter, 1 + p.jitter)
+        self._next = min(self._next * p.multiplier, p.max_backoff_s)
+        return delay
+
+
+async def call_with_retry(
+    attempt: Callable[[float | None], Awaitable[T]],
+    policy: RetryPolicy,
+    *,
+    mutation: bool,
+) -> T:
+    """Run ``attempt(timeout)`` until it succeeds, fails with a status other
+    than UNAVAILABLE, or the policy is exhausted; raise the mapped error.
+
+    For a mutation, once any attempt ended without an answer the outcome is
+    unknown, and the final error is ``OutcomeUnknownError`` even when the last
+    attempt was refused with STORAGE_UNAVAILABLE (an earlier attempt may
+    still commit).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + policy.total_timeout_s
+    backoff = policy.backoffs()
+    attempts = 0
+    unknown: FencepostError | None = None
+    while True:
+        attempts += 1
+        try:
+            return await attempt(policy.attempt_timeout_s)
+        except grpc.RpcError as err:
+            exc = from_rpc_error(err, mutation=mutation)
+            if isinstance(exc, OutcomeUnknownError):
+                unknown = exc
+            code = exc.grpc_code
+            delay = backoff.next()
+            exhausted = (
+                code is not grpc.StatusCode.UNAVAILABLE
+                or (policy.max_attempts is not None and attempts >= policy.max_attempts)
+                or loop.time() + delay > deadline
+            )
+            if not exhausted:
+                await asyncio.sleep(delay)
+                continue
+            if (
+                unknown is not None
+                and code is grpc.StatusCode.UNAVAILABLE
+                and not isinstance(exc, OutcomeUnknownError)
+            ):
+                raise OutcomeUnknownError(
+                    f"no answer from an earlier attempt, and the last was refused: {exc}",
+                    code=unknown.code,
+                    grpc_code=unknown.grpc_code,
+                ) from err
+            if attempts > 1:
+                exc.add_note(f"fencepost: gave up after {attempts} attempts")
+            raise exc from err

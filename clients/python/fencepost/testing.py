@@ -1,0 +1,54 @@
+"""pytest fixtures for testing code that uses fencepost, against a real
+coordinator running in-process on a loopback port.
+
+Import the fixtures into a ``conftest.py`` (this module is not registered as
+a pytest plugin entry point)::
+
+    from fencepost.testing import fencepost_client, fencepost_server  # noqa: F401
+
+    def test_takeover(fencepost_client, fencepost_server):
+        lease = fencepost_client.acquire("run-1", ttl_ms=60_000)
+        fencepost_server.clock.advance(60_000)  # the server's time, not yours
+        ...  # another owner may take the run over now
+
+``fencepost_server`` is a ``fencepost_server.harness.ServerThread`` whose
+clock is a ``ManualClock``: leases expire only when the test advances it.
+Background renewal still runs in real time (every ttl/3), and a renewal
+extends the lease from the server's clock, so give leases a ttl long enough
+that no renewal falls due during the test when you advance past it.
+It needs the ``fencepost_server`` package (installed with the server).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from ._sync import SyncClient
+
+if TYPE_CHECKING:
+    from fencepost_server.harness import ServerThread
+
+__all__ = ["fencepost_client", "fencepost_server"]
+
+
+@pytest.fixture
+def fencepost_server(tmp_path: Path) -> Iterator[ServerThread]:
+    """A coordinator on 127.0.0.1 (random port) over a fresh SQLite file in
+    ``tmp_path``, driven by a ``ManualClock``. ``.address``, ``.clock``,
+    ``.restart()``."""
+    from fencepost_server.clock import ManualClock
+    from fencepost_server.harness import ServerThread
+
+    with ServerThread(tmp_path / "fencepost.db", clock=ManualClock()) as server:
+        yield server
+
+
+@pytest.fixture
+def fencepost_client(fencepost_server: ServerThread) -> Iterator[SyncClient]:
+    """A ``SyncClient`` connected to ``fencepost_server`` (owner "test-worker")."""
+    with SyncClient(fencepost_server.address, owner="test-worker") as client:
+        yield client

@@ -1,0 +1,257 @@
+"""Operator sub-commands of the ``fencepost`` CLI, over the SDK's SyncClient.
+
+    fencepost get RUN_ID
+    fencepost ls [--status S]... [--owner O] [--limit N]
+    fencepost cancel RUN_ID [-m MESSAGE]
+    fencepost resume RUN_ID
+    fencepost delete RUN_ID
+
+Each takes ``--addr`` (env FENCEPOST_ADDR, default 127.0.0.1:50051),
+``--timeout`` (seconds to keep retrying an unreachable server, default 5)
+and ``--json``.
+
+Output. Without ``--json``: key/value lines for one record, a table for
+``ls``. With ``--json`` (stdout, one document, newline-terminated):
+
+    get, cancel, resume   one JSON object: the record (fencepost.RunRecord.to_dict():
+                          status as "running"..., times as ISO 8601 UTC strings)
+    ls                    one JSON array of such objects (``[]`` when none)
+    delete                {"run_id", "deleted": true, "fencing_token", "revision"}
+
+Errors go to stderr: ``fencepost: CODE: message`` or, with ``--json``, a JSON
+object ``{"error": {"code", "message", "field"?, "run"?}}``. Exit codes are
+the table in ``cli.py``: 0 ok, 1 refused by the server (the code is printed),
+2 usage, 3 the server could not be reached (or a mutation got no answer, so
+its outcome is unknown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+import fencepost
+from fencepost import FencepostError, OutcomeUnknownError, RunRecord, UnavailableError
+
+from .cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+
+COMMANDS = ("get", "ls", "cancel", "resume", "delete")
+DEFAULT_TIMEOUT_S = 5.0
+_STATUSES = [s.value for s in fencepost.RunStatus]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
+    return value
+
+
+def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None:  # type: ignore[type-arg]
+    """Add get, ls, cancel, resume and delete to the ``fencepost`` parser."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--addr",
+        default=default_addr,
+        help=f"coordinator address (env FENCEPOST_ADDR; default {default_addr})",
+    )
+    common.add_argument(
+        "--json", action="store_true", help="machine-readable output (see the module docs)"
+    )
+    common.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds to keep retrying an unreachable server (default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+    p = sub.add_parser("get", parents=[common], help="show one run")
+    p.add_argument("run_id", metavar="RUN_ID")
+
+    p = sub.add_parser("ls", parents=[common], help="list runs ordered by run id")
+    p.add_argument(
+        "--status",
+        dest="statuses",
+        action="append",
+        default=[],
+        choices=_STATUSES,
+        help="only runs in this status (repeatable)",
+    )
+    p.add_argument("--owner", help="only runs whose lease this owner holds")
+    p.add_argument("--limit", type=_positive_int, help="at most this many runs (default all)")
+
+    p = sub.add_parser(
+        "cancel",
+        parents=[common],
+        help="cancel a run (fences its worker); a cancelled run is left as is",
+    )
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("-m", "--message", help="message stored in the outcome")
+
+    p = sub.add_parser(
+        "resume",
+        parents=[common],
+        help="make a suspended run (or one whose lease expired) queued again",
+    )
+    p.add_argument("run_id", metavar="RUN_ID")
+
+    p = sub.add_parser("delete", parents=[common], help="hard-delete a run, fencing any holder")
+    p.add_argument("run_id", metavar="RUN_ID")
+
+
+def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run one operator command; returns the exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if args.command not in COMMANDS:
+        print(f"fencepost: unknown command {args.command!r}", file=err)
+        return EXIT_USAGE
+    retry = fencepost.RetryPolicy(
+        total_timeout_s=args.timeout, attempt_timeout_s=max(args.timeout, 1.0)
+    )
+    try:
+        with fencepost.SyncClient(args.addr, retry=retry) as client:
+            doc, text = _dispatch(client, args)
+    except UnavailableError as exc:
+        if isinstance(exc, OutcomeUnknownError):
+            msg = (
+                f"no answer from {args.addr}; the {args.command} may or may not have been "
+                f"applied ({exc.message})"
+            )
+        else:
+            msg = f"cannot reach the server at {args.addr} ({exc.message})"
+        _error(err, args.json, exc.code, msg, exc)
+        return EXIT_UNREACHABLE
+    except FencepostError as exc:
+        _error(err, args.json, exc.code, exc.message, exc)
+        return EXIT_REFUSED
+    try:
+        if args.json:
+            out.write(json.dumps(doc, ensure_ascii=False) + "\n")
+        else:
+            out.write(text)
+        out.flush()
+    except BrokenPipeError:  # `fencepost ls | head`
+        pass
+    return EXIT_OK
+
+
+def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[Any, str]:
+    """(JSON document, human text) for one command."""
+    match args.command:
+        case "get":
+            rec = client.get(args.run_id)
+            return rec.to_dict(), _record_text(rec)
+        case "cancel":
+            rec = client.cancel(args.run_id, args.message)
+            return rec.to_dict(), _record_text(rec)
+        case "resume":
+            rec = client.request_resume(args.run_id)
+            return rec.to_dict(), _record_text(rec)
+        case "delete":
+            res = client.delete(args.run_id)
+            doc = {
+                "run_id": args.run_id,
+                "deleted": True,
+                "fencing_token": res.fencing_token,
+                "revision": res.revision,
+            }
+            text = (
+                f"deleted {args.run_id} (last fencing token {res.fencing_token}, "
+                f"revision {res.revision})\n"
+            )
+            return doc, text
+        case _:  # ls
+            records = _take(
+                client.list(
+                    statuses=args.statuses, owner=args.owner, page_size=min(args.limit or 100, 1000)
+                ),
+                args.limit,
+            )
+            return [r.to_dict() for r in records], _table(records)
+
+
+def _take(records: Iterable[RunRecord], limit: int | None) -> list[RunRecord]:
+    out: list[RunRecord] = []
+    if limit is not None and limit < 1:
+        return out
+    for rec in records:
+        out.append(rec)
+        if limit is not None and len(out) >= limit:
+            break  # before the iterator fetches another page
+    return out
+
+
+def _error(err: TextIO, as_json: bool, code: str, message: str, exc: FencepostError) -> None:
+    if as_json:
+        body: dict[str, Any] = {"code": code, "message": message}
+        if exc.field is not None:
+            body["field"] = exc.field
+        if exc.record is not None:
+            body["run"] = exc.record.to_dict()
+        err.write(json.dumps({"error": body}, ensure_ascii=False) + "\n")
+    else:
+        err.write(f"fencepost: {code}: {message}\n")
+    err.flush()
+
+
+def _flatten(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for key, value in doc.items():
+        name = prefix + key
+        if isinstance(value, dict):
+            rows += _flatten(value, name + ".")
+        elif isinstance(value, list):
+            rows.append((name, ", ".join(map(str, value)) or "-"))
+        else:
+            rows.append((name, str(value)))
+    return rows
+
+
+def _record_text(rec: RunRecord) -> str:
+    """Key/value lines, nested fields as dotted keys (lease.owner ...)."""
+    rows = _flatten(rec.to_dict())
+    width = max(len(k) for k, _ in rows)
+    return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
+
+
+_COLUMNS = ("RUN_ID", "STATUS", "TOKEN", "ATTEMPT", "OWNER", "EXPIRES_AT", "UPDATED_AT")
+
+
+def _table(records: list[RunRecord]) -> str:
+    rows: list[tuple[str, ...]] = [_COLUMNS]
+    for r in records:
+        d = r.to_dict()
+        lease = d.get("lease", {})
+        rows.append(
+            (
+                d["run_id"],
+                d["status"],
+                str(d["fencing_token"]),
+                str(d["attempt"]),
+                lease.get("owner", "-"),
+                lease.get("expires_at", "-"),
+                d["updated_at"],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    return "".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n"
+        for row in rows
+    )

@@ -1,0 +1,153 @@
+"""The operator commands of the ``fencepost`` CLI over a real server: in
+process through ``cli.main`` and once through the installed binary."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fencepost import SyncClient
+from fencepost_server.cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
+from fencepost_server.harness import ServerThread
+
+
+@pytest.fixture
+def seeded(server: ServerThread) -> Iterator[ServerThread]:
+    """run-a running (worker-a, checkpointed), run-b suspended, run-c failed."""
+    with SyncClient(server.address, owner="worker-a") as client:
+        client.acquire("run-a").record_checkpoint("ckpt/a", 2)
+        client.acquire("run-b").suspend(["approval-1"])
+        client.acquire("run-c").finish("failed", "boom", "it broke")
+        yield server
+
+
+def run_cli(
+    capsys: pytest.CaptureFixture[str], server: ServerThread, *argv: str
+) -> tuple[int, str, str]:
+    code = main([*argv, "--addr", server.address])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_get_json_and_text(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, seeded, "get", "run-a", "--json")
+    assert (code, err) == (EXIT_OK, "")
+    doc = json.loads(out)
+    assert doc["run_id"] == "run-a" and doc["status"] == "running"
+    assert doc["lease"]["owner"] == "worker-a"
+    assert doc["checkpoint_ref"] == {"key": "ckpt/a", "snapshot_version": 2,
+                                     "saved_at": doc["checkpoint_ref"]["saved_at"]}
+    assert doc["created_at"].endswith("Z")
+
+    code, out, _ = run_cli(capsys, seeded, "get", "run-b")
+    assert code == EXIT_OK
+    lines = dict(line.split(None, 1) for line in out.splitlines())
+    assert lines["status"] == "suspended"
+    assert lines["suspension.pending_approval_ids"] == "approval-1"
+
+
+def test_ls(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, seeded, "ls", "--json")
+    assert code == EXIT_OK
+    assert [d["run_id"] for d in json.loads(out)] == ["run-a", "run-b", "run-c"]
+
+    code, out, _ = run_cli(capsys, seeded, "ls", "--json", "--status", "suspended",
+                           "--status", "failed")
+    assert [(d["run_id"], d["status"]) for d in json.loads(out)] == [
+        ("run-b", "suspended"), ("run-c", "failed")]
+
+    code, out, _ = run_cli(capsys, seeded, "ls", "--json", "--owner", "worker-a")
+    assert [d["run_id"] for d in json.loads(out)] == ["run-a"]
+
+    code, out, _ = run_cli(capsys, seeded, "ls", "--json", "--limit", "2")
+    assert [d["run_id"] for d in json.loads(out)] == ["run-a", "run-b"]
+
+    code, out, _ = run_cli(capsys, seeded, "ls", "--json", "--owner", "nobody")
+    assert (code, json.loads(out)) == (EXIT_OK, [])
+
+    code, out, _ = run_cli(capsys, seeded, "ls")
+    header, *rows = out.splitlines()
+    assert header.split() == ["RUN_ID", "STATUS", "TOKEN", "ATTEMPT", "OWNER", "EXPIRES_AT",
+                              "UPDATED_AT"]
+    assert [r.split()[:2] for r in rows] == [["run-a", "running"], ["run-b", "suspended"],
+                                             ["run-c", "failed"]]
+
+
+def test_cancel_resume_delete(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, seeded, "cancel", "run-a", "-m", "operator stop", "--json")
+    doc = json.loads(out)
+    assert code == EXIT_OK and doc["status"] == "cancelled" and doc["fencing_token"] == 2
+    assert doc["outcome"] == {"code": "cancelled", "message": "operator stop"}
+
+    code, out, _ = run_cli(capsys, seeded, "resume", "run-b", "--json")
+    assert code == EXIT_OK and json.loads(out)["status"] == "queued"
+
+    code, out, _ = run_cli(capsys, seeded, "delete", "run-c", "--json")
+    doc = json.loads(out)
+    assert code == EXIT_OK and doc["run_id"] == "run-c" and doc["deleted"] is True
+    assert doc["fencing_token"] == 1
+
+    code, out, _ = run_cli(capsys, seeded, "delete", "run-b")
+    assert code == EXIT_OK and out.startswith("deleted run-b")
+
+
+def test_refusals_exit_1_with_the_code(
+    seeded: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(capsys, seeded, "get", "missing")
+    assert (code, out) == (EXIT_REFUSED, "")
+    assert "RUN_NOT_FOUND" in err
+
+    code, out, err = run_cli(capsys, seeded, "cancel", "run-c", "--json")
+    assert (code, out) == (EXIT_REFUSED, "")
+    body = json.loads(err)["error"]
+    assert body["code"] == "RUN_ALREADY_TERMINAL" and body["run"]["status"] == "failed"
+
+    code, _, err = run_cli(capsys, seeded, "get", "bad\x01id", "--json")
+    assert code == EXIT_REFUSED
+    assert json.loads(err)["error"]["field"] == "run_id"
+
+
+def test_usage_errors_exit_2(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(capsys, seeded, "ls", "--status", "finished")[0] == EXIT_USAGE
+    assert run_cli(capsys, seeded, "ls", "--limit", "0")[0] == EXIT_USAGE
+    assert run_cli(capsys, seeded, "get")[0] == EXIT_USAGE
+    assert main(["frobnicate"]) == EXIT_USAGE
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+    addr = f"127.0.0.1:{_closed_port()}"
+    assert main(["get", "run-a", "--addr", addr, "--timeout", "0.3"]) == EXIT_UNREACHABLE
+    assert main(["cancel", "run-a", "--addr", addr, "--timeout", "0.3", "--json"]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert "cannot reach" in err[0]
+    assert json.loads(err[1])["error"]["code"] == "UNAVAILABLE"
+
+
+@pytest.mark.slow
+def test_installed_binary(seeded: ServerThread) -> None:
+    exe = Path(sys.executable).parent / "fencepost"
+    assert exe.exists(), exe
+    done = subprocess.run(
+        [str(exe), "ls", "--json", "--status", "running", "--addr", seeded.address],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == EXIT_OK, done.stderr
+    assert [d["run_id"] for d in json.loads(done.stdout)] == ["run-a"]
+    refused = subprocess.run(
+        [str(exe), "get", "missing", "--addr", seeded.address],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert refused.returncode == EXIT_REFUSED and "RUN_NOT_FOUND" in refused.stderr
