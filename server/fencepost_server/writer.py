@@ -85,6 +85,8 @@ class _Item:
 
 _STOP = object()
 
+Executor = Callable[[Any, Any, int], Any]  # (sqlite3.Connection, command, now) -> result
+
 
 class Writer:
     def __init__(
@@ -119,6 +121,7 @@ class Writer:
         self._idle.set()
         self._last_prune = 0
         self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
+        self._executors: dict[type, Executor] = {}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -177,6 +180,15 @@ class Writer:
             raise LedgerError(Code.STORAGE_UNAVAILABLE, "writer queue is full; retry") from None
         self._idle.clear()
         return fut
+
+    def register(self, command_type: type, executor: Executor) -> None:
+        """Route commands of this type (e.g. the engine store's) to
+        ``executor(db, cmd, now) -> result`` in the writer thread, inside the
+        batch's transaction and a savepoint of its own: it reads the rows it
+        needs, calls its pure decision, writes, and returns the result or
+        raises LedgerError (its writes are then rolled back to the savepoint).
+        Its results need a codec entry (core.codec.register) for request ids."""
+        self._executors[command_type] = executor
 
     def subscribe(self, listener: Callable[[list[ChangeEvent]], None]) -> Callable[[], None]:
         """Call ``listener(events)`` on the loop after every commit that changed
@@ -294,71 +306,82 @@ class Writer:
         out = Batch(now=now)
         answers: list[Any] = []
         events: list[ChangeEvent] = []
-        rev = committed.revision
-        for item in batch:
-            cmd = item.cmd
-            rid = cmd.request_id
-            fp = ""
-            if rid:
-                fp = codec.fingerprint(cmd)
-                hit = answered.get(rid)
-                if hit is None:
-                    stored = self.storage.lookup_request(rid)
-                    if stored is not None:
-                        hit = (stored[0], codec.decode(stored[1]))
-                if hit is not None:
-                    answers.append(
-                        hit[1]
-                        if hit[0] == fp
-                        else LedgerError(
-                            Code.RUN_VALIDATION_ERROR,
-                            "request_id: already used for a different request",
-                            field="request_id",
+        with self.storage.transaction():
+            rev = committed.revision
+            for item in batch:
+                cmd = item.cmd
+                rid = cmd.request_id
+                fp = ""
+                if rid:
+                    fp = codec.fingerprint(cmd)
+                    hit = answered.get(rid)
+                    if hit is None:
+                        stored = self.storage.lookup_request(rid)
+                        if stored is not None:
+                            hit = (stored[0], codec.decode(stored[1]))
+                    if hit is not None:
+                        answers.append(
+                            hit[1]
+                            if hit[0] == fp
+                            else LedgerError(
+                                Code.RUN_VALIDATION_ERROR,
+                                "request_id: already used for a different request",
+                                field="request_id",
+                            )
                         )
-                    )
+                        continue
+                answer: Any
+                executor = self._executors.get(type(cmd))
+                if executor is not None:
+                    answer = self.storage.run_isolated(executor, cmd, now)
+                    if rid:
+                        answered[rid] = (fp, answer)
+                        out.requests.append((rid, fp, codec.encode(answer), now))
+                    answers.append(answer)
                     continue
-            run_id = cmd.run_id
-            cur = overlay[run_id] if run_id in overlay else committed.runs.get(run_id)
-            tomb = tombs.get(run_id, committed.tombstones.get(run_id, 0))
-            answer: Any
-            try:
-                decision = L.decide(cmd, cur, tomb, now, rev + 1)
-            except LedgerError as exc:
-                answer = exc
-            else:
-                answer = decision.result
-                change = decision.change
-                if change is not None:
-                    rev += 1
-                    if isinstance(change, L.Put):
-                        overlay[run_id] = change.record
-                        out.puts[run_id] = change.record
-                        out.deletes.pop(run_id, None)
-                        out.changes.append((rev, run_id, KIND_PUT, change.record))
-                        events.append(
-                            ChangeEvent(rev, KIND_PUT, run_id, change.record, cur, type(cmd))
-                        )
-                    else:
-                        overlay[run_id] = None
-                        out.puts.pop(run_id, None)
-                        tombs[run_id] = max(tomb, change.fencing_token)
-                        out.deletes[run_id] = (tombs[run_id], now)
-                        out.changes.append((rev, run_id, KIND_DELETE, None))
-                        events.append(ChangeEvent(rev, KIND_DELETE, run_id, None, cur, type(cmd)))
-            if rid:
-                answered[rid] = (fp, answer)
-                out.requests.append((rid, fp, codec.encode(answer), now))
-            answers.append(answer)
-        out.revision = rev
+                run_id = cmd.run_id
+                cur = overlay[run_id] if run_id in overlay else committed.runs.get(run_id)
+                tomb = tombs.get(run_id, committed.tombstones.get(run_id, 0))
+                try:
+                    decision = L.decide(cmd, cur, tomb, now, rev + 1)
+                except LedgerError as exc:
+                    answer = exc
+                else:
+                    answer = decision.result
+                    change = decision.change
+                    if change is not None:
+                        rev += 1
+                        if isinstance(change, L.Put):
+                            overlay[run_id] = change.record
+                            out.puts[run_id] = change.record
+                            out.deletes.pop(run_id, None)
+                            out.changes.append((rev, run_id, KIND_PUT, change.record))
+                            events.append(
+                                ChangeEvent(rev, KIND_PUT, run_id, change.record, cur, type(cmd))
+                            )
+                        else:
+                            overlay[run_id] = None
+                            out.puts.pop(run_id, None)
+                            tombs[run_id] = max(tomb, change.fencing_token)
+                            out.deletes[run_id] = (tombs[run_id], now)
+                            out.changes.append((rev, run_id, KIND_DELETE, None))
+                            events.append(
+                                ChangeEvent(rev, KIND_DELETE, run_id, None, cur, type(cmd))
+                            )
+                if rid:
+                    answered[rid] = (fp, answer)
+                    out.requests.append((rid, fp, codec.encode(answer), now))
+                answers.append(answer)
+            out.revision = rev
+            if now - self._last_prune >= self.prune_every_ms:
+                age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
+                out.prune = (
+                    now - self.request_retention_ms,
+                    rev - self.history_revisions + 1,
+                    age_cutoff,
+                )
+            self.storage.write(out)
         compacted = None
-        if now - self._last_prune >= self.prune_every_ms:
-            age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
-            out.prune = (
-                now - self.request_retention_ms,
-                rev - self.history_revisions + 1,
-                age_cutoff,
-            )
-        self.storage.write(out)
         if out.prune is not None:
             self._last_prune = now
             compacted = out.compacted

@@ -7,6 +7,7 @@ a restart, so answers are stored as JSON-able dicts. Pure.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +22,25 @@ def fingerprint(cmd: L.Command) -> str:
     return hashlib.blake2b(repr(replace(cmd, request_id="")).encode(), digest_size=16).hexdigest()
 
 
-def encode(answer: L.Result | LedgerError) -> dict[str, Any]:
+_BY_NAME: dict[str, Callable[[dict[str, Any]], Any]] = {}
+_BY_TYPE: dict[type, tuple[str, Callable[[Any], dict[str, Any]]]] = {}
+
+
+def register(
+    name: str,
+    cls: type,
+    to_dict: Callable[[Any], dict[str, Any]],
+    from_dict: Callable[[dict[str, Any]], Any],
+) -> None:
+    """Teach the cache another result type (the engine store's results)."""
+    _BY_NAME[name] = from_dict
+    _BY_TYPE[cls] = (name, to_dict)
+
+
+def encode(answer: Any) -> dict[str, Any]:
+    extra = _BY_TYPE.get(type(answer))
+    if extra is not None:
+        return {"t": "x", "k": extra[0], "v": extra[1](answer)}
     match answer:
         case LedgerError():
             d: dict[str, Any] = {"t": "error", "code": answer.code.value, "msg": answer.message}
@@ -48,7 +67,9 @@ def encode(answer: L.Result | LedgerError) -> dict[str, Any]:
             return {"t": "record", "r": record_to_dict(answer)}
 
 
-def decode(d: dict[str, Any]) -> L.Result | LedgerError:
+def decode(d: dict[str, Any]) -> Any:
+    if d["t"] == "x":
+        return _BY_NAME[d["k"]](d["v"])
     rec = record_from_dict(d["r"]) if "r" in d else None
     match d["t"]:
         case "error":

@@ -8,8 +8,10 @@ only after the WAL is fsynced, and only then does the writer answer anyone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -213,81 +215,15 @@ class SqliteStorage:
 
     # -- the one write path ------------------------------------------------------
 
-    def write(self, batch: Batch) -> None:
-        """Write a whole batch in one transaction and commit (durably).
-        On any failure rolls back and raises LedgerError(STORAGE_*)."""
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One batch: BEGIN IMMEDIATE ... COMMIT (durable at FULL). On any
+        failure rolls back and raises LedgerError(STORAGE_*) for SQLite errors."""
         db = self.db
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
-                # encode each record once: the runs row and its history row share it
-                encoded = {
-                    id(rec): _dumps(record_to_dict(rec))
-                    for _, _, _, rec in batch.changes
-                    if rec is not None
-                }
-                if batch.puts:
-                    db.executemany(
-                        "INSERT INTO runs (run_id, version, status, fencing_token, owner, "
-                        "revision, record) VALUES (?,?,?,?,?,?,?) ON CONFLICT (run_id) DO "
-                        "UPDATE SET version=excluded.version, status=excluded.status, "
-                        "fencing_token=excluded.fencing_token, owner=excluded.owner, "
-                        "revision=excluded.revision, record=excluded.record",
-                        [
-                            (
-                                r.run_id,
-                                r.version,
-                                int(r.status),
-                                r.fencing_token,
-                                r.lease.owner if r.lease else None,
-                                r.revision,
-                                encoded[id(r)],
-                            )
-                            for r in batch.puts.values()
-                        ],
-                    )
-                if batch.deletes:
-                    db.executemany(
-                        "DELETE FROM runs WHERE run_id = ?", [(k,) for k in batch.deletes]
-                    )
-                    db.executemany(
-                        "INSERT INTO tombstones (run_id, fencing_token, deleted_at) "
-                        "VALUES (?,?,?) ON CONFLICT (run_id) DO UPDATE SET "
-                        "fencing_token=max(fencing_token, excluded.fencing_token), "
-                        "deleted_at=excluded.deleted_at",
-                        [(k, tok, at) for k, (tok, at) in batch.deletes.items()],
-                    )
-                if batch.changes:
-                    db.executemany(
-                        "INSERT INTO changes (revision, run_id, kind, record, committed_at) "
-                        "VALUES (?,?,?,?,?)",
-                        [
-                            (
-                                rev,
-                                run_id,
-                                kind,
-                                encoded[id(rec)] if rec is not None else None,
-                                batch.now,
-                            )
-                            for rev, run_id, kind, rec in batch.changes
-                        ],
-                    )
-                    db.execute(
-                        "UPDATE meta SET value = ? WHERE key = 'revision'", (batch.revision,)
-                    )
-                if batch.requests:
-                    db.executemany(
-                        "INSERT OR REPLACE INTO requests (request_id, fingerprint, answer, "
-                        "created_at) VALUES (?,?,?,?)",
-                        [(rid, fp, _dumps(ans), at) for rid, fp, ans, at in batch.requests],
-                    )
-                if batch.prune is not None:
-                    request_cutoff, keep_from, age_cutoff = batch.prune
-                    db.execute("DELETE FROM requests WHERE created_at < ?", (request_cutoff,))
-                    db.execute("DELETE FROM changes WHERE revision < ?", (keep_from,))
-                    if age_cutoff is not None:
-                        db.execute("DELETE FROM changes WHERE committed_at < ?", (age_cutoff,))
-                    batch.compacted = self._compacted(db, batch.revision)
+                yield
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
@@ -295,6 +231,92 @@ class SqliteStorage:
                 raise
         except sqlite3.Error as exc:
             raise _storage_error(exc) from exc
+
+    def run_isolated(self, executor: Any, cmd: Any, now: int) -> Any:
+        """Run an executor inside a savepoint: its refusal (LedgerError) rolls
+        back its own writes and becomes its answer; SQLite errors fail the batch."""
+        db = self.db
+        db.execute("SAVEPOINT cmd")
+        try:
+            result = executor(db, cmd, now)
+        except LedgerError as exc:
+            db.execute("ROLLBACK TO cmd")
+            db.execute("RELEASE cmd")
+            return exc
+        except BaseException:
+            db.execute("ROLLBACK TO cmd")
+            db.execute("RELEASE cmd")
+            raise
+        db.execute("RELEASE cmd")
+        return result
+
+    def write(self, batch: Batch) -> None:
+        """Write the ledger part of a batch; call inside ``transaction()``."""
+        db = self.db
+        # encode each record once: the runs row and its history row share it
+        encoded = {
+            id(rec): _dumps(record_to_dict(rec))
+            for _, _, _, rec in batch.changes
+            if rec is not None
+        }
+        if batch.puts:
+            db.executemany(
+                "INSERT INTO runs (run_id, version, status, fencing_token, owner, "
+                "revision, record) VALUES (?,?,?,?,?,?,?) ON CONFLICT (run_id) DO "
+                "UPDATE SET version=excluded.version, status=excluded.status, "
+                "fencing_token=excluded.fencing_token, owner=excluded.owner, "
+                "revision=excluded.revision, record=excluded.record",
+                [
+                    (
+                        r.run_id,
+                        r.version,
+                        int(r.status),
+                        r.fencing_token,
+                        r.lease.owner if r.lease else None,
+                        r.revision,
+                        encoded[id(r)],
+                    )
+                    for r in batch.puts.values()
+                ],
+            )
+        if batch.deletes:
+            db.executemany("DELETE FROM runs WHERE run_id = ?", [(k,) for k in batch.deletes])
+            db.executemany(
+                "INSERT INTO tombstones (run_id, fencing_token, deleted_at) "
+                "VALUES (?,?,?) ON CONFLICT (run_id) DO UPDATE SET "
+                "fencing_token=max(fencing_token, excluded.fencing_token), "
+                "deleted_at=excluded.deleted_at",
+                [(k, tok, at) for k, (tok, at) in batch.deletes.items()],
+            )
+        if batch.changes:
+            db.executemany(
+                "INSERT INTO changes (revision, run_id, kind, record, committed_at) "
+                "VALUES (?,?,?,?,?)",
+                [
+                    (
+                        rev,
+                        run_id,
+                        kind,
+                        encoded[id(rec)] if rec is not None else None,
+                        batch.now,
+                    )
+                    for rev, run_id, kind, rec in batch.changes
+                ],
+            )
+            db.execute("UPDATE meta SET value = ? WHERE key = 'revision'", (batch.revision,))
+        if batch.requests:
+            db.executemany(
+                "INSERT OR REPLACE INTO requests (request_id, fingerprint, answer, "
+                "created_at) VALUES (?,?,?,?)",
+                [(rid, fp, _dumps(ans), at) for rid, fp, ans, at in batch.requests],
+            )
+        if batch.prune is not None:
+            request_cutoff, keep_from, age_cutoff = batch.prune
+            db.execute("DELETE FROM requests WHERE created_at < ?", (request_cutoff,))
+            db.execute("DELETE FROM changes WHERE revision < ?", (keep_from,))
+            if age_cutoff is not None:
+                db.execute("DELETE FROM changes WHERE committed_at < ?", (age_cutoff,))
+            batch.compacted = self._compacted(db, batch.revision)
 
 
 def open_read_only(path: str | Path) -> sqlite3.Connection:
