@@ -1,0 +1,198 @@
+"""Real processes for the system tests: a ``fencepost serve`` server that can be
+SIGKILLed and restarted on the same file and port, plus small gRPC helpers.
+
+Nothing here imports the server package: the tests talk to the process over
+the wire only, and read its SQLite file read-only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+VENV_BIN = Path(sys.executable).parent
+FENCEPOST = VENV_BIN / "fencepost"
+
+# Reconnect quickly after the server comes back (the default backoff grows to
+# minutes; a client would then sit out the rest of the test).
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 250),
+    ("grpc.enable_retries", 0),
+]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def now_ms() -> int:
+    """The same wall clock the server uses (SystemClock)."""
+    return time.time_ns() // 1_000_000
+
+
+def reason(err: grpc.RpcError) -> str:
+    """The ErrorInfo reason of a failed call, or the gRPC code name when the
+    status carries none (UNAVAILABLE from the transport, DEADLINE_EXCEEDED)."""
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    except Exception:
+        status = None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                return info.reason
+    code = err.code()  # type: ignore[attr-defined]
+    return code.name if code is not None else "UNKNOWN"
+
+
+def ts_ms(ts: Any) -> int:
+    return int(ts.seconds) * 1000 + int(ts.nanos) // 1_000_000
+
+
+class ServerProc:
+    """One ``fencepost serve`` process at a time, on a fixed port and file."""
+
+    def __init__(self, db_path: Path, log_path: Path, port: int | None = None) -> None:
+        self.db_path = db_path
+        self.log_path = log_path
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> ServerProc:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self._log = open(self.log_path, "ab")  # closed in _reap
+        self._log.write(f"\n=== start #{self.starts + 1} ===\n".encode())
+        self._log.flush()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [str(FENCEPOST), "serve", "--listen", self.address, "--db", str(self.db_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=self._log,
+            env=env,
+        )
+        self.starts += 1
+        self._wait_serving(timeout)
+        return self
+
+    def _wait_serving(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"server exited with {self.proc.returncode} during startup:\n"
+                        + self.log_tail()
+                    )
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError("server did not become SERVING:\n" + self.log_tail())
+                time.sleep(0.03)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing flushed or closed."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self._reap(10)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM (graceful), falling back to SIGKILL. Returns the exit code."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self._reap(10)
+
+    def _reap(self, timeout: float) -> int | None:
+        rc = None
+        if self.proc is not None:
+            try:
+                rc = self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not hang
+                self.proc.kill()
+                rc = self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return rc
+
+    def restart(self) -> None:
+        self.start()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+@contextlib.contextmanager
+def running_server(tmp_path: Path) -> Iterator[ServerProc]:
+    """A started server that is always gone when the block exits."""
+    srv = ServerProc(tmp_path / "fencepost.db", tmp_path / "server.log")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.kill()
+
+
+# -- reading the committed state ----------------------------------------------------
+
+
+def connect_ro(db_path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+
+
+def error_record(err: grpc.RpcError) -> Any:
+    """The record the server attached to a refusal (a fencepost.v1.Run), or None."""
+    from fencepost.v1 import record_pb2
+
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    except Exception:
+        return None
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(record_pb2.Run.DESCRIPTOR):
+            run = record_pb2.Run()
+            detail.Unpack(run)
+            return run
+    return None
