@@ -207,8 +207,44 @@ def decide(
 # -- helpers ----------------------------------------------------------------------
 
 
-def _write(cur: Record, now: int, revision: int, **changes: Any) -> Record:
-    return replace(cur, version=cur.version + 1, updated_at=now, revision=revision, **changes)
+_KEEP: Any = object()
+
+
+def _write(
+    cur: Record,
+    now: int,
+    revision: int,
+    *,
+    status: Status = _KEEP,
+    attempt: int = _KEEP,
+    fencing_token: int = _KEEP,
+    lease: Lease | None = _KEEP,
+    checkpoint_ref: CheckpointRef | None = _KEEP,
+    outcome: Outcome | None = _KEEP,
+    suspension: Suspension | None = _KEEP,
+) -> Record:
+    """The next version of a record (version + 1, updated_at, revision) with the
+    given fields changed. Spelled out instead of dataclasses.replace: this is
+    the writer's hottest function."""
+    return Record(
+        cur.run_id,
+        cur.version + 1,
+        cur.status if status is _KEEP else status,
+        cur.attempt if attempt is _KEEP else attempt,
+        cur.fencing_token if fencing_token is _KEEP else fencing_token,
+        cur.created_at,
+        now,
+        cur.lease if lease is _KEEP else lease,
+        cur.checkpoint_ref if checkpoint_ref is _KEEP else checkpoint_ref,
+        cur.outcome if outcome is _KEEP else outcome,
+        cur.suspension if suspension is _KEEP else suspension,
+        revision,
+        cur.schema,
+    )
+
+
+def _extend(lease: Lease, expires_at: int) -> Lease:
+    return Lease(lease.owner, lease.acquired_at, expires_at, lease.ttl_ms, lease.lock_delay_ms)
 
 
 def _unchanged(cur: Record) -> Decision:
@@ -319,7 +355,7 @@ def _renew(cmd: Renew, cur: Record | None, tombstone: int, now: int, rev: int) -
     cur = _fence(cmd, cur)
     assert cur.lease is not None
     ttl = cmd.ttl_ms if cmd.ttl_ms is not None else cur.lease.ttl_ms
-    return _put(_write(cur, now, rev, lease=replace(cur.lease, expires_at=now + ttl)))
+    return _put(_write(cur, now, rev, lease=_extend(cur.lease, now + ttl)))
 
 
 def _record_checkpoint(
@@ -333,7 +369,7 @@ def _record_checkpoint(
             now,
             rev,
             checkpoint_ref=CheckpointRef(cmd.key, cmd.snapshot_version, now),
-            lease=replace(cur.lease, expires_at=now + cur.lease.ttl_ms),
+            lease=_extend(cur.lease, now + cur.lease.ttl_ms),
         )
     )
 

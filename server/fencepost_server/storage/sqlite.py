@@ -101,8 +101,8 @@ class Batch:
     compacted: int | None = None  # set by write() when it pruned
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_dumps = _ENCODER.encode
 
 
 def _storage_error(exc: sqlite3.Error) -> LedgerError:
