@@ -26,7 +26,10 @@ def _ms(ts: Timestamp) -> int:
 
 
 def record_to_pb(r: Record) -> rpb.Run:
-    msg = rpb.Run(
+    """The wire form of a record. Sub-messages are built in the constructor
+    (no CopyFrom): this runs once per answered call."""
+    le, c, o, su = r.lease, r.checkpoint_ref, r.outcome, r.suspension
+    return rpb.Run(
         schema=r.schema,
         run_id=r.run_id,
         version=r.version,
@@ -36,34 +39,27 @@ def record_to_pb(r: Record) -> rpb.Run:
         created_at=_ts(r.created_at),
         updated_at=_ts(r.updated_at),
         revision=r.revision,
+        lease=None
+        if le is None
+        else rpb.Lease(
+            owner=le.owner,
+            acquired_at=_ts(le.acquired_at),
+            expires_at=_ts(le.expires_at),
+            ttl_ms=le.ttl_ms,
+            lock_delay_ms=le.lock_delay_ms,
+        ),
+        checkpoint_ref=None
+        if c is None
+        else rpb.CheckpointRef(
+            key=c.key, snapshot_version=c.snapshot_version, saved_at=_ts(c.saved_at)
+        ),
+        outcome=None if o is None else rpb.Outcome(code=o.code, message=o.message),
+        suspension=None
+        if su is None
+        else rpb.Suspension(
+            suspended_at=_ts(su.suspended_at), pending_approval_ids=su.pending_approval_ids
+        ),
     )
-    if r.lease is not None:
-        le = r.lease
-        msg.lease.CopyFrom(
-            rpb.Lease(
-                owner=le.owner,
-                acquired_at=_ts(le.acquired_at),
-                expires_at=_ts(le.expires_at),
-                ttl_ms=le.ttl_ms,
-                lock_delay_ms=le.lock_delay_ms,
-            )
-        )
-    if r.checkpoint_ref is not None:
-        c = r.checkpoint_ref
-        msg.checkpoint_ref.CopyFrom(
-            rpb.CheckpointRef(
-                key=c.key, snapshot_version=c.snapshot_version, saved_at=_ts(c.saved_at)
-            )
-        )
-    if r.outcome is not None:
-        msg.outcome.code = r.outcome.code
-        if r.outcome.message is not None:
-            msg.outcome.message = r.outcome.message
-    if r.suspension is not None:
-        s = r.suspension
-        msg.suspension.suspended_at.CopyFrom(_ts(s.suspended_at))
-        msg.suspension.pending_approval_ids.extend(s.pending_approval_ids)
-    return msg
 
 
 def status_from_pb(value: int, field: str) -> Status:

@@ -34,7 +34,7 @@ from .storage.sqlite import KIND_DELETE, KIND_PUT, Batch, SqliteStorage
 log = logging.getLogger("fencepost.writer")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChangeEvent:
     """One committed change to one record, in revision order."""
 

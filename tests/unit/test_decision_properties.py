@@ -4,6 +4,8 @@ terminal is final, version +1 per write, legal transitions only)."""
 
 from __future__ import annotations
 
+import copy
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -57,10 +59,13 @@ def test_invariants_hold_over_random_histories(steps: list[tuple[int, L.Command]
     max_token = 0
     for dt, cmd in steps:
         now += dt
+        before = copy.deepcopy(cur), copy.deepcopy(cmd)
         try:
             d = L.decide(cmd, cur, tomb, now, rev + 1)
         except LedgerError:
+            assert (cur, cmd) == before  # records are values: never mutated
             continue
+        assert (cur, cmd) == before
         if d.change is None:
             continue
         rev += 1

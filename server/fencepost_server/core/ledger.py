@@ -32,7 +32,7 @@ MAX_TTL_MS = 24 * 60 * 60 * 1000
 # -- commands ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Acquire:
     run_id: str
     owner: str
@@ -41,7 +41,7 @@ class Acquire:
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Renew:
     run_id: str
     owner: str
@@ -50,7 +50,7 @@ class Renew:
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecordCheckpoint:
     run_id: str
     owner: str
@@ -60,7 +60,7 @@ class RecordCheckpoint:
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Suspend:
     run_id: str
     owner: str
@@ -69,7 +69,7 @@ class Suspend:
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finish:
     run_id: str
     owner: str
@@ -79,7 +79,7 @@ class Finish:
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Release:
     run_id: str
     owner: str
@@ -87,26 +87,26 @@ class Release:
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Cancel:
     run_id: str
     message: str | None = None
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestResume:
     run_id: str
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DeleteRun:
     run_id: str
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RawCreate:
     record: Record
     request_id: str = ""
@@ -116,7 +116,7 @@ class RawCreate:
         return self.record.run_id
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RawCompareAndSet:
     run_id: str
     expected_version: int
@@ -124,7 +124,7 @@ class RawCompareAndSet:
     request_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RawDelete:
     run_id: str
     request_id: str = ""
@@ -150,19 +150,19 @@ HandleCommand = Renew | RecordCheckpoint | Suspend | Finish | Release
 # -- results and changes --------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Created:
     created: bool
     record: Record
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Swapped:
     swapped: bool
     record: Record | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Deleted:
     deleted: bool
     revision: int = 0
@@ -172,12 +172,12 @@ class Deleted:
 Result = Record | Created | Swapped | Deleted
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Put:
     record: Record
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delete:
     run_id: str
     fencing_token: int
@@ -187,7 +187,7 @@ class Delete:
 Change = Put | Delete
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     change: Change | None
     result: Result

@@ -2,6 +2,12 @@
 
 Times are integers: milliseconds since the Unix epoch, read from the server's
 clock. This module is pure: no I/O, no asyncio, no grpc, no sqlite3.
+
+Records are values: nothing ever mutates one after it is built (a change is a
+new record). They are plain slotted dataclasses rather than ``frozen=True``
+ones because frozen construction costs ~5x more, and the writer builds
+several per command; tests/unit/test_decision_properties.py checks that
+decisions never mutate their input.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ def can_transition(src: Status, dst: Status) -> bool:
     return dst in TRANSITIONS[src]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Lease:
     owner: str
     acquired_at: int
@@ -65,26 +71,26 @@ class Lease:
         return now < self.expires_at + self.lock_delay_ms
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CheckpointRef:
     key: str
     snapshot_version: int
     saved_at: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
     code: str
     message: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Suspension:
     suspended_at: int
     pending_approval_ids: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Record:
     run_id: str
     version: int

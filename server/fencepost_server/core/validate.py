@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from . import ledger as L
 from .errors import validation
 from .records import Record, Status
@@ -18,8 +20,12 @@ MAX_LOCK_DELAY_MS = L.MAX_TTL_MS
 MAX_INT64 = 2**63 - 1
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def _has_control(s: str) -> bool:
-    return any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in s)
+    """C0 and C1 control characters and DEL (Unicode category Cc)."""
+    return _CONTROL.search(s) is not None
 
 
 def text(field: str, value: str, max_bytes: int, *, min_bytes: int = 1) -> str:
