@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -33,9 +34,18 @@ def channel(server: ServerThread) -> Iterator[grpc.Channel]:
         yield ch
 
 
-@pytest.fixture
-def ledger(channel: grpc.Channel) -> ledger_pb2_grpc.LedgerStub:
-    return ledger_pb2_grpc.LedgerStub(channel)
+@pytest.fixture(params=["unary", "stream"])
+def ledger(request: pytest.FixtureRequest, channel: grpc.Channel) -> Iterator[Any]:
+    """The Ledger stub; with "stream", every command goes over Ledger.Execute
+    instead (same messages, same errors), so behaviour tests cover both."""
+    if request.param == "unary":
+        yield ledger_pb2_grpc.LedgerStub(channel)
+        return
+    from _transport import StreamLedger  # tests/service
+
+    stream = StreamLedger(channel)
+    yield stream
+    stream.close()
 
 
 @pytest.fixture

@@ -26,11 +26,14 @@ def generate(out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     well_known = str(resources.files("grpc_tools") / "_proto")
+    # google/rpc/status.proto ships with googleapis-common-protos
+    common = str(Path(str(resources.files("google.rpc") / "status.proto")).parents[2])
     bindir = Path(sys.executable).parent
     args = [
         "protoc",
         f"-I{PROTO_ROOT}",
         f"-I{well_known}",
+        f"-I{common}",
         f"--python_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         f"--plugin=protoc-gen-mypy={shutil.which('protoc-gen-mypy', path=str(bindir))}",

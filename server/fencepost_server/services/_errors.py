@@ -39,6 +39,11 @@ GRPC_CODE: dict[Code, grpc.StatusCode] = {
 
 
 def to_status(err: LedgerError) -> grpc.Status:
+    return rpc_status.to_status(status_proto(err))
+
+
+def status_proto(err: LedgerError) -> status_pb2.Status:
+    """The google.rpc.Status of a refusal: code, message, ErrorInfo, record."""
     code = GRPC_CODE[err.code]
     metadata = {}
     if err.field is not None:
@@ -54,9 +59,7 @@ def to_status(err: LedgerError) -> grpc.Status:
         rec = any_pb2.Any()
         rec.Pack(record_to_pb(err.record))
         details.append(rec)
-    return rpc_status.to_status(
-        status_pb2.Status(code=code.value[0], message=err.message, details=details)
-    )
+    return status_pb2.Status(code=code.value[0], message=err.message, details=details)
 
 
 def internal_status(exc: BaseException) -> grpc.Status:

@@ -23,6 +23,7 @@ from ..storage.sqlite import HistoryReader
 from ..streams import FenceHub
 from ..writer import Writer
 from ._errors import handler
+from .execute import ExecuteHandler
 from .streams import StreamHandlers
 
 DEFAULT_PAGE_SIZE = 100
@@ -77,7 +78,7 @@ def list_page(
     return out, ""
 
 
-class LedgerService(StreamHandlers, ledger_pb2_grpc.LedgerServicer):
+class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServicer):
     def __init__(
         self,
         writer: Writer,
@@ -95,6 +96,12 @@ class LedgerService(StreamHandlers, ledger_pb2_grpc.LedgerServicer):
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> None:
         await self._keepalive(request_iterator, context)
+
+    @handler
+    async def Execute(  # type: ignore[override]
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> None:
+        await self._execute(request_iterator, context)
 
     @handler
     async def WatchRuns(  # type: ignore[override]

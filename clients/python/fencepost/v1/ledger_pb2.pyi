@@ -37,6 +37,7 @@ from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.rpc import status_pb2 as _status_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -1133,3 +1134,179 @@ class WatchRunsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchRunsResponse: _TypeAlias = WatchRunsResponse  # noqa: Y015
+
+@_typing.final
+class ExecuteRequest(_message.Message):
+    """---------------------------------------------------------------------------
+    Execute: the multiplexed command stream
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___Command]:
+        """Commands to run; the server hands all of them to the writer together."""
+
+    def __init__(
+        self,
+        *,
+        commands: _abc.Iterable[Global___Command] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExecuteRequest: _TypeAlias = ExecuteRequest  # noqa: Y015
+
+@_typing.final
+class Command(_message.Message):
+    """One ledger command: exactly the request message of the unary RPC."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    ACQUIRE_FIELD_NUMBER: _builtins.int
+    RENEW_FIELD_NUMBER: _builtins.int
+    RECORD_CHECKPOINT_FIELD_NUMBER: _builtins.int
+    SUSPEND_FIELD_NUMBER: _builtins.int
+    FINISH_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    REQUEST_RESUME_FIELD_NUMBER: _builtins.int
+    DELETE_RUN_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Client-chosen correlation id, echoed on the result. Must be unique among
+    the stream's commands that are still unanswered.
+    """
+    @_builtins.property
+    def acquire(self) -> Global___AcquireRequest: ...
+    @_builtins.property
+    def renew(self) -> Global___RenewRequest: ...
+    @_builtins.property
+    def record_checkpoint(self) -> Global___RecordCheckpointRequest: ...
+    @_builtins.property
+    def suspend(self) -> Global___SuspendRequest: ...
+    @_builtins.property
+    def finish(self) -> Global___FinishRequest: ...
+    @_builtins.property
+    def release(self) -> Global___ReleaseRequest: ...
+    @_builtins.property
+    def cancel(self) -> Global___CancelRequest: ...
+    @_builtins.property
+    def request_resume(self) -> Global___RequestResumeRequest: ...
+    @_builtins.property
+    def delete_run(self) -> Global___DeleteRunRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        acquire: Global___AcquireRequest | None = ...,
+        renew: Global___RenewRequest | None = ...,
+        record_checkpoint: Global___RecordCheckpointRequest | None = ...,
+        suspend: Global___SuspendRequest | None = ...,
+        finish: Global___FinishRequest | None = ...,
+        release: Global___ReleaseRequest | None = ...,
+        cancel: Global___CancelRequest | None = ...,
+        request_resume: Global___RequestResumeRequest | None = ...,
+        delete_run: Global___DeleteRunRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "cancel", b"cancel", "delete_run", b"delete_run", "finish", b"finish", "kind", b"kind", "record_checkpoint", b"record_checkpoint", "release", b"release", "renew", b"renew", "request_resume", b"request_resume", "suspend", b"suspend"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "cancel", b"cancel", "delete_run", b"delete_run", "finish", b"finish", "id", b"id", "kind", b"kind", "record_checkpoint", b"record_checkpoint", "release", b"release", "renew", b"renew", "request_resume", b"request_resume", "suspend", b"suspend"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___Command: _TypeAlias = Command  # noqa: Y015
+
+@_typing.final
+class ExecuteResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommandResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CommandResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExecuteResponse: _TypeAlias = ExecuteResponse  # noqa: Y015
+
+@_typing.final
+class CommandResult(_message.Message):
+    """The answer to one command: the unary RPC's response message, or its error."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    ACQUIRE_FIELD_NUMBER: _builtins.int
+    RENEW_FIELD_NUMBER: _builtins.int
+    RECORD_CHECKPOINT_FIELD_NUMBER: _builtins.int
+    SUSPEND_FIELD_NUMBER: _builtins.int
+    FINISH_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    REQUEST_RESUME_FIELD_NUMBER: _builtins.int
+    DELETE_RUN_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The command's id."""
+    @_builtins.property
+    def acquire(self) -> Global___AcquireResponse: ...
+    @_builtins.property
+    def renew(self) -> Global___RenewResponse: ...
+    @_builtins.property
+    def record_checkpoint(self) -> Global___RecordCheckpointResponse: ...
+    @_builtins.property
+    def suspend(self) -> Global___SuspendResponse: ...
+    @_builtins.property
+    def finish(self) -> Global___FinishResponse: ...
+    @_builtins.property
+    def release(self) -> Global___ReleaseResponse: ...
+    @_builtins.property
+    def cancel(self) -> Global___CancelResponse: ...
+    @_builtins.property
+    def request_resume(self) -> Global___RequestResumeResponse: ...
+    @_builtins.property
+    def delete_run(self) -> Global___DeleteRunResponse: ...
+    @_builtins.property
+    def error(self) -> _status_pb2.Status:
+        """The command failed: code, message and details (ErrorInfo with the
+        reason, and the observed record) exactly as the unary call's status.
+        """
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        acquire: Global___AcquireResponse | None = ...,
+        renew: Global___RenewResponse | None = ...,
+        record_checkpoint: Global___RecordCheckpointResponse | None = ...,
+        suspend: Global___SuspendResponse | None = ...,
+        finish: Global___FinishResponse | None = ...,
+        release: Global___ReleaseResponse | None = ...,
+        cancel: Global___CancelResponse | None = ...,
+        request_resume: Global___RequestResumeResponse | None = ...,
+        delete_run: Global___DeleteRunResponse | None = ...,
+        error: _status_pb2.Status | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "cancel", b"cancel", "delete_run", b"delete_run", "error", b"error", "finish", b"finish", "kind", b"kind", "record_checkpoint", b"record_checkpoint", "release", b"release", "renew", b"renew", "request_resume", b"request_resume", "suspend", b"suspend"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "cancel", b"cancel", "delete_run", b"delete_run", "error", b"error", "finish", b"finish", "id", b"id", "kind", b"kind", "record_checkpoint", b"record_checkpoint", "release", b"release", "renew", b"renew", "request_resume", b"request_resume", "suspend", b"suspend"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run", "error"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___CommandResult: _TypeAlias = CommandResult  # noqa: Y015

@@ -104,6 +104,11 @@ class LedgerStub:
                 request_serializer=fencepost_dot_v1_dot_ledger__pb2.WatchRunsRequest.SerializeToString,
                 response_deserializer=fencepost_dot_v1_dot_ledger__pb2.WatchRunsResponse.FromString,
                 _registered_method=True)
+        self.Execute = channel.stream_stream(
+                '/fencepost.v1.Ledger/Execute',
+                request_serializer=fencepost_dot_v1_dot_ledger__pb2.ExecuteRequest.SerializeToString,
+                response_deserializer=fencepost_dot_v1_dot_ledger__pb2.ExecuteResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -242,6 +247,24 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Execute(self, request_iterator, context):
+        """Many ledger commands multiplexed on one stream, many per message in both
+        directions: the fast path past the per-call cost of unary RPCs. Each
+        command carries a client-chosen id echoed on its result. Semantics,
+        validation, errors and request-id retries are exactly those of the
+        unary RPCs; a command's failure is its result's `error` (the same
+        google.rpc.Status, with ErrorInfo and record, a unary call would end
+        with) and never ends the stream. Results may come in any order and in
+        any grouping; the server answers every command it accepted.
+        Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
+        STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
+        (shutdown). A dropped stream's unanswered commands have unknown outcome:
+        retry them with their request ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -314,6 +337,11 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.WatchRuns,
                     request_deserializer=fencepost_dot_v1_dot_ledger__pb2.WatchRunsRequest.FromString,
                     response_serializer=fencepost_dot_v1_dot_ledger__pb2.WatchRunsResponse.SerializeToString,
+            ),
+            'Execute': grpc.stream_stream_rpc_method_handler(
+                    servicer.Execute,
+                    request_deserializer=fencepost_dot_v1_dot_ledger__pb2.ExecuteRequest.FromString,
+                    response_serializer=fencepost_dot_v1_dot_ledger__pb2.ExecuteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -694,6 +722,33 @@ class Ledger:
             '/fencepost.v1.Ledger/WatchRuns',
             fencepost_dot_v1_dot_ledger__pb2.WatchRunsRequest.SerializeToString,
             fencepost_dot_v1_dot_ledger__pb2.WatchRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Execute(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fencepost.v1.Ledger/Execute',
+            fencepost_dot_v1_dot_ledger__pb2.ExecuteRequest.SerializeToString,
+            fencepost_dot_v1_dot_ledger__pb2.ExecuteResponse.FromString,
             options,
             channel_credentials,
             insecure,

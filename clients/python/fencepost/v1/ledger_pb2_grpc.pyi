@@ -134,6 +134,20 @@ class LedgerStub:
     (reason STREAM_TOO_SLOW) when the watcher fell too far behind — resume
     from the last revision received + 1.
     """
+    Execute: _grpc.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]
+    """Many ledger commands multiplexed on one stream, many per message in both
+    directions: the fast path past the per-call cost of unary RPCs. Each
+    command carries a client-chosen id echoed on its result. Semantics,
+    validation, errors and request-id retries are exactly those of the
+    unary RPCs; a command's failure is its result's `error` (the same
+    google.rpc.Status, with ErrorInfo and record, a unary call would end
+    with) and never ends the stream. Results may come in any order and in
+    any grouping; the server answers every command it accepted.
+    Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
+    STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
+    (shutdown). A dropped stream's unanswered commands have unknown outcome:
+    retry them with their request ids.
+    """
 
 @_typing.type_check_only
 class LedgerAsyncStub(LedgerStub):
@@ -213,6 +227,20 @@ class LedgerAsyncStub(LedgerStub):
     when from_revision is older than the retained history; RESOURCE_EXHAUSTED
     (reason STREAM_TOO_SLOW) when the watcher fell too far behind — resume
     from the last revision received + 1.
+    """
+    Execute: _aio.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]  # type: ignore[assignment]
+    """Many ledger commands multiplexed on one stream, many per message in both
+    directions: the fast path past the per-call cost of unary RPCs. Each
+    command carries a client-chosen id echoed on its result. Semantics,
+    validation, errors and request-id retries are exactly those of the
+    unary RPCs; a command's failure is its result's `error` (the same
+    google.rpc.Status, with ErrorInfo and record, a unary call would end
+    with) and never ends the stream. Results may come in any order and in
+    any grouping; the server answers every command it accepted.
+    Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
+    STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
+    (shutdown). A dropped stream's unanswered commands have unknown outcome:
+    retry them with their request ids.
     """
 
 class LedgerServicer(metaclass=_abc_1.ABCMeta):
@@ -374,6 +402,26 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         when from_revision is older than the retained history; RESOURCE_EXHAUSTED
         (reason STREAM_TOO_SLOW) when the watcher fell too far behind — resume
         from the last revision received + 1.
+        """
+
+    @_abc_1.abstractmethod
+    def Execute(
+        self,
+        request_iterator: _MaybeAsyncIterator[_ledger_pb2.ExecuteRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ledger_pb2.ExecuteResponse], _abc.AsyncIterator[_ledger_pb2.ExecuteResponse]]:
+        """Many ledger commands multiplexed on one stream, many per message in both
+        directions: the fast path past the per-call cost of unary RPCs. Each
+        command carries a client-chosen id echoed on its result. Semantics,
+        validation, errors and request-id retries are exactly those of the
+        unary RPCs; a command's failure is its result's `error` (the same
+        google.rpc.Status, with ErrorInfo and record, a unary call would end
+        with) and never ends the stream. Results may come in any order and in
+        any grouping; the server answers every command it accepted.
+        Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
+        STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
+        (shutdown). A dropped stream's unanswered commands have unknown outcome:
+        retry them with their request ids.
         """
 
 def add_LedgerServicer_to_server(servicer: LedgerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
