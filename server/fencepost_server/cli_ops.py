@@ -5,10 +5,18 @@
     fencepost cancel RUN_ID [-m MESSAGE]
     fencepost resume RUN_ID
     fencepost delete RUN_ID
+    fencepost watch [RUN_ID ...] [--from-revision N] [--limit N]
 
 Each takes ``--addr`` (env FENCEPOST_ADDR, default 127.0.0.1:50051),
 ``--timeout`` (seconds to keep retrying an unreachable server, default 5)
 and ``--json``.
+
+``watch`` prints every committed change to the given runs (all runs when
+none is given) as it happens, one line per change, until Ctrl-C (exit 0) or
+``--limit`` changes. ``--from-revision N`` first replays the retained
+changes from revision N. A dropped stream (server restart, a reader too
+slow) is resumed from the last revision printed, with no change missed or
+repeated; a server unreachable for longer than ``--timeout`` ends it (exit 3).
 
 Output. Without ``--json``: key/value lines for one record, a table for
 ``ls``. With ``--json`` (stdout, one document, newline-terminated):
@@ -17,6 +25,12 @@ Output. Without ``--json``: key/value lines for one record, a table for
                           status as "running"..., times as ISO 8601 UTC strings)
     ls                    one JSON array of such objects (``[]`` when none)
     delete                {"run_id", "deleted": true, "fencing_token", "revision"}
+    watch                 one JSON object per line and change (JSON Lines):
+                          {"revision", "kind": "put"|"delete", "run_id", "record"?}
+                          (``record`` as for get; absent for a delete)
+
+Human ``watch`` lines: ``REVISION put RUN_ID STATUS token=N attempt=N
+owner=O version=N`` or ``REVISION delete RUN_ID``.
 
 Errors go to stderr: ``fencepost: CODE: message`` or, with ``--json``, a JSON
 object ``{"error": {"code", "message", "field"?, "run"?}}``. Exit codes are
@@ -34,11 +48,17 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 import fencepost
-from fencepost import FencepostError, OutcomeUnknownError, RunRecord, UnavailableError
+from fencepost import (
+    FencepostError,
+    OutcomeUnknownError,
+    RunRecord,
+    UnavailableError,
+    WatchEvent,
+)
 
 from .cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
 
-COMMANDS = ("get", "ls", "cancel", "resume", "delete")
+COMMANDS = ("get", "ls", "cancel", "resume", "delete", "watch")
 DEFAULT_TIMEOUT_S = 5.0
 _STATUSES = [s.value for s in fencepost.RunStatus]
 
@@ -53,6 +73,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _revision(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -64,7 +94,7 @@ def _positive_float(text: str) -> float:
 
 
 def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None:  # type: ignore[type-arg]
-    """Add get, ls, cancel, resume and delete to the ``fencepost`` parser."""
+    """Add get, ls, cancel, resume, delete and watch to the ``fencepost`` parser."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--addr",
@@ -114,6 +144,20 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     p = sub.add_parser("delete", parents=[common], help="hard-delete a run, fencing any holder")
     p.add_argument("run_id", metavar="RUN_ID")
 
+    p = sub.add_parser(
+        "watch",
+        parents=[common],
+        help="print committed changes as they happen (Ctrl-C to stop)",
+    )
+    p.add_argument("run_ids", metavar="RUN_ID", nargs="*", help="only these runs (default all)")
+    p.add_argument(
+        "--from-revision",
+        type=_revision,
+        default=0,
+        help="first replay the retained changes from this revision (default 0: only new ones)",
+    )
+    p.add_argument("--limit", type=_positive_int, help="stop after this many changes")
+
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run one operator command; returns the exit code."""
@@ -125,9 +169,35 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     retry = fencepost.RetryPolicy(
         total_timeout_s=args.timeout, attempt_timeout_s=max(args.timeout, 1.0)
     )
-    try:
+    if args.command == "watch":
+        return _guarded(args, err, lambda: _watch(args, retry, out))
+    doc: Any = None
+    text = ""
+
+    def one_shot() -> int:
+        nonlocal doc, text
         with fencepost.SyncClient(args.addr, retry=retry) as client:
             doc, text = _dispatch(client, args)
+        return EXIT_OK
+
+    code = _guarded(args, err, one_shot)
+    if code != EXIT_OK:
+        return code
+    try:
+        if args.json:
+            out.write(json.dumps(doc, ensure_ascii=False) + "\n")
+        else:
+            out.write(text)
+        out.flush()
+    except BrokenPipeError:  # `fencepost ls | head`
+        pass
+    return EXIT_OK
+
+
+def _guarded(args: argparse.Namespace, err: TextIO, body: Any) -> int:
+    """Run ``body()``; map the SDK's errors to the exit-code table."""
+    try:
+        return int(body())
     except UnavailableError as exc:
         if isinstance(exc, OutcomeUnknownError):
             msg = (
@@ -141,15 +211,42 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     except FencepostError as exc:
         _error(err, args.json, exc.code, exc.message, exc)
         return EXIT_REFUSED
+
+
+def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) -> int:
+    """Print changes until --limit, Ctrl-C (exit 0 either way) or an error."""
+    printed = 0
     try:
-        if args.json:
-            out.write(json.dumps(doc, ensure_ascii=False) + "\n")
-        else:
-            out.write(text)
-        out.flush()
-    except BrokenPipeError:  # `fencepost ls | head`
+        with fencepost.SyncClient(args.addr, retry=retry) as client:
+            events = client.watch(args.run_ids, from_revision=args.from_revision)
+            try:
+                for ev in events:
+                    if args.json:
+                        out.write(json.dumps(ev.to_dict(), ensure_ascii=False) + "\n")
+                    else:
+                        out.write(_event_text(ev))
+                    out.flush()
+                    printed += 1
+                    if args.limit is not None and printed >= args.limit:
+                        break
+            finally:
+                events.close()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C: the way to stop watching
+    except BrokenPipeError:  # `fencepost watch | head`
         pass
     return EXIT_OK
+
+
+def _event_text(ev: WatchEvent) -> str:
+    if ev.record is None:
+        return f"{ev.revision} {ev.kind.value} {ev.run_id}\n"
+    r = ev.record
+    owner = r.lease.owner if r.lease is not None else "-"
+    return (
+        f"{ev.revision} {ev.kind.value} {ev.run_id} {r.status.value} token={r.fencing_token} "
+        f"attempt={r.attempt} owner={owner} version={r.version}\n"
+    )
 
 
 def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[Any, str]:

@@ -53,12 +53,13 @@ def lost_reason(record: Record | None, token: int, cause: type | None = None) ->
 
 
 def holds(record: Record | None, token: int, owner: str | None = None) -> bool:
-    """Whether (token[, owner]) is still the live fence of the record."""
+    """Whether (token[, owner]) is still the fence of the record: exactly the
+    ledger's fence check (SPEC §5.2: same token, a lease with that owner), so
+    the stream never calls lost a handle whose fenced writes would pass."""
     return (
         record is not None
         and record.fencing_token == token
         and record.lease is not None
-        and record.status is Status.RUNNING
         and (owner is None or record.lease.owner == owner)
     )
 

@@ -15,26 +15,32 @@ from fencepost_server.core import records as core
 from fencepost_server.harness import ServerThread
 
 PUBLIC_API = {
-    "AcquireContext", "AlreadyTerminalError", "AtomicStoreRequiredError", "CheckpointRef",
-    "Client", "ConflictError", "DeleteResult", "FenceStatus", "FencepostError",
+    "AcquireContext", "AlreadyTerminalError", "AtomicStoreRequiredError", "ChangeKind",
+    "CheckpointRef", "Client", "ConflictError", "DeleteResult", "FenceStatus", "FencepostError",
     "IntegrityError", "InvalidRunStateError", "InvalidTransitionError", "Lease",
-    "LeaseHeldError", "LeaseInfo", "LeaseLostError", "Outcome", "OutcomeUnknownError",
-    "PermissionDeniedError", "RetryPolicy", "RpcError",
-    "RunNotFoundError", "RunRecord", "RunStatus", "RunSuspendedError", "StorageFullError",
-    "StorageUnavailableError", "Stubs", "Suspension", "SyncClient", "SyncLease", "SyncStubs",
-    "UnauthenticatedError", "UnavailableError", "ValidationError",
+    "LeaseAtRiskError", "LeaseHeldError", "LeaseInfo", "LeaseLostError", "LostReason",
+    "Outcome", "OutcomeUnknownError", "PermissionDeniedError", "RetryPolicy",
+    "RevisionCompactedError", "RpcError", "RunNotFoundError", "RunRecord", "RunStatus",
+    "RunSuspendedError", "ShuttingDownError", "StorageFullError", "StorageUnavailableError",
+    "StreamTooSlowError",
+    "Stubs", "Suspension", "SyncClient", "SyncLease", "SyncStubs", "UnauthenticatedError",
+    "UnavailableError", "ValidationError", "WatchEvent",
     "__version__", "can_transition", "is_terminal",
 }
 
 CLIENT_API = {
     "acquire", "address", "cancel", "closed", "default_ttl_ms", "delete", "get", "list",
-    "owner", "request_resume", "retry", "stubs", "validate_fence",
+    "owner", "renewal", "request_resume", "retry", "stubs", "validate_fence", "watch",
 }
 
 LEASE_API = {
-    "finish", "fencing_token", "is_active", "is_lost", "lost", "owner", "record",
-    "record_checkpoint", "release", "renew", "run_id", "suspend", "ttl_ms",
+    "at_risk", "at_risk_event", "check", "finish", "fencing_token", "guard", "is_active",
+    "is_lost", "lost", "lost_reason", "owner", "record", "record_checkpoint", "release",
+    "renew", "run_id", "safe_until", "suspend", "ttl_ms",
 }
+
+# Methods that are plain (not coroutine) functions on the async side too.
+SYNC_ON_BOTH_SIDES = {"acquire", "check", "guard"}
 
 
 def public(cls: type) -> set[str]:
@@ -60,7 +66,11 @@ def test_public_api_is_pinned() -> None:
 def test_sync_facade_has_the_same_signatures(async_cls: type, sync_cls: type) -> None:
     names = (public(async_cls) & public(sync_cls)) | {"__init__"}
     if async_cls is Client:
-        assert params(Client) == params(SyncClient)
+        # on_lost is called with the Lease by Client, with the SyncLease by SyncClient
+        a_params, s_params = params(Client), params(SyncClient)
+        assert [p[:3] for p in a_params] == [p[:3] for p in s_params]
+        assert [p for p in a_params if p[0] != "on_lost"] == [
+            p for p in s_params if p[0] != "on_lost"]
     else:
         names.discard("__init__")
     for name in sorted(names):
@@ -68,10 +78,15 @@ def test_sync_facade_has_the_same_signatures(async_cls: type, sync_cls: type) ->
         assert isinstance(a, property) == isinstance(s, property), name
         if isinstance(a, property) or name == "__init__":
             continue
-        assert inspect.iscoroutinefunction(a) or inspect.isasyncgenfunction(a) or name == "acquire"
+        if name in SYNC_ON_BOTH_SIDES:
+            assert not inspect.iscoroutinefunction(a), name
+        else:
+            assert inspect.iscoroutinefunction(a) or inspect.isasyncgenfunction(a), name
         assert not inspect.iscoroutinefunction(s), name
+        assert not inspect.isasyncgenfunction(s), name
         assert params(a) == params(s), name
     assert inspect.iscoroutinefunction(Client.aclose)
+    assert inspect.isasyncgenfunction(Client.watch)
 
 
 async def test_sync_client_refuses_a_running_loop(server: ServerThread) -> None:

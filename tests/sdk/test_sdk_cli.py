@@ -3,17 +3,29 @@ process through ``cli.main`` and once through the installed binary."""
 
 from __future__ import annotations
 
+import io
 import json
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fencepost import SyncClient
-from fencepost_server.cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
+from fencepost_server import cli_ops
+from fencepost_server.cli import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    build_parser,
+    main,
+)
 from fencepost_server.harness import ServerThread
 
 
@@ -151,3 +163,94 @@ def test_installed_binary(seeded: ServerThread) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert refused.returncode == EXIT_REFUSED and "RUN_NOT_FOUND" in refused.stderr
+
+
+# -- watch ------------------------------------------------------------------------------
+
+
+def _run_watch(server: ServerThread, *argv: str) -> tuple[int, str, str]:
+    """``fencepost watch`` in process, output captured in buffers (usable from
+    a thread, unlike capsys)."""
+    out, err = io.StringIO(), io.StringIO()
+    args = build_parser().parse_args(["watch", *argv, "--addr", server.address])
+    code = cli_ops.run(args, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_watch_json_replays_with_limit(seeded: ServerThread) -> None:
+    code, out, err = _run_watch(seeded, "--from-revision", "1", "--limit", "3", "--json")
+    assert (code, err) == (EXIT_OK, "")
+    docs = [json.loads(line) for line in out.splitlines()]
+    assert [(d["revision"], d["kind"], d["run_id"]) for d in docs] == [
+        (1, "put", "run-a"), (2, "put", "run-a"), (3, "put", "run-b")]
+    assert docs[1]["record"]["checkpoint_ref"]["key"] == "ckpt/a"
+    assert docs[0]["record"]["status"] == "running" and docs[0]["record"]["revision"] == 1
+
+
+def test_watch_live_text_filtered(seeded: ServerThread) -> None:
+    with SyncClient(seeded.address, owner="operator") as op:
+        start = op.get("run-c").revision + 1  # after everything seeded
+        result: list[tuple[int, str, str]] = []
+        t = threading.Thread(target=lambda: result.append(_run_watch(
+            seeded, "run-a", "run-x", "--from-revision", str(start), "--limit", "3")))
+        t.start()
+        op.cancel("run-a", "stop")
+        op.acquire("run-b-other")  # not watched
+        op.acquire("run-x").release()
+        t.join(10)
+    assert not t.is_alive()
+    code, out, err = result[0]
+    assert (code, err) == (EXIT_OK, "")
+    lines = out.splitlines()
+    assert [line.split()[1:4] for line in lines] == [
+        ["put", "run-a", "cancelled"], ["put", "run-x", "running"], ["put", "run-x", "queued"]]
+    assert lines[0].split()[0] == str(start)
+    assert "token=2" in lines[0] and "owner=-" in lines[0]
+    assert "owner=operator" in lines[1]
+
+    with SyncClient(seeded.address) as op:
+        op.delete("run-x")
+        rev = op.get("run-a").revision
+    code, out, _ = _run_watch(seeded, "run-x", "--from-revision", str(rev), "--limit", "3")
+    assert out.splitlines()[-1].split()[1:] == ["delete", "run-x"]
+
+
+def test_watch_errors(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(capsys, seeded, "watch", "--from-revision", "-1")[0] == EXIT_USAGE
+    assert run_cli(capsys, seeded, "watch", "--limit", "0")[0] == EXIT_USAGE
+    addr = f"127.0.0.1:{_closed_port()}"
+    assert main(["watch", "--addr", addr, "--timeout", "0.3", "--json"]) == EXIT_UNREACHABLE
+    assert json.loads(capsys.readouterr().err)["error"]["code"] == "UNAVAILABLE"
+
+
+def test_watch_compacted_exits_1(tmp_path: Path) -> None:
+    with ServerThread(tmp_path / "short.db", history_revisions=3, prune_every_s=0) as srv:
+        with SyncClient(srv.address) as client:
+            lease = client.acquire("run-1")
+            for i in range(5):
+                lease.record_checkpoint("k", i)
+        code, out, err = _run_watch(srv, "--from-revision", "1", "--json")
+    assert (code, out) == (EXIT_REFUSED, "")
+    assert json.loads(err)["error"]["code"] == "RUN_REVISION_COMPACTED"
+
+
+@pytest.mark.slow
+def test_watch_binary_stops_cleanly_on_ctrl_c(seeded: ServerThread) -> None:
+    exe = Path(sys.executable).parent / "fencepost"
+    proc = subprocess.Popen(
+        [str(exe), "watch", "--json", "--from-revision", "1", "--addr", seeded.address],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())  # it is up and streaming
+        assert first["revision"] == 1
+        time.sleep(0.2)  # now blocked waiting for live changes
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == EXIT_OK, err
+    assert "Traceback" not in err

@@ -40,6 +40,9 @@ EXPECTED_CLASS = {
     "INVALID_RUN_STATE": fencepost.InvalidRunStateError,
     "STORAGE_FULL": fencepost.StorageFullError,
     "STORAGE_UNAVAILABLE": fencepost.StorageUnavailableError,
+    "RUN_REVISION_COMPACTED": fencepost.RevisionCompactedError,
+    "STREAM_TOO_SLOW": fencepost.StreamTooSlowError,
+    "SHUTTING_DOWN": fencepost.ShuttingDownError,
 }
 
 
@@ -136,10 +139,17 @@ async def test_already_terminal(client: fencepost.Client) -> None:
 
 
 async def test_fenced_calls_on_a_record_changed_under_the_handle(
-    client: fencepost.Client,
+    server: ServerThread,
 ) -> None:
     """Token and owner still match but the status moved (through the raw
-    seam): terminal -> AlreadyTerminalError, not running -> InvalidTransition."""
+    seam): terminal -> AlreadyTerminalError, not running -> InvalidTransition.
+    (Unary renewal: the KeepAlive stream reports such a record as lost,
+    FENCE_MOVED, and the SDK then fails fast locally.)"""
+    async with fencepost.Client(server.address, owner="worker-a", renewal="unary") as client:
+        await _status_moved_under_the_handle(client)
+
+
+async def _status_moved_under_the_handle(client: fencepost.Client) -> None:
     lease = await client.acquire("run-1")
     store = client.stubs.run_store
     for status, cls in (

@@ -186,6 +186,14 @@ async def test_finish_refused_keeps_the_lease(client: fencepost.Client) -> None:
 
 
 async def test_takeover_makes_the_next_fenced_call_raise_lease_lost(
+    server: ServerThread, rival: fencepost.Client, clock: ManualClock
+) -> None:
+    # unary renewal: nothing pushes the loss, the server's refusal is mapped
+    async with fencepost.Client(server.address, owner="worker-a", renewal="unary") as client:
+        await _takeover_then_fenced_call(client, rival, clock)
+
+
+async def _takeover_then_fenced_call(
     client: fencepost.Client, rival: fencepost.Client, clock: ManualClock
 ) -> None:
     lease = await client.acquire("run-1", ttl_ms=60_000)
@@ -202,6 +210,8 @@ async def test_takeover_makes_the_next_fenced_call_raise_lease_lost(
     assert err.record.lease is not None and err.record.lease.owner == "worker-b"
     assert lease.lost.is_set() and lease.is_lost and not lease.is_active
     assert lease.record == err.record
+    assert err.reason is fencepost.LostReason.TAKEN_OVER
+    assert lease.lost_reason is fencepost.LostReason.TAKEN_OVER
     for call in (lease.renew(), lease.suspend(), lease.finish(), lease.release()):
         with pytest.raises(LeaseLostError):
             await call

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -95,3 +97,97 @@ def test_testing_fixtures(
         assert theirs.fencing_token == 2
     with pytest.raises(fencepost.LeaseLostError):
         lease.record_checkpoint("k", 1)
+
+
+# -- loss, at-risk and guard() for threaded code -----------------------------------------
+
+
+def _wait_tracked(server: ServerThread, run_id: str) -> None:
+    hub = server.app.hub  # type: ignore[union-attr]
+    deadline = time.monotonic() + 5
+    while run_id not in hub.by_run:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_sync_on_lost_runs_on_its_own_thread(server: ServerThread) -> None:
+    calls: list[tuple[fencepost.SyncLease, fencepost.LostReason, str, RunStatus]] = []
+    done = threading.Event()
+
+    def on_lost(lease: fencepost.SyncLease, reason: fencepost.LostReason) -> None:
+        # not the loop thread: the callback may call the client
+        status = client.get(lease.run_id).status
+        calls.append((lease, reason, threading.current_thread().name, status))
+        done.set()
+
+    with SyncClient(server.address, owner="worker-a", on_lost=on_lost) as client:
+        lease = client.acquire("run-1", ttl_ms=60_000)
+        _wait_tracked(server, "run-1")
+        with SyncClient(server.address, owner="operator") as op:
+            op.cancel("run-1", "stop")
+        assert done.wait(5)
+        assert lease.lost.is_set() and lease.at_risk_event.is_set()
+        assert lease.lost_reason is fencepost.LostReason.CANCELLED
+        (who, reason, thread, status), = calls
+        assert who is lease and reason is fencepost.LostReason.CANCELLED
+        assert thread.startswith("fencepost-callbacks") and status is RunStatus.CANCELLED
+        with pytest.raises(fencepost.LeaseLostError):
+            lease.check()
+        with pytest.raises(fencepost.LeaseLostError):
+            lease.finish()
+
+
+def test_sync_guard_raises_when_the_block_exits_after_a_loss(
+    server: ServerThread, sync_client: SyncClient
+) -> None:
+    lease = sync_client.acquire("run-1", ttl_ms=60_000)
+    _wait_tracked(server, "run-1")
+    assert lease.safe_until > time.monotonic() and not lease.at_risk
+    steps = 0
+    with pytest.raises(fencepost.LeaseLostError) as info:
+        with lease.guard():
+            sync_client.delete("run-1")  # the fence moves under the worker thread
+            while not lease.lost.wait(0.01):
+                steps += 1
+            # a thread is not cancelled: it sees the event and stops by itself
+    assert info.value.reason is fencepost.LostReason.DELETED
+    assert lease.is_lost and lease.at_risk
+    with pytest.raises(fencepost.LeaseLostError):
+        with lease.guard():  # already lost: refuses to start
+            pass
+    # an exception of the block's own wins
+    lease2 = sync_client.acquire("run-2", ttl_ms=60_000)
+    with pytest.raises(KeyError):
+        with lease2.guard():
+            lease2._lease._mark_lost(None, fencepost.LostReason.CANCELLED)
+            raise KeyError("boom")
+
+
+def test_sync_expiring_sets_at_risk_and_guard_reports_it(
+    server: ServerThread, clock: ManualClock, sync_client: SyncClient
+) -> None:
+    lease = sync_client.acquire("run-1", ttl_ms=60_000)
+    _wait_tracked(server, "run-1")
+    with pytest.raises(fencepost.LeaseAtRiskError):
+        with lease.guard():
+            clock.advance(60_000)
+            assert lease.at_risk_event.wait(5)
+            with pytest.raises(fencepost.LeaseAtRiskError):
+                lease.check()
+            lease.renew()  # nobody took it: safe again ...
+            assert not lease.at_risk and not lease.at_risk_event.is_set()
+            lease.check()
+    # ... but the block ran through a moment at risk, and is told so
+    assert not lease.is_lost and lease.is_active
+    with lease.guard():
+        pass
+    lease.finish()
+    assert not lease.at_risk
+
+
+def test_sync_client_renewal_choice(server: ServerThread) -> None:
+    with SyncClient(server.address, renewal="unary") as client:
+        assert client.renewal == "unary"
+        client.acquire("run-1").release()
+    with pytest.raises(ValueError, match="renewal"):
+        SyncClient(server.address, renewal="carrier-pigeon")  # type: ignore[arg-type]

@@ -299,3 +299,50 @@ async def test_a_watcher_that_never_reads_is_dropped_not_the_writer(tmp_path: Pa
                 return grpc.StatusCode.OK
 
             assert await asyncio.wait_for(drain(), 20) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_stream_and_fence_check_agree_on_who_holds(aio) -> None:  # type: ignore[no-untyped-def]
+    """A raw write that keeps token and lease owner keeps the fence: the stream
+    must not call the handle lost while its fenced writes still pass the fence."""
+    ledger, store = aio
+    run = await acquire(ledger, "r", "w")
+    s = await open_stream(ledger, "w")
+    await s.send(track=pb.KeepAliveTrack(run_id="r", fencing_token=run.fencing_token))
+    nxt = bump(run)
+    nxt.status = rpb.RUN_STATUS_QUEUED  # same token, same lease owner
+    assert (await store.CompareAndSet(spb.CompareAndSetRequest(
+        run_id="r", expected_version=run.version, next=nxt))).swapped
+    await s.nothing(0.3)
+    nxt2 = bump(nxt)
+    nxt2.lease.owner = "someone-else"
+    assert (await store.CompareAndSet(spb.CompareAndSetRequest(
+        run_id="r", expected_version=nxt.version, next=nxt2))).swapped
+    assert (await s.recv()).lost.reason == pb.LOST_REASON_FENCE_MOVED
+
+
+async def test_watch_from_a_future_revision_sends_nothing_before_it(aio) -> None:  # type: ignore[no-untyped-def]
+    ledger, _ = aio
+    await acquire(ledger, "a", "w")  # revision 1
+    call = ledger.WatchRuns(pb.WatchRunsRequest(from_revision=4))
+    await asyncio.sleep(0.1)
+    for i in range(4):
+        await acquire(ledger, f"b{i}", "w")  # revisions 2..5
+    got = await collect(call, 2)
+    assert [m.revision for m in got] == [4, 5]
+    call.cancel()
+
+
+async def test_shutdown_ends_streams_with_shutting_down(aio, server) -> None:  # type: ignore[no-untyped-def]
+    from _wire import wire_error
+
+    ledger, _ = aio
+    run = await acquire(ledger, "r", "w")
+    s = await open_stream(ledger, "w")
+    await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=run.fencing_token))
+    await s.recv()
+    await asyncio.get_running_loop().run_in_executor(None, server.stop)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await s.recv()
+    e = wire_error(ei.value)
+    assert (e.code, e.reason) == (grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")
+    server.start()

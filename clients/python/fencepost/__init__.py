@@ -7,7 +7,11 @@
             await lease.record_checkpoint("ckpt/run-42/1", snapshot_version=1)
             await lease.finish("completed")
 
-``SyncClient`` offers the same calls for threaded code. Every failure is a
+Leases are renewed over one KeepAlive stream per client; loss shows as
+``lease.lost``, a ``LeaseLostError`` from the next fenced call, and
+``lease.guard()`` cancelling the guarded block (see ``fencepost.Lease``).
+``client.watch()`` streams committed changes. ``SyncClient`` offers the same
+calls for threaded code. Every failure is a
 ``FencepostError`` subclass (the tree is drawn in ``fencepost._errors``).
 The generated stubs live in ``fencepost.v1``; pytest fixtures for users'
 tests in ``fencepost.testing``.
@@ -22,28 +26,35 @@ from ._errors import (
     IntegrityError,
     InvalidRunStateError,
     InvalidTransitionError,
+    LeaseAtRiskError,
     LeaseHeldError,
     LeaseLostError,
     OutcomeUnknownError,
     PermissionDeniedError,
+    RevisionCompactedError,
     RpcError,
     RunNotFoundError,
     RunSuspendedError,
+    ShuttingDownError,
     StorageFullError,
     StorageUnavailableError,
+    StreamTooSlowError,
     UnauthenticatedError,
     UnavailableError,
     ValidationError,
 )
 from ._records import (
+    ChangeKind,
     CheckpointRef,
     DeleteResult,
     FenceStatus,
     LeaseInfo,
+    LostReason,
     Outcome,
     RunRecord,
     RunStatus,
     Suspension,
+    WatchEvent,
     can_transition,
     is_terminal,
 )
@@ -56,6 +67,7 @@ __all__ = [
     "AcquireContext",
     "AlreadyTerminalError",
     "AtomicStoreRequiredError",
+    "ChangeKind",
     "CheckpointRef",
     "Client",
     "ConflictError",
@@ -66,20 +78,25 @@ __all__ = [
     "InvalidRunStateError",
     "InvalidTransitionError",
     "Lease",
+    "LeaseAtRiskError",
     "LeaseHeldError",
     "LeaseInfo",
     "LeaseLostError",
+    "LostReason",
     "Outcome",
     "OutcomeUnknownError",
     "PermissionDeniedError",
     "RetryPolicy",
+    "RevisionCompactedError",
     "RpcError",
     "RunNotFoundError",
     "RunRecord",
     "RunStatus",
     "RunSuspendedError",
+    "ShuttingDownError",
     "StorageFullError",
     "StorageUnavailableError",
+    "StreamTooSlowError",
     "Stubs",
     "Suspension",
     "SyncClient",
@@ -88,6 +105,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "ValidationError",
+    "WatchEvent",
     "__version__",
     "can_transition",
     "is_terminal",

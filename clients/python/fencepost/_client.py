@@ -1,38 +1,64 @@
-"""The async client, the lease handle a worker holds, and the object
-``Client.acquire`` returns (awaitable and an async context manager)."""
+"""The async client, the lease handle a worker holds, the object
+``Client.acquire`` returns (awaitable and an async context manager) and the
+guard that cancels work when a lease is lost.
+
+How a lease's state is kept (SPEC §6.1, docs/STREAMS.md):
+
+- *safe-until*: every answered renewal (the Acquire itself, a stream
+  ``renewed``, a unary Renew or RecordCheckpoint) gives a deadline on this
+  process's monotonic clock: the time the renewal was *sent* plus the ttl the
+  server granted at the commit. Clock skew cannot stretch it; network delay
+  only makes it earlier.
+- *at risk*: past safe-until with no newer renewal answered, or after an
+  ``expiring`` push. Not final: a later renewal that gets answered makes the
+  lease safe again.
+- *lost*: a ``lost`` push, or a fenced call refused with RUN_LEASE_LOST.
+  Final for the handle.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import inspect
 import logging
+import math
 import os
 import secrets
 import socket
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Generator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 
 from ._errors import (
     FencepostError,
+    LeaseAtRiskError,
     LeaseLostError,
     OutcomeUnknownError,
+    StreamTooSlowError,
+    from_rpc_error,
 )
 from ._records import (
     DeleteResult,
     FenceStatus,
+    LostReason,
     RunRecord,
     RunStatus,
+    WatchEvent,
+    derive_lost_reason,
     parse_status,
     record_from_pb,
     status_from_pb,
     status_to_pb,
+    watch_event_from_pb,
 )
-from ._renewal import Renewer, UnaryRenewer
+from ._renewal import Renewer, StreamRenewer, UnaryRenewer
 from ._retry import RetryPolicy, call_with_retry
 from .v1 import ledger_pb2, ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 
@@ -58,6 +84,16 @@ _DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 # A unary multi-callable of a generated async stub: rpc(request, timeout=...).
 _UnaryRpc = Callable[..., Any]
+
+# What ``Client(on_lost=...)`` is called with: the lease and why it was lost.
+# It runs on the client's event loop and must not block; when it returns an
+# awaitable, the client runs that as a task (and awaits it on close).
+OnLost = Callable[["Lease", LostReason], object]
+
+Renewal = Literal["stream", "unary"]
+
+# Lease state changes told to listeners (the sync facade's threading events).
+LOST, AT_RISK, SAFE = "lost", "at_risk", "safe"
 
 
 def default_owner() -> str:
@@ -87,13 +123,22 @@ class Lease:
     """A worker's handle on a run: ``(run_id, owner, fencing_token)``.
 
     Fenced calls (``renew``, ``record_checkpoint``, ``suspend``, ``finish``,
-    ``release``) carry the token; when the fence has moved they raise
-    ``LeaseLostError`` and set ``lost``. While active, the lease is renewed in
-    the background at a third of its ttl; ``suspend``, ``finish``,
+    ``release``) carry the token. While active, the lease is renewed in the
+    background at a third of its ttl (over the client's one KeepAlive stream,
+    or by unary Renew calls with ``renewal="unary"``); ``suspend``, ``finish``,
     ``release`` and closing the client stop that.
+
+    Loss is surfaced three ways: the ``lost`` event (set on a ``lost`` push
+    from the server, with ``lost_reason``), a ``LeaseLostError`` from the next
+    fenced call (raised locally at once when the loss is already known), and
+    ``guard()``, which cancels the guarded block. The client's ``on_lost``
+    callback is called too. Before a loss is known, ``safe_until`` and
+    ``at_risk`` tell whether this process may still assume it holds the lease.
     """
 
-    def __init__(self, client: Client, record: RunRecord, ttl_ms: int) -> None:
+    def __init__(
+        self, client: Client, record: RunRecord, ttl_ms: int, *, sent_at: float | None = None
+    ) -> None:
         assert record.lease is not None, "an acquired run has a lease"
         self._client = client
         self._record = record
@@ -102,11 +147,28 @@ class Lease:
         self._token = record.fencing_token
         self._ttl_ms = ttl_ms
         self._lost = asyncio.Event()
-        self._lost_callbacks: builtins.list[Callable[[], None]] = []
+        self._lost_reason: LostReason | None = None
         self._done = False  # suspended, finished or released by this handle
+        # safe-until: (sent, answered, safe_until) of the answered renewals that
+        # may have been the last committed (see _renewed)
+        self._renewals: builtins.list[tuple[float, float, float]] = []
+        self._safe_until = -math.inf
+        self._expiring_at: datetime | None = None  # an `expiring` push not yet superseded
+        self._at_risk_event = asyncio.Event()  # at risk or lost
+        self._risk_epoch = 0  # how many times the lease became at risk or lost
+        self._risk_timer: asyncio.TimerHandle | None = None
+        self._listeners: builtins.list[Callable[[str], None]] = []
+        self._guards: set[_Guard] = set()
+        if sent_at is not None:
+            self._note_renewal(sent_at, record)
 
     def __repr__(self) -> str:
-        state = "lost" if self.is_lost else "active" if self.is_active else "done"
+        if self.is_lost:
+            state = f"lost ({self._lost_reason})"
+        elif not self.is_active:
+            state = "done"
+        else:
+            state = "at risk" if self.at_risk else "active"
         return f"<Lease {self._run_id!r} owner={self._owner!r} token={self._token} {state}>"
 
     # -- state ---------------------------------------------------------------------
@@ -136,7 +198,8 @@ class Lease:
 
     @property
     def lost(self) -> asyncio.Event:
-        """Set once the server reports the fence moved (RUN_LEASE_LOST)."""
+        """Set once the fence moved: a ``lost`` push on the KeepAlive stream, or
+        a fenced call refused with RUN_LEASE_LOST. Final."""
         return self._lost
 
     @property
@@ -144,9 +207,63 @@ class Lease:
         return self._lost.is_set()
 
     @property
+    def lost_reason(self) -> LostReason | None:
+        """Why the lease was lost (``taken_over``, ``cancelled``, ``deleted``,
+        ``fence_moved``, ``finished``); None while not lost."""
+        return self._lost_reason
+
+    @property
     def is_active(self) -> bool:
         """Neither lost nor given up (suspended, finished, released)."""
         return not self._done and not self.is_lost
+
+    @property
+    def safe_until(self) -> float:
+        """Until when this process may assume it holds the lease, as a
+        ``time.monotonic()`` reading (seconds; compare with ``time.monotonic()``,
+        never with wall time): the send time of the latest answered renewal
+        plus the ttl the server granted. Past it, another owner may already
+        hold the run. ``-inf`` once the lease is lost or given up."""
+        return self._safe_until if self.is_active else -math.inf
+
+    @property
+    def at_risk(self) -> bool:
+        """True when this process can no longer assume it holds the lease: it
+        is lost, safe-until has passed with no newer renewal answered, or the
+        server reported the lease ``expiring``. False once given up. Not final
+        while not lost: a renewal answered later makes it False again."""
+        if self._done:
+            return False
+        if self.is_lost:
+            return True
+        return self._expiring_at is not None or time.monotonic() >= self._safe_until
+
+    @property
+    def at_risk_event(self) -> asyncio.Event:
+        """Set when the lease becomes at risk or lost (``guard()`` cancels its
+        block at that moment); cleared if a later renewal makes it safe again
+        (never once lost)."""
+        return self._at_risk_event
+
+    def check(self) -> None:
+        """Raise ``LeaseLostError`` if the lease is lost, ``LeaseAtRiskError``
+        (a subclass) if it is at risk; return None otherwise. A cheap local
+        check, for loops that do side effects between awaits."""
+        if self.is_lost:
+            raise self._lost_error()
+        if self.at_risk:
+            raise self._at_risk_error()
+
+    def guard(self) -> _Guard:
+        """``async with lease.guard():`` -- cancel the block the moment the lease
+        is lost (the fence moved) or becomes at risk (safe-until passed, or
+        ``expiring``), and raise ``LeaseLostError`` (``LeaseAtRiskError`` for
+        at-risk) out of the ``async with`` instead of ``CancelledError``.
+
+        Entering raises at once when the lease is already lost or at risk. A
+        cancellation from outside still propagates as ``CancelledError``. The
+        block runs in the current task, which is the one cancelled."""
+        return _Guard(self)
 
     # -- fenced calls --------------------------------------------------------------
 
@@ -207,27 +324,148 @@ class Lease:
                                         fencing_token=self._token)
         return await self._fenced(self._client._ledger.Release, req, drops_lease=True)
 
-    # -- internals -----------------------------------------------------------------
+    # -- internals: state ------------------------------------------------------------
 
-    def _on_lost(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` (on the client's loop) when the lease is lost."""
-        if self.is_lost:
-            callback()
+    def _add_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(LOST | AT_RISK | SAFE)`` on the client's loop at
+        each change of state (call on the loop thread)."""
+        self._listeners.append(listener)
+
+    def _tell(self, change: str) -> None:
+        for listener in builtins.list(self._listeners):
+            try:
+                listener(change)
+            except Exception:
+                log.exception("lease listener failed")
+
+    def _lost_error(self) -> LeaseLostError:
+        reason = self._lost_reason
+        return LeaseLostError(
+            f"the lease on {self._run_id!r} at token {self._token} was lost"
+            + (f" ({reason.value})" if reason is not None else ""),
+            record=self._record,
+            reason=reason,
+        )
+
+    def _at_risk_error(self) -> LeaseAtRiskError:
+        why = "the server reported it expiring" if self._expiring_at is not None else (
+            "safe-until passed with no renewal answered")
+        return LeaseAtRiskError(
+            f"the lease on {self._run_id!r} at token {self._token} is at risk: {why}",
+            record=self._record,
+            reason=LostReason.AT_RISK,
+        )
+
+    def _note_renewal(self, sent_at: float, record: RunRecord) -> None:
+        """A write under this handle that set the lease's expiry was answered
+        (acquire, renew, checkpoint): the server granted expires_at - updated_at."""
+        lease = record.lease
+        if (lease is None or record.fencing_token != self._token
+                or record.status is not RunStatus.RUNNING):
+            return
+        granted_ms = (lease.expires_at - record.updated_at).total_seconds() * 1000
+        self._renewed(sent_at, granted_ms, lease.expires_at)
+
+    def _renewed(self, sent_at: float, ttl_remaining_ms: float, expires_at: datetime) -> None:
+        """A renewal sent at ``sent_at`` (monotonic) was answered with
+        ``ttl_remaining_ms`` left at its commit.
+
+        With one ttl, a later commit always gives a later expiry, so the
+        latest deadline would do. But a RecordCheckpoint extends by the
+        acquire's ttl while a renew may have asked for another, so the deadline
+        is the earliest among the renewals that may have been committed last:
+        a renewal answered before another was sent cannot be the last.
+        """
+        if not self.is_active:
+            return
+        now = time.monotonic()
+        until = sent_at + max(0.0, ttl_remaining_ms) / 1000
+        kept = [r for r in self._renewals if r[1] >= sent_at]
+        kept.append((sent_at, now, until))
+        self._renewals = kept
+        self._safe_until = min(r[2] for r in kept)
+        if self._expiring_at is not None and expires_at > self._expiring_at:
+            self._expiring_at = None  # renewed after the expiry it warned of
+        self._arm_risk_timer()
+        self._update_risk()
+
+    def _expiring(self, expires_at: datetime) -> None:
+        """The server says the lease passed ``expires_at`` with no renewal."""
+        if not self.is_active:
+            return
+        if self._record.lease is not None and expires_at < self._record.lease.expires_at:
+            return  # an expiry this handle has already seen superseded
+        self._expiring_at = expires_at
+        log.warning("lease on %r (token %d) is expiring: no renewal reached the server "
+                    "in time", self._run_id, self._token)
+        self._update_risk()
+
+    def _arm_risk_timer(self) -> None:
+        if self._risk_timer is not None:
+            self._risk_timer.cancel()
+            self._risk_timer = None
+        if not self.is_active or self._safe_until == -math.inf:
+            return
+        delay = self._safe_until - time.monotonic()
+        if delay > 0:
+            self._risk_timer = asyncio.get_running_loop().call_later(delay, self._risk_due)
+
+    def _risk_due(self) -> None:
+        self._risk_timer = None
+        if self.is_active and time.monotonic() < self._safe_until:
+            self._arm_risk_timer()  # the loop's timer fired a hair early
         else:
-            self._lost_callbacks.append(callback)
+            self._update_risk()
 
-    def _mark_lost(self, record: RunRecord | None) -> None:
+    def _update_risk(self) -> None:
+        """Move the at-risk event to match ``at_risk``; cancel guards on the way in."""
+        if self.is_lost:
+            return
+        if self.at_risk:
+            if not self._at_risk_event.is_set():
+                if self._expiring_at is None:
+                    log.warning("lease on %r (token %d) is at risk: safe-until passed with no "
+                                "renewal answered", self._run_id, self._token)
+                self._at_risk_event.set()
+                self._risk_epoch += 1
+                self._fire_guards(self._at_risk_error())
+                self._tell(AT_RISK)
+        elif self._at_risk_event.is_set():
+            log.info("lease on %r (token %d) is safe again", self._run_id, self._token)
+            self._at_risk_event.clear()
+            self._tell(SAFE)
+
+    def _fire_guards(self, error: LeaseLostError) -> None:
+        for guard in builtins.list(self._guards):
+            guard._fire(error)
+
+    def _mark_lost(self, record: RunRecord | None, reason: LostReason | None = None) -> None:
         if record is not None:
             self._record = record
         if self.is_lost:
             return
+        self._lost_reason = reason if reason is not None else derive_lost_reason(
+            record, self._token)
         self._lost.set()
-        callbacks, self._lost_callbacks = self._lost_callbacks, []
-        for cb in callbacks:
-            try:
-                cb()
-            except Exception:
-                log.exception("lease-lost callback failed")
+        if self._risk_timer is not None:
+            self._risk_timer.cancel()
+            self._risk_timer = None
+        if not self._at_risk_event.is_set():
+            self._at_risk_event.set()
+            self._risk_epoch += 1
+        log.warning("lease on %r (token %d) lost: %s", self._run_id, self._token,
+                    self._lost_reason.value)
+        self._fire_guards(self._lost_error())
+        self._tell(LOST)
+        self._client._lease_lost(self, self._lost_reason)
+
+    def _mark_done(self) -> None:
+        self._done = True
+        if self._risk_timer is not None:
+            self._risk_timer.cancel()
+            self._risk_timer = None
+
+    # -- internals: calls -------------------------------------------------------------
 
     async def _fenced(
         self,
@@ -237,15 +475,19 @@ class Lease:
         drops_lease: bool = False,
         policy: RetryPolicy | None = None,
     ) -> RunRecord:
+        if self.is_lost:
+            raise self._lost_error()  # known already: fail fast, no round trip
         renewer = self._client._renewer
         if drops_lease:
             # No renewal may race the command that drops the lease: it would
             # be refused with RUN_LEASE_LOST and flag a lease we gave up.
             await renewer.stop(self)
+        sent_at = time.monotonic()
         try:
             resp = await self._client._call(rpc, request, mutation=True, policy=policy)
         except LeaseLostError as exc:
-            self._mark_lost(exc.record)
+            exc.reason = derive_lost_reason(exc.record, self._token)
+            self._mark_lost(exc.record, exc.reason)
             raise
         except OutcomeUnknownError:
             raise  # may have been applied: do not renew a lease we may have dropped
@@ -256,7 +498,9 @@ class Lease:
         rec = record_from_pb(resp.run)
         self._record = rec
         if drops_lease:
-            self._done = True
+            self._mark_done()
+        else:
+            self._note_renewal(sent_at, rec)
         return rec
 
     async def _renew_in_background(self, policy: RetryPolicy) -> None:
@@ -281,6 +525,62 @@ class Lease:
                         self._run_id, exc)
         finally:
             await self._client._renewer.stop(self)
+
+
+class _Guard:
+    """What ``Lease.guard()`` returns (see there). Modelled on
+    ``asyncio.timeout``: the lease cancels the guarded task, and the exit turns
+    that one cancellation into ``LeaseLostError``, counting cancellation
+    requests so that one from outside still propagates."""
+
+    def __init__(self, lease: Lease) -> None:
+        self._lease = lease
+        self._task: asyncio.Task[Any] | None = None
+        self._error: LeaseLostError | None = None
+
+    async def __aenter__(self) -> Lease:
+        if self._task is not None:
+            raise RuntimeError("this guard() is already in use")
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("guard() must be used inside a task")
+        self._lease.check()
+        self._task = task
+        self._lease._guards.add(self)
+        return self._lease
+
+    def _fire(self, error: LeaseLostError) -> None:
+        if self._error is None and self._task is not None:
+            self._error = error
+            self._task.cancel(msg=f"fencepost: {error}")
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._lease._guards.discard(self)
+        error, task = self._error, self._task
+        if error is None or task is None:
+            return
+        if exc_type is not asyncio.CancelledError:
+            # Our cancellation may still be pending (the block ended before its
+            # next await): take delivery here rather than at the caller's next
+            # await. (Python 3.13's uncancel() would rescind it.)
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                pass
+        if task.uncancel() > 0:
+            # cancelled from outside too: that cancellation wins
+            if exc_type is asyncio.CancelledError:
+                return
+            raise asyncio.CancelledError
+        if exc_type is None or exc_type is asyncio.CancelledError:
+            raise error from exc
+        # the block raised something else (perhaps LeaseLostError from a fenced
+        # call): let it propagate
 
 
 class AcquireContext:
@@ -321,6 +621,14 @@ class Client:
 
     Use as ``async with Client(...) as client`` or call ``aclose()``. The
     channel is opened on first use and binds the client to that event loop.
+
+    ``renewal="stream"`` (default) keeps every lease of the client alive over
+    one KeepAlive stream (renewals at a third of each ttl; ``lost`` and
+    ``expiring`` pushed by the server; reconnects with jittered backoff and
+    re-tracks every lease). ``renewal="unary"`` renews each lease with unary
+    Renew calls instead (loss is then learned from a refused renewal).
+    ``on_lost(lease, reason)`` is called on the client's loop whenever one of
+    its leases is lost.
     """
 
     def __init__(
@@ -332,6 +640,8 @@ class Client:
         retry: RetryPolicy = DEFAULT_RETRY,
         channel_options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        on_lost: OnLost | None = None,
+        renewal: Renewal = "stream",
     ) -> None:
         self._address = address
         self._owner = owner if owner is not None else default_owner()
@@ -342,7 +652,15 @@ class Client:
         self._channel: grpc.aio.Channel | None = None
         self._stubs: Stubs | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._renewer: Renewer = UnaryRenewer(retry)
+        self._renewer: Renewer
+        if renewal == "stream":
+            self._renewer = StreamRenewer(self, retry)
+        elif renewal == "unary":
+            self._renewer = UnaryRenewer(retry)
+        else:
+            raise ValueError(f"renewal must be 'stream' or 'unary', not {renewal!r}")
+        self._renewal: Renewal = renewal
+        self._on_lost = on_lost
         self._cleanups: set[asyncio.Task[Any]] = set()
         self._closed = False
 
@@ -362,8 +680,9 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop background renewals, wait for pending cleanups, close the
-        channel. Leases not released stay until their ttl runs out."""
+        """Stop background renewals, wait for pending cleanups and ``on_lost``
+        tasks, close the channel. Closing revokes nothing: leases not released
+        stay with their owner until their ttl runs out."""
         if self._closed:
             return
         self._closed = True
@@ -395,6 +714,11 @@ class Client:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def renewal(self) -> Renewal:
+        """How leases are kept alive: "stream" (KeepAlive) or "unary" (Renew)."""
+        return self._renewal
 
     @property
     def stubs(self) -> Stubs:
@@ -484,6 +808,60 @@ class Client:
                                 ledger_pb2.DeleteRunRequest(run_id=run_id), mutation=True)
         return DeleteResult(fencing_token=resp.fencing_token, revision=resp.revision)
 
+    async def watch(
+        self, run_ids: Iterable[str] = (), from_revision: int = 0
+    ) -> AsyncGenerator[WatchEvent, None]:
+        """Every committed change to the runs ``run_ids`` (empty: all runs), in
+        revision order, as ``WatchEvent``s, for as long as the iteration goes.
+
+        ``from_revision=0`` starts with the changes committed after the call;
+        ``from_revision=N`` first replays every retained change with revision
+        >= N. The iterator reconnects by itself when the stream ends with
+        UNAVAILABLE (server restart) or STREAM_TOO_SLOW, resuming from the last
+        revision received + 1: no change is missed or repeated. It raises
+        ``RevisionCompactedError`` when the revision to resume from is older
+        than the server's retained history (re-list, then watch from the
+        list's revision + 1), and ``UnavailableError`` when the server stays
+        unreachable for longer than the client's retry policy allows.
+        """
+        ids = builtins.list(run_ids)
+        if from_revision < 0:
+            raise ValueError(f"from_revision must be >= 0 (got {from_revision})")
+        next_rev = from_revision
+        backoff = self._retry.backoffs()
+        first = True
+        while True:
+            if not first:
+                await asyncio.sleep(backoff.next())
+            first = False
+            # Reachability (bounded by the retry policy) and, for a watch
+            # "from now", the revision that "now" is: resuming from it after a
+            # drop then loses nothing even before the first event.
+            current = await self._current_revision()
+            if next_rev == 0:
+                next_rev = current + 1
+            call = self._ledger.WatchRuns(
+                ledger_pb2.WatchRunsRequest(run_ids=ids, from_revision=next_rev)
+            )
+            try:
+                async for resp in call:
+                    if resp.revision < next_rev:
+                        continue  # never yield a revision twice
+                    next_rev = resp.revision + 1
+                    backoff = self._retry.backoffs()
+                    yield watch_event_from_pb(resp)
+            except grpc.RpcError as err:
+                exc = from_rpc_error(err, mutation=False)
+                if not (exc.grpc_code is grpc.StatusCode.UNAVAILABLE
+                        or isinstance(exc, StreamTooSlowError)):
+                    raise exc from err
+                log.info("watch stream ended (%s); resuming from revision %d", exc, next_rev)
+            else:
+                log.info("watch stream closed by the server; resuming from revision %d",
+                         next_rev)
+            finally:
+                call.cancel()
+
     async def validate_fence(self, run_id: str, fencing_token: int) -> FenceStatus:
         """Whether ``fencing_token`` is still the run's current one (for a
         downstream resource that must refuse stale writers)."""
@@ -503,10 +881,35 @@ class Client:
         ttl = self._default_ttl_ms if ttl_ms is None else ttl_ms
         req = ledger_pb2.AcquireRequest(run_id=run_id, owner=self._owner, lease_ttl_ms=ttl,
                                         lock_delay_ms=lock_delay_ms)
+        sent_at = time.monotonic()  # before the first attempt: a retry only makes it safer
         resp = await self._call(self._ledger.Acquire, req, mutation=True)
-        lease = Lease(self, record_from_pb(resp.run), ttl)
+        lease = Lease(self, record_from_pb(resp.run), ttl, sent_at=sent_at)
         self._renewer.start(lease)
         return lease
+
+    async def _current_revision(self) -> int:
+        resp = await self._call(self._ledger.ListRuns, ledger_pb2.ListRunsRequest(page_size=1),
+                                mutation=False)
+        return int(resp.revision)
+
+    def _lease_lost(self, lease: Lease, reason: LostReason) -> None:
+        """Call ``on_lost``; an awaitable it returns runs as a task of the client."""
+        if self._on_lost is None:
+            return
+        try:
+            result = self._on_lost(lease, reason)
+        except Exception:
+            log.exception("on_lost callback failed")
+            return
+        if inspect.isawaitable(result):
+            task: asyncio.Task[Any] = asyncio.ensure_future(result)
+            self._cleanups.add(task)
+            task.add_done_callback(self._callback_done)
+
+    def _callback_done(self, task: asyncio.Task[Any]) -> None:
+        self._cleanups.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("on_lost callback failed", exc_info=task.exception())
 
     async def _list_page(
         self,

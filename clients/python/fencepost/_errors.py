@@ -8,7 +8,11 @@ The tree::
     ├── ValidationError             RUN_VALIDATION_ERROR       (.field names the input)
     ├── RunNotFoundError            RUN_NOT_FOUND
     ├── LeaseHeldError              RUN_LEASE_HELD
-    ├── LeaseLostError              RUN_LEASE_LOST             (the handle's fence moved)
+    ├── LeaseLostError              RUN_LEASE_LOST             (the handle's fence moved;
+    │   │                                                       .reason a LostReason)
+    │   └── LeaseAtRiskError        LEASE_AT_RISK              (raised locally, never by the
+    │                                                          server: safe-until passed or
+    │                                                          the lease is expiring)
     ├── AlreadyTerminalError        RUN_ALREADY_TERMINAL
     ├── RunSuspendedError           RUN_SUSPENDED
     ├── InvalidTransitionError      RUN_INVALID_TRANSITION
@@ -18,6 +22,10 @@ The tree::
     ├── InvalidRunStateError        INVALID_RUN_STATE
     ├── StorageFullError            STORAGE_FULL               (nothing was written)
     ├── StorageUnavailableError     STORAGE_UNAVAILABLE        (nothing was written)
+    ├── RevisionCompactedError      RUN_REVISION_COMPACTED     (watch: that revision is no
+    │                                                          longer retained; re-list)
+    ├── StreamTooSlowError          STREAM_TOO_SLOW            (a stream fell too far behind;
+    │                                                          the SDK reconnects by itself)
     ├── UnauthenticatedError        UNAUTHENTICATED
     ├── PermissionDeniedError       PERMISSION_DENIED
     ├── RpcError                    a reason this SDK has no class for yet (.code is
@@ -26,6 +34,8 @@ The tree::
     └── UnavailableError            no answer: UNAVAILABLE after every retry, or a
         │                           read's deadline passed (.code "UNAVAILABLE" or
         │                           "DEADLINE_EXCEEDED")
+        ├── ShuttingDownError       SHUTTING_DOWN: the server is stopping and did
+        │                           nothing with this call; retried like UNAVAILABLE
         └── OutcomeUnknownError     a mutation got no answer: it may or may not have
                                     been applied. Retrying it with a fresh call is
                                     safe for the converging commands (finish,
@@ -42,7 +52,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from ._records import RunRecord, record_from_pb
+from ._records import LostReason, RunRecord, record_from_pb
 from .v1 import record_pb2
 
 DOMAIN = "fencepost"
@@ -95,9 +105,36 @@ class LeaseHeldError(FencepostError):
 
 class LeaseLostError(FencepostError):
     """The handle's fence moved: taken over, cancelled, deleted or finished by
-    another handle. The handle can make no further write."""
+    another handle. The handle can make no further write. ``.reason`` is a
+    ``LostReason`` when the SDK knows why (from a ``lost`` push, or judged
+    from the record the server refused with), else None."""
 
     code = "RUN_LEASE_LOST"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        record: RunRecord | None = None,
+        field: str | None = None,
+        grpc_code: grpc.StatusCode | None = None,
+        reason: LostReason | None = None,
+    ) -> None:
+        super().__init__(message, code=code, record=record, field=field, grpc_code=grpc_code)
+        self.reason = reason
+
+
+class LeaseAtRiskError(LeaseLostError):
+    """Raised by ``guard()`` and ``check()`` (never by the server) when the lease
+    *may* be gone: its safe-until passed with no newer renewal answered (this
+    process was cut off from the coordinator), or the server said it is
+    ``expiring``. Nobody may have taken the run yet, but another owner could at
+    any moment, so side effects must stop. ``.reason`` is ``LostReason.AT_RISK``.
+    A later renewal that gets answered makes the lease safe again (``at_risk``
+    False); a fenced call tells for sure."""
+
+    code = "LEASE_AT_RISK"
 
 
 class AlreadyTerminalError(FencepostError):
@@ -143,6 +180,21 @@ class StorageUnavailableError(FencepostError):
     code = "STORAGE_UNAVAILABLE"
 
 
+class RevisionCompactedError(FencepostError):
+    """``watch`` asked for a revision older than the server's retained history.
+    List the runs (the answer carries its revision) and watch from there + 1."""
+
+    code = "RUN_REVISION_COMPACTED"
+
+
+class StreamTooSlowError(FencepostError):
+    """A stream fell more than the server's per-stream limit behind reading and
+    was dropped. The SDK's streams reconnect on it by themselves (the watch
+    resumes from its last revision + 1); raw-stub users see it."""
+
+    code = "STREAM_TOO_SLOW"
+
+
 class UnauthenticatedError(FencepostError):
     code = "UNAUTHENTICATED"
 
@@ -161,6 +213,12 @@ class UnavailableError(FencepostError):
     deadline passed."""
 
     code = "UNAVAILABLE"
+
+
+class ShuttingDownError(UnavailableError):
+    """The server is stopping and did nothing with this call (safe to retry)."""
+
+    code = "SHUTTING_DOWN"
 
 
 class OutcomeUnknownError(UnavailableError):
@@ -183,6 +241,9 @@ _BY_REASON: dict[str, type[FencepostError]] = {
         InvalidRunStateError,
         StorageFullError,
         StorageUnavailableError,
+        RevisionCompactedError,
+        StreamTooSlowError,
+        ShuttingDownError,
         UnauthenticatedError,
         PermissionDeniedError,
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from .v1 import record_pb2
+from .v1 import ledger_pb2, record_pb2
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -268,3 +268,87 @@ def record_from_pb(m: record_pb2.Run) -> RunRecord:
         revision=m.revision,
         schema=m.schema,
     )
+
+
+# -- streams --------------------------------------------------------------------------
+
+
+class LostReason(StrEnum):
+    """Why a lease was lost (``Lease.lost_reason``; ``LeaseLostError.reason``).
+
+    The first five are the server's ``LostReason`` (SPEC §6.1). ``AT_RISK`` is
+    never a lease's ``lost_reason``: it is the reason of the
+    ``LeaseAtRiskError`` that ``guard()`` and ``check()`` raise when the lease
+    may be gone but nobody has said so (safe-until passed, or ``expiring``).
+    """
+
+    TAKEN_OVER = "taken_over"  # another acquire (takeover after expiry, or a newer acquire)
+    CANCELLED = "cancelled"  # an operator cancelled the run
+    DELETED = "deleted"  # the run was deleted
+    FENCE_MOVED = "fence_moved"  # a raw compare-and-set, or the lease dropped by something else
+    FINISHED = "finished"  # the run was finished under another handle
+    AT_RISK = "at_risk"  # not a loss: the lease may be gone (see the class docs)
+
+
+_LOST_FROM_PB: dict[int, LostReason] = {
+    ledger_pb2.LOST_REASON_TAKEN_OVER: LostReason.TAKEN_OVER,
+    ledger_pb2.LOST_REASON_CANCELLED: LostReason.CANCELLED,
+    ledger_pb2.LOST_REASON_DELETED: LostReason.DELETED,
+    ledger_pb2.LOST_REASON_FENCE_MOVED: LostReason.FENCE_MOVED,
+    ledger_pb2.LOST_REASON_FINISHED: LostReason.FINISHED,
+}
+
+
+def lost_reason_from_pb(value: int) -> LostReason:
+    """The reason for a wire ``LostReason``; an unknown one is ``FENCE_MOVED``."""
+    return _LOST_FROM_PB.get(value, LostReason.FENCE_MOVED)
+
+
+def derive_lost_reason(record: RunRecord | None, token: int) -> LostReason:
+    """Why the fence at ``token`` is gone, judged from the record now (for a
+    loss learned from a refused fenced call, which carries no reason). The
+    same rule as the server's for a loss learned after the fact."""
+    if record is None:
+        return LostReason.DELETED
+    if record.status is RunStatus.CANCELLED and record.fencing_token > token:
+        return LostReason.CANCELLED
+    if record.status in _TERMINAL:
+        return LostReason.FINISHED
+    if record.fencing_token != token and record.lease is not None:
+        return LostReason.TAKEN_OVER
+    return LostReason.FENCE_MOVED
+
+
+class ChangeKind(StrEnum):
+    """What a committed change did to a record (``WatchEvent.kind``)."""
+
+    PUT = "put"  # created or updated: ``record`` is the new version
+    DELETE = "delete"  # deleted: ``record`` is None
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One committed change, as ``Client.watch`` yields it. ``revision`` is
+    server-wide and strictly increasing along a watch (resume from
+    ``revision + 1``)."""
+
+    revision: int
+    kind: ChangeKind
+    run_id: str
+    record: RunRecord | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"revision", "kind", "run_id", "record"?}``; ``record`` is
+        ``RunRecord.to_dict()`` and absent for a delete."""
+        d: dict[str, Any] = {"revision": self.revision, "kind": self.kind.value,
+                             "run_id": self.run_id}
+        if self.record is not None:
+            d["record"] = self.record.to_dict()
+        return d
+
+
+def watch_event_from_pb(m: ledger_pb2.WatchRunsResponse) -> WatchEvent:
+    """A ``WatchEvent`` from a ``fencepost.v1.WatchRunsResponse``."""
+    record = record_from_pb(m.record) if m.HasField("record") else None
+    kind = ChangeKind.DELETE if m.kind == ledger_pb2.CHANGE_KIND_DELETE else ChangeKind.PUT
+    return WatchEvent(revision=m.revision, kind=kind, run_id=m.run_id, record=record)

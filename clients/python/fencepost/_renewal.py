@@ -1,11 +1,18 @@
 """Background lease renewal, behind a small seam.
 
 The client talks to a ``Renewer`` only through ``start(lease)``,
-``stop(lease)`` and ``aclose()``. Today's implementation, ``UnaryRenewer``,
-runs one task per lease that calls the unary ``Renew`` at a third of the
-lease's ttl (etcd's habit). The KeepAlive stream (SPEC §6.1) will be another
-``Renewer`` that multiplexes every lease of a client over one stream; nothing
-outside this module will change.
+``stop(lease)`` and ``aclose()``. Two implementations:
+
+- ``StreamRenewer`` (the default): one KeepAlive stream per client carries
+  the renewals of all its leases, each at a third of its ttl, and brings back
+  ``renewed`` (safe-until), ``lost`` and ``expiring`` pushes (SPEC §6.1,
+  docs/STREAMS.md). When the stream drops it reconnects with jittered
+  exponential backoff, sends ``hello`` and renews (or tracks) every lease it
+  keeps: the answers tell which are still held, and ``lost`` what was missed.
+  While it is down nothing is sent: leases live by their ttl, and each
+  lease's safe-until keeps counting down.
+- ``UnaryRenewer``: one task per lease calling the unary ``Renew`` every ttl/3
+  (etcd's habit). Loss is learned from a refused renewal.
 
 Every task has an owner: the renewer keeps it until ``stop`` or ``aclose``
 cancels and awaits it.
@@ -14,16 +21,38 @@ cancels and awaits it.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import heapq
+import itertools
 import logging
-from typing import TYPE_CHECKING, Protocol
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ._errors import FencepostError, LeaseLostError, StorageUnavailableError, UnavailableError
+import grpc
+
+from ._errors import (
+    FencepostError,
+    LeaseLostError,
+    StorageUnavailableError,
+    UnavailableError,
+    from_rpc_error,
+)
+from ._records import lost_reason_from_pb, record_from_pb, time_from_pb
 from ._retry import RetryPolicy
+from .v1 import ledger_pb2 as pb
 
 if TYPE_CHECKING:
-    from ._client import Lease
+    from ._client import Client, Lease
 
 log = logging.getLogger("fencepost.renewal")
+
+# Per-run stream errors worth retrying at the next interval; any other one
+# stops the renewals of that lease (it is still tracked for `lost`).
+_TRANSIENT_CODES = frozenset({"STORAGE_UNAVAILABLE", "STORAGE_FULL"})
+# Floor of the reconnect delay, whatever the ttls (seconds).
+_MIN_RECONNECT_S = 0.01
 
 
 class Renewer(Protocol):
@@ -102,3 +131,298 @@ class UnaryRenewer:
                 return
             backoff = self._retry.backoffs()
             delay = interval
+
+
+Key = tuple[str, int]  # (run_id, fencing_token): one handle
+
+
+@dataclass(eq=False)
+class _Entry:
+    lease: Lease
+    next_renew: float = 0.0  # monotonic time the next renewal is due
+    renewing: bool = True  # False: only tracked (renewal refused for good)
+    sent: bool = False  # has been on a stream: renew it on reconnect
+
+    @property
+    def key(self) -> Key:
+        return (self.lease.run_id, self.lease.fencing_token)
+
+
+class StreamRenewer:
+    """Every lease of one client over one KeepAlive stream (see the module docs).
+
+    One manager task owns the stream; each connection runs three tasks that
+    the manager awaits: a reader (dispatches the server's messages), a
+    writer (the only one to call ``write``, fed by a queue, which stamps each
+    renewal with its send time) and a scheduler (renewals due at ttl/3, kept
+    in a heap).
+    """
+
+    def __init__(self, client: Client, retry: RetryPolicy) -> None:
+        self._client = client
+        self._retry = retry
+        self._entries: dict[Key, _Entry] = {}
+        # Send times of this stream's renewals not answered yet, per handle,
+        # oldest first: the server answers each renew once (renewed, lost or
+        # error), in the order sent. Kept apart from the entries so that a
+        # handle stopped and started again still pairs each answer with its
+        # own send time.
+        self._pending: dict[Key, collections.deque[float]] = {}
+        self._per_run: collections.Counter[str] = collections.Counter()
+        self._heap: list[tuple[float, int, Key]] = []
+        self._seq = itertools.count()
+        self._outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]] | None = None
+        self._wake = asyncio.Event()  # the scheduler: something is due earlier
+        self._has_entries = asyncio.Event()  # the manager: something to keep alive
+        self._task: asyncio.Task[None] | None = None
+        self._answered = False
+        self._closed = False
+        self.sessions = 0  # streams opened so far (diagnostics, tests)
+
+    # -- the Renewer seam ---------------------------------------------------------------
+
+    def start(self, lease: Lease) -> None:
+        if self._closed or not lease.is_active:
+            return
+        entry = _Entry(lease)
+        if entry.key in self._entries:
+            return
+        self._entries[entry.key] = entry
+        self._per_run[lease.run_id] += 1
+        # a third of the ttl after the send of the renewal that set safe-until
+        ttl_s = lease.ttl_ms / 1000
+        now = time.monotonic()
+        due = lease.safe_until - 2 * ttl_s / 3
+        entry.next_renew = min(max(due, now), now + ttl_s / 3)
+        heapq.heappush(self._heap, (entry.next_renew, next(self._seq), entry.key))
+        if self._outbox is not None:
+            self._send_track(entry)
+        self._wake.set()
+        self._has_entries.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="fencepost-keepalive")
+
+    async def stop(self, lease: Lease) -> None:
+        """Stop renewing and tracking ``lease``. Renewals already sent may still
+        be committed before a command that drops the lease, never after it (the
+        fence refuses them); their answers are ignored."""
+        entry = self._entries.pop((lease.run_id, lease.fencing_token), None)
+        if entry is None:
+            return
+        self._forget_run(lease.run_id)
+        if self._outbox is None:
+            return
+        if self._per_run[lease.run_id]:
+            # another handle of this client on the same run (the server tracks
+            # one per run and stream): keep that one tracked
+            for other in self._entries.values():
+                if other.lease.run_id == lease.run_id:
+                    self._send_track(other)
+        else:
+            self._outbox.put_nowait(
+                (pb.KeepAliveRequest(untrack=pb.KeepAliveUntrack(run_id=lease.run_id)), None)
+            )
+
+    async def aclose(self) -> None:
+        """Drop the stream (which revokes nothing) and stop every renewal."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        self._entries.clear()
+        self._per_run.clear()
+        self._heap.clear()
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _forget_run(self, run_id: str) -> None:
+        self._per_run[run_id] -= 1
+        if self._per_run[run_id] <= 0:
+            del self._per_run[run_id]
+        if not self._entries:
+            self._has_entries.clear()
+
+    def _drop(self, key: Key) -> _Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._forget_run(key[0])
+        return entry
+
+    def _send_renew(self, entry: _Entry, now: float) -> None:
+        assert self._outbox is not None
+        lease = entry.lease
+        msg = pb.KeepAliveRequest(renew=pb.KeepAliveRenew(
+            run_id=lease.run_id, fencing_token=lease.fencing_token, lease_ttl_ms=lease.ttl_ms))
+        self._outbox.put_nowait((msg, entry))
+        entry.sent = True
+        entry.next_renew = now + lease.ttl_ms / 3000
+        heapq.heappush(self._heap, (entry.next_renew, next(self._seq), entry.key))
+
+    def _send_track(self, entry: _Entry) -> None:
+        assert self._outbox is not None
+        lease = entry.lease
+        msg = pb.KeepAliveRequest(track=pb.KeepAliveTrack(
+            run_id=lease.run_id, fencing_token=lease.fencing_token))
+        self._outbox.put_nowait((msg, None))
+        entry.sent = True
+
+    def _reconnect_delay_cap(self) -> float:
+        """Reconnect well within the shortest ttl kept alive."""
+        cap = self._retry.max_backoff_s
+        if self._entries:
+            shortest = min(e.lease.ttl_ms for e in self._entries.values()) / 1000
+            cap = min(cap, shortest / 4)
+        return max(cap, _MIN_RECONNECT_S)
+
+    # -- the manager -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = self._retry.backoffs()
+        while True:
+            await self._has_entries.wait()
+            started = time.monotonic()
+            self._answered = False
+            try:
+                await self._session()
+                log.info("KeepAlive stream closed by the server; reconnecting")
+            except grpc.RpcError as err:
+                log.info("KeepAlive stream dropped (%s); reconnecting",
+                         from_rpc_error(err, mutation=False))
+            except (OSError, RuntimeError, asyncio.InvalidStateError) as exc:
+                log.info("KeepAlive stream failed (%r); reconnecting", exc)
+            except Exception:
+                log.exception("KeepAlive stream crashed; reconnecting")
+            if self._answered or time.monotonic() - started > self._retry.max_backoff_s:
+                backoff = self._retry.backoffs()  # it had worked: start over
+            await asyncio.sleep(min(backoff.next(), self._reconnect_delay_cap()))
+
+    async def _session(self) -> None:
+        """One stream: hello, renew or track every lease, then run until it ends."""
+        call: Any = self._client.stubs.ledger.KeepAlive()  # type: ignore[call-arg]  # write()/read()
+        self.sessions += 1
+        outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]] = asyncio.Queue()
+        outbox.put_nowait(
+            (pb.KeepAliveRequest(hello=pb.KeepAliveHello(owner=self._client.owner)), None)
+        )
+        self._outbox = outbox
+        self._pending.clear()  # answers of a dead stream never come
+        now = time.monotonic()
+        for entry in list(self._entries.values()):
+            if not entry.lease.is_active:
+                self._drop(entry.key)
+            elif entry.renewing and (entry.sent or entry.next_renew <= now):
+                self._send_renew(entry, now)  # a reconnect: which do we still hold?
+            else:
+                self._send_track(entry)
+        tasks = [
+            asyncio.create_task(self._read(call), name="fencepost-keepalive-read"),
+            asyncio.create_task(self._write(call, outbox), name="fencepost-keepalive-write"),
+            asyncio.create_task(self._schedule(), name="fencepost-keepalive-schedule"),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._outbox = None
+            call.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+
+    async def _write(
+        self, call: Any, outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]]
+    ) -> None:
+        while True:
+            msg, entry = await outbox.get()
+            if entry is not None:
+                key = entry.key
+                if self._entries.get(key) is not entry:
+                    continue  # stopped or lost since it was queued
+                # t_sent, taken before the renewal can possibly be answered
+                self._pending.setdefault(key, collections.deque()).append(time.monotonic())
+            await call.write(msg)
+
+    async def _schedule(self) -> None:
+        heap = self._heap
+        while True:
+            now = time.monotonic()
+            while heap and heap[0][0] <= now:
+                when, _, key = heapq.heappop(heap)
+                entry = self._entries.get(key)
+                if entry is None or entry.next_renew != when or not entry.renewing:
+                    continue  # stale heap item
+                if not entry.lease.is_active:
+                    self._drop(key)  # lost through a fenced call, say
+                    continue
+                self._send_renew(entry, now)
+            self._wake.clear()
+            timeout = heap[0][0] - now if heap else None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+
+    async def _read(self, call: Any) -> None:
+        while True:
+            resp = await call.read()
+            if resp is grpc.aio.EOF:  # type: ignore[attr-defined]
+                return
+            self._answered = True
+            try:
+                self._dispatch(resp)
+            except Exception:
+                log.exception("could not handle %s", resp.WhichOneof("kind"))
+
+    def _answered_renewal(self, key: Key) -> float | None:
+        """The send time of the oldest unanswered renewal of ``key``, now answered."""
+        sent = self._pending.get(key)
+        if not sent:
+            return None
+        sent_at = sent.popleft()
+        if not sent:
+            del self._pending[key]
+        return sent_at
+
+    def _dispatch(self, resp: pb.KeepAliveResponse) -> None:
+        kind = resp.WhichOneof("kind")
+        if kind == "renewed":
+            r = resp.renewed
+            key = (r.run_id, r.fencing_token)
+            sent_at = self._answered_renewal(key)
+            entry = self._entries.get(key)
+            if entry is not None and sent_at is not None:
+                entry.lease._renewed(sent_at, r.ttl_remaining_ms, time_from_pb(r.expires_at))
+        elif kind == "lost":
+            m = resp.lost
+            key = (m.run_id, m.fencing_token)
+            self._answered_renewal(key)  # a lost may answer a renew, or be pushed
+            gone = self._drop(key)  # the server untracked it
+            if gone is not None:
+                record = record_from_pb(m.record) if m.HasField("record") else None
+                gone.lease._mark_lost(record, lost_reason_from_pb(m.reason))
+        elif kind == "expiring":
+            x = resp.expiring
+            entry = self._entries.get((x.run_id, x.fencing_token))
+            if entry is not None:
+                entry.lease._expiring(time_from_pb(x.expires_at))
+        elif kind == "error":
+            e = resp.error
+            for key in [k for k in self._pending if k[0] == e.run_id]:
+                self._answered_renewal(key)  # that renewal was refused
+                entry = self._entries.get(key)
+                if entry is None:
+                    break
+                if e.code in _TRANSIENT_CODES:
+                    log.info("renewal of %r not committed (%s: %s); retrying at the next "
+                             "interval", e.run_id, e.code, e.message)
+                else:
+                    log.warning("renewal of %r refused (%s: %s); tracking it only",
+                                e.run_id, e.code, e.message)
+                    entry.renewing = False
+                    if self._outbox is not None:
+                        self._send_track(entry)
+                break
+            else:
+                log.warning("KeepAlive error for %r: %s: %s", e.run_id, e.code, e.message)

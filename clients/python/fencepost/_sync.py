@@ -2,15 +2,22 @@
 event-loop thread (anyio's blocking-portal habit), with the same method names
 and signatures. It refuses to be used from inside a running event loop, where
 blocking would stall that loop: use ``fencepost.Client`` there.
+
+Leases are kept alive by the async client on the loop thread (one KeepAlive
+stream), so a worker thread busy in a long computation does not stop its
+renewals. A thread cannot be cancelled, though: ``SyncLease.guard()`` and
+``check()`` are how threaded code learns that it must stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
-from concurrent.futures import Future
+import weakref
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -18,18 +25,35 @@ from typing import Any, TypeVar
 import grpc
 
 from ._client import (
+    AT_RISK,
     DEFAULT_ADDRESS,
     DEFAULT_RETRY,
     DEFAULT_TTL_MS,
+    LOST,
+    SAFE,
     Client,
     Lease,
+    Renewal,
     merge_channel_options,
 )
-from ._records import DeleteResult, FenceStatus, RunRecord, RunStatus, parse_status
+from ._records import (
+    DeleteResult,
+    FenceStatus,
+    LostReason,
+    RunRecord,
+    RunStatus,
+    WatchEvent,
+    parse_status,
+)
 from ._retry import RetryPolicy
 from .v1 import ledger_pb2_grpc, run_store_pb2_grpc
 
 T = TypeVar("T")
+log = logging.getLogger("fencepost")
+
+# What ``SyncClient(on_lost=...)`` is called with, on the client's callback thread.
+SyncOnLost = Callable[["SyncLease", LostReason], object]
+_END = object()  # the watch ended
 
 
 def _refuse_running_loop() -> None:
@@ -100,16 +124,29 @@ class SyncStubs:
 class SyncLease:
     """The blocking twin of ``Lease``; also a context manager that releases the
     lease on exit unless it was finished, suspended, released or lost.
-    ``lost`` is a ``threading.Event``."""
+    ``lost`` and ``at_risk_event`` are ``threading.Event`` objects."""
 
     def __init__(self, portal: _Portal, lease: Lease) -> None:
+        # Built on the portal's loop thread (SyncClient does), where the
+        # lease's state changes happen.
         self._portal = portal
         self._lease = lease
         self._lost = threading.Event()
-        portal.run(self._watch_lost())
+        self._at_risk = threading.Event()
+        if lease.is_lost:
+            self._lost.set()
+        if lease.at_risk_event.is_set():
+            self._at_risk.set()
+        lease._add_listener(self._changed)
 
-    async def _watch_lost(self) -> None:
-        self._lease._on_lost(self._lost.set)
+    def _changed(self, change: str) -> None:
+        if change == LOST:
+            self._at_risk.set()
+            self._lost.set()
+        elif change == AT_RISK:
+            self._at_risk.set()
+        elif change == SAFE:
+            self._at_risk.clear()
 
     def __repr__(self) -> str:
         return repr(self._lease).replace("<Lease", "<SyncLease", 1)
@@ -157,6 +194,40 @@ class SyncLease:
     def is_active(self) -> bool:
         return self._lease.is_active
 
+    @property
+    def lost_reason(self) -> LostReason | None:
+        return self._lease.lost_reason
+
+    @property
+    def safe_until(self) -> float:
+        """A ``time.monotonic()`` reading; see ``Lease.safe_until``."""
+        return self._lease.safe_until
+
+    @property
+    def at_risk(self) -> bool:
+        return self._lease.at_risk
+
+    @property
+    def at_risk_event(self) -> threading.Event:
+        """Set when the lease becomes at risk or lost; see ``Lease.at_risk_event``."""
+        return self._at_risk
+
+    def check(self) -> None:
+        """Raise ``LeaseLostError`` if lost, ``LeaseAtRiskError`` if at risk.
+        Call it between side effects in a long-running thread."""
+        self._lease.check()
+
+    def guard(self) -> _SyncGuard:
+        """``with lease.guard():`` for a worker thread. A thread cannot be
+        cancelled, so on loss this does what it can: ``lost`` /
+        ``at_risk_event`` are set at once (poll them, or call ``check()``,
+        between side effects), and when the block exits normally after the
+        lease was lost or at risk at any moment during it, ``LeaseLostError``
+        (``LeaseAtRiskError`` for at-risk) is raised from the ``with``. An
+        exception raised by the block propagates unchanged. Entering raises at
+        once when the lease is already lost or at risk."""
+        return _SyncGuard(self._lease)
+
     def renew(self, ttl_ms: int | None = None) -> RunRecord:
         return self._portal.run(self._lease.renew(ttl_ms))
 
@@ -178,9 +249,41 @@ class SyncLease:
         return self._portal.run(self._lease.release())
 
 
+class _SyncGuard:
+    """What ``SyncLease.guard()`` returns (see there)."""
+
+    def __init__(self, lease: Lease) -> None:
+        self._lease = lease
+        self._epoch: int | None = None
+
+    def __enter__(self) -> None:
+        if self._epoch is not None:
+            raise RuntimeError("this guard() is already in use")
+        self._lease.check()
+        self._epoch = self._lease._risk_epoch
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            return  # the block's own exception wins
+        lease = self._lease
+        if lease.is_lost:
+            raise lease._lost_error()
+        if lease._risk_epoch != self._epoch or lease.at_risk:
+            raise lease._at_risk_error()
+
+
 class SyncClient:
     """Blocking client with the same methods as ``Client``. ``acquire``
-    acquires at once and returns a ``SyncLease`` (also a context manager)."""
+    acquires at once and returns a ``SyncLease`` (also a context manager).
+
+    ``on_lost(sync_lease, reason)`` runs on a dedicated callback thread (so it
+    may call this client); ``watch`` returns a blocking iterator.
+    """
 
     def __init__(
         self,
@@ -191,16 +294,25 @@ class SyncClient:
         retry: RetryPolicy = DEFAULT_RETRY,
         channel_options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        on_lost: SyncOnLost | None = None,
+        renewal: Renewal = "stream",
     ) -> None:
         _refuse_running_loop()
+        self._on_lost = on_lost
         self._client = Client(
             address, owner=owner, default_ttl_ms=default_ttl_ms, retry=retry,
             channel_options=channel_options, interceptors=interceptors,
+            on_lost=self._lost_on_loop if on_lost is not None else None, renewal=renewal,
         )
         self._channel_options = merge_channel_options(channel_options)
         self._sync_channel: grpc.Channel | None = None
         self._sync_stubs: SyncStubs | None = None
         self._lock = threading.Lock()
+        self._leases: weakref.WeakValueDictionary[Lease, SyncLease] = (
+            weakref.WeakValueDictionary())
+        self._callbacks: ThreadPoolExecutor | None = None
+        if on_lost is not None:
+            self._callbacks = ThreadPoolExecutor(1, thread_name_prefix="fencepost-callbacks")
         self._portal = _Portal()
 
     def __repr__(self) -> str:
@@ -229,6 +341,9 @@ class SyncClient:
             with self._lock:
                 if self._sync_channel is not None:
                     self._sync_channel.close()
+            if self._callbacks is not None:
+                in_callback = threading.current_thread().name.startswith("fencepost-callbacks")
+                self._callbacks.shutdown(wait=not in_callback)
 
     @property
     def address(self) -> str:
@@ -251,6 +366,10 @@ class SyncClient:
         return self._client.closed
 
     @property
+    def renewal(self) -> Renewal:
+        return self._client.renewal
+
+    @property
     def stubs(self) -> SyncStubs:
         """Raw blocking stubs on a separate channel to the same address."""
         with self._lock:
@@ -269,8 +388,34 @@ class SyncClient:
     def acquire(
         self, run_id: str, *, ttl_ms: int | None = None, lock_delay_ms: int = 0
     ) -> SyncLease:
-        lease = self._portal.run(self._client._acquire(run_id, ttl_ms, lock_delay_ms))
-        return SyncLease(self._portal, lease)
+        return self._portal.run(self._acquire(run_id, ttl_ms, lock_delay_ms))
+
+    async def _acquire(self, run_id: str, ttl_ms: int | None, lock_delay_ms: int) -> SyncLease:
+        return self._wrap(await self._client._acquire(run_id, ttl_ms, lock_delay_ms))
+
+    def _wrap(self, lease: Lease) -> SyncLease:
+        """The SyncLease of a lease (on the loop thread)."""
+        sync = self._leases.get(lease)
+        if sync is None:
+            sync = SyncLease(self._portal, lease)
+            self._leases[lease] = sync
+        return sync
+
+    def _lost_on_loop(self, lease: Lease, reason: LostReason) -> None:
+        callbacks = self._callbacks
+        if callbacks is None or self._on_lost is None:
+            return
+        try:
+            callbacks.submit(self._call_on_lost, self._on_lost, self._wrap(lease), reason)
+        except RuntimeError:  # shut down: the client is closing
+            pass
+
+    @staticmethod
+    def _call_on_lost(callback: SyncOnLost, lease: SyncLease, reason: LostReason) -> None:
+        try:
+            callback(lease, reason)
+        except Exception:
+            log.exception("on_lost callback failed")
 
     def get(self, run_id: str) -> RunRecord:
         return self._portal.run(self._client.get(run_id))
@@ -309,3 +454,36 @@ class SyncClient:
 
     def validate_fence(self, run_id: str, fencing_token: int) -> FenceStatus:
         return self._portal.run(self._client.validate_fence(run_id, fencing_token))
+
+    def watch(
+        self, run_ids: Iterable[str] = (), from_revision: int = 0
+    ) -> Generator[WatchEvent, None, None]:
+        """A blocking iterator over ``Client.watch`` (same behaviour: resumes by
+        itself, raises ``RevisionCompactedError``). ``close()`` it, or break out
+        of the loop, to end the watch; closing the client ends it too."""
+        if from_revision < 0:
+            raise ValueError(f"from_revision must be >= 0 (got {from_revision})")
+        return self._events(builtins.list(run_ids), from_revision)
+
+    def _events(
+        self, run_ids: builtins.list[str], from_revision: int
+    ) -> Generator[WatchEvent, None, None]:
+        agen = self._client.watch(run_ids, from_revision)
+
+        async def step() -> Any:
+            try:
+                return await agen.__anext__()
+            except StopAsyncIteration:
+                return _END
+
+        try:
+            while True:
+                item = self._portal.run(step())
+                if item is _END:
+                    return
+                yield item
+        finally:
+            try:
+                self._portal.run(agen.aclose())
+            except RuntimeError:
+                pass  # the client is closed, or the step was interrupted and still unwinds

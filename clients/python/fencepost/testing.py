@@ -16,6 +16,8 @@ clock is a ``ManualClock``: leases expire only when the test advances it.
 Background renewal still runs in real time (every ttl/3), and a renewal
 extends the lease from the server's clock, so give leases a ttl long enough
 that no renewal falls due during the test when you advance past it.
+Advancing past a lease's expiry makes the server push ``expiring``: the
+lease turns ``at_risk`` (and ``guard()`` stops its block) until renewed.
 It needs the ``fencepost_server`` package (installed with the server).
 """
 

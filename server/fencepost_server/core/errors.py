@@ -24,6 +24,8 @@ class Code(StrEnum):
     # The write could not be made durable (SPEC §9); nothing changed.
     STORAGE_FULL = "STORAGE_FULL"
     STORAGE_UNAVAILABLE = "STORAGE_UNAVAILABLE"
+    # The server is stopping: nothing was done; retry (elsewhere, or after restart).
+    SHUTTING_DOWN = "SHUTTING_DOWN"
     # WatchRuns: the requested revision is older than the retained history.
     RUN_REVISION_COMPACTED = "RUN_REVISION_COMPACTED"
     # A stream (KeepAlive, WatchRuns) fell too far behind reading and was dropped.

@@ -33,6 +33,7 @@ GRPC_CODE: dict[Code, grpc.StatusCode] = {
     Code.INVALID_RUN_STATE: grpc.StatusCode.FAILED_PRECONDITION,
     Code.STORAGE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.STORAGE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Code.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     Code.RUN_REVISION_COMPACTED: grpc.StatusCode.OUT_OF_RANGE,
     Code.STREAM_TOO_SLOW: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }

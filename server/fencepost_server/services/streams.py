@@ -46,7 +46,7 @@ def _stop_error(stop: Stop) -> LedgerError:
             "the stream fell too far behind reading and was dropped; reconnect "
             "(WatchRuns: resume from the last revision received + 1)",
         )
-    return LedgerError(Code.STORAGE_UNAVAILABLE, "the server is shutting down; reconnect")
+    return LedgerError(Code.SHUTTING_DOWN, "the server is shutting down; reconnect")
 
 
 async def _run_until_stopped(stop: Stop, *tasks: asyncio.Task[Any]) -> None:
@@ -199,4 +199,6 @@ class StreamHandlers:
         queue = watch.queue
         while True:
             ev = await queue.get()
+            if ev.revision < start:  # from_revision in the future: not there yet
+                continue
             await context.write(watch_message(ev.revision, ev.kind, ev.run_id, ev.record))

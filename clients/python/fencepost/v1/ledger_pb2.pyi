@@ -16,6 +16,7 @@ detail with domain "fencepost" and reason one of:
   RUN_INTEGRITY_ERROR    DATA_LOSS
   STORAGE_FULL           RESOURCE_EXHAUSTED   the write could not be made durable
   STORAGE_UNAVAILABLE    UNAVAILABLE          the write could not be made durable
+  SHUTTING_DOWN          UNAVAILABLE          the server is stopping; nothing was done
   RUN_REVISION_COMPACTED OUT_OF_RANGE         WatchRuns: history no longer retained
   STREAM_TOO_SLOW        RESOURCE_EXHAUSTED   a stream reader fell too far behind
 When the server read a record to decide, that record is attached as a
