@@ -173,6 +173,8 @@ class FenceHub:
         if entry is None or entry.token != token or entry.owner != owner:
             session.tracked[run_id] = Tracked(token, owner, expires_at)
             self.by_run.setdefault(run_id, set()).add(session)
+        elif entry.expires_at == expires_at:
+            return  # already armed for this expiry (the change feed saw it first)
         else:
             entry.expires_at = expires_at
             entry.expiring_sent = False

@@ -148,6 +148,10 @@ class _Entry:
         return (self.lease.run_id, self.lease.fencing_token)
 
 
+_MAX_RENEWS_PER_MESSAGE = 2048
+_COALESCE_S = 0.05  # renewals due within this window are sent together
+
+
 class StreamRenewer:
     """Every lease of one client over one KeepAlive stream (see the module docs).
 
@@ -335,21 +339,40 @@ class StreamRenewer:
     async def _write(
         self, call: Any, outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]]
     ) -> None:
+        """Send the outbox in order. Renewals queued together (all those due in
+        one scheduling pass) go out as one message's `renews`: a message costs
+        the server far more than a renewal does."""
         while True:
-            msg, entry = await outbox.get()
-            if entry is not None:
-                key = entry.key
-                if self._entries.get(key) is not entry:
-                    continue  # stopped or lost since it was queued
-                # t_sent, taken before the renewal can possibly be answered
-                self._pending.setdefault(key, collections.deque()).append(time.monotonic())
-            await call.write(msg)
+            queued = [await outbox.get()]
+            while not outbox.empty() and len(queued) < _MAX_RENEWS_PER_MESSAGE:
+                queued.append(outbox.get_nowait())
+            renews: list[pb.KeepAliveRenew] = []
+            for msg, entry in queued:
+                if entry is not None:
+                    key = entry.key
+                    if self._entries.get(key) is not entry:
+                        continue  # stopped or lost since it was queued
+                    # t_sent, taken before the renewal can possibly be answered
+                    self._pending.setdefault(key, collections.deque()).append(time.monotonic())
+                if msg.WhichOneof("kind") == "renew":
+                    renews.append(msg.renew)
+                    continue
+                if renews:  # keep the order: renewals queued before this message
+                    await call.write(pb.KeepAliveRequest(renews=renews))
+                    renews = []
+                await call.write(msg)
+            if len(renews) == 1:
+                await call.write(pb.KeepAliveRequest(renew=renews[0]))
+            elif renews:
+                await call.write(pb.KeepAliveRequest(renews=renews))
 
     async def _schedule(self) -> None:
         heap = self._heap
         while True:
             now = time.monotonic()
-            while heap and heap[0][0] <= now:
+            # renew what falls due within the next moment too: a little early is
+            # harmless and lets scattered leases share one message
+            while heap and heap[0][0] <= now + _COALESCE_S:
                 when, _, key = heapq.heappop(heap)
                 entry = self._entries.get(key)
                 if entry is None or entry.next_renew != when or not entry.renewing:
@@ -370,10 +393,11 @@ class StreamRenewer:
             if resp is grpc.aio.EOF:  # type: ignore[attr-defined]
                 return
             self._answered = True
-            try:
-                self._dispatch(resp)
-            except Exception:
-                log.exception("could not handle %s", resp.WhichOneof("kind"))
+            for one in resp.batch or (resp,):  # the server coalesces answers
+                try:
+                    self._dispatch(one)
+                except Exception:
+                    log.exception("could not handle %s", one.WhichOneof("kind"))
 
     def _answered_renewal(self, key: Key) -> float | None:
         """The send time of the oldest unanswered renewal of ``key``, now answered."""

@@ -30,6 +30,7 @@ from ._registry import Malformed
 log = logging.getLogger("fencepost.streams")
 
 MAX_WATCH_IDS = 1000
+MAX_BATCH = 4096  # KeepAlive answers coalesced into one message
 REPLAY_PAGE = 1000
 
 
@@ -98,9 +99,15 @@ class StreamHandlers:
             self.hub.drop(session)
 
     async def _keepalive_pump(self, session: Session, context: grpc.aio.ServicerContext) -> None:
+        """Write the outbox; messages already waiting go out as one `batch`."""
         outbox = session.outbox
         while True:
             msg = await outbox.get()
+            if not outbox.empty():
+                batch = [msg]
+                while not outbox.empty() and len(batch) < MAX_BATCH:
+                    batch.append(outbox.get_nowait())
+                msg = pb.KeepAliveResponse(batch=batch)
             await context.write(msg)
 
     async def _keepalive_reader(self, session: Session, requests: AsyncIterator[Any]) -> None:
@@ -111,14 +118,8 @@ class StreamHandlers:
                     raise validation("request", f"undecodable {msg.type_name}: {msg.error}")
                 kind = msg.WhichOneof("kind")
                 if kind == "renew":
-                    r = msg.renew
-                    run_id = r.run_id
-                    ttl = r.lease_ttl_ms if r.HasField("lease_ttl_ms") else None
-                    cmd = validate.command(L.Renew(r.run_id, session.owner, r.fencing_token, ttl))
-                    fut = self.writer.submit_nowait(cmd)
-                    fut.add_done_callback(
-                        functools.partial(self._renew_done, session, r.run_id, r.fencing_token)
-                    )
+                    run_id = msg.renew.run_id
+                    self._stream_renew(session, msg.renew)
                 elif kind == "track":
                     run_id = msg.track.run_id
                     validate.run_id(run_id, "track.run_id")
@@ -130,11 +131,25 @@ class StreamHandlers:
                     self.hub.untrack(session, run_id)
                 elif kind == "hello":
                     raise validation("hello", "may be sent only once, first")
-                else:
-                    raise validation("kind", "empty message: set renew, track or untrack")
+                elif not msg.renews:
+                    raise validation("kind", "empty message: set renew(s), track or untrack")
             except LedgerError as err:
                 session.send(_error(run_id, err))
+            for r in msg.renews if not isinstance(msg, Malformed) else ():
+                try:
+                    self._stream_renew(session, r)
+                except LedgerError as err:
+                    session.send(_error(r.run_id, err))
         # the client half-closed: it is done with this stream
+
+    def _stream_renew(self, session: Session, r: Any) -> None:
+        """Validate a renewal and hand it to the writer; answered by callback."""
+        ttl = r.lease_ttl_ms if r.HasField("lease_ttl_ms") else None
+        cmd = validate.command(L.Renew(r.run_id, session.owner, r.fencing_token, ttl))
+        fut = self.writer.submit_nowait(cmd)
+        fut.add_done_callback(
+            functools.partial(self._renew_done, session, r.run_id, r.fencing_token)
+        )
 
     def _renew_done(
         self, session: Session, run_id: str, token: int, fut: asyncio.Future[Any]

@@ -776,6 +776,7 @@ class KeepAliveRequest(_message.Message):
     RENEW_FIELD_NUMBER: _builtins.int
     TRACK_FIELD_NUMBER: _builtins.int
     UNTRACK_FIELD_NUMBER: _builtins.int
+    RENEWS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___KeepAliveHello: ...
     @_builtins.property
@@ -784,6 +785,14 @@ class KeepAliveRequest(_message.Message):
     def track(self) -> Global___KeepAliveTrack: ...
     @_builtins.property
     def untrack(self) -> Global___KeepAliveUntrack: ...
+    @_builtins.property
+    def renews(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeepAliveRenew]:
+        """Many renewals in one message, each handled and answered exactly as a
+        `renew` message would be, in order. A client holding many leases should
+        send the renewals that fall due together in one message: the per-message
+        cost dominates a renewal's. May accompany `kind` (handled after it).
+        """
+
     def __init__(
         self,
         *,
@@ -791,10 +800,11 @@ class KeepAliveRequest(_message.Message):
         renew: Global___KeepAliveRenew | None = ...,
         track: Global___KeepAliveTrack | None = ...,
         untrack: Global___KeepAliveUntrack | None = ...,
+        renews: _abc.Iterable[Global___KeepAliveRenew] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello", "kind", b"kind", "renew", b"renew", "track", b"track", "untrack", b"untrack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello", "kind", b"kind", "renew", b"renew", "track", b"track", "untrack", b"untrack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello", "kind", b"kind", "renew", b"renew", "renews", b"renews", "track", b"track", "untrack", b"untrack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "renew", "track", "untrack"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -915,6 +925,7 @@ class KeepAliveResponse(_message.Message):
     LOST_FIELD_NUMBER: _builtins.int
     EXPIRING_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def renewed(self) -> Global___KeepAliveRenewed: ...
     @_builtins.property
@@ -923,6 +934,14 @@ class KeepAliveResponse(_message.Message):
     def expiring(self) -> Global___KeepAliveExpiring: ...
     @_builtins.property
     def error(self) -> Global___KeepAliveError: ...
+    @_builtins.property
+    def batch(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeepAliveResponse]:
+        """Several messages in one, in order; each element has exactly one `kind`
+        set and no `batch`. The server coalesces messages that are ready at the
+        same time (say, the answers to one group commit) into one batch; a
+        client must handle both forms.
+        """
+
     def __init__(
         self,
         *,
@@ -930,10 +949,11 @@ class KeepAliveResponse(_message.Message):
         lost: Global___KeepAliveLost | None = ...,
         expiring: Global___KeepAliveExpiring | None = ...,
         error: Global___KeepAliveError | None = ...,
+        batch: _abc.Iterable[Global___KeepAliveResponse] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "expiring", b"expiring", "kind", b"kind", "lost", b"lost", "renewed", b"renewed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "expiring", b"expiring", "kind", b"kind", "lost", b"lost", "renewed", b"renewed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error", "expiring", b"expiring", "kind", b"kind", "lost", b"lost", "renewed", b"renewed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["renewed", "lost", "expiring", "error"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
