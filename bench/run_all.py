@@ -6,13 +6,17 @@
 2. End to end (bench/e2e.py): 64 clients in 2 processes over gRPC against
    fencepost (durability full) and against a do-nothing echo server, rounds
    interleaved.
+3. Streams (bench/streams_suite.py), only with ``--only streams`` (it takes
+   5-6.5 more minutes): 10 000 leases kept alive over 10 KeepAlive streams,
+   Cancel -> `lost` revocation latency, and the e2e load with and without a
+   WatchRuns subscriber that never reads.
 
 Each figure is the median of ``--rounds`` (default 3). Absolute numbers drift
 on a shared machine; the ratios are against baselines measured in the same
 invocation. The results go to bench/results/latest.json (git-ignored). With
 the defaults the whole run takes about 2.5 minutes.
 
-    .venv/bin/python bench/run_all.py [--rounds 3] [--only e2e|writer] [--e2e-duration 10] ...
+    .venv/bin/python bench/run_all.py [--rounds 3] [--only e2e|writer|streams] ...
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import e2e
+import streams_suite
 import writer_alone
 from benchlib import REPO, fmt_rate, machine
 
@@ -69,19 +74,25 @@ def _print_summary(result: dict[str, Any]) -> None:
         if s.get("ratio") is not None:
             print(f"                 fencepost/echo {s['ratio']:.2f}; "
                   f"target >= {s['target_ratio']:.2f}: {e2e.verdict(s)}")
+    if result.get("streams") is not None:
+        for line in streams_suite.summary_lines(result["streams"]):
+            print(line)
     print(f"  took {result['elapsed_s']:.0f} s; results in {result['path']}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each (default 3)")
-    parser.add_argument("--only", choices=("e2e", "writer"), help="run just one of the two")
+    parser.add_argument("--only", choices=("e2e", "writer", "streams"),
+                        help="run just one of them (streams run only when asked)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "latest.json",
                         help="where to write the JSON (default bench/results/latest.json)")
     e2e_group = parser.add_argument_group("end to end")
     e2e.add_arguments(e2e_group, prefix="e2e-")
     w_group = parser.add_argument_group("writer alone")
     writer_alone.add_arguments(w_group, prefix="writer-")
+    s_group = parser.add_argument_group("streams (with --only streams)")
+    streams_suite.add_arguments(s_group, prefix="streams-")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -113,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
     if args.only in (None, "e2e"):
         result["e2e"] = e2e.run_e2e(e2e_cfg)
+    if args.only == "streams":
+        result["streams"] = streams_suite.run_streams(args, args.rounds, prefix="streams-")
     result["load_after"] = os.getloadavg()
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
