@@ -380,6 +380,12 @@ class StreamRenewer:
                 if not entry.lease.is_active:
                     self._drop(key)  # lost through a fenced call, say
                     continue
+                if self._pending.get(key):
+                    # the last renewal is still unanswered: another would only
+                    # queue behind it on a busy server; look again shortly
+                    entry.next_renew = now + min(entry.lease.ttl_ms / 12_000, 0.25)
+                    heapq.heappush(heap, (entry.next_renew, next(self._seq), key))
+                    continue
                 self._send_renew(entry, now)
             self._wake.clear()
             timeout = heap[0][0] - now if heap else None
