@@ -17,22 +17,35 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fencepost.v1 import ledger_pb2, run_store_pb2
+from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
-from .clock import Clock, SystemClock
+from .clock import Clock, OffsetClock, SystemClock
 from .services._registry import add_service
+from .services.engine_store import EngineStoreService, start_engine_store
 from .services.ledger import LedgerService
 from .services.run_store import RunStoreService
+from .storage.engine_sql import EngineReader
 from .storage.sqlite import Durability, HistoryReader, SqliteStorage
 from .streams import FenceHub
 from .writer import Writer
 
 log = logging.getLogger("fencepost")
+
+# TEST-ONLY broken builds (``--fault``), honoured only with ``--test-hooks``.
+FAULTS = ("ack-before-commit", "fence-ignores-owner")
+UNSAFE_ACK_DELAY_S = 0.2  # ack-before-commit: how long an answered batch stays uncommitted
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 health_aio: Any = health.aio  # type: ignore[attr-defined]  # untyped in grpcio-health-checking
 
 SERVICE_NAMES = (
     ledger_pb2.DESCRIPTOR.services_by_name["Ledger"].full_name,
     run_store_pb2.DESCRIPTOR.services_by_name["RunStore"].full_name,
+    engine_store_pb2.DESCRIPTOR.services_by_name["EngineStore"].full_name,
 )
 
 
@@ -54,12 +67,16 @@ class Settings:
     prune_every_s: float = 30.0
     stream_queue_limit: int = 65_536  # messages a stream may lag before it is dropped
     metrics_port: int = 0  # 0: no metrics endpoint
+    # TEST-ONLY (torture harness): OffsetClock + the TestHooks service; never by default.
+    test_hooks: bool = False
+    test_clock_offset_ms: int = 0  # with test_hooks: start the clock this far ahead
+    fault: str = ""  # with test_hooks: a deliberately broken build (FAULTS)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
         env = dict(os.environ if env is None else env)
         values: dict[str, Any] = {}
-        mapping = {
+        mapping: dict[str, tuple[str, Any]] = {
             "FENCEPOST_LISTEN": ("listen", str),
             "FENCEPOST_DB": ("db_path", str),
             "FENCEPOST_DURABILITY": ("durability", Durability),
@@ -69,6 +86,9 @@ class Settings:
             "FENCEPOST_SHUTDOWN_GRACE_S": ("shutdown_grace_s", float),
             "FENCEPOST_HISTORY_REVISIONS": ("history_revisions", int),
             "FENCEPOST_HISTORY_MAX_AGE_S": ("history_max_age_s", int),
+            "FENCEPOST_TEST_HOOKS": ("test_hooks", _flag),
+            "FENCEPOST_TEST_CLOCK_OFFSET_MS": ("test_clock_offset_ms", int),
+            "FENCEPOST_FAULT": ("fault", str),
         }
         for var, (name, typ) in mapping.items():
             if var in env and env[var] != "":
@@ -90,9 +110,13 @@ class App:
     port: int = 0
     _history: HistoryReader | None = None
     _history_executor: ThreadPoolExecutor | None = None
+    engine_store: EngineStoreService | None = None
+    _engine_reader: EngineReader | None = None
 
     async def start(self) -> App:
         s = self.settings
+        if s.fault and s.fault not in FAULTS:
+            raise RuntimeError(f"unknown --fault {s.fault!r}; known: {', '.join(FAULTS)}")
         storage = SqliteStorage(s.db_path, s.durability)
         self.writer = Writer(
             storage,
@@ -104,6 +128,7 @@ class App:
             prune_every_ms=int(s.prune_every_s * 1000),
         )
         await self.writer.start()
+        self.engine_store, self._engine_reader = await start_engine_store(self.writer, s.db_path)
         self.hub = FenceHub(self.writer, self.clock, queue_limit=s.stream_queue_limit)
         self.hub.start()
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
@@ -125,6 +150,13 @@ class App:
             RunStoreService(self.writer),
             run_store_pb2.DESCRIPTOR.services_by_name["RunStore"],
         )
+        add_service(
+            self.server,
+            self.engine_store,
+            engine_store_pb2.DESCRIPTOR.services_by_name["EngineStore"],
+        )
+        if s.test_hooks or s.fault:
+            self._test_hooks()
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -149,6 +181,37 @@ class App:
         )
         return self
 
+    def _test_hooks(self) -> None:
+        """TEST-ONLY: register TestHooks and switch on a broken build (torture/)."""
+        from .core import ledger as core_ledger
+        from .services.testing import TestHooksService
+
+        s = self.settings
+        if not s.test_hooks:
+            log.warning("--fault %s ignored: it is only honoured with --test-hooks", s.fault)
+            return
+        assert self.server is not None and self.writer is not None
+        log.warning(
+            "TEST HOOKS ENABLED: the TestHooks service lets any client move this server's "
+            "clock (%s). NEVER run this in production.",
+            type(self.clock).__name__,
+        )
+        add_service(
+            self.server,
+            TestHooksService(self.clock),
+            testing_pb2.DESCRIPTOR.services_by_name["TestHooks"],
+        )
+        if s.fault == "fence-ignores-owner":
+            core_ledger.UNSAFE_SKIP_OWNER_CHECK = True
+        elif s.fault == "ack-before-commit":
+            self.writer.unsafe_ack_before_commit_s = UNSAFE_ACK_DELAY_S
+        if s.fault:
+            log.warning(
+                "BROKEN BUILD --fault %s: this server violates its guarantees on purpose "
+                "(torture self-test). NEVER run this in production.",
+                s.fault,
+            )
+
     async def _set_health(self, status: Any) -> None:
         assert self.health is not None
         for name in ("", *SERVICE_NAMES):
@@ -163,6 +226,10 @@ class App:
         """Graceful: NOT_SERVING, stop accepting, finish in-flight calls, then
         let the writer commit what it has and close the database."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
+        if self.settings.test_hooks and self.settings.fault == "fence-ignores-owner":
+            from .core import ledger as core_ledger
+
+            core_ledger.UNSAFE_SKIP_OWNER_CHECK = False  # process-global: undo for in-process use
         if self.health is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.hub is not None:
@@ -171,8 +238,12 @@ class App:
             await self.server.stop(grace)
         if self.hub is not None:
             await self.hub.close()
+        if self.engine_store is not None:
+            await self.engine_store.drain()  # queued upload discards, before the writer closes
         if self.writer is not None:
             await self.writer.close()
+        if self._engine_reader is not None:
+            await asyncio.to_thread(self._engine_reader.close)
         if self._history_executor is not None and self._history is not None:
             history = self._history
             await asyncio.get_running_loop().run_in_executor(self._history_executor, history.close)
@@ -182,6 +253,9 @@ class App:
 
 async def serve(settings: Settings, clock: Clock | None = None) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    if clock is None and settings.test_hooks:
+        clock = OffsetClock()
+        clock.jump(max(0, settings.test_clock_offset_ms))
     app = App(settings, clock or SystemClock())
     await app.start()
     stop = asyncio.Event()

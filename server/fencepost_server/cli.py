@@ -66,6 +66,19 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         type=float,
         help="seconds in-flight calls get on SIGTERM (default 5)",
     )
+    p.add_argument(
+        "--test-hooks",
+        action="store_true",
+        default=None,
+        help="TEST ONLY, never in production: an offset clock and the TestHooks service "
+        "that jumps it forward, for the torture harness (env FENCEPOST_TEST_HOOKS=1)",
+    )
+    p.add_argument(
+        "--fault",
+        choices=["ack-before-commit", "fence-ignores-owner"],
+        help="TEST ONLY: a deliberately broken build proving the torture checkers can "
+        "fail; honoured only with --test-hooks (env FENCEPOST_FAULT)",
+    )
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -79,6 +92,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace_s,
+        test_hooks=args.test_hooks,
+        fault=args.fault,
     )
     logging.basicConfig(
         level=settings.log_level.upper(),

@@ -48,7 +48,7 @@ class ChangeEvent:
 
 class WriterClosed(LedgerError):
     def __init__(self) -> None:
-        super().__init__(Code.STORAGE_UNAVAILABLE, "the server is shutting down; retry elsewhere")
+        super().__init__(Code.SHUTTING_DOWN, "the server is shutting down; nothing was done")
 
 
 @dataclass
@@ -122,6 +122,10 @@ class Writer:
         self._last_prune = 0
         self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
         self._executors: dict[type, Executor] = {}
+        # TEST-ONLY broken build (``--test-hooks --fault ack-before-commit``, set by
+        # app.py): seconds between answering a batch and committing it. 0: never.
+        self.unsafe_ack_before_commit_s = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -135,6 +139,7 @@ class Writer:
             sorted_ids=sorted(loaded.runs),
             compacted=loaded.compacted,
         )
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="fencepost-writer")
 
     def _open_and_load(self) -> Any:
@@ -381,11 +386,49 @@ class Writer:
                     age_cutoff,
                 )
             self.storage.write(out)
+            if self.unsafe_ack_before_commit_s:  # TEST-ONLY broken build
+                self._unsafe_ack_early(batch, answers, overlay, tombs, rev, events)
         compacted = None
         if out.prune is not None:
             self._last_prune = now
             compacted = out.compacted
         return answers, overlay, tombs, rev, events, compacted
+
+    def _unsafe_ack_early(
+        self,
+        batch: list[_Item],
+        answers: list[Any],
+        overlay: dict[str, Record | None],
+        tombs: dict[str, int],
+        rev: int,
+        events: list[ChangeEvent],
+    ) -> None:
+        """TEST-ONLY (``--fault ack-before-commit``): answer the batch's callers
+        and publish its state *before* its COMMIT, then hold the COMMIT back, so
+        a SIGKILL in between loses acknowledged writes. Writer thread, inside the
+        transaction; the normal path then finds every future done and no events."""
+        loop = self._loop
+        assert loop is not None
+        published = list(events)
+        events.clear()
+
+        def deliver() -> None:
+            self._publish_state(overlay, tombs, rev)
+            for item, answer in zip(batch, answers, strict=True):
+                if item.fut.done():
+                    continue
+                if isinstance(answer, BaseException):
+                    item.fut.set_exception(answer)
+                else:
+                    item.fut.set_result(answer)
+            for listener in list(self._listeners) if published else []:
+                try:
+                    listener(published)
+                except Exception:
+                    log.exception("change-feed listener failed")
+
+        loop.call_soon_threadsafe(deliver)
+        time.sleep(self.unsafe_ack_before_commit_s)
 
 
 @contextlib.asynccontextmanager

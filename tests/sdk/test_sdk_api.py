@@ -15,6 +15,7 @@ from fencepost_server.core import records as core
 from fencepost_server.harness import ServerThread
 
 PUBLIC_API = {
+    "ABSENT", "AsyncStore", "InvalidRunState", "Lookup", "RunNotFound", "SyncStore",
     "AcquireContext", "AlreadyTerminalError", "AtomicStoreRequiredError", "ChangeKind",
     "CheckpointRef", "Client", "ConflictError", "DeleteResult", "FenceStatus", "FencepostError",
     "IntegrityError", "InvalidRunStateError", "InvalidTransitionError", "Lease",
@@ -30,7 +31,7 @@ PUBLIC_API = {
 
 CLIENT_API = {
     "acquire", "address", "cancel", "closed", "default_ttl_ms", "delete", "get", "list",
-    "owner", "renewal", "request_resume", "retry", "stubs", "validate_fence", "watch",
+    "owner", "renewal", "request_resume", "retry", "store", "stubs", "validate_fence", "watch",
 }
 
 LEASE_API = {

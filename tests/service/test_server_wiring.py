@@ -94,3 +94,21 @@ def test_cancelled_call_still_writes(server, channel) -> None:  # type: ignore[n
     assert again.run.fencing_token == 1
     with pytest.raises(grpc.RpcError):
         ledger.Acquire(pb.AcquireRequest(run_id="c", owner="other"))
+
+
+def test_refuses_an_unreadable_stored_record(tmp_path: Path) -> None:
+    path = tmp_path / "bad-record.db"
+    st = SqliteStorage(path)
+    st.open()
+    st.db.execute(
+        "INSERT INTO runs (run_id, version, status, fencing_token, owner, revision, record) "
+        "VALUES ('r', 1, 2, 1, NULL, 1, '{not json')"
+    )
+    st.close()
+    before = path.read_bytes()
+    st = SqliteStorage(path)
+    st.open()
+    with pytest.raises(RuntimeError, match="unreadable"):
+        st.load()
+    st.close()
+    assert path.read_bytes() == before

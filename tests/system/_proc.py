@@ -15,7 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -72,13 +72,26 @@ def ts_ms(ts: Any) -> int:
 class ServerProc:
     """One ``fencepost serve`` process at a time, on a fixed port and file."""
 
-    def __init__(self, db_path: Path, log_path: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        db_path: Path,
+        log_path: Path,
+        port: int | None = None,
+        *,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         self.db_path = db_path
         self.log_path = log_path
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self.starts = 0
+        # extra `serve` flags, environment and a child set-up hook (torture, disk faults)
+        self.args = args
+        self.env = env or {}
+        self.preexec_fn = preexec_fn
 
     @property
     def address(self) -> str:
@@ -89,13 +102,15 @@ class ServerProc:
         self._log = open(self.log_path, "ab")  # closed in _reap
         self._log.write(f"\n=== start #{self.starts + 1} ===\n".encode())
         self._log.flush()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(
-            [str(FENCEPOST), "serve", "--listen", self.address, "--db", str(self.db_path)],
+            [str(FENCEPOST), "serve", "--listen", self.address, "--db", str(self.db_path),
+             *self.args],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=self._log,
             env=env,
+            preexec_fn=self.preexec_fn,
         )
         self.starts += 1
         self._wait_serving(timeout)

@@ -35,7 +35,7 @@ def test_checked_in_stubs_equal_a_fresh_make_proto(tmp_path: Path) -> None:
         )
 
 
-CORE_MODULES = ["records", "ledger", "errors", "validate", "codec"]
+CORE_MODULES = ["records", "ledger", "errors", "validate", "codec", "engine"]
 
 
 @pytest.mark.parametrize("module", CORE_MODULES)

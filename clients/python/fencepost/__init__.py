@@ -59,13 +59,16 @@ from ._records import (
     is_terminal,
 )
 from ._retry import RetryPolicy
+from ._store import ABSENT, AsyncStore, InvalidRunState, Lookup, RunNotFound, SyncStore
 from ._sync import SyncClient, SyncLease, SyncStubs
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ABSENT",
     "AcquireContext",
     "AlreadyTerminalError",
+    "AsyncStore",
     "AtomicStoreRequiredError",
     "ChangeKind",
     "CheckpointRef",
@@ -75,6 +78,7 @@ __all__ = [
     "FenceStatus",
     "FencepostError",
     "IntegrityError",
+    "InvalidRunState",
     "InvalidRunStateError",
     "InvalidTransitionError",
     "Lease",
@@ -82,6 +86,7 @@ __all__ = [
     "LeaseHeldError",
     "LeaseInfo",
     "LeaseLostError",
+    "Lookup",
     "LostReason",
     "Outcome",
     "OutcomeUnknownError",
@@ -89,6 +94,7 @@ __all__ = [
     "RetryPolicy",
     "RevisionCompactedError",
     "RpcError",
+    "RunNotFound",
     "RunNotFoundError",
     "RunRecord",
     "RunStatus",
@@ -101,6 +107,7 @@ __all__ = [
     "Suspension",
     "SyncClient",
     "SyncLease",
+    "SyncStore",
     "SyncStubs",
     "UnauthenticatedError",
     "UnavailableError",

@@ -60,6 +60,7 @@ from ._records import (
 )
 from ._renewal import Renewer, StreamRenewer, UnaryRenewer
 from ._retry import RetryPolicy, call_with_retry
+from ._store import AsyncStore
 from .v1 import ledger_pb2, ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 
 if TYPE_CHECKING:
@@ -651,6 +652,7 @@ class Client:
         self._interceptors = builtins.list(interceptors)
         self._channel: grpc.aio.Channel | None = None
         self._stubs: Stubs | None = None
+        self._store: AsyncStore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._renewer: Renewer
         if renewal == "stream":
@@ -719,6 +721,18 @@ class Client:
     def renewal(self) -> Renewal:
         """How leases are kept alive: "stream" (KeepAlive) or "unary" (Renew)."""
         return self._renewal
+
+    @property
+    def store(self) -> AsyncStore:
+        """The engine store (SPEC §11) on this client's channel."""
+        if self._store is None:
+            self._store = AsyncStore(self._store_channel, retry=self._retry)
+        return self._store
+
+    def _store_channel(self) -> grpc.aio.Channel:
+        self.stubs  # opens the channel on the running loop  # noqa: B018
+        assert self._channel is not None
+        return self._channel
 
     @property
     def stubs(self) -> Stubs:

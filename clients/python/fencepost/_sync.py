@@ -46,6 +46,7 @@ from ._records import (
     parse_status,
 )
 from ._retry import RetryPolicy
+from ._store import SyncStore
 from .v1 import ledger_pb2_grpc, run_store_pb2_grpc
 
 T = TypeVar("T")
@@ -314,6 +315,14 @@ class SyncClient:
         if on_lost is not None:
             self._callbacks = ThreadPoolExecutor(1, thread_name_prefix="fencepost-callbacks")
         self._portal = _Portal()
+        self._store: SyncStore | None = None
+
+    @property
+    def store(self) -> SyncStore:
+        """The engine store (SPEC §11), blocking."""
+        if self._store is None:
+            self._store = SyncStore(self._client.store, self._portal.run)
+        return self._store
 
     def __repr__(self) -> str:
         return repr(self._client).replace("<Client", "<SyncClient", 1)

@@ -20,7 +20,7 @@ from typing import Any
 from ..core.errors import Code, LedgerError
 from ..core.records import Record, record_from_dict, record_to_dict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Each entry migrates user_version i -> i + 1. Append; never edit a shipped one.
 MIGRATIONS: list[list[str]] = [
@@ -63,6 +63,106 @@ MIGRATIONS: list[list[str]] = [
                created_at  INTEGER NOT NULL
            ) WITHOUT ROWID""",
         "CREATE INDEX requests_by_age ON requests (created_at)",
+    ],
+    # 1 -> 2: the engine store (SPEC §11; storage/engine_sql.py reads and writes it).
+    [
+        """CREATE TABLE engine_runs (
+               id               TEXT PRIMARY KEY,
+               agent            TEXT NOT NULL,
+               status           TEXT NOT NULL,
+               concurrency_key  TEXT,
+               input            TEXT,
+               output           TEXT,
+               error            TEXT,
+               metadata         TEXT,
+               claim_owner      TEXT,
+               claim_expires_at INTEGER,
+               created_at       INTEGER NOT NULL,
+               updated_at       INTEGER NOT NULL
+           )""",
+        "CREATE INDEX engine_runs_by_created ON engine_runs (created_at, id)",
+        "CREATE INDEX engine_runs_by_agent ON engine_runs (agent, created_at, id)",
+        "CREATE INDEX engine_runs_by_status ON engine_runs (status, created_at, id)",
+        """CREATE INDEX engine_runs_by_concurrency_key ON engine_runs
+               (concurrency_key, created_at, id) WHERE concurrency_key IS NOT NULL""",
+        """CREATE TABLE engine_steps (
+               run_id     TEXT NOT NULL,
+               seq        INTEGER NOT NULL,
+               name       TEXT NOT NULL,
+               status     TEXT,
+               input      TEXT,
+               output     TEXT,
+               error      TEXT,
+               metadata   TEXT,
+               created_at INTEGER NOT NULL,
+               PRIMARY KEY (run_id, seq)
+           )""",
+        """CREATE TABLE engine_checkpoints (
+               run_id     TEXT PRIMARY KEY,
+               step_index INTEGER NOT NULL,
+               state      TEXT NOT NULL,
+               saved_at   INTEGER NOT NULL
+           )""",
+        """CREATE TABLE engine_keys (
+               scope      TEXT NOT NULL,
+               key        TEXT NOT NULL,
+               run_id     TEXT NOT NULL,
+               expires_at INTEGER NOT NULL,
+               PRIMARY KEY (scope, key)
+           ) WITHOUT ROWID""",
+        # A lock row is kept after release (owner NULL) so its token never repeats.
+        """CREATE TABLE engine_locks (
+               key           TEXT PRIMARY KEY,
+               owner         TEXT,
+               fencing_token INTEGER NOT NULL,
+               expires_at    INTEGER NOT NULL
+           ) WITHOUT ROWID""",
+        """CREATE TABLE engine_effects (
+               key         TEXT PRIMARY KEY,
+               result      TEXT NOT NULL,
+               recorded_at INTEGER NOT NULL
+           )""",
+        """CREATE TABLE engine_kv (
+               agent      TEXT NOT NULL,
+               key        TEXT NOT NULL,
+               value      TEXT NOT NULL,
+               updated_at INTEGER NOT NULL,
+               PRIMARY KEY (agent, key)
+           )""",
+        """CREATE TABLE engine_docs (
+               agent      TEXT NOT NULL,
+               collection TEXT NOT NULL,
+               id         TEXT NOT NULL,
+               doc        TEXT NOT NULL,
+               updated_at INTEGER NOT NULL,
+               PRIMARY KEY (agent, collection, id)
+           )""",
+        """CREATE TABLE engine_artifacts (
+               id           TEXT PRIMARY KEY,
+               run_id       TEXT NOT NULL,
+               name         TEXT NOT NULL,
+               content_type TEXT NOT NULL,
+               size_bytes   INTEGER NOT NULL,
+               sha256       TEXT NOT NULL,
+               metadata     TEXT,
+               upload_id    TEXT NOT NULL,
+               chunks       INTEGER NOT NULL,
+               created_at   INTEGER NOT NULL
+           )""",
+        "CREATE INDEX engine_artifacts_by_run ON engine_artifacts (run_id, created_at, id)",
+        "CREATE INDEX engine_artifacts_by_upload ON engine_artifacts (upload_id)",
+        """CREATE TABLE engine_chunks (
+               upload_id TEXT NOT NULL,
+               seq       INTEGER NOT NULL,
+               size      INTEGER NOT NULL,
+               data      BLOB NOT NULL,
+               PRIMARY KEY (upload_id, seq)
+           )""",
+        # Uploads not adopted by an artifact (in progress, or abandoned by a crash).
+        """CREATE TABLE engine_uploads (
+               upload_id  TEXT PRIMARY KEY,
+               started_at INTEGER NOT NULL
+           ) WITHOUT ROWID""",
     ],
 ]
 
@@ -138,6 +238,15 @@ class SqliteStorage:
             db.execute(f"PRAGMA synchronous={sync}")
             db.execute("PRAGMA busy_timeout=5000")
             db.execute("PRAGMA foreign_keys=ON")
+            # A damaged page anywhere (not only in what load() reads) refuses the file,
+            # untouched, instead of serving from it (found by tests/system/test_disk_faults.py).
+            problems = [row[0] for row in db.execute("PRAGMA quick_check(5)")]
+            if problems != ["ok"]:
+                raise RuntimeError(
+                    f"{self.path} is corrupt (PRAGMA quick_check: {'; '.join(problems)}); "
+                    "refusing to start and leaving the file untouched: restore it from a "
+                    "backup, or salvage it with the sqlite3 shell's .recover"
+                )
             self._migrate(db)
         except sqlite3.DatabaseError as exc:
             db.close()
@@ -193,8 +302,14 @@ class SqliteStorage:
     def load(self) -> LoadedState:
         db = self.db
         state = LoadedState()
-        for (text,) in db.execute("SELECT record FROM runs"):
-            rec = record_from_dict(json.loads(text))
+        for run_id, text in db.execute("SELECT run_id, record FROM runs"):
+            try:
+                rec = record_from_dict(json.loads(text))
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                raise RuntimeError(
+                    f"{self.path}: the stored record of run {run_id!r} is unreadable "
+                    f"({exc!r}); refusing to start and leaving the file untouched"
+                ) from exc
             state.runs[rec.run_id] = rec
         state.tombstones = dict(db.execute("SELECT run_id, fencing_token FROM tombstones"))
         state.revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0]

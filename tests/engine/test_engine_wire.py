@@ -1,0 +1,459 @@
+"""EngineStore over a real loopback port with the generated stubs: what the
+contract suite does not pin for every backend — byte-exact JSON text, the
+exact fields errors name, request ids across a restart, storage that holds
+nothing after a failed upload, the start-up sweep, the schema migration and
+where reads run."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from fencepost.v1 import engine_store_pb2 as pb
+from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2_grpc
+from fencepost.v1 import ledger_pb2 as lpb
+from fencepost_server.harness import ServerThread
+from fencepost_server.storage import engine_sql
+from fencepost_server.storage.sqlite import MIGRATIONS, SCHEMA_VERSION, open_read_only
+
+ENGINE_TABLES = (
+    "engine_runs",
+    "engine_steps",
+    "engine_checkpoints",
+    "engine_keys",
+    "engine_locks",
+    "engine_effects",
+    "engine_kv",
+    "engine_docs",
+    "engine_artifacts",
+    "engine_chunks",
+    "engine_uploads",
+)
+
+
+@pytest.fixture
+def es(channel: grpc.Channel) -> engine_store_pb2_grpc.EngineStoreStub:
+    return engine_store_pb2_grpc.EngineStoreStub(channel)
+
+
+def settle(server: ServerThread) -> None:
+    """Wait until background discards ran and the writer is idle."""
+    assert server.app is not None and server.app.engine_store is not None
+    server.call(server.app.engine_store.drain)
+    server.call(server.writer.wait_idle)
+
+
+def counts(server: ServerThread) -> dict[str, int]:
+    db = open_read_only(server.db_path)
+    try:
+        return {t: engine_sql.count_rows(db, t) for t in ENGINE_TABLES}
+    finally:
+        db.close()
+
+
+def error_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str, str, str]:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    return err.code(), info.reason, info.domain, info.metadata.get("field", "")  # type: ignore[attr-defined]
+
+
+def refused(call: Any, *args: Any) -> tuple[grpc.StatusCode, str, str, str]:
+    with pytest.raises(grpc.RpcError) as ei:
+        call(*args)
+    return error_of(ei.value)
+
+
+def header(art_id: str, size: int, **kw: Any) -> pb.EnginePutArtifactRequest:
+    return pb.EnginePutArtifactRequest(
+        header=pb.EngineArtifactHeader(id=art_id, run_id="r", size_bytes=size, **kw)
+    )
+
+
+def chunks(data: bytes, size: int = 64 * 1024) -> Iterator[pb.EnginePutArtifactRequest]:
+    for i in range(0, len(data), size):
+        yield pb.EnginePutArtifactRequest(chunk=data[i : i + size])
+
+
+# -- JSON text --------------------------------------------------------------------------------
+
+
+def test_json_text_is_stored_and_returned_byte_for_byte(es: Any) -> None:
+    texts = [
+        '{ "b" : 1,\n  "a" : [ 1.50 , 2e10 ] }',
+        "123456789012345678901234567890.000000000000000000001",
+        '"\\u00e9 é \\ud83c\\udf89 🎉"',
+        '{"dup": 1, "dup": 2}',
+        "  null  ",
+        "-0",
+    ]
+    for i, text in enumerate(texts):
+        v = pb.JsonValue(json=text)
+        run = es.CreateRun(
+            pb.EngineCreateRunRequest(run=pb.EngineRun(id=f"r{i}", agent="a", status="q", input=v))
+        ).run
+        assert run.input.json == text
+        assert es.GetRun(pb.EngineGetRunRequest(id=f"r{i}")).run.input.json == text
+        es.KvSet(pb.EngineKvSetRequest(agent="a", key=f"k{i}", value=v))
+        assert es.KvGet(pb.EngineKvGetRequest(agent="a", key=f"k{i}")).value.json == text
+        es.PutEffect(pb.EnginePutEffectRequest(key=f"e{i}", result=v))
+        assert es.GetEffect(pb.EngineGetEffectRequest(key=f"e{i}")).result.json == text
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_errors_carry_code_reason_domain_and_the_exact_field(es: Any) -> None:
+    bad = pb.JsonValue(json="{")
+    cases: list[tuple[Any, Any, str]] = [
+        (es.CreateRun, pb.EngineCreateRunRequest(), "run"),
+        (
+            es.CreateRun,
+            pb.EngineCreateRunRequest(run=pb.EngineRun(id="r", agent="a", status="q", input=bad)),
+            "run.input",
+        ),
+        (
+            es.CreateRun,
+            pb.EngineCreateRunRequest(
+                run=pb.EngineRun(id="r", agent="a", status="q", claim=pb.EngineRunClaim(owner="w"))
+            ),
+            "run.claim",
+        ),
+        (
+            es.CreateRun,
+            pb.EngineCreateRunRequest(run=pb.EngineRun(id="r", agent="a", status="s" * 65)),
+            "run.status",
+        ),
+        (
+            es.UpdateRun,
+            pb.EngineUpdateRunRequest(id="r", patch=pb.EngineRunPatch(clear=["x"])),
+            "patch.clear[0]",
+        ),
+        (
+            es.UpdateRun,
+            pb.EngineUpdateRunRequest(
+                id="r", patch=pb.EngineRunPatch(output=pb.JsonValue(json="1"), clear=["output"])
+            ),
+            "patch.output",
+        ),
+        (
+            es.UpdateRun,
+            pb.EngineUpdateRunRequest(id="r", expect_status=["ok", ""]),
+            "expect_status[1]",
+        ),
+        (es.ClaimRun, pb.EngineClaimRunRequest(id="r", owner="w", ttl_ms=-5), "ttl_ms"),
+        (
+            es.ClaimKey,
+            pb.EngineClaimKeyRequest(scope="s" * 1025, key="k", run_id="r", ttl_ms=1),
+            "scope",
+        ),
+        (es.AcquireLock, pb.EngineAcquireLockRequest(key="k", owner="o" * 257, ttl_ms=1), "owner"),
+        (
+            es.AppendStep,
+            pb.EngineAppendStepRequest(step=pb.EngineStep(run_id="r", name="n", seq=3)),
+            "step.seq",
+        ),
+        (
+            es.SaveCheckpoint,
+            pb.EngineSaveCheckpointRequest(
+                checkpoint=pb.EngineCheckpoint(run_id="r", step_index=1)
+            ),
+            "checkpoint.state",
+        ),
+        (es.PutEffect, pb.EnginePutEffectRequest(key="k"), "result"),
+        (
+            es.KvSet,
+            pb.EngineKvSetRequest(agent="a", key="k", value=pb.JsonValue(json="NaN")),
+            "value",
+        ),
+        (
+            es.DocUpsert,
+            pb.EngineDocUpsertRequest(
+                agent="a", collection="c", id="d", doc=pb.JsonValue(json="[]")
+            ),
+            "doc",
+        ),
+        (
+            es.CreateRun,
+            pb.EngineCreateRunRequest(
+                run=pb.EngineRun(id="r", agent="a", status="q"), request_id="x" * 129
+            ),
+            "request_id",
+        ),
+    ]
+    for call, req, field in cases:
+        got = refused(call, req)
+        assert got == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "RUN_VALIDATION_ERROR",
+            "fencepost",
+            field,
+        ), (req, got)
+    where = pb.EngineDocListRequest(agent="a", collection="c", where=pb.JsonValue(json='{"a.b":1}'))
+    assert refused(lambda: list(es.DocList(where)))[3] == "where.a.b"
+    assert (
+        refused(lambda: list(es.ListRuns(pb.EngineListRunsRequest(statuses=["x"] * 101))))[3]
+        == "statuses"
+    )
+    assert es.GetRun(pb.EngineGetRunRequest(id="r")).found is False
+
+
+def test_guard_and_not_found_reasons_on_the_wire(es: Any) -> None:
+    es.CreateRun(pb.EngineCreateRunRequest(run=pb.EngineRun(id="r", agent="a", status="queued")))
+    got = refused(es.UpdateRun, pb.EngineUpdateRunRequest(id="r", expect_status=["running"]))
+    assert got == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "INVALID_RUN_STATE",
+        "fencepost",
+        "expect_status",
+    )
+    got = refused(es.UpdateRun, pb.EngineUpdateRunRequest(id="r", expect_owner="w"))
+    assert got[:3] == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_RUN_STATE", "fencepost")
+    got = refused(es.UpdateRun, pb.EngineUpdateRunRequest(id="nope"))
+    assert got == (grpc.StatusCode.NOT_FOUND, "RUN_NOT_FOUND", "fencepost", "id")
+    got = refused(lambda: list(es.ReadArtifact(pb.EngineReadArtifactRequest(id="nope"))))
+    assert got == (grpc.StatusCode.NOT_FOUND, "RUN_NOT_FOUND", "fencepost", "id")
+
+
+def test_undecodable_requests_are_invalid_argument(channel: grpc.Channel) -> None:
+    raw = channel.unary_unary(
+        "/fencepost.v1.EngineStore/KvGet",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    with pytest.raises(grpc.RpcError) as ei:
+        raw(b"\x0a\x02\xff\xfe")  # field 1 (string) holding invalid UTF-8
+    assert error_of(ei.value)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR")
+    put = channel.stream_unary(
+        "/fencepost.v1.EngineStore/PutArtifact",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    with pytest.raises(grpc.RpcError) as ei:
+        put(iter([b"\x0a\x03\x0a\x01\xff"]))
+    assert error_of(ei.value)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR")
+
+
+# -- request ids ---------------------------------------------------------------------------------
+
+
+def test_request_ids_are_answered_after_a_restart(server: ServerThread, es: Any) -> None:
+    claim = pb.EngineClaimKeyRequest(
+        scope="s", key="k", run_id="r1", ttl_ms=60_000, request_id="ck-1"
+    )
+    first = es.ClaimKey(claim)
+    assert first.created
+    lock = pb.EngineAcquireLockRequest(key="l", owner="a", ttl_ms=60_000, request_id="al-1")
+    grant = es.AcquireLock(lock)
+    server.restart()
+    assert es.ClaimKey(claim) == first
+    assert es.AcquireLock(lock) == grant
+    claim.request_id = ""
+    again = es.ClaimKey(claim)
+    assert not again.created and again.run_id == "r1"
+
+
+# -- artifacts: nothing left behind --------------------------------------------------------------
+
+
+def test_failed_uploads_leave_no_chunks(server: ServerThread, es: Any) -> None:
+    data = b"z" * 300_000
+    bad_streams = [
+        [header("a1", len(data) + 1), *chunks(data)],  # ends early
+        [header("a2", len(data) - 1), *chunks(data)],  # too long
+        [header("a3", len(data), sha256="f" * 64), *chunks(data)],  # wrong digest
+        [header("a4", len(data)), *chunks(data), header("a4", 1)],  # a second header
+        [*chunks(data), header("a5", len(data))],  # bytes before the header
+    ]
+    for stream in bad_streams:
+        with pytest.raises(grpc.RpcError) as ei:
+            es.PutArtifact(iter(stream))
+        assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    settle(server)
+    assert counts(server)["engine_chunks"] == 0 and counts(server)["engine_uploads"] == 0
+    assert counts(server)["engine_artifacts"] == 0
+
+
+def test_lost_race_and_retries_drop_their_upload(server: ServerThread, es: Any) -> None:
+    data = b"a" * 200_000
+    assert es.PutArtifact(iter([header("x", len(data), request_id="p1"), *chunks(data)])).created
+    settle(server)
+    kept = counts(server)["engine_chunks"]
+    assert kept == 4
+    # a retry (same request id) and a lost race (another upload of the same id)
+    again = es.PutArtifact(iter([header("x", len(data), request_id="p1"), *chunks(data)]))
+    assert again.created, "the retry is answered with the original answer"
+    other = es.PutArtifact(iter([header("x", 5), pb.EnginePutArtifactRequest(chunk=b"12345")]))
+    assert not other.created
+    settle(server)
+    assert counts(server)["engine_chunks"] == kept and counts(server)["engine_uploads"] == 0
+
+
+def test_a_cancelled_upload_leaves_nothing(server: ServerThread, es: Any) -> None:
+    sent = threading.Event()
+    release = threading.Event()
+
+    def stream() -> Iterator[pb.EnginePutArtifactRequest]:
+        yield header("c", 10 * 1024 * 1024)
+        yield from chunks(b"q" * (3 * 1024 * 1024), 1024 * 1024)
+        sent.set()
+        release.wait(10)  # hold the stream open until the test cancels it
+
+    fut = es.PutArtifact.future(stream())
+    assert sent.wait(10)
+    deadline = time.monotonic() + 10
+    while counts(server)["engine_chunks"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert counts(server)["engine_chunks"] == 3, "chunks are staged as they arrive"
+    fut.cancel()
+    release.set()
+    deadline = time.monotonic() + 10
+    while counts(server)["engine_chunks"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    settle(server)
+    assert counts(server)["engine_chunks"] == 0 and counts(server)["engine_uploads"] == 0
+    assert not es.GetArtifact(pb.EngineGetArtifactRequest(id="c")).found
+
+
+def test_uploads_a_crash_left_behind_are_swept_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "fencepost.db"
+    srv = ServerThread(path)
+    srv.start()
+    with grpc.insecure_channel(srv.address) as ch:
+        es = engine_store_pb2_grpc.EngineStoreStub(ch)
+        assert es.PutArtifact(iter([header("kept", 3), pb.EnginePutArtifactRequest(chunk=b"abc")]))
+    srv.close()
+    db = sqlite3.connect(path)  # what a kill -9 mid-upload leaves
+    db.execute("INSERT INTO engine_uploads VALUES ('orphan', 0)")
+    db.executemany(
+        "INSERT INTO engine_chunks VALUES ('orphan', ?, 1, x'00')", [(i,) for i in range(5)]
+    )
+    db.commit()
+    db.close()
+    with ServerThread(path) as srv2:
+        c = counts(srv2)
+        assert c["engine_uploads"] == 0 and c["engine_chunks"] == 1
+        with grpc.insecure_channel(srv2.address) as ch:
+            es = engine_store_pb2_grpc.EngineStoreStub(ch)
+            assert (
+                b"".join(m.chunk for m in es.ReadArtifact(pb.EngineReadArtifactRequest(id="kept")))
+                == b"abc"
+            )
+
+
+# -- schema and threads ------------------------------------------------------------------------
+
+
+def test_a_schema_1_database_is_migrated_and_keeps_its_runs(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    for stmt in MIGRATIONS[0]:
+        db.execute(stmt)
+    db.execute("PRAGMA user_version=1")
+    db.close()
+    with ServerThread(path) as srv, grpc.insecure_channel(srv.address) as ch:
+        ledger = ledger_pb2_grpc.LedgerStub(ch)
+        ledger.Acquire(lpb.AcquireRequest(run_id="legacy", owner="w"))
+        es = engine_store_pb2_grpc.EngineStoreStub(ch)
+        assert es.CreateRun(
+            pb.EngineCreateRunRequest(run=pb.EngineRun(id="e", agent="a", status="q"))
+        ).created
+    ro = open_read_only(path)
+    assert ro.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    ro.close()
+
+
+def test_reads_run_on_reader_threads_not_the_loop_or_the_writer(
+    server: ServerThread, es: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[str] = []
+    real_get, real_list = engine_sql.get_run, engine_sql.list_runs
+
+    def get_run(db: Any, run_id: str) -> Any:
+        seen.append(threading.current_thread().name)
+        return real_get(db, run_id)
+
+    def list_runs(db: Any, *a: Any, **kw: Any) -> Any:
+        seen.append(threading.current_thread().name)
+        return real_list(db, *a, **kw)
+
+    monkeypatch.setattr(engine_sql, "get_run", get_run)
+    monkeypatch.setattr(engine_sql, "list_runs", list_runs)
+    es.GetRun(pb.EngineGetRunRequest(id="r"))
+    list(es.ListRuns(pb.EngineListRunsRequest()))
+    assert len(seen) == 2 and all(n.startswith("fencepost-engine-read") for n in seen), seen
+
+
+def test_big_listings_stream_in_pages_under_the_message_limit(es: Any) -> None:
+    fat = pb.JsonValue(json='"' + "x" * 4000 + '"')
+    for i in range(700):
+        es.CreateRun(
+            pb.EngineCreateRunRequest(
+                run=pb.EngineRun(id=f"r{i:04d}", agent="a", status="q", input=fat)
+            )
+        )
+    pages = list(es.ListRuns(pb.EngineListRunsRequest()))
+    assert len(pages) > 2 and sum(len(p.runs) for p in pages) == 700
+    assert all(p.total == 700 for p in pages)
+    assert max(p.ByteSize() for p in pages) < 2 * 1024 * 1024
+    empty = list(es.ListRuns(pb.EngineListRunsRequest(agent="none")))
+    assert len(empty) == 1 and empty[0].total == 0 and not empty[0].runs
+
+
+def test_a_listing_abandoned_mid_stream_ends_its_read_transaction(
+    server: ServerThread, es: Any
+) -> None:
+    fat = pb.JsonValue(json='"' + "x" * 16_000 + '"')
+    for i in range(250):
+        es.CreateRun(
+            pb.EngineCreateRunRequest(
+                run=pb.EngineRun(id=f"r{i:04d}", agent="a", status="q", input=fat)
+            )
+        )
+    call = es.ListRuns(pb.EngineListRunsRequest())
+    first = next(call)
+    assert 0 < len(first.runs) < 250
+    call.cancel()
+    reader = server.app._engine_reader  # type: ignore[union-attr]
+
+    async def checkpoint() -> Any:
+        w = server.writer
+        return await asyncio.get_running_loop().run_in_executor(
+            w._executor, lambda: w.storage.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        )
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with reader._lock:
+            idle = list(reader._idle)
+        if idle and not any(c.in_transaction for c in idle):
+            break
+        time.sleep(0.02)
+    assert idle and not any(c.in_transaction for c in idle), "the connection came back"
+    busy, _, _ = server.call(checkpoint)
+    assert busy == 0, "no read transaction holds the WAL"
+
+
+def test_health_and_reflection_list_the_engine_store(channel: grpc.Channel) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel)
+    resp = health.Check(health_pb2.HealthCheckRequest(service="fencepost.v1.EngineStore"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    req = reflection_pb2.ServerReflectionRequest(list_services="")
+    listed = next(iter(stub.ServerReflectionInfo(iter([req]))))
+    assert "fencepost.v1.EngineStore" in {s.name for s in listed.list_services_response.service}
