@@ -39,6 +39,12 @@ proto: $(STAMP)  ## regenerate the checked-in stubs from proto/
 bench: $(STAMP)  ## benchmarks (not tests): end to end vs echo, and the writer alone
 	$(BIN)/python bench/run_all.py
 
+DURATION  ?= 60
+SEED      ?= 1
+.PHONY: torture
+torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 (docs/RELIABILITY.md)
+	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED)
+
 clean:  ## remove the venv, caches and local databases
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info fencepost.db fencepost.db-*
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,87 @@
+"""The test-only server hooks: off by default (TestHooks is not even
+registered), the clock only jumps forward, and ``--fault`` does nothing
+without ``--test-hooks``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fencepost.v1 import ledger_pb2 as pb
+from fencepost.v1 import ledger_pb2_grpc, testing_pb2, testing_pb2_grpc
+from fencepost_server.app import Settings
+from fencepost_server.clock import ManualClock, OffsetClock
+from fencepost_server.core import ledger as core_ledger
+from fencepost_server.harness import ServerThread
+
+
+def test_settings_read_the_hooks_from_the_environment() -> None:
+    assert Settings.from_env({}).test_hooks is False
+    s = Settings.from_env({"FENCEPOST_TEST_HOOKS": "1", "FENCEPOST_FAULT": "ack-before-commit",
+                           "FENCEPOST_TEST_CLOCK_OFFSET_MS": "5000"})
+    assert (s.test_hooks, s.fault, s.test_clock_offset_ms) == (True, "ack-before-commit", 5000)
+    assert Settings.from_env({"FENCEPOST_TEST_HOOKS": "0"}).test_hooks is False
+
+
+def test_hooks_are_not_served_by_default(tmp_path: Path) -> None:
+    with ServerThread(tmp_path / "f.db") as srv, grpc.insecure_channel(srv.address) as ch:
+        stub = testing_pb2_grpc.TestHooksStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.JumpClock(testing_pb2.JumpClockRequest(ms=1000), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_jump_clock_moves_the_server_clock_forward_only(tmp_path: Path) -> None:
+    clock = ManualClock(1_000_000)
+    with ServerThread(tmp_path / "f.db", clock=clock, test_hooks=True) as srv, \
+            grpc.insecure_channel(srv.address) as ch:
+        stub = testing_pb2_grpc.TestHooksStub(ch)
+        ledger = ledger_pb2_grpc.LedgerStub(ch)
+        a = ledger.Acquire(pb.AcquireRequest(run_id="r", owner="A", lease_ttl_ms=1000)).run
+        with pytest.raises(grpc.RpcError) as held:
+            ledger.Acquire(pb.AcquireRequest(run_id="r", owner="B"))
+        assert held.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert stub.JumpClock(testing_pb2.JumpClockRequest(ms=1000)).now_ms == 1_001_000
+        b = ledger.Acquire(pb.AcquireRequest(run_id="r", owner="B")).run  # A's lease expired
+        assert b.fencing_token == a.fencing_token + 1
+        for bad in (-1, 24 * 3600 * 1000 + 1):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.JumpClock(testing_pb2.JumpClockRequest(ms=bad))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert clock.now_ms() == 1_001_000
+
+
+def test_offset_clock_never_goes_back() -> None:
+    c = OffsetClock()
+    before = c.now_ms()
+    assert c.jump(60_000) >= before + 60_000
+    with pytest.raises(ValueError):
+        c.jump(-1)
+
+
+def test_a_fault_without_test_hooks_is_ignored(tmp_path: Path) -> None:
+    with ServerThread(tmp_path / "f.db", fault="fence-ignores-owner") as srv, \
+            grpc.insecure_channel(srv.address) as ch:
+        assert core_ledger.UNSAFE_SKIP_OWNER_CHECK is False
+        assert srv.writer.unsafe_ack_before_commit_s == 0
+        with pytest.raises(grpc.RpcError):
+            testing_pb2_grpc.TestHooksStub(ch).JumpClock(testing_pb2.JumpClockRequest(ms=1))
+
+
+def test_a_broken_build_is_switched_off_again_on_stop(tmp_path: Path) -> None:
+    with ServerThread(tmp_path / "f.db", test_hooks=True, fault="fence-ignores-owner"):
+        assert core_ledger.UNSAFE_SKIP_OWNER_CHECK is True
+    assert core_ledger.UNSAFE_SKIP_OWNER_CHECK is False
+    with ServerThread(tmp_path / "g.db", test_hooks=True, fault="ack-before-commit") as srv:
+        assert srv.writer.unsafe_ack_before_commit_s > 0
+
+
+def test_an_unknown_fault_is_refused(tmp_path: Path) -> None:
+    srv = ServerThread(tmp_path / "f.db", test_hooks=True, fault="no-such-fault")
+    try:
+        with pytest.raises(RuntimeError, match="unknown --fault"):
+            srv.start()
+    finally:
+        srv.close()

@@ -1,0 +1,53 @@
+"""The torture harness end to end: a short fixed-seed run must find zero
+violations, and deliberately broken server builds must be caught (the
+harness can fail). Longer runs: ``make torture DURATION=900`` (docs/RELIABILITY.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torture.runner import Config, Outcome, run
+
+SEED = 1
+
+
+def _run(tmp_path: Path, **kw: object) -> Outcome:
+    outcome = run(Config(out=tmp_path / "torture", seed=SEED, **kw))  # type: ignore[arg-type]
+    print("\n" + outcome.summary())
+    return outcome
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torture_fixed_seed_has_zero_violations(tmp_path: Path) -> None:
+    outcome = _run(tmp_path, duration_s=60.0)
+    assert outcome.ok, outcome.summary()
+    # not vacuous: every kind of fault happened, under real contention
+    faults = outcome.faults["by_kind"]
+    assert all(faults[k] >= 1 for k in ("kill", "pause", "cut", "clock")), faults
+    assert outcome.server_starts >= 2
+    assert outcome.ops >= 2000, outcome.ops
+    assert outcome.unknown["calls"] >= 1 and outcome.unknown["resolved"] >= 1, outcome.unknown
+    fails = {k for v in outcome.ops_by_function.values() for k in v if k.startswith("fail:")}
+    assert {"fail:RUN_LEASE_HELD", "fail:RUN_LEASE_LOST"} <= fails, fails
+    assert len(outcome.liveness) == 6 and all(r["ok"] for r in outcome.liveness)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_writer_that_acknowledges_before_commit_is_caught(tmp_path: Path) -> None:
+    outcome = _run(tmp_path, duration_s=15.0, fault="ack-before-commit", nemesis="kills")
+    assert outcome.faults["by_kind"]["kill"] >= 1
+    found = outcome.violations
+    assert found.get("durability-restart", 0) + found.get("durability-final", 0) >= 1, found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_fence_check_that_ignores_the_owner_is_caught(tmp_path: Path) -> None:
+    outcome = _run(tmp_path, duration_s=10.0, fault="fence-ignores-owner", profile="fencing",
+                   nemesis="none")
+    found = outcome.violations
+    assert found.get("fencing", 0) >= 1 and found.get("handles", 0) >= 1, found

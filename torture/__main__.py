@@ -1,0 +1,50 @@
+"""python -m torture [--duration S] [--seed N] [--out DIR] [--fault F] ...
+
+Exit code 0: zero violations; 1: violations found; 2: the harness itself failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import REPO
+from .runner import Config, check_dir, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m torture", description=__doc__.split("\n")[0])
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of faults (60)")
+    p.add_argument("--seed", type=int, default=1, help="seeds the workload and the nemesis")
+    p.add_argument("--out", type=Path, help="output directory (build/torture/seed-N-Ds)")
+    p.add_argument("--workers", type=int, default=4, help="worker processes (4)")
+    p.add_argument("--threads", type=int, default=3, help="client threads per worker (3)")
+    p.add_argument("--runs", type=int, default=6, help="run ids everybody contends on (6)")
+    p.add_argument("--profile", default="default", help="workload mix: default, fencing")
+    p.add_argument("--nemesis", default="default", help="fault mix: default, kills, none")
+    p.add_argument("--fault", default="", help="TEST ONLY: run a deliberately broken server "
+                   "(ack-before-commit, fence-ignores-owner); the run must then FAIL")
+    p.add_argument("--check-only", type=Path, metavar="DIR",
+                   help="re-run the checkers on a recorded run's directory")
+    a = p.parse_args(argv)
+    if a.check_only:
+        outcome = check_dir(a.check_only)
+        print(outcome.summary())
+        return 0 if outcome.ok else 1
+    out = a.out or REPO / "build" / "torture" / f"seed-{a.seed}-{a.duration:g}s"
+    cfg = Config(duration_s=a.duration, seed=a.seed, out=out, workers=a.workers,
+                 threads=a.threads, runs=a.runs, profile=a.profile, nemesis=a.nemesis,
+                 fault=a.fault)
+    try:
+        outcome = run(cfg)
+    except Exception as exc:
+        print(f"torture harness failure: {exc}", file=sys.stderr)
+        return 2
+    print(outcome.summary())
+    print(f"  report: {out / 'report.json'}")
+    return 0 if outcome.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
