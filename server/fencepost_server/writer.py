@@ -168,7 +168,11 @@ class Writer:
             raise WriterClosed()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._idle.clear()
-        await self._queue.put(_Item(cmd, fut))
+        queue = self._queue
+        if queue.full():  # back-pressure: wait for room
+            await queue.put(_Item(cmd, fut))
+        else:
+            queue.put_nowait(_Item(cmd, fut))
         result = await fut
         return result  # type: ignore[no-any-return]
 

@@ -68,6 +68,9 @@ def _refuse_running_loop() -> None:
     )
 
 
+_CLOSE_WAIT_S = 2.0  # how long close() waits for the private loop's tasks
+
+
 class _Portal:
     """An event loop on a private daemon thread, and a way to run coroutines on it."""
 
@@ -106,12 +109,19 @@ class _Portal:
             for t in tasks:
                 t.cancel()
             if tasks:
-                await asyncio.wait(tasks)
+                _, stuck = await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
+                if stuck:
+                    log.warning("%d task(s) ignored cancellation at close: %s", len(stuck),
+                                ", ".join(t.get_name() for t in stuck))
 
-        asyncio.run_coroutine_threadsafe(_shutdown(), self._loop).result(10)
+        try:
+            asyncio.run_coroutine_threadsafe(_shutdown(), self._loop).result(_CLOSE_WAIT_S + 1)
+        except Exception:  # never let close() hang or raise: the thread is a daemon
+            log.warning("the client's event loop did not shut down cleanly", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
+        self._thread.join(_CLOSE_WAIT_S)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 @dataclass(frozen=True, slots=True)
