@@ -39,6 +39,11 @@ proto: $(STAMP)  ## regenerate the checked-in stubs from proto/
 bench: $(STAMP)  ## benchmarks (not tests): end to end vs echo, and the writer alone
 	$(BIN)/python bench/run_all.py
 
+.PHONY: bench-peers
+bench-peers: $(STAMP)  ## fencepost vs etcd, PostgreSQL, Redis, same load (installs them if missing; ~6 min)
+	$(BIN)/python -c 'import asyncpg, redis, hiredis' 2>/dev/null || $(BIN)/python -m pip install --quiet asyncpg redis hiredis
+	$(BIN)/python bench/peers --install
+
 DURATION  ?= 60
 SEED      ?= 1
 .PHONY: torture
