@@ -35,7 +35,8 @@ from multiprocessing.context import SpawnProcess
 from typing import Any
 
 from benchlib import percentile, scrape_counters
-from e2e import WRITER_COUNTERS, _CpuSnapshot, _sleep_until, _stop_processes
+from e2e import WRITER_COUNTERS, _CpuSnapshot, _sleep_until, _Stop, _stop_processes
+from e2e import _Window as _E2EWindow
 
 from .backends import CONNECT_TIMEOUT_S, RPC_TIMEOUT_S, open_backend
 from .semantics import Refused
@@ -84,25 +85,17 @@ class ClientResult:
     race_stats: dict[str, float] = field(default_factory=dict)
 
 
-class _Stop(Exception):
-    """The measured window is over."""
+class _Window(_E2EWindow):
+    """e2e's window, for any backend: calls take a coroutine function and its
+    arguments, any exception is an error, and the backend's counters are read
+    at the window's edges."""
 
-
-class _Window:
     def __init__(self, start_mono: float, warmup_s: float, duration_s: float) -> None:
-        self.begin = start_mono + warmup_s
-        self.end = self.begin + duration_s
-        self.latencies: array[float] = array("d")
-        self.ops = 0
-        self.lifecycles = 0
-        self.errors = 0
-        self.error_samples: list[str] = []
-        self.cpu_begin: float | None = None
-        self.cpu_end: float | None = None
+        super().__init__(start_mono, warmup_s, duration_s)
         self.stats_begin: dict[str, float] = {}
         self.stats_end: dict[str, float] = {}
 
-    async def call(self, fn: Any, *args: Any) -> Any:
+    async def call(self, fn: Any, *args: Any) -> Any:  # type: ignore[override]
         t0 = time.monotonic()
         if t0 >= self.end:
             raise _Stop
