@@ -42,6 +42,7 @@ its outcome is unknown).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from collections.abc import Iterable
@@ -214,23 +215,28 @@ def _guarded(args: argparse.Namespace, err: TextIO, body: Any) -> int:
 
 
 def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) -> int:
-    """Print changes until --limit, Ctrl-C (exit 0 either way) or an error."""
-    printed = 0
+    """Print changes until --limit, Ctrl-C (exit 0 either way) or an error.
+
+    Runs the async client under ``asyncio.run``: on Ctrl-C asyncio cancels the
+    main task, and cancellation unwinds the watch and the client cleanly (a
+    KeyboardInterrupt raised at an arbitrary point of a blocking call could
+    leave the SyncClient's private loop waiting)."""
+
+    async def watch() -> None:
+        printed = 0
+        async with fencepost.Client(args.addr, retry=retry) as client:
+            async for ev in client.watch(args.run_ids, from_revision=args.from_revision):
+                if args.json:
+                    out.write(json.dumps(ev.to_dict(), ensure_ascii=False) + "\n")
+                else:
+                    out.write(_event_text(ev))
+                out.flush()
+                printed += 1
+                if args.limit is not None and printed >= args.limit:
+                    return
+
     try:
-        with fencepost.SyncClient(args.addr, retry=retry) as client:
-            events = client.watch(args.run_ids, from_revision=args.from_revision)
-            try:
-                for ev in events:
-                    if args.json:
-                        out.write(json.dumps(ev.to_dict(), ensure_ascii=False) + "\n")
-                    else:
-                        out.write(_event_text(ev))
-                    out.flush()
-                    printed += 1
-                    if args.limit is not None and printed >= args.limit:
-                        break
-            finally:
-                events.close()
+        asyncio.run(watch())
     except KeyboardInterrupt:
         pass  # Ctrl-C: the way to stop watching
     except BrokenPipeError:  # `fencepost watch | head`

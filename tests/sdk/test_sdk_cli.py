@@ -254,3 +254,25 @@ def test_watch_binary_stops_cleanly_on_ctrl_c(seeded: ServerThread) -> None:
             proc.wait()
     assert proc.returncode == EXIT_OK, err
     assert "Traceback" not in err
+
+
+def test_watch_binary_stops_cleanly_on_ctrl_c_during_replay(seeded: ServerThread) -> None:
+    """Ctrl-C while the replay is still printing (a fresh-clone run once hung
+    here when the interrupt landed inside the blocking client)."""
+    exe = Path(sys.executable).parent / "fencepost"
+    for _ in range(5):
+        proc = subprocess.Popen(
+            [str(exe), "watch", "--json", "--from-revision", "1", "--addr", seeded.address],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            proc.stdout.readline()
+            proc.send_signal(signal.SIGINT)  # no pause: lands mid-replay
+            _, err = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == EXIT_OK, err
+        assert "Traceback" not in err
