@@ -153,8 +153,9 @@ class Actor:
         ttl = self.rng.choice(TTLS)
         r = self.rng.random()
         if cur["status"] == RUNNING and cur.get("lease"):
-            if r < 0.45:  # steal the lease, keep the token (the owner half of the fence)
+            if r < 0.45:  # steal the lease: a new holder, so a new token (SPEC §1)
                 nxt["lease"][0] = thief
+                nxt["fencing_token"] += 1
             elif r < 0.65:  # take over with a new token
                 nxt["fencing_token"] += 1
                 nxt["attempt"] += 1

@@ -234,12 +234,18 @@ def test_watch_compacted_exits_1(tmp_path: Path) -> None:
     assert json.loads(err)["error"]["code"] == "RUN_REVISION_COMPACTED"
 
 
+def _default_sigint() -> None:
+    """A shell starts background jobs with SIGINT ignored and children inherit
+    that; give the CLI the disposition a terminal user's Ctrl-C meets."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_watch_binary_stops_cleanly_on_ctrl_c(seeded: ServerThread) -> None:
     exe = Path(sys.executable).parent / "fencepost"
     proc = subprocess.Popen(
         [str(exe), "watch", "--json", "--from-revision", "1", "--addr", seeded.address],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
     )
     try:
         assert proc.stdout is not None
@@ -263,7 +269,7 @@ def test_watch_binary_stops_cleanly_on_ctrl_c_during_replay(seeded: ServerThread
     for _ in range(5):
         proc = subprocess.Popen(
             [str(exe), "watch", "--json", "--from-revision", "1", "--addr", seeded.address],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
         )
         try:
             assert proc.stdout is not None

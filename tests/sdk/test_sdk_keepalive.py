@@ -112,7 +112,8 @@ async def test_loss_is_pushed_with_its_reason(
     elif cause == "raw_cas_token":
         await _raw_cas(rival, "run-1", fencing_token=lease.fencing_token + 1)
     else:
-        await _raw_cas(rival, "run-1", lease__owner="intruder")
+        await _raw_cas(rival, "run-1", lease__owner="intruder",
+                       fencing_token=lease.fencing_token + 1)
 
     # the holder makes no call: the stream tells it
     await asyncio.wait_for(lease.lost.wait(), WAIT_S)

@@ -134,7 +134,8 @@ async def test_lost_is_pushed_for_each_cause(aio, clock, cause: str) -> None:  #
         if cause == "raw_cas":
             nxt.fencing_token = run.fencing_token + 1
         else:
-            nxt.lease.owner = "intruder"
+            nxt.lease.owner = "intruder"  # a new holder: the token must move too
+            nxt.fencing_token = run.fencing_token + 1
         assert (
             await store.CompareAndSet(
                 spb.CompareAndSetRequest(run_id="r", expected_version=run.version, next=nxt)
@@ -319,6 +320,7 @@ async def test_stream_and_fence_check_agree_on_who_holds(aio) -> None:  # type: 
     await s.nothing(0.3)
     nxt2 = bump(nxt)
     nxt2.lease.owner = "someone-else"
+    nxt2.fencing_token = nxt.fencing_token + 1
     assert (await store.CompareAndSet(spb.CompareAndSetRequest(
         run_id="r", expected_version=nxt.version, next=nxt2))).swapped
     assert (await s.recv()).lost.reason == pb.LOST_REASON_FENCE_MOVED

@@ -44,10 +44,3 @@ def test_a_writer_that_acknowledges_before_commit_is_caught(tmp_path: Path) -> N
     assert found.get("durability-restart", 0) + found.get("durability-final", 0) >= 1, found
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_a_fence_check_that_ignores_the_owner_is_caught(tmp_path: Path) -> None:
-    outcome = _run(tmp_path, duration_s=10.0, fault="fence-ignores-owner", profile="fencing",
-                   nemesis="none")
-    found = outcome.violations
-    assert found.get("fencing", 0) >= 1 and found.get("handles", 0) >= 1, found

@@ -365,3 +365,17 @@ def test_raw_delete() -> None:
     assert d.change is None and d.result == L.Deleted(False)
     d = ok(L.RawDelete("r"), rec())
     assert d.change == L.Delete("r", 3, 100)
+
+
+def test_raw_cas_granting_a_lease_to_a_new_holder_must_move_the_token() -> None:
+    cur = rec()  # running, w1, token 3
+    stolen = replace(cur, version=6, lease=replace(cur.lease, owner="thief"))  # type: ignore[type-var]
+    e = refused(L.RawCompareAndSet("r", 5, stolen), cur, Code.RUN_VALIDATION_ERROR)
+    assert e.field == "next.fencing_token"
+    ok(L.RawCompareAndSet("r", 5, replace(stolen, fencing_token=4)), cur)
+    released = replace(cur, status=Status.QUEUED, lease=None)
+    regrant = replace(cur, version=released.version + 1)  # w1 again, same token: also new
+    refused(L.RawCompareAndSet("r", released.version, regrant), released,
+            Code.RUN_VALIDATION_ERROR)
+    renewed = replace(cur, version=6, lease=replace(cur.lease, expires_at=NOW + 99))  # type: ignore[type-var]
+    ok(L.RawCompareAndSet("r", 5, renewed), cur)  # same holder: no move needed

@@ -504,6 +504,22 @@ def _raw_cas(
             cur,
             field="next.fencing_token",
         )
+    new_lease = cmd.next.lease
+    if (
+        new_lease is not None
+        and (cur.lease is None or cur.lease.owner != new_lease.owner)
+        and cmd.next.fencing_token == cur.fencing_token
+    ):
+        # SPEC §1: the token moves whenever ownership changes hands. A lease
+        # granted to a new holder under the same token would let two handles
+        # share it (and make a stale handle's converging retry look done).
+        raise LedgerError(
+            Code.RUN_VALIDATION_ERROR,
+            "next.fencing_token: must move when the lease is granted to a new holder "
+            f"(stored {cur.fencing_token})",
+            cur,
+            field="next.fencing_token",
+        )
     rec = replace(cmd.next, revision=rev)
     return Decision(Put(rec), Swapped(True, rec))
 
