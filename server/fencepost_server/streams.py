@@ -286,14 +286,11 @@ def lost_message(run_id: str, token: int, reason: int, rec: Record | None) -> pb
 # -- WatchRuns ------------------------------------------------------------------------------
 
 
-WATCH_QUEUE_LIMIT = 10_000
-
-
 class Watch:
     """One WatchRuns subscriber: a bounded queue fed by the change feed. When
     the queue is full the watch is stopped (never the writer)."""
 
-    def __init__(self, run_ids: frozenset[str], limit: int = WATCH_QUEUE_LIMIT) -> None:
+    def __init__(self, run_ids: frozenset[str], limit: int) -> None:
         self.run_ids = run_ids
         self.limit = limit
         self.queue: asyncio.Queue[ChangeEvent] = asyncio.Queue()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -433,13 +432,3 @@ class Writer:
 
         loop.call_soon_threadsafe(deliver)
         time.sleep(self.unsafe_ack_before_commit_s)
-
-
-@contextlib.asynccontextmanager
-async def running_writer(storage: SqliteStorage, clock: Clock, **kw: Any) -> Any:
-    writer = Writer(storage, clock, **kw)
-    await writer.start()
-    try:
-        yield writer
-    finally:
-        await writer.close()

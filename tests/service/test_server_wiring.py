@@ -80,8 +80,11 @@ async def _pragma(server: ServerThread, name: str) -> object:
     )
 
 
-def test_cancelled_call_still_writes(server, channel) -> None:  # type: ignore[no-untyped-def]
-    stub = pb  # noqa: F841 - the write must land even if the caller gives up
+def test_cancelled_call_with_request_id_acquires_at_most_once(server, channel) -> None:  # type: ignore[no-untyped-def]
+    """Over the wire the cancel may or may not beat the request to the server;
+    either way a retry with the same id yields exactly one acquisition. (That
+    a queued write survives its caller's cancellation is proven at the writer:
+    tests/unit/test_writer.py::test_a_cancelled_caller_abandons_its_reply_not_its_write.)"""
     from fencepost.v1 import ledger_pb2_grpc
 
     ledger = ledger_pb2_grpc.LedgerStub(channel)

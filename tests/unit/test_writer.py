@@ -118,3 +118,14 @@ async def test_commit_failure_fails_the_batch_and_moves_nothing(writer: Writer) 
         )
     assert ei.value.code is Code.STORAGE_FULL
     assert writer.state.revision == rev and set(writer.state.runs) == {"a"}
+
+
+async def test_a_cancelled_caller_abandons_its_reply_not_its_write(writer: Writer) -> None:
+    task = asyncio.create_task(writer.submit(L.Acquire("c", "w")))
+    await asyncio.sleep(0)  # the command is queued
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await writer.wait_idle()
+    assert writer.state.runs["c"].lease is not None  # committed all the same
+    assert writer.state.runs["c"].lease.owner == "w"  # type: ignore[union-attr]

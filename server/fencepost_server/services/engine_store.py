@@ -325,36 +325,32 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         )
         await self._stream(context, pages)
 
-    async def _claim(self, cmd: E.ClaimRun | E.RenewClaim) -> tuple[bool, pb.EngineRun | None]:
-        res: E.RunClaimed = await self._submit(cmd)
+    async def _claim(
+        self, cls: type[E.ClaimRun] | type[E.RenewClaim], request: Any
+    ) -> tuple[bool, pb.EngineRun | None]:
+        """ClaimRun and RenewClaim take the same fields and answer alike."""
+        res: E.RunClaimed = await self._submit(
+            cls(
+                id=E.ident("id", request.id),
+                owner=E.ident("owner", request.owner, E.MAX_NAME_BYTES),
+                ttl_ms=E.ttl(request.ttl_ms),
+                request_id=validate.request_id(request.request_id),
+            )
+        )
         return res.ok, run_to_pb(res.run) if res.run is not None else None
 
     @handler
     async def ClaimRun(
         self, request: pb.EngineClaimRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineClaimRunResponse:
-        ok, run = await self._claim(
-            E.ClaimRun(
-                id=E.ident("id", request.id),
-                owner=E.ident("owner", request.owner, E.MAX_NAME_BYTES),
-                ttl_ms=E.ttl(request.ttl_ms),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
+        ok, run = await self._claim(E.ClaimRun, request)
         return pb.EngineClaimRunResponse(claimed=ok, run=run)
 
     @handler
     async def RenewClaim(
         self, request: pb.EngineRenewClaimRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineRenewClaimResponse:
-        ok, run = await self._claim(
-            E.RenewClaim(
-                id=E.ident("id", request.id),
-                owner=E.ident("owner", request.owner, E.MAX_NAME_BYTES),
-                ttl_ms=E.ttl(request.ttl_ms),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
+        ok, run = await self._claim(E.RenewClaim, request)
         return pb.EngineRenewClaimResponse(renewed=ok, run=run)
 
     # -- steps and checkpoints ---------------------------------------------------------
