@@ -32,6 +32,7 @@ Every mutation is acknowledged only once the commit holding it is durable.
 """
 
 from collections import abc as _abc
+from fencepost.v1 import engine_store_pb2 as _engine_store_pb2
 from fencepost.v1 import record_pb2 as _record_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -1184,7 +1185,9 @@ Global___ExecuteRequest: _TypeAlias = ExecuteRequest  # noqa: Y015
 
 @_typing.final
 class Command(_message.Message):
-    """One ledger command: exactly the request message of the unary RPC."""
+    """One command: exactly the request message of the unary RPC, a Ledger
+    command or an EngineStore mutation (the same request id table serves both).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1198,6 +1201,19 @@ class Command(_message.Message):
     CANCEL_FIELD_NUMBER: _builtins.int
     REQUEST_RESUME_FIELD_NUMBER: _builtins.int
     DELETE_RUN_FIELD_NUMBER: _builtins.int
+    CREATE_RUN_FIELD_NUMBER: _builtins.int
+    UPDATE_RUN_FIELD_NUMBER: _builtins.int
+    CLAIM_RUN_FIELD_NUMBER: _builtins.int
+    RENEW_CLAIM_FIELD_NUMBER: _builtins.int
+    APPEND_STEP_FIELD_NUMBER: _builtins.int
+    SAVE_CHECKPOINT_FIELD_NUMBER: _builtins.int
+    CLAIM_KEY_FIELD_NUMBER: _builtins.int
+    ACQUIRE_LOCK_FIELD_NUMBER: _builtins.int
+    RELEASE_LOCK_FIELD_NUMBER: _builtins.int
+    PUT_EFFECT_FIELD_NUMBER: _builtins.int
+    KV_SET_FIELD_NUMBER: _builtins.int
+    DOC_UPSERT_FIELD_NUMBER: _builtins.int
+    DOC_DELETE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Client-chosen correlation id, echoed on the result. Must be unique among
     the stream's commands that are still unanswered.
@@ -1219,7 +1235,65 @@ class Command(_message.Message):
     @_builtins.property
     def request_resume(self) -> Global___RequestResumeRequest: ...
     @_builtins.property
-    def delete_run(self) -> Global___DeleteRunRequest: ...
+    def delete_run(self) -> Global___DeleteRunRequest:
+        """11-19 are kept free for future ledger commands."""
+
+    @_builtins.property
+    def create_run(self) -> _engine_store_pb2.EngineCreateRunRequest:
+        """EngineStore mutations (engine_store.proto), each exactly as its unary
+        RPC: same validation (errors name the same field), same request ids.
+
+        EngineStore.CreateRun: insert-if-absent.
+        """
+
+    @_builtins.property
+    def update_run(self) -> _engine_store_pb2.EngineUpdateRunRequest:
+        """EngineStore.UpdateRun: patch a run, optionally guarded."""
+
+    @_builtins.property
+    def claim_run(self) -> _engine_store_pb2.EngineClaimRunRequest:
+        """EngineStore.ClaimRun: claim an unclaimed or expired run."""
+
+    @_builtins.property
+    def renew_claim(self) -> _engine_store_pb2.EngineRenewClaimRequest:
+        """EngineStore.RenewClaim: extend the current owner's live claim."""
+
+    @_builtins.property
+    def append_step(self) -> _engine_store_pb2.EngineAppendStepRequest:
+        """EngineStore.AppendStep: append a step to a run's log."""
+
+    @_builtins.property
+    def save_checkpoint(self) -> _engine_store_pb2.EngineSaveCheckpointRequest:
+        """EngineStore.SaveCheckpoint: keep the highest step_index."""
+
+    @_builtins.property
+    def claim_key(self) -> _engine_store_pb2.EngineClaimKeyRequest:
+        """EngineStore.ClaimKey: first caller per (scope, key) wins."""
+
+    @_builtins.property
+    def acquire_lock(self) -> _engine_store_pb2.EngineAcquireLockRequest:
+        """EngineStore.AcquireLock: take or extend a keyed lock."""
+
+    @_builtins.property
+    def release_lock(self) -> _engine_store_pb2.EngineReleaseLockRequest:
+        """EngineStore.ReleaseLock: release a lock held by `owner`."""
+
+    @_builtins.property
+    def put_effect(self) -> _engine_store_pb2.EnginePutEffectRequest:
+        """EngineStore.PutEffect: record an effect's result."""
+
+    @_builtins.property
+    def kv_set(self) -> _engine_store_pb2.EngineKvSetRequest:
+        """EngineStore.KvSet: set an agent's key/value state."""
+
+    @_builtins.property
+    def doc_upsert(self) -> _engine_store_pb2.EngineDocUpsertRequest:
+        """EngineStore.DocUpsert: insert or replace a document."""
+
+    @_builtins.property
+    def doc_delete(self) -> _engine_store_pb2.EngineDocDeleteRequest:
+        """EngineStore.DocDelete: delete a document."""
+
     def __init__(
         self,
         *,
@@ -1233,12 +1307,25 @@ class Command(_message.Message):
         cancel: Global___CancelRequest | None = ...,
         request_resume: Global___RequestResumeRequest | None = ...,
         delete_run: Global___DeleteRunRequest | None = ...,
+        create_run: _engine_store_pb2.EngineCreateRunRequest | None = ...,
+        update_run: _engine_store_pb2.EngineUpdateRunRequest | None = ...,
+        claim_run: _engine_store_pb2.EngineClaimRunRequest | None = ...,
+        renew_claim: _engine_store_pb2.EngineRenewClaimRequest | None = ...,
+        append_step: _engine_store_pb2.EngineAppendStepRequest | None = ...,
+        save_checkpoint: _engine_store_pb2.EngineSaveCheckpointRequest | None = ...,
+        claim_key: _engine_store_pb2.EngineClaimKeyRequest | None = ...,
+        acquire_lock: _engine_store_pb2.EngineAcquireLockRequest | None = ...,
+        release_lock: _engine_store_pb2.EngineReleaseLockRequest | None = ...,
+        put_effect: _engine_store_pb2.EnginePutEffectRequest | None = ...,
+        kv_set: _engine_store_pb2.EngineKvSetRequest | None = ...,
+        doc_upsert: _engine_store_pb2.EngineDocUpsertRequest | None = ...,
+        doc_delete: _engine_store_pb2.EngineDocDeleteRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "cancel", b"cancel", "delete_run", b"delete_run", "finish", b"finish", "kind", b"kind", "record_checkpoint", b"record_checkpoint", "release", b"release", "renew", b"renew", "request_resume", b"request_resume", "suspend", b"suspend"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "finish", b"finish", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "update_run", b"update_run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "cancel", b"cancel", "delete_run", b"delete_run", "finish", b"finish", "id", b"id", "kind", b"kind", "record_checkpoint", b"record_checkpoint", "release", b"release", "renew", b"renew", "request_resume", b"request_resume", "suspend", b"suspend"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "finish", b"finish", "id", b"id", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "update_run", b"update_run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run", "create_run", "update_run", "claim_run", "renew_claim", "append_step", "save_checkpoint", "claim_key", "acquire_lock", "release_lock", "put_effect", "kv_set", "doc_upsert", "doc_delete"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -1281,6 +1368,19 @@ class CommandResult(_message.Message):
     REQUEST_RESUME_FIELD_NUMBER: _builtins.int
     DELETE_RUN_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    CREATE_RUN_FIELD_NUMBER: _builtins.int
+    UPDATE_RUN_FIELD_NUMBER: _builtins.int
+    CLAIM_RUN_FIELD_NUMBER: _builtins.int
+    RENEW_CLAIM_FIELD_NUMBER: _builtins.int
+    APPEND_STEP_FIELD_NUMBER: _builtins.int
+    SAVE_CHECKPOINT_FIELD_NUMBER: _builtins.int
+    CLAIM_KEY_FIELD_NUMBER: _builtins.int
+    ACQUIRE_LOCK_FIELD_NUMBER: _builtins.int
+    RELEASE_LOCK_FIELD_NUMBER: _builtins.int
+    PUT_EFFECT_FIELD_NUMBER: _builtins.int
+    KV_SET_FIELD_NUMBER: _builtins.int
+    DOC_UPSERT_FIELD_NUMBER: _builtins.int
+    DOC_DELETE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The command's id."""
     @_builtins.property
@@ -1305,7 +1405,64 @@ class CommandResult(_message.Message):
     def error(self) -> _status_pb2.Status:
         """The command failed: code, message and details (ErrorInfo with the
         reason, and the observed record) exactly as the unary call's status.
+        11-14 and 16-19 are kept free for future ledger commands.
         """
+
+    @_builtins.property
+    def create_run(self) -> _engine_store_pb2.EngineCreateRunResponse:
+        """The answers to EngineStore mutations, each the unary RPC's response
+        and numbered like its command.
+
+        Answers `create_run`.
+        """
+
+    @_builtins.property
+    def update_run(self) -> _engine_store_pb2.EngineUpdateRunResponse:
+        """Answers `update_run`."""
+
+    @_builtins.property
+    def claim_run(self) -> _engine_store_pb2.EngineClaimRunResponse:
+        """Answers `claim_run`."""
+
+    @_builtins.property
+    def renew_claim(self) -> _engine_store_pb2.EngineRenewClaimResponse:
+        """Answers `renew_claim`."""
+
+    @_builtins.property
+    def append_step(self) -> _engine_store_pb2.EngineAppendStepResponse:
+        """Answers `append_step`."""
+
+    @_builtins.property
+    def save_checkpoint(self) -> _engine_store_pb2.EngineSaveCheckpointResponse:
+        """Answers `save_checkpoint`."""
+
+    @_builtins.property
+    def claim_key(self) -> _engine_store_pb2.EngineClaimKeyResponse:
+        """Answers `claim_key`."""
+
+    @_builtins.property
+    def acquire_lock(self) -> _engine_store_pb2.EngineAcquireLockResponse:
+        """Answers `acquire_lock`."""
+
+    @_builtins.property
+    def release_lock(self) -> _engine_store_pb2.EngineReleaseLockResponse:
+        """Answers `release_lock`."""
+
+    @_builtins.property
+    def put_effect(self) -> _engine_store_pb2.EnginePutEffectResponse:
+        """Answers `put_effect`."""
+
+    @_builtins.property
+    def kv_set(self) -> _engine_store_pb2.EngineKvSetResponse:
+        """Answers `kv_set`."""
+
+    @_builtins.property
+    def doc_upsert(self) -> _engine_store_pb2.EngineDocUpsertResponse:
+        """Answers `doc_upsert`."""
+
+    @_builtins.property
+    def doc_delete(self) -> _engine_store_pb2.EngineDocDeleteResponse:
+        """Answers `doc_delete`."""
 
     def __init__(
         self,
@@ -1321,12 +1478,25 @@ class CommandResult(_message.Message):
         request_resume: Global___RequestResumeResponse | None = ...,
         delete_run: Global___DeleteRunResponse | None = ...,
         error: _status_pb2.Status | None = ...,
+        create_run: _engine_store_pb2.EngineCreateRunResponse | None = ...,
+        update_run: _engine_store_pb2.EngineUpdateRunResponse | None = ...,
+        claim_run: _engine_store_pb2.EngineClaimRunResponse | None = ...,
+        renew_claim: _engine_store_pb2.EngineRenewClaimResponse | None = ...,
+        append_step: _engine_store_pb2.EngineAppendStepResponse | None = ...,
+        save_checkpoint: _engine_store_pb2.EngineSaveCheckpointResponse | None = ...,
+        claim_key: _engine_store_pb2.EngineClaimKeyResponse | None = ...,
+        acquire_lock: _engine_store_pb2.EngineAcquireLockResponse | None = ...,
+        release_lock: _engine_store_pb2.EngineReleaseLockResponse | None = ...,
+        put_effect: _engine_store_pb2.EnginePutEffectResponse | None = ...,
+        kv_set: _engine_store_pb2.EngineKvSetResponse | None = ...,
+        doc_upsert: _engine_store_pb2.EngineDocUpsertResponse | None = ...,
+        doc_delete: _engine_store_pb2.EngineDocDeleteResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "cancel", b"cancel", "delete_run", b"delete_run", "error", b"error", "finish", b"finish", "kind", b"kind", "record_checkpoint", b"record_checkpoint", "release", b"release", "renew", b"renew", "request_resume", b"request_resume", "suspend", b"suspend"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "error", b"error", "finish", b"finish", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "update_run", b"update_run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "cancel", b"cancel", "delete_run", b"delete_run", "error", b"error", "finish", b"finish", "id", b"id", "kind", b"kind", "record_checkpoint", b"record_checkpoint", "release", b"release", "renew", b"renew", "request_resume", b"request_resume", "suspend", b"suspend"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "error", b"error", "finish", b"finish", "id", b"id", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "update_run", b"update_run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run", "error"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run", "error", "create_run", "update_run", "claim_run", "renew_claim", "append_step", "save_checkpoint", "claim_key", "acquire_lock", "release_lock", "put_effect", "kv_set", "doc_upsert", "doc_delete"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -248,13 +248,15 @@ class LedgerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request_iterator, context):
-        """Many ledger commands multiplexed on one stream, many per message in both
+        """Many ledger commands, and the EngineStore's unary mutations
+        (engine_store.proto), multiplexed on one stream, many per message in both
         directions: the fast path past the per-call cost of unary RPCs. Each
         command carries a client-chosen id echoed on its result. Semantics,
         validation, errors and request-id retries are exactly those of the
         unary RPCs; a command's failure is its result's `error` (the same
         google.rpc.Status, with ErrorInfo and record, a unary call would end
-        with) and never ends the stream. Results may come in any order and in
+        with) and never ends the stream. Engine-store reads and PutArtifact
+        (a client stream) stay separate RPCs. Results may come in any order and in
         any grouping; the server answers every command it accepted.
         Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
         STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE

@@ -136,13 +136,15 @@ class LedgerStub:
     from the last revision received + 1.
     """
     Execute: _grpc.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]
-    """Many ledger commands multiplexed on one stream, many per message in both
+    """Many ledger commands, and the EngineStore's unary mutations
+    (engine_store.proto), multiplexed on one stream, many per message in both
     directions: the fast path past the per-call cost of unary RPCs. Each
     command carries a client-chosen id echoed on its result. Semantics,
     validation, errors and request-id retries are exactly those of the
     unary RPCs; a command's failure is its result's `error` (the same
     google.rpc.Status, with ErrorInfo and record, a unary call would end
-    with) and never ends the stream. Results may come in any order and in
+    with) and never ends the stream. Engine-store reads and PutArtifact
+    (a client stream) stay separate RPCs. Results may come in any order and in
     any grouping; the server answers every command it accepted.
     Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
     STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
@@ -230,13 +232,15 @@ class LedgerAsyncStub(LedgerStub):
     from the last revision received + 1.
     """
     Execute: _aio.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]  # type: ignore[assignment]
-    """Many ledger commands multiplexed on one stream, many per message in both
+    """Many ledger commands, and the EngineStore's unary mutations
+    (engine_store.proto), multiplexed on one stream, many per message in both
     directions: the fast path past the per-call cost of unary RPCs. Each
     command carries a client-chosen id echoed on its result. Semantics,
     validation, errors and request-id retries are exactly those of the
     unary RPCs; a command's failure is its result's `error` (the same
     google.rpc.Status, with ErrorInfo and record, a unary call would end
-    with) and never ends the stream. Results may come in any order and in
+    with) and never ends the stream. Engine-store reads and PutArtifact
+    (a client stream) stay separate RPCs. Results may come in any order and in
     any grouping; the server answers every command it accepted.
     Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
     STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
@@ -411,13 +415,15 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_ledger_pb2.ExecuteRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ledger_pb2.ExecuteResponse], _abc.AsyncIterator[_ledger_pb2.ExecuteResponse]]:
-        """Many ledger commands multiplexed on one stream, many per message in both
+        """Many ledger commands, and the EngineStore's unary mutations
+        (engine_store.proto), multiplexed on one stream, many per message in both
         directions: the fast path past the per-call cost of unary RPCs. Each
         command carries a client-chosen id echoed on its result. Semantics,
         validation, errors and request-id retries are exactly those of the
         unary RPCs; a command's failure is its result's `error` (the same
         google.rpc.Status, with ErrorInfo and record, a unary call would end
-        with) and never ends the stream. Results may come in any order and in
+        with) and never ends the stream. Engine-store reads and PutArtifact
+        (a client stream) stay separate RPCs. Results may come in any order and in
         any grouping; the server answers every command it accepted.
         Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
         STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
