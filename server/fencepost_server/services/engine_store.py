@@ -6,6 +6,11 @@ the ``EngineReader`` (read-only connections in reader threads); then converts
 the answer to protobuf. The rules live in ``core.engine``, the SQL in
 ``storage/engine_sql.py``.
 
+Every unary mutation is two synchronous functions, request -> writer command
+and writer result -> response, listed in ``MUTATIONS``: the unary handlers
+and ``Ledger.Execute`` (``services/execute.py``) both use them, so the stream
+validates, refuses and answers exactly as the unary call does.
+
 Lists are server-streamed in pages built in the reader threads. PutArtifact
 stages each chunk as a writer command the moment it arrives (at most
 ``STAGE_IN_FLIGHT`` uncommitted), so a large artifact never sits whole in
@@ -19,8 +24,8 @@ import hashlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -245,6 +250,181 @@ def save_checkpoint_cmd(req: pb.EngineSaveCheckpointRequest) -> E.SaveCheckpoint
     )
 
 
+_C = TypeVar("_C", E.ClaimRun, E.RenewClaim)
+
+
+def _claim_cmd(cls: type[_C], req: Any) -> _C:
+    """ClaimRun and RenewClaim take the same fields."""
+    return cls(
+        id=E.ident("id", req.id),
+        owner=E.ident("owner", req.owner, E.MAX_NAME_BYTES),
+        ttl_ms=E.ttl(req.ttl_ms),
+        request_id=validate.request_id(req.request_id),
+    )
+
+
+def claim_run_cmd(req: pb.EngineClaimRunRequest) -> E.ClaimRun:
+    return _claim_cmd(E.ClaimRun, req)
+
+
+def renew_claim_cmd(req: pb.EngineRenewClaimRequest) -> E.RenewClaim:
+    return _claim_cmd(E.RenewClaim, req)
+
+
+def claim_key_cmd(req: pb.EngineClaimKeyRequest) -> E.ClaimKey:
+    return E.ClaimKey(
+        scope=E.ident("scope", req.scope, E.MAX_KEY_BYTES),
+        key=E.ident("key", req.key, E.MAX_KEY_BYTES),
+        run_id=E.ident("run_id", req.run_id),
+        ttl_ms=E.ttl(req.ttl_ms),
+        request_id=validate.request_id(req.request_id),
+    )
+
+
+def acquire_lock_cmd(req: pb.EngineAcquireLockRequest) -> E.AcquireLock:
+    return E.AcquireLock(
+        key=E.ident("key", req.key, E.MAX_KEY_BYTES),
+        owner=E.ident("owner", req.owner, E.MAX_NAME_BYTES),
+        ttl_ms=E.ttl(req.ttl_ms),
+        request_id=validate.request_id(req.request_id),
+    )
+
+
+def release_lock_cmd(req: pb.EngineReleaseLockRequest) -> E.ReleaseLock:
+    return E.ReleaseLock(
+        key=E.ident("key", req.key, E.MAX_KEY_BYTES),
+        owner=E.ident("owner", req.owner, E.MAX_NAME_BYTES),
+        request_id=validate.request_id(req.request_id),
+    )
+
+
+def put_effect_cmd(req: pb.EnginePutEffectRequest) -> E.PutEffect:
+    return E.PutEffect(
+        key=E.ident("key", req.key, E.MAX_KEY_BYTES),
+        result=_required_json(req, "result", "result"),
+        request_id=validate.request_id(req.request_id),
+    )
+
+
+def kv_set_cmd(req: pb.EngineKvSetRequest) -> E.KvSet:
+    return E.KvSet(
+        agent=E.ident("agent", req.agent, E.MAX_NAME_BYTES),
+        key=E.ident("key", req.key, E.MAX_KEY_BYTES),
+        value=_required_json(req, "value", "value"),
+        request_id=validate.request_id(req.request_id),
+    )
+
+
+def doc_upsert_cmd(req: pb.EngineDocUpsertRequest) -> E.DocUpsert:
+    if not req.HasField("doc"):
+        raise validation("doc", "is required")
+    return E.DocUpsert(
+        agent=E.ident("agent", req.agent, E.MAX_NAME_BYTES),
+        collection=E.ident("collection", req.collection, E.MAX_NAME_BYTES),
+        id=E.ident("id", req.id),
+        doc=E.json_object("doc", req.doc.json),
+        request_id=validate.request_id(req.request_id),
+    )
+
+
+def doc_delete_cmd(req: pb.EngineDocDeleteRequest) -> E.DocDelete:
+    return E.DocDelete(
+        agent=E.ident("agent", req.agent, E.MAX_NAME_BYTES),
+        collection=E.ident("collection", req.collection, E.MAX_NAME_BYTES),
+        id=E.ident("id", req.id),
+        request_id=validate.request_id(req.request_id),
+    )
+
+
+# -- writer result -> response ----------------------------------------------------------
+
+
+def _maybe_run(run: E.Run | None) -> pb.EngineRun | None:
+    return run_to_pb(run) if run is not None else None
+
+
+def create_run_response(res: E.RunCreated) -> pb.EngineCreateRunResponse:
+    return pb.EngineCreateRunResponse(created=res.created, run=run_to_pb(res.run))
+
+
+def update_run_response(run: E.Run) -> pb.EngineUpdateRunResponse:
+    return pb.EngineUpdateRunResponse(run=run_to_pb(run))
+
+
+def claim_run_response(res: E.RunClaimed) -> pb.EngineClaimRunResponse:
+    return pb.EngineClaimRunResponse(claimed=res.ok, run=_maybe_run(res.run))
+
+
+def renew_claim_response(res: E.RunClaimed) -> pb.EngineRenewClaimResponse:
+    return pb.EngineRenewClaimResponse(renewed=res.ok, run=_maybe_run(res.run))
+
+
+def append_step_response(step: E.Step) -> pb.EngineAppendStepResponse:
+    return pb.EngineAppendStepResponse(step=step_to_pb(step))
+
+
+def save_checkpoint_response(res: E.CheckpointSaved) -> pb.EngineSaveCheckpointResponse:
+    return pb.EngineSaveCheckpointResponse(
+        saved=res.saved, checkpoint=checkpoint_to_pb(res.checkpoint)
+    )
+
+
+def claim_key_response(res: E.KeyClaimed) -> pb.EngineClaimKeyResponse:
+    return pb.EngineClaimKeyResponse(
+        created=res.created, run_id=res.run_id, expires_at=_ts(res.expires_at)
+    )
+
+
+def acquire_lock_response(res: E.LockAnswer) -> pb.EngineAcquireLockResponse:
+    return pb.EngineAcquireLockResponse(
+        acquired=res.acquired,
+        fencing_token=res.fencing_token,
+        owner=res.owner,
+        expires_at=_ts(res.expires_at),
+    )
+
+
+def release_lock_response(res: E.Done) -> pb.EngineReleaseLockResponse:
+    return pb.EngineReleaseLockResponse(released=res.ok)
+
+
+def put_effect_response(res: E.Done) -> pb.EnginePutEffectResponse:
+    return pb.EnginePutEffectResponse(recorded_at=_ts(res.at))
+
+
+def kv_set_response(res: E.Done) -> pb.EngineKvSetResponse:
+    return pb.EngineKvSetResponse(updated_at=_ts(res.at))
+
+
+def doc_upsert_response(res: E.DocUpserted) -> pb.EngineDocUpsertResponse:
+    return pb.EngineDocUpsertResponse(created=res.created, doc=doc_to_pb(res.doc))
+
+
+def doc_delete_response(res: E.Done) -> pb.EngineDocDeleteResponse:
+    return pb.EngineDocDeleteResponse(deleted=res.ok)
+
+
+# The unary mutations, keyed by their field in ledger.proto's Command and
+# CommandResult oneofs: (request -> writer command, writer result -> response).
+# Ledger.Execute dispatches on this table; the handlers below use the same
+# functions, so both transports share one code path.
+MUTATIONS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "create_run": (create_run_cmd, create_run_response),
+    "update_run": (update_run_cmd, update_run_response),
+    "claim_run": (claim_run_cmd, claim_run_response),
+    "renew_claim": (renew_claim_cmd, renew_claim_response),
+    "append_step": (append_step_cmd, append_step_response),
+    "save_checkpoint": (save_checkpoint_cmd, save_checkpoint_response),
+    "claim_key": (claim_key_cmd, claim_key_response),
+    "acquire_lock": (acquire_lock_cmd, acquire_lock_response),
+    "release_lock": (release_lock_cmd, release_lock_response),
+    "put_effect": (put_effect_cmd, put_effect_response),
+    "kv_set": (kv_set_cmd, kv_set_response),
+    "doc_upsert": (doc_upsert_cmd, doc_upsert_response),
+    "doc_delete": (doc_delete_cmd, doc_delete_response),
+}
+
+
 class _Header:
     """A validated PutArtifact header."""
 
@@ -286,8 +466,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def CreateRun(
         self, request: pb.EngineCreateRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineCreateRunResponse:
-        res: E.RunCreated = await self._submit(create_run_cmd(request))
-        return pb.EngineCreateRunResponse(created=res.created, run=run_to_pb(res.run))
+        return create_run_response(await self._submit(create_run_cmd(request)))
 
     @handler
     async def GetRun(
@@ -302,8 +481,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def UpdateRun(
         self, request: pb.EngineUpdateRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineUpdateRunResponse:
-        run: E.Run = await self._submit(update_run_cmd(request))
-        return pb.EngineUpdateRunResponse(run=run_to_pb(run))
+        return update_run_response(await self._submit(update_run_cmd(request)))
 
     @handler
     async def ListRuns(  # type: ignore[override]
@@ -325,33 +503,17 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         )
         await self._stream(context, pages)
 
-    async def _claim(
-        self, cls: type[E.ClaimRun] | type[E.RenewClaim], request: Any
-    ) -> tuple[bool, pb.EngineRun | None]:
-        """ClaimRun and RenewClaim take the same fields and answer alike."""
-        res: E.RunClaimed = await self._submit(
-            cls(
-                id=E.ident("id", request.id),
-                owner=E.ident("owner", request.owner, E.MAX_NAME_BYTES),
-                ttl_ms=E.ttl(request.ttl_ms),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
-        return res.ok, run_to_pb(res.run) if res.run is not None else None
-
     @handler
     async def ClaimRun(
         self, request: pb.EngineClaimRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineClaimRunResponse:
-        ok, run = await self._claim(E.ClaimRun, request)
-        return pb.EngineClaimRunResponse(claimed=ok, run=run)
+        return claim_run_response(await self._submit(claim_run_cmd(request)))
 
     @handler
     async def RenewClaim(
         self, request: pb.EngineRenewClaimRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineRenewClaimResponse:
-        ok, run = await self._claim(E.RenewClaim, request)
-        return pb.EngineRenewClaimResponse(renewed=ok, run=run)
+        return renew_claim_response(await self._submit(renew_claim_cmd(request)))
 
     # -- steps and checkpoints ---------------------------------------------------------
 
@@ -359,8 +521,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def AppendStep(
         self, request: pb.EngineAppendStepRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineAppendStepResponse:
-        step: E.Step = await self._submit(append_step_cmd(request))
-        return pb.EngineAppendStepResponse(step=step_to_pb(step))
+        return append_step_response(await self._submit(append_step_cmd(request)))
 
     @handler
     async def ListSteps(  # type: ignore[override]
@@ -373,10 +534,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def SaveCheckpoint(
         self, request: pb.EngineSaveCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineSaveCheckpointResponse:
-        res: E.CheckpointSaved = await self._submit(save_checkpoint_cmd(request))
-        return pb.EngineSaveCheckpointResponse(
-            saved=res.saved, checkpoint=checkpoint_to_pb(res.checkpoint)
-        )
+        return save_checkpoint_response(await self._submit(save_checkpoint_cmd(request)))
 
     @handler
     async def LatestCheckpoint(
@@ -393,50 +551,19 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def ClaimKey(
         self, request: pb.EngineClaimKeyRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineClaimKeyResponse:
-        res: E.KeyClaimed = await self._submit(
-            E.ClaimKey(
-                scope=E.ident("scope", request.scope, E.MAX_KEY_BYTES),
-                key=E.ident("key", request.key, E.MAX_KEY_BYTES),
-                run_id=E.ident("run_id", request.run_id),
-                ttl_ms=E.ttl(request.ttl_ms),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
-        return pb.EngineClaimKeyResponse(
-            created=res.created, run_id=res.run_id, expires_at=_ts(res.expires_at)
-        )
+        return claim_key_response(await self._submit(claim_key_cmd(request)))
 
     @handler
     async def AcquireLock(
         self, request: pb.EngineAcquireLockRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineAcquireLockResponse:
-        res: E.LockAnswer = await self._submit(
-            E.AcquireLock(
-                key=E.ident("key", request.key, E.MAX_KEY_BYTES),
-                owner=E.ident("owner", request.owner, E.MAX_NAME_BYTES),
-                ttl_ms=E.ttl(request.ttl_ms),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
-        return pb.EngineAcquireLockResponse(
-            acquired=res.acquired,
-            fencing_token=res.fencing_token,
-            owner=res.owner,
-            expires_at=_ts(res.expires_at),
-        )
+        return acquire_lock_response(await self._submit(acquire_lock_cmd(request)))
 
     @handler
     async def ReleaseLock(
         self, request: pb.EngineReleaseLockRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineReleaseLockResponse:
-        res: E.Done = await self._submit(
-            E.ReleaseLock(
-                key=E.ident("key", request.key, E.MAX_KEY_BYTES),
-                owner=E.ident("owner", request.owner, E.MAX_NAME_BYTES),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
-        return pb.EngineReleaseLockResponse(released=res.ok)
+        return release_lock_response(await self._submit(release_lock_cmd(request)))
 
     # -- effects and state -------------------------------------------------------------
 
@@ -455,14 +582,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def PutEffect(
         self, request: pb.EnginePutEffectRequest, context: grpc.aio.ServicerContext
     ) -> pb.EnginePutEffectResponse:
-        res: E.Done = await self._submit(
-            E.PutEffect(
-                key=E.ident("key", request.key, E.MAX_KEY_BYTES),
-                result=_required_json(request, "result", "result"),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
-        return pb.EnginePutEffectResponse(recorded_at=_ts(res.at))
+        return put_effect_response(await self._submit(put_effect_cmd(request)))
 
     @handler
     async def KvGet(
@@ -483,15 +603,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def KvSet(
         self, request: pb.EngineKvSetRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineKvSetResponse:
-        res: E.Done = await self._submit(
-            E.KvSet(
-                agent=E.ident("agent", request.agent, E.MAX_NAME_BYTES),
-                key=E.ident("key", request.key, E.MAX_KEY_BYTES),
-                value=_required_json(request, "value", "value"),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
-        return pb.EngineKvSetResponse(updated_at=_ts(res.at))
+        return kv_set_response(await self._submit(kv_set_cmd(request)))
 
     @handler
     async def DocList(  # type: ignore[override]
@@ -510,32 +622,13 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def DocUpsert(
         self, request: pb.EngineDocUpsertRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineDocUpsertResponse:
-        if not request.HasField("doc"):
-            raise validation("doc", "is required")
-        res: E.DocUpserted = await self._submit(
-            E.DocUpsert(
-                agent=E.ident("agent", request.agent, E.MAX_NAME_BYTES),
-                collection=E.ident("collection", request.collection, E.MAX_NAME_BYTES),
-                id=E.ident("id", request.id),
-                doc=E.json_object("doc", request.doc.json),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
-        return pb.EngineDocUpsertResponse(created=res.created, doc=doc_to_pb(res.doc))
+        return doc_upsert_response(await self._submit(doc_upsert_cmd(request)))
 
     @handler
     async def DocDelete(
         self, request: pb.EngineDocDeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineDocDeleteResponse:
-        res: E.Done = await self._submit(
-            E.DocDelete(
-                agent=E.ident("agent", request.agent, E.MAX_NAME_BYTES),
-                collection=E.ident("collection", request.collection, E.MAX_NAME_BYTES),
-                id=E.ident("id", request.id),
-                request_id=validate.request_id(request.request_id),
-            )
-        )
-        return pb.EngineDocDeleteResponse(deleted=res.ok)
+        return doc_delete_response(await self._submit(doc_delete_cmd(request)))
 
     # -- artifacts ---------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
-"""Ledger.Execute: every ledger command multiplexed on one stream.
+"""Ledger.Execute: every ledger command, and the engine store's unary
+mutations, multiplexed on one stream.
 
 Each incoming message's commands are converted and validated exactly as the
-unary handlers do (same ``convert`` functions), then handed to the writer
+unary handlers do (same ``convert`` functions; for the engine store, the same
+``engine_store.MUTATIONS`` functions), then handed to the writer
 together without awaiting (``submit_nowait``); each future's callback turns
 the result into the unary response message, or the unary error status. Results
 completed in the same event-loop turn (one group commit, typically) are sent
@@ -26,6 +28,7 @@ from ..core.errors import Code, LedgerError, validation
 from ..streams import Stop
 from ._errors import status_proto
 from ._registry import Malformed
+from .engine_store import MUTATIONS
 
 log = logging.getLogger("fencepost.execute")
 
@@ -48,6 +51,7 @@ KINDS: dict[str, tuple[Callable[[Any], L.Command], Callable[[Any], Any]]] = {
         convert.delete_run,
         lambda d: pb.DeleteRunResponse(revision=d.revision, fencing_token=d.fencing_token),
     ),
+    **MUTATIONS,  # the engine store's: create_run, update_run, ... doc_delete
 }
 
 
