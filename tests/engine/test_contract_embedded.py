@@ -1,25 +1,39 @@
 """The reusable EngineStore contract suite (``fencepost.store_contract``), run
 against the embedded server: once with a test clock (the exact instant of
 expiry is checked) and once in real time (as a deployment without a test clock
-would run it)."""
+would run it). With the test clock it runs twice: with the unary RPCs and with
+every mutation sent over Ledger.Execute instead (issue 6), so the stream cannot
+drift from the unary calls. (The transport does not touch the clock: real time
+over the stream would only repeat the real-time run, and slowly.)"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
+from _stream_store import engine_client
 
 from fencepost.store_contract import *  # noqa: F403
 from fencepost_server.clock import ManualClock, SystemClock
 from fencepost_server.harness import ServerThread
 
+MODES = [("test-clock", "unary"), ("test-clock", "stream"), ("real-time", "unary")]
 
-@pytest.fixture(scope="module", params=["test-clock", "real-time"])
+
+@pytest.fixture(scope="module", params=MODES, ids=["-".join(m) for m in MODES])
+def mode(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(clock, transport) of this run of the suite."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
 def embedded(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    mode: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerThread]:
-    clock = ManualClock() if request.param == "test-clock" else SystemClock()
+    clock = ManualClock() if mode[0] == "test-clock" else SystemClock()
     path: Path = tmp_path_factory.mktemp("contract") / "fencepost.db"
     with ServerThread(path, clock=clock) as srv:
         yield srv
@@ -28,6 +42,14 @@ def embedded(
 @pytest.fixture(scope="module")
 def store_endpoint(embedded: ServerThread) -> str:
     return embedded.address
+
+
+@pytest.fixture
+def engine_store(mode: tuple[str, str], store_endpoint: str) -> Iterator[Any]:
+    """Overrides the suite's stub: "stream" sends every mutation over
+    Ledger.Execute (reads and PutArtifact stay unary)."""
+    with grpc.insecure_channel(store_endpoint) as ch, engine_client(ch, mode[1]) as client:
+        yield client
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _stream_store import engine_client
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -41,8 +42,18 @@ ENGINE_TABLES = (
 )
 
 
+@pytest.fixture(params=["unary", "stream"])
+def es(request: pytest.FixtureRequest, channel: grpc.Channel) -> Iterator[Any]:
+    """The EngineStore client; with "stream", its mutations go over
+    Ledger.Execute instead (same messages, same errors), so these tests hold
+    for both transports."""
+    with engine_client(channel, request.param) as client:
+        yield client
+
+
 @pytest.fixture
-def es(channel: grpc.Channel) -> engine_store_pb2_grpc.EngineStoreStub:
+def es_unary(channel: grpc.Channel) -> engine_store_pb2_grpc.EngineStoreStub:
+    """The plain stub, for tests of what stays off the stream (artifacts, reads)."""
     return engine_store_pb2_grpc.EngineStoreStub(channel)
 
 
@@ -267,7 +278,7 @@ def test_request_ids_are_answered_after_a_restart(server: ServerThread, es: Any)
 # -- artifacts: nothing left behind --------------------------------------------------------------
 
 
-def test_failed_uploads_leave_no_chunks(server: ServerThread, es: Any) -> None:
+def test_failed_uploads_leave_no_chunks(server: ServerThread, es_unary: Any) -> None:
     data = b"z" * 300_000
     bad_streams = [
         [header("a1", len(data) + 1), *chunks(data)],  # ends early
@@ -278,29 +289,32 @@ def test_failed_uploads_leave_no_chunks(server: ServerThread, es: Any) -> None:
     ]
     for stream in bad_streams:
         with pytest.raises(grpc.RpcError) as ei:
-            es.PutArtifact(iter(stream))
+            es_unary.PutArtifact(iter(stream))
         assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     settle(server)
     assert counts(server)["engine_chunks"] == 0 and counts(server)["engine_uploads"] == 0
     assert counts(server)["engine_artifacts"] == 0
 
 
-def test_lost_race_and_retries_drop_their_upload(server: ServerThread, es: Any) -> None:
+def test_lost_race_and_retries_drop_their_upload(server: ServerThread, es_unary: Any) -> None:
     data = b"a" * 200_000
-    assert es.PutArtifact(iter([header("x", len(data), request_id="p1"), *chunks(data)])).created
+    first = es_unary.PutArtifact(iter([header("x", len(data), request_id="p1"), *chunks(data)]))
+    assert first.created
     settle(server)
     kept = counts(server)["engine_chunks"]
     assert kept == 4
     # a retry (same request id) and a lost race (another upload of the same id)
-    again = es.PutArtifact(iter([header("x", len(data), request_id="p1"), *chunks(data)]))
+    again = es_unary.PutArtifact(iter([header("x", len(data), request_id="p1"), *chunks(data)]))
     assert again.created, "the retry is answered with the original answer"
-    other = es.PutArtifact(iter([header("x", 5), pb.EnginePutArtifactRequest(chunk=b"12345")]))
+    other = es_unary.PutArtifact(
+        iter([header("x", 5), pb.EnginePutArtifactRequest(chunk=b"12345")])
+    )
     assert not other.created
     settle(server)
     assert counts(server)["engine_chunks"] == kept and counts(server)["engine_uploads"] == 0
 
 
-def test_a_cancelled_upload_leaves_nothing(server: ServerThread, es: Any) -> None:
+def test_a_cancelled_upload_leaves_nothing(server: ServerThread, es_unary: Any) -> None:
     sent = threading.Event()
     release = threading.Event()
 
@@ -310,7 +324,7 @@ def test_a_cancelled_upload_leaves_nothing(server: ServerThread, es: Any) -> Non
         sent.set()
         release.wait(10)  # hold the stream open until the test cancels it
 
-    fut = es.PutArtifact.future(stream())
+    fut = es_unary.PutArtifact.future(stream())
     assert sent.wait(10)
     deadline = time.monotonic() + 10
     while counts(server)["engine_chunks"] < 3 and time.monotonic() < deadline:
@@ -323,7 +337,7 @@ def test_a_cancelled_upload_leaves_nothing(server: ServerThread, es: Any) -> Non
         time.sleep(0.02)
     settle(server)
     assert counts(server)["engine_chunks"] == 0 and counts(server)["engine_uploads"] == 0
-    assert not es.GetArtifact(pb.EngineGetArtifactRequest(id="c")).found
+    assert not es_unary.GetArtifact(pb.EngineGetArtifactRequest(id="c")).found
 
 
 def test_uploads_a_crash_left_behind_are_swept_at_start(tmp_path: Path) -> None:
@@ -376,7 +390,7 @@ def test_a_schema_1_database_is_migrated_and_keeps_its_runs(tmp_path: Path) -> N
 
 
 def test_reads_run_on_reader_threads_not_the_loop_or_the_writer(
-    server: ServerThread, es: Any, monkeypatch: pytest.MonkeyPatch
+    server: ServerThread, es_unary: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[str] = []
     real_get, real_list = engine_sql.get_run, engine_sql.list_runs
@@ -391,8 +405,8 @@ def test_reads_run_on_reader_threads_not_the_loop_or_the_writer(
 
     monkeypatch.setattr(engine_sql, "get_run", get_run)
     monkeypatch.setattr(engine_sql, "list_runs", list_runs)
-    es.GetRun(pb.EngineGetRunRequest(id="r"))
-    list(es.ListRuns(pb.EngineListRunsRequest()))
+    es_unary.GetRun(pb.EngineGetRunRequest(id="r"))
+    list(es_unary.ListRuns(pb.EngineListRunsRequest()))
     assert len(seen) == 2 and all(n.startswith("fencepost-engine-read") for n in seen), seen
 
 
