@@ -316,6 +316,8 @@ class Writer:
         events: list[ChangeEvent] = []
         with self.storage.transaction():
             rev = committed.revision
+            rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
+            stored_answers = self.storage.lookup_requests(rids) if rids else {}
             for item in batch:
                 cmd = item.cmd
                 rid = cmd.request_id
@@ -323,10 +325,9 @@ class Writer:
                 if rid:
                     fp = codec.fingerprint(cmd)
                     hit = answered.get(rid)
-                    if hit is None:
-                        stored = self.storage.lookup_request(rid)
-                        if stored is not None:
-                            hit = (stored[0], codec.decode(stored[1]))
+                    if hit is None and rid in stored_answers:
+                        stored_fp, stored_answer = stored_answers[rid]
+                        hit = (stored_fp, codec.decode(stored_answer))
                     if hit is not None:
                         answers.append(
                             hit[1]
@@ -344,7 +345,7 @@ class Writer:
                     answer = self.storage.run_isolated(executor, cmd, now)
                     if rid:
                         answered[rid] = (fp, answer)
-                        out.requests.append((rid, fp, codec.encode(answer), now))
+                        out.requests.append((rid, fp, answer, now))
                     answers.append(answer)
                     continue
                 run_id = cmd.run_id
@@ -378,7 +379,7 @@ class Writer:
                             )
                 if rid:
                     answered[rid] = (fp, answer)
-                    out.requests.append((rid, fp, codec.encode(answer), now))
+                    out.requests.append((rid, fp, answer, now))
                 answers.append(answer)
             out.revision = rev
             if now - self._last_prune >= self.prune_every_ms:

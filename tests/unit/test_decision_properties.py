@@ -98,3 +98,23 @@ def test_invariants_hold_over_random_histories(steps: list[tuple[int, L.Command]
             assert new.status is Status.RUNNING
         max_token = max(max_token, new.fencing_token)
         cur = new
+
+
+# -- request-id fingerprints ------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(step(), st.text(max_size=20))
+def test_fingerprint_is_the_documented_repr_digest(dt_cmd: tuple[int, L.Command], rid: str) -> None:
+    """Stored fingerprints outlive a release (request ids are kept >= 10 min), so
+    the fast field-by-field form must equal the documented one exactly:
+    blake2b of repr(dataclasses.replace(cmd, request_id=""))."""
+    import dataclasses
+    import hashlib
+
+    from fencepost_server.core import codec
+
+    cmd = dataclasses.replace(dt_cmd[1], request_id=rid)
+    slow = repr(dataclasses.replace(cmd, request_id=""))
+    assert codec.fingerprint(cmd) == hashlib.blake2b(slow.encode(), digest_size=16).hexdigest()
+    assert cmd.request_id == rid  # the command is not changed

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields
 from typing import Any
 
 from . import ledger as L
@@ -18,8 +18,32 @@ from .records import record_from_dict, record_to_dict
 
 def fingerprint(cmd: L.Command) -> str:
     """A digest of the command without its request id: a reused id with a
-    different request is refused rather than answered with a stale answer."""
-    return hashlib.blake2b(repr(replace(cmd, request_id="")).encode(), digest_size=16).hexdigest()
+    different request is refused rather than answered with a stale answer.
+
+    The digest is of the command's dataclass ``repr`` with ``request_id=''``
+    — stable across releases, since stored fingerprints must still match after
+    an upgrade — built field by field (``_repr_without_request_id``): the
+    generated ``__repr__`` behind ``dataclasses.replace`` cost 10 us a command."""
+    text = _repr_without_request_id(cmd)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+_REPR_FIELDS: dict[type, tuple[str, tuple[str, ...]]] = {}
+
+
+def _repr_without_request_id(cmd: Any) -> str:
+    """Exactly ``repr(dataclasses.replace(cmd, request_id=""))``, without the copy."""
+    cls = type(cmd)
+    spec = _REPR_FIELDS.get(cls)
+    if spec is None:
+        names = tuple(f.name for f in fields(cls) if f.repr)
+        spec = _REPR_FIELDS[cls] = (cls.__qualname__, names)
+    qualname, names = spec
+    parts = [
+        "request_id=''" if name == "request_id" else f"{name}={getattr(cmd, name)!r}"
+        for name in names
+    ]
+    return f"{qualname}({', '.join(parts)})"
 
 
 _BY_NAME: dict[str, Callable[[dict[str, Any]], Any]] = {}

@@ -9,7 +9,6 @@ only after the WAL is fsynced, and only then does the writer answer anyone.
 from __future__ import annotations
 
 import contextlib
-import json
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +16,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from ..core import codec
 from ..core.errors import Code, LedgerError
 from ..core.records import Record, record_from_dict, record_to_dict
 
@@ -193,7 +195,8 @@ class Batch:
     puts: dict[str, Record] = field(default_factory=dict)
     deletes: dict[str, tuple[int, int]] = field(default_factory=dict)  # run_id -> (token, at)
     changes: list[tuple[int, str, int, Record | None]] = field(default_factory=list)
-    requests: list[tuple[str, str, dict[str, Any], int]] = field(default_factory=list)
+    # (request id, fingerprint, answer: a result or LedgerError, created at)
+    requests: list[tuple[str, str, Any, int]] = field(default_factory=list)
     revision: int = 0
     now: int = 0
     # (request cutoff ms, keep changes from revision, optional change age cutoff ms)
@@ -201,8 +204,24 @@ class Batch:
     compacted: int | None = None  # set by write() when it pruned
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-_dumps = _ENCODER.encode
+def _dumps(obj: Any) -> str:
+    """Compact JSON text, UTF-8 unescaped (orjson: about 5x the stdlib encoder,
+    which was a fifth of the writer thread's time)."""
+    return orjson.dumps(obj).decode()
+
+
+_loads = orjson.loads
+
+
+def _answer_text(answer: Any, encoded: dict[int, str]) -> str:
+    """A request id's stored answer. A record this batch wrote is already JSON
+    (its runs row): splice that text into ``codec.encode``'s record form
+    instead of encoding the record a second time."""
+    if type(answer) is Record:
+        text = encoded.get(id(answer))
+        if text is not None:
+            return '{"t":"record","r":' + text + "}"
+    return _dumps(codec.encode(answer))
 
 
 def _storage_error(exc: sqlite3.Error) -> LedgerError:
@@ -304,7 +323,7 @@ class SqliteStorage:
         state = LoadedState()
         for run_id, text in db.execute("SELECT run_id, record FROM runs"):
             try:
-                rec = record_from_dict(json.loads(text))
+                rec = record_from_dict(_loads(text))
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 raise RuntimeError(
                     f"{self.path}: the stored record of run {run_id!r} is unreadable "
@@ -322,11 +341,20 @@ class SqliteStorage:
         low = db.execute("SELECT min(revision) FROM changes").fetchone()[0]
         return revision if low is None else low - 1
 
-    def lookup_request(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
-        row = self.db.execute(
-            "SELECT fingerprint, answer FROM requests WHERE request_id = ?", (request_id,)
-        ).fetchone()
-        return None if row is None else (row[0], json.loads(row[1]))
+    def lookup_requests(self, request_ids: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+        """The stored (fingerprint, answer) of those of ``request_ids``
+        answered before: one query per 500 ids, not one per command."""
+        found: dict[str, tuple[str, dict[str, Any]]] = {}
+        for i in range(0, len(request_ids), 500):
+            chunk = request_ids[i : i + 500]
+            rows = self.db.execute(
+                "SELECT request_id, fingerprint, answer FROM requests WHERE request_id IN "
+                f"({','.join('?' * len(chunk))})",
+                chunk,
+            )
+            for rid, fp, answer in rows:
+                found[rid] = (fp, _loads(answer))
+        return found
 
     # -- the one write path ------------------------------------------------------
 
@@ -423,7 +451,10 @@ class SqliteStorage:
             db.executemany(
                 "INSERT OR REPLACE INTO requests (request_id, fingerprint, answer, "
                 "created_at) VALUES (?,?,?,?)",
-                [(rid, fp, _dumps(ans), at) for rid, fp, ans, at in batch.requests],
+                [
+                    (rid, fp, _answer_text(ans, encoded), at)
+                    for rid, fp, ans, at in batch.requests
+                ],
             )
         if batch.prune is not None:
             request_cutoff, keep_from, age_cutoff = batch.prune
@@ -459,7 +490,7 @@ class HistoryReader:
             (from_revision, to_revision, limit),
         ).fetchall()
         return [
-            (rev, run_id, kind, record_from_dict(json.loads(text)) if text else None)
+            (rev, run_id, kind, record_from_dict(_loads(text)) if text else None)
             for rev, run_id, kind, text in rows
         ]
 
