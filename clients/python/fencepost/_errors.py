@@ -1,6 +1,8 @@
-"""Exceptions raised by the fencepost SDK, and the one function that turns a
-gRPC error into one of them (``from_rpc_error``). Nothing else in the SDK
-looks at a gRPC status, and nothing anywhere matches on message text.
+"""Exceptions raised by the fencepost SDK, and the one mapping that turns a
+gRPC status into one of them: ``from_rpc_error`` for a call that ended with
+it, ``from_status`` for the same ``google.rpc.Status`` carried in an Execute
+result. Nothing else in the SDK looks at a gRPC status, and nothing anywhere
+matches on message text.
 
 The tree::
 
@@ -273,11 +275,32 @@ def from_rpc_error(err: grpc.RpcError, *, mutation: bool) -> FencepostError:
     grpc_code: grpc.StatusCode = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
     details_fn = getattr(err, "details", None)
     message = (details_fn() if callable(details_fn) else None) or str(err)
+    return _from_status_parts(grpc_code, message, _rich_status(err), mutation=mutation)
 
+
+_GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status(status: status_pb2.Status, *, mutation: bool) -> FencepostError:
+    """``from_rpc_error`` for a ``google.rpc.Status`` that arrived inside a
+    message instead of ending a call: an ``Execute`` command's ``error``, which
+    is exactly the status the unary call would have ended with. Same mapping,
+    same exception."""
+    grpc_code = _GRPC_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    return _from_status_parts(grpc_code, status.message or grpc_code.name, status,
+                              mutation=mutation)
+
+
+def _from_status_parts(
+    grpc_code: grpc.StatusCode,
+    message: str,
+    rich: status_pb2.Status | None,
+    *,
+    mutation: bool,
+) -> FencepostError:
     reason: str | None = None
     field: str | None = None
     record: RunRecord | None = None
-    rich = _rich_status(err)
     if rich is not None:
         for detail in rich.details:
             if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):

@@ -79,6 +79,9 @@ async def call_with_retry(
 ) -> T:
     """Run ``attempt(timeout)`` until it succeeds, fails with a status other
     than UNAVAILABLE, or the policy is exhausted; raise the mapped error.
+    ``attempt`` fails with a ``grpc.RpcError`` (mapped here) or with a
+    ``FencepostError`` it mapped itself (a command on the Execute stream, whose
+    broken stream reads as UNAVAILABLE); both go by the same rules.
 
     For a mutation, once any attempt ended without an answer the outcome is
     unknown, and the final error is ``OutcomeUnknownError`` even when the last
@@ -92,32 +95,38 @@ async def call_with_retry(
     unknown: FencepostError | None = None
     while True:
         attempts += 1
+        cause: BaseException | None
         try:
             return await attempt(policy.attempt_timeout_s)
         except grpc.RpcError as err:
-            exc = from_rpc_error(err, mutation=mutation)
-            if isinstance(exc, OutcomeUnknownError):
-                unknown = exc
-            code = exc.grpc_code
-            delay = backoff.next()
-            exhausted = (
-                code is not grpc.StatusCode.UNAVAILABLE
-                or (policy.max_attempts is not None and attempts >= policy.max_attempts)
-                or loop.time() + delay > deadline
-            )
-            if not exhausted:
-                await asyncio.sleep(delay)
-                continue
-            if (
-                unknown is not None
-                and code is grpc.StatusCode.UNAVAILABLE
-                and not isinstance(exc, OutcomeUnknownError)
-            ):
-                raise OutcomeUnknownError(
-                    f"no answer from an earlier attempt, and the last was refused: {exc}",
-                    code=unknown.code,
-                    grpc_code=unknown.grpc_code,
-                ) from err
-            if attempts > 1:
-                exc.add_note(f"fencepost: gave up after {attempts} attempts")
-            raise exc from err
+            exc, cause = from_rpc_error(err, mutation=mutation), err
+        except FencepostError as err:
+            # An attempt whose status came in a message, or that lost its
+            # stream (a command on the Execute stream): already mapped, by the
+            # same function, and retried by the same rules.
+            exc, cause = err, err.__cause__
+        if isinstance(exc, OutcomeUnknownError):
+            unknown = exc
+        code = exc.grpc_code
+        delay = backoff.next()
+        exhausted = (
+            code is not grpc.StatusCode.UNAVAILABLE
+            or (policy.max_attempts is not None and attempts >= policy.max_attempts)
+            or loop.time() + delay > deadline
+        )
+        if not exhausted:
+            await asyncio.sleep(delay)
+            continue
+        if (
+            unknown is not None
+            and code is grpc.StatusCode.UNAVAILABLE
+            and not isinstance(exc, OutcomeUnknownError)
+        ):
+            raise OutcomeUnknownError(
+                f"no answer from an earlier attempt, and the last was refused: {exc}",
+                code=unknown.code,
+                grpc_code=unknown.grpc_code,
+            ) from cause or exc
+        if attempts > 1:
+            exc.add_note(f"fencepost: gave up after {attempts} attempts")
+        raise exc from cause
