@@ -14,6 +14,8 @@ from fencepost import Client, Lease, RunStatus, SyncClient, SyncLease
 from fencepost_server.core import records as core
 from fencepost_server.harness import ServerThread
 
+BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
+
 PUBLIC_API = {
     "ABSENT", "AsyncStore", "InvalidRunState", "Lookup", "RunNotFound", "SyncStore",
     "AcquireContext", "AlreadyTerminalError", "AtomicStoreRequiredError", "ChangeKind",
@@ -95,8 +97,9 @@ async def test_sync_client_refuses_a_running_loop(server: ServerThread) -> None:
         SyncClient(server.address)
 
 
-def test_sync_client_refuses_to_block_inside_a_loop(server: ServerThread) -> None:
-    with SyncClient(server.address, owner="worker-a") as client:
+def test_sync_client_refuses_to_block_inside_a_loop(server: ServerThread, transport: str) -> None:
+    with SyncClient(server.address, owner="worker-a",
+                    transport=transport) as client:  # type: ignore[arg-type]
         lease = client.acquire("run-1")
 
         async def misuse() -> None:

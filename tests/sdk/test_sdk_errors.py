@@ -14,13 +14,15 @@ import pytest
 
 import fencepost
 from fencepost import RunStatus
-from fencepost._errors import from_rpc_error
+from fencepost._errors import from_rpc_error, from_status
 from fencepost.v1 import ledger_pb2, record_pb2, run_store_pb2
 from fencepost_server.clock import ManualClock
 from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.records import Record, Status
 from fencepost_server.harness import ServerThread
-from fencepost_server.services._errors import to_status
+from fencepost_server.services._errors import status_proto, to_status
+
+BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
 
 # Retries bounded tightly so "server down" tests finish fast.
 FAST_RETRY = fencepost.RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.1,
@@ -76,6 +78,21 @@ def test_mapping_of_every_reason(code: Code) -> None:
     assert err.record is not None
     assert (err.record.run_id, err.record.version, err.record.fencing_token) == ("run-1", 3, 7)
     assert err.record.status is RunStatus.RUNNING
+
+
+@pytest.mark.parametrize("code", list(Code))
+def test_a_status_carried_in_a_message_maps_the_same(code: Code) -> None:
+    """An Execute result's error is the status the unary call would end with;
+    ``from_status`` maps it to the same exception, field for field."""
+    rec = Record("run-1", 3, Status.RUNNING, 1, 7, 1_000, 2_000)
+    refusal = LedgerError(code, "refused", rec, field="some.field")
+    for mutation in (True, False):
+        unary = from_rpc_error(_rpc_error(to_status(refusal)), mutation=mutation)
+        carried = from_status(status_proto(refusal), mutation=mutation)
+        assert type(carried) is type(unary)
+        assert (carried.code, carried.message, carried.field, carried.grpc_code,
+                carried.record) == (unary.code, unary.message, unary.field, unary.grpc_code,
+                                    unary.record)
 
 
 def test_mapping_without_fencepost_details() -> None:
@@ -139,13 +156,14 @@ async def test_already_terminal(client: fencepost.Client) -> None:
 
 
 async def test_fenced_calls_on_a_record_changed_under_the_handle(
-    server: ServerThread,
+    server: ServerThread, transport: str
 ) -> None:
     """Token and owner still match but the status moved (through the raw
     seam): terminal -> AlreadyTerminalError, not running -> InvalidTransition.
     (Unary renewal: the KeepAlive stream reports such a record as lost,
     FENCE_MOVED, and the SDK then fails fast locally.)"""
-    async with fencepost.Client(server.address, owner="worker-a", renewal="unary") as client:
+    async with fencepost.Client(server.address, owner="worker-a", renewal="unary",
+                                transport=transport) as client:  # type: ignore[arg-type]
         await _status_moved_under_the_handle(client)
 
 
@@ -196,8 +214,11 @@ class DropFirstAnswer(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[mis
 async def test_a_retry_reuses_the_request_id_so_nothing_applies_twice(
     server: ServerThread,
 ) -> None:
+    # unary: the interceptor sees unary calls (test_sdk_execute.py proves the
+    # same over the Execute stream, cutting it mid-flight)
     drop = DropFirstAnswer()
-    async with fencepost.Client(server.address, owner="worker-a", interceptors=[drop]) as client:
+    async with fencepost.Client(server.address, owner="worker-a", interceptors=[drop],
+                                transport="unary") as client:
         lease = await client.acquire("run-1")
         # Two attempts, one id. Had the retry carried a new id, the same owner
         # re-acquiring would have been applied again: token 2, version 2.
@@ -250,9 +271,10 @@ async def test_unavailable_is_retried_across_a_restart(
 
 
 async def test_no_answer_is_unavailable_for_reads_and_outcome_unknown_for_writes(
-    server: ServerThread,
+    server: ServerThread, transport: str
 ) -> None:
-    async with fencepost.Client(server.address, owner="worker-a", retry=FAST_RETRY) as client:
+    async with fencepost.Client(server.address, owner="worker-a", retry=FAST_RETRY,
+                                transport=transport) as client:  # type: ignore[arg-type]
         lease = await client.acquire("run-1")
         await asyncio.to_thread(server.stop)
         try:

@@ -13,6 +13,8 @@ from fencepost import LeaseLostError, RunStatus
 from fencepost_server.clock import ManualClock
 from fencepost_server.harness import ServerThread
 
+BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
+
 T0 = datetime.fromtimestamp(1_700_000_000, tz=UTC)  # tests/conftest.py's ManualClock start
 
 
@@ -186,10 +188,11 @@ async def test_finish_refused_keeps_the_lease(client: fencepost.Client) -> None:
 
 
 async def test_takeover_makes_the_next_fenced_call_raise_lease_lost(
-    server: ServerThread, rival: fencepost.Client, clock: ManualClock
+    server: ServerThread, rival: fencepost.Client, clock: ManualClock, transport: str
 ) -> None:
     # unary renewal: nothing pushes the loss, the server's refusal is mapped
-    async with fencepost.Client(server.address, owner="worker-a", renewal="unary") as client:
+    async with fencepost.Client(server.address, owner="worker-a", renewal="unary",
+                                transport=transport) as client:  # type: ignore[arg-type]
         await _takeover_then_fenced_call(client, rival, clock)
 
 
@@ -218,9 +221,12 @@ async def _takeover_then_fenced_call(
     await theirs.finish()
 
 
-async def test_background_renewal_notices_an_operator_cancel(server: ServerThread) -> None:
-    # ttl 300 ms: the renewer calls Renew every 100 ms of real time
-    async with fencepost.Client(server.address, owner="worker-a") as client:
+async def test_background_renewal_notices_an_operator_cancel(
+    server: ServerThread, transport: str
+) -> None:
+    # ttl 300 ms: the renewer renews every 100 ms of real time
+    async with fencepost.Client(server.address, owner="worker-a",
+                                transport=transport) as client:  # type: ignore[arg-type]
         lease = await client.acquire("run-1", ttl_ms=300)
         await client.cancel("run-1")
         await asyncio.wait_for(lease.lost.wait(), timeout=5)
@@ -283,8 +289,9 @@ async def test_readme_example(server: ServerThread, capsys: pytest.CaptureFixtur
     assert capsys.readouterr().out == "holding run-42 token 1\ncompleted\n"
 
 
-async def test_closing_the_client_stops_renewals(server: ServerThread) -> None:
-    client = fencepost.Client(server.address, owner="worker-a")
+async def test_closing_the_client_stops_renewals(server: ServerThread, transport: str) -> None:
+    client = fencepost.Client(server.address, owner="worker-a",
+                              transport=transport)  # type: ignore[arg-type]
     lease = await client.acquire("run-1", ttl_ms=300)
     await client.aclose()
     before = await _get_version(server, "run-1")

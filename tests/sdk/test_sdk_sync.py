@@ -14,10 +14,13 @@ from fencepost.testing import fencepost_client, fencepost_server  # noqa: F401
 from fencepost_server.clock import ManualClock
 from fencepost_server.harness import ServerThread
 
+BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
+
 
 @pytest.fixture
-def sync_client(server: ServerThread) -> Iterator[SyncClient]:
-    with SyncClient(server.address, owner="worker-a") as client:
+def sync_client(server: ServerThread, transport: str) -> Iterator[SyncClient]:
+    with SyncClient(server.address, owner="worker-a",
+                    transport=transport) as client:  # type: ignore[arg-type]
         yield client
 
 
@@ -110,7 +113,7 @@ def _wait_tracked(server: ServerThread, run_id: str) -> None:
         time.sleep(0.005)
 
 
-def test_sync_on_lost_runs_on_its_own_thread(server: ServerThread) -> None:
+def test_sync_on_lost_runs_on_its_own_thread(server: ServerThread, transport: str) -> None:
     calls: list[tuple[fencepost.SyncLease, fencepost.LostReason, str, RunStatus]] = []
     done = threading.Event()
 
@@ -120,10 +123,12 @@ def test_sync_on_lost_runs_on_its_own_thread(server: ServerThread) -> None:
         calls.append((lease, reason, threading.current_thread().name, status))
         done.set()
 
-    with SyncClient(server.address, owner="worker-a", on_lost=on_lost) as client:
+    with SyncClient(server.address, owner="worker-a", on_lost=on_lost,
+                    transport=transport) as client:  # type: ignore[arg-type]
         lease = client.acquire("run-1", ttl_ms=60_000)
         _wait_tracked(server, "run-1")
-        with SyncClient(server.address, owner="operator") as op:
+        with SyncClient(server.address, owner="operator",
+                        transport=transport) as op:  # type: ignore[arg-type]
             op.cancel("run-1", "stop")
         assert done.wait(5)
         assert lease.lost.is_set() and lease.at_risk_event.is_set()
@@ -191,3 +196,15 @@ def test_sync_client_renewal_choice(server: ServerThread) -> None:
         client.acquire("run-1").release()
     with pytest.raises(ValueError, match="renewal"):
         SyncClient(server.address, renewal="carrier-pigeon")  # type: ignore[arg-type]
+
+
+def test_sync_client_transport_choice(server: ServerThread) -> None:
+    with SyncClient(server.address, transport="unary") as client:
+        client.acquire("run-1").release()
+        assert client._client._dispatcher is None
+    with SyncClient(server.address, command_window_ms=0.5) as client:
+        client.acquire("run-2").release()
+    with pytest.raises(ValueError, match="transport"):
+        SyncClient(server.address, transport="carrier-pigeon")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="command_window_ms"):
+        SyncClient(server.address, command_window_ms=2.0)

@@ -44,6 +44,7 @@ from ._errors import (
     StreamTooSlowError,
     from_rpc_error,
 )
+from ._execute import ExecuteDispatcher, check_window
 from ._records import (
     DeleteResult,
     FenceStatus,
@@ -92,6 +93,7 @@ _UnaryRpc = Callable[..., Any]
 OnLost = Callable[["Lease", LostReason], object]
 
 Renewal = Literal["stream", "unary"]
+Transport = Literal["stream", "unary"]
 
 # Lease state changes told to listeners (the sync facade's threading events).
 LOST, AT_RISK, SAFE = "lost", "at_risk", "safe"
@@ -630,6 +632,15 @@ class Client:
     Renew calls instead (loss is then learned from a refused renewal).
     ``on_lost(lease, reason)`` is called on the client's loop whenever one of
     its leases is lost.
+
+    ``transport="stream"`` (default) sends every ledger mutation (acquire,
+    the fenced calls, cancel, request_resume, delete) over one
+    ``Ledger.Execute`` stream: the commands issued in the same event-loop turn
+    travel in one message. ``command_window_ms`` (0 to 1) makes the stream
+    wait that much longer for more commands to join a message. While the
+    stream is not (yet) open or is down, mutations go unary and it reconnects
+    in the background; behaviour, errors and retries are the same either way.
+    ``transport="unary"`` never opens the stream. Reads are always unary.
     """
 
     def __init__(
@@ -643,7 +654,12 @@ class Client:
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         on_lost: OnLost | None = None,
         renewal: Renewal = "stream",
+        transport: Transport = "stream",
+        command_window_ms: float = 0.0,
     ) -> None:
+        window_s = check_window(command_window_ms)
+        if transport not in ("stream", "unary"):
+            raise ValueError(f"transport must be 'stream' or 'unary', not {transport!r}")
         self._address = address
         self._owner = owner if owner is not None else default_owner()
         self._default_ttl_ms = default_ttl_ms
@@ -662,6 +678,12 @@ class Client:
         else:
             raise ValueError(f"renewal must be 'stream' or 'unary', not {renewal!r}")
         self._renewal: Renewal = renewal
+        # ledger mutations over one Execute stream (None: all unary)
+        self._dispatcher: ExecuteDispatcher | None = None
+        if transport == "stream":
+            self._dispatcher = ExecuteDispatcher(
+                self._open_execute, window_s=window_s, retry=retry
+            )
         self._on_lost = on_lost
         self._cleanups: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -683,14 +705,18 @@ class Client:
 
     async def aclose(self) -> None:
         """Stop background renewals, wait for pending cleanups and ``on_lost``
-        tasks, close the channel. Closing revokes nothing: leases not released
-        stay with their owner until their ttl runs out."""
+        tasks, close the Execute stream (every command it carries answered, or
+        failed after a bounded wait), close the channel. Closing revokes
+        nothing: leases not released stay with their owner until their ttl
+        runs out."""
         if self._closed:
             return
         self._closed = True
         await self._renewer.aclose()
         if self._cleanups:
             await asyncio.wait(builtins.list(self._cleanups))
+        if self._dispatcher is not None:
+            await self._dispatcher.aclose()
         if self._channel is not None:
             await self._channel.close(None)
 
@@ -755,6 +781,10 @@ class Client:
             raise RuntimeError("a fencepost Client is bound to the event loop it was first "
                                "used on")
         return self._stubs
+
+    def _open_execute(self) -> Any:
+        """A new Execute call (write()/read() style) on this client's channel."""
+        return self.stubs.ledger.Execute()  # type: ignore[call-arg]
 
     @property
     def _ledger(self) -> LedgerAsyncStub:
@@ -950,14 +980,22 @@ class Client:
         policy: RetryPolicy | None = None,
     ) -> Any:
         """One logical call: a mutation gets one request id, reused by every
-        retry; only UNAVAILABLE is retried; errors are mapped once."""
+        retry; only UNAVAILABLE is retried; errors are mapped once. A ledger
+        mutation's attempts go over the Execute stream when it is up (a broken
+        stream counts as UNAVAILABLE), else unary."""
         if self._closed:
             raise RuntimeError("the client is closed")
         if mutation and not request.request_id:
             request.request_id = new_request_id()
+        dispatcher = self._dispatcher
+        if mutation and dispatcher is not None and dispatcher.carries(request):
 
-        async def attempt(deadline_s: float | None) -> Any:
-            return await rpc(request, timeout=deadline_s)
+            async def attempt(deadline_s: float | None) -> Any:
+                return await dispatcher.execute(rpc, request, deadline_s)
+        else:
+
+            async def attempt(deadline_s: float | None) -> Any:
+                return await rpc(request, timeout=deadline_s)
 
         return await call_with_retry(attempt, policy or self._retry, mutation=mutation)
 

@@ -34,6 +34,7 @@ from ._client import (
     Client,
     Lease,
     Renewal,
+    Transport,
     merge_channel_options,
 )
 from ._records import (
@@ -293,7 +294,9 @@ class SyncClient:
     acquires at once and returns a ``SyncLease`` (also a context manager).
 
     ``on_lost(sync_lease, reason)`` runs on a dedicated callback thread (so it
-    may call this client); ``watch`` returns a blocking iterator.
+    may call this client); ``watch`` returns a blocking iterator. Mutations
+    travel as ``Client``'s do (``transport``, ``command_window_ms``): calls
+    made from several threads at once share the Execute stream's messages.
     """
 
     def __init__(
@@ -307,6 +310,8 @@ class SyncClient:
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         on_lost: SyncOnLost | None = None,
         renewal: Renewal = "stream",
+        transport: Transport = "stream",
+        command_window_ms: float = 0.0,
     ) -> None:
         _refuse_running_loop()
         self._on_lost = on_lost
@@ -314,6 +319,7 @@ class SyncClient:
             address, owner=owner, default_ttl_ms=default_ttl_ms, retry=retry,
             channel_options=channel_options, interceptors=interceptors,
             on_lost=self._lost_on_loop if on_lost is not None else None, renewal=renewal,
+            transport=transport, command_window_ms=command_window_ms,
         )
         self._channel_options = merge_channel_options(channel_options)
         self._sync_channel: grpc.Channel | None = None

@@ -1,0 +1,412 @@
+"""Ledger mutations over one ``Ledger.Execute`` stream per client.
+
+A unary call costs the server far more than the command it carries, so by
+default (``Client(transport="stream")``) every ledger mutation (acquire,
+renew, record_checkpoint, suspend, finish, release, cancel, request_resume,
+delete) of a client travels on one bidirectional Execute stream, many
+commands per message each way. Reads stay unary; KeepAlive is its own stream.
+
+- **Coalescing.** A command is buffered; the stream's writer task wakes one
+  event-loop turn later and sends everything buffered as ONE
+  ``ExecuteRequest``: the commands issued in the same turn, and all those
+  issued while the previous write was in flight. ``command_window_ms``
+  (0 to 1 ms) makes the writer wait that much longer before it sends.
+- **Correlation.** Each command gets an id, unique for the dispatcher's
+  life; a reader task routes each ``CommandResult`` to its command. A result's
+  ``error`` is the unary call's status, mapped by ``from_status``: the same
+  function, hence the same exception, as the unary path.
+- **Fallback.** The stream is opened on the first command, in the
+  background; until it is connected, and whenever it is down (broken, server
+  unreachable, a server without Execute), commands go over the unary RPCs.
+  A manager task reconnects with the retry policy's jittered backoff (a
+  server answering UNIMPLEMENTED is asked again only every minute).
+- **Unknown outcomes.** A command written on a stream that then breaks got
+  no answer: its attempt fails as UNAVAILABLE does for a unary call (an
+  ``OutcomeUnknownError``), so ``call_with_retry`` retries it with the same
+  request id, over whatever transport is up by then; the server answers a
+  repeated id with the original answer. A command that never left the buffer,
+  or that a server without Execute refused, was certainly not applied: it is
+  sent unary at once, in the same attempt.
+- **Deadlines.** Each attempt keeps the policy's per-attempt timeout; past it
+  the attempt fails as DEADLINE_EXCEEDED would (not retried). Cancelling the
+  caller abandons the reply only: a command once submitted is still sent.
+- **Close.** ``aclose`` sends what is buffered, half-closes the stream and
+  waits (bounded) for the server to answer every command it took; whatever is
+  still unanswered then fails with CANCELLED, as a unary call cut off by the
+  channel's close does. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.rpc import status_pb2
+
+from ._errors import from_status
+from ._retry import RetryPolicy
+from .v1 import ledger_pb2 as pb
+
+log = logging.getLogger("fencepost.execute")
+
+# The request messages the stream carries, and the Command / CommandResult
+# field of each (exactly the unary request and response messages).
+KIND_OF_REQUEST: dict[type[Any], str] = {
+    pb.AcquireRequest: "acquire",
+    pb.RenewRequest: "renew",
+    pb.RecordCheckpointRequest: "record_checkpoint",
+    pb.SuspendRequest: "suspend",
+    pb.FinishRequest: "finish",
+    pb.ReleaseRequest: "release",
+    pb.CancelRequest: "cancel",
+    pb.RequestResumeRequest: "request_resume",
+    pb.DeleteRunRequest: "delete_run",
+}
+
+MAX_WINDOW_MS = 1.0
+# One message carries at most this many commands, of at most about this many
+# bytes; a command larger than that alone goes unary, where a refusal of its
+# size cannot take the stream (and every other command on it) down.
+_MAX_COMMANDS_PER_MESSAGE = 1000
+_MAX_MESSAGE_BYTES = 1 << 20
+# How long aclose() waits for the server to answer what the stream carries.
+CLOSE_WAIT_S = 5.0
+# How long opening a stream may take before it counts as failed.
+_CONNECT_TIMEOUT_S = 10.0
+# A server without Execute is asked again this often.
+_UNIMPLEMENTED_RETRY_S = 60.0
+_CLOSED = "the client was closed before the command was answered"
+
+
+def check_window(command_window_ms: float) -> float:
+    """``command_window_ms`` validated, in seconds."""
+    if (
+        isinstance(command_window_ms, bool)
+        or not isinstance(command_window_ms, int | float)
+        or not 0 <= command_window_ms <= MAX_WINDOW_MS  # also refuses NaN
+    ):
+        raise ValueError(
+            f"command_window_ms must be a number of milliseconds from 0 to {MAX_WINDOW_MS:g} "
+            f"(got {command_window_ms!r})"
+        )
+    return float(command_window_ms) / 1000
+
+
+def _status(code: grpc.StatusCode, message: str) -> status_pb2.Status:
+    return status_pb2.Status(code=code.value[0], message=message)
+
+
+class _NotSent(Exception):
+    """The command was certainly not applied (never written, or the server has
+    no Execute): send it another way at once."""
+
+
+class _Unanswered(Exception):
+    """The command was written and the stream ended before its answer."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Session:
+    """One Execute call: ``run()`` drives a writer task (the only one to call
+    ``write``; it sends the buffer) and a reader task (routes each result to
+    its command's future) until the stream ends."""
+
+    def __init__(self, call: Any, window_s: float) -> None:
+        self.call = call
+        self.window_s = window_s
+        self.buffer: list[tuple[pb.Command, int]] = []  # not written yet, with sizes
+        self.waiting: dict[int, asyncio.Future[pb.CommandResult]] = {}  # unanswered
+        self.wake = asyncio.Event()
+        self.closing = False  # half-close once the buffer is sent
+        self.ended = False
+        self.answered = False  # got at least one result
+        self.messages_sent = 0
+        self.commands_sent = 0
+
+    @property
+    def usable(self) -> bool:
+        return not self.ended and not self.closing
+
+    def submit(self, cid: int, kind: str, request: Any, size: int) -> asyncio.Future[Any]:
+        cmd = pb.Command(id=cid)
+        getattr(cmd, kind).CopyFrom(request)
+        fut: asyncio.Future[pb.CommandResult] = asyncio.get_running_loop().create_future()
+        self.waiting[cid] = fut
+        self.buffer.append((cmd, size))
+        self.wake.set()
+        return fut
+
+    def close(self) -> None:
+        """Send what is buffered, then half-close."""
+        self.closing = True
+        self.wake.set()
+
+    async def run(self) -> None:
+        """Until the stream ends: returns after a half-close the server
+        completed, raises what else ended it."""
+        writer = asyncio.create_task(self._write(), name="fencepost-execute-write")
+        reader = asyncio.create_task(self._read(), name="fencepost-execute-read")
+        try:
+            done, _ = await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (reader, writer):
+                if task in done and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            if writer in done:
+                # the writer ends only after a half-close: the server answers
+                # every command it took, then ends the stream
+                await reader
+                return
+            raise _Unanswered(grpc.StatusCode.UNAVAILABLE, "the server ended the Execute stream")
+        finally:
+            for task in (writer, reader):
+                task.cancel()
+            await asyncio.wait({writer, reader})
+
+    async def _write(self) -> None:
+        while True:
+            await self.wake.wait()
+            if self.window_s and not self.closing:
+                await asyncio.sleep(self.window_s)  # let more commands join
+            self.wake.clear()
+            while self.buffer:
+                batch = self._take()
+                self.messages_sent += 1
+                self.commands_sent += len(batch)
+                await self.call.write(pb.ExecuteRequest(commands=batch))
+            if self.closing:
+                await self.call.done_writing()
+                return
+
+    def _take(self) -> list[pb.Command]:
+        n, size = 0, 0
+        for _, cmd_size in self.buffer:
+            if n and (n >= _MAX_COMMANDS_PER_MESSAGE or size + cmd_size > _MAX_MESSAGE_BYTES):
+                break
+            n += 1
+            size += cmd_size
+        taken, self.buffer = self.buffer[:n], self.buffer[n:]
+        return [cmd for cmd, _ in taken]
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
+                return
+            self.answered = True
+            for result in msg.results:
+                fut = self.waiting.pop(result.id, None)
+                if fut is None:
+                    if result.WhichOneof("kind") == "error":
+                        log.warning("Execute error for no command of ours (id %d): %s",
+                                    result.id, result.error.message)
+                    continue  # an answer whose caller gave up: abandoned
+                if not fut.done():
+                    fut.set_result(result)
+
+    def fail(self, code: grpc.StatusCode, message: str, *, applied_unknown: bool) -> None:
+        """End the session: every unanswered command learns why. Those never
+        written (or refused unapplied) get ``_NotSent``, the others
+        ``_Unanswered``."""
+        self.ended = True
+        unsent = {cmd.id for cmd, _ in self.buffer}
+        self.buffer.clear()
+        waiting, self.waiting = self.waiting, {}
+        for cid, fut in waiting.items():
+            if fut.done():
+                continue  # its caller gave up (cancelled, or past its deadline)
+            if cid in unsent or not applied_unknown:
+                fut.set_exception(_NotSent(message))
+            else:
+                fut.set_exception(_Unanswered(code, message))
+
+
+class ExecuteDispatcher:
+    """A client's ledger mutations over one Execute stream (see the module docs).
+
+    ``execute(rpc, request, timeout)`` is one attempt of one command, for
+    ``call_with_retry``: over the stream when it is open, else the unary
+    ``rpc``. One manager task owns the stream and reconnects it; it is started
+    by the first command and stopped by ``aclose``.
+    """
+
+    def __init__(
+        self, open_call: Callable[[], Any], *, window_s: float, retry: RetryPolicy
+    ) -> None:
+        self._open_call = open_call
+        self._window_s = window_s
+        self._retry = retry
+        self._ids = itertools.count(1)
+        self._session: _Session | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        # diagnostics (tests): streams opened, and what went on them
+        self.streams_opened = 0
+        self.messages_sent = 0
+        self.commands_sent = 0
+        self.unimplemented = False  # the server said it has no Execute
+
+    @property
+    def is_open(self) -> bool:
+        """Commands go on the stream (rather than unary) right now."""
+        return self._session is not None and self._session.usable
+
+    def carries(self, request: Any) -> bool:
+        """Whether ``request`` is a ledger mutation the stream may carry."""
+        return (
+            not self._closed
+            and type(request) in KIND_OF_REQUEST
+            and request.ByteSize() <= _MAX_MESSAGE_BYTES
+        )
+
+    async def execute(self, rpc: Callable[..., Any], request: Any, deadline_s: float | None) -> Any:
+        """One attempt of ``request``, given ``deadline_s`` (the gRPC timeout
+        of a unary attempt): its unary response message, or a
+        ``FencepostError`` (a result's error, a broken stream as UNAVAILABLE,
+        a passed deadline), or the unary call's ``grpc.RpcError``."""
+        timeout = deadline_s
+        session = self._current()
+        if session is not None:
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout is None else loop.time() + timeout
+            kind = KIND_OF_REQUEST[type(request)]
+            fut = session.submit(next(self._ids), kind, request, request.ByteSize())
+            try:
+                async with asyncio.timeout_at(deadline):
+                    result = await fut  # our cancellation abandons the reply, not the command
+            except TimeoutError:
+                raise from_status(_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+                                  mutation=True) from None
+            except _Unanswered as lost:
+                raise from_status(_status(lost.code, str(lost)), mutation=True) from None
+            except _NotSent:
+                if deadline is not None:
+                    timeout = deadline - loop.time()
+                    if timeout <= 0:
+                        raise from_status(
+                            _status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+                            mutation=True,
+                        ) from None
+            else:
+                which = result.WhichOneof("kind")
+                if which == "error":
+                    raise from_status(result.error, mutation=True)
+                if which != kind:
+                    raise from_status(
+                        _status(grpc.StatusCode.INTERNAL,
+                                f"Execute answered a {kind} command with {which!r}"),
+                        mutation=True,
+                    )
+                return getattr(result, kind)
+        return await rpc(request, timeout=timeout)
+
+    def _current(self) -> _Session | None:
+        """The open session, if any; starts the manager on the first command."""
+        if self._closed:
+            return None
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="fencepost-execute")
+        session = self._session
+        return session if session is not None and session.usable else None
+
+    async def aclose(self) -> None:
+        """Send what is buffered, half-close, wait (at most ``CLOSE_WAIT_S``)
+        for the answers, then stop. Unary fallback stays possible meanwhile;
+        ``execute`` goes unary from now on."""
+        if self._closed:
+            return
+        self._closed = True
+        task, self._task = self._task, None
+        if task is None:
+            return
+        try:
+            session = self._session
+            if session is not None and not session.ended:
+                session.close()
+                _, pending = await asyncio.wait({task}, timeout=CLOSE_WAIT_S)
+                if pending and session.waiting:
+                    log.warning("closing: %d command(s) on the Execute stream still unanswered "
+                                "after %.0f s; they fail with CANCELLED",
+                                len(session.waiting), CLOSE_WAIT_S)
+        finally:
+            task.cancel()
+            await asyncio.wait({task})
+
+    # -- the manager -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = self._retry.backoffs()
+        while not self._closed:
+            session: _Session | None = None
+            call: Any = None
+            code, message = grpc.StatusCode.UNAVAILABLE, "the Execute stream broke"
+            applied_unknown = True
+            started = time.monotonic()
+            try:
+                call = self._open_call()
+                self.streams_opened += 1
+                session = _Session(call, self._window_s)
+                async with asyncio.timeout(_CONNECT_TIMEOUT_S):
+                    await call.wait_for_connection()
+                self._session = session
+                self.unimplemented = False
+                log.debug("Execute stream open")
+                await session.run()  # returns after aclose's half-close only
+                code, message = grpc.StatusCode.CANCELLED, _CLOSED
+            except asyncio.CancelledError:
+                code, message = grpc.StatusCode.CANCELLED, _CLOSED
+                raise
+            except grpc.RpcError as err:
+                status = err.code() if callable(getattr(err, "code", None)) else None
+                if status is grpc.StatusCode.UNIMPLEMENTED:
+                    self.unimplemented = True
+                    applied_unknown = False  # refused before any command was looked at
+                    log.info("the server has no Ledger.Execute: ledger commands go unary "
+                             "(asking again in %.0f s)", _UNIMPLEMENTED_RETRY_S)
+                else:
+                    log.info("Execute stream ended (%s: %s); unary until it reconnects",
+                             getattr(status, "name", status), _details(err))
+                message = (f"the Execute stream broke ({getattr(status, 'name', status)}: "
+                           f"{_details(err)})")
+            except _Unanswered as ended:
+                code, message = ended.code, str(ended)
+                log.info("%s; unary until it reconnects", message)
+            except (TimeoutError, OSError, RuntimeError, asyncio.InvalidStateError) as exc:
+                message = f"the Execute stream failed ({exc!r})"
+                log.info("%s; unary until it reconnects", message)
+            except Exception as exc:
+                message = f"the Execute stream crashed ({exc!r})"
+                log.exception("Execute stream crashed; unary until it reconnects")
+            finally:
+                if self._session is session:
+                    self._session = None
+                if session is not None:
+                    self.messages_sent += session.messages_sent
+                    self.commands_sent += session.commands_sent
+                    session.fail(code, message, applied_unknown=applied_unknown)
+                if call is not None:
+                    call.cancel()
+            if self._closed:
+                return
+            if self.unimplemented:
+                delay = _UNIMPLEMENTED_RETRY_S
+            else:
+                worked = session is not None and session.answered
+                if worked or time.monotonic() - started > self._retry.max_backoff_s:
+                    backoff = self._retry.backoffs()  # it had worked: start over
+                delay = backoff.next()
+            await asyncio.sleep(delay)
+
+
+def _details(err: grpc.RpcError) -> str:
+    details = getattr(err, "details", None)
+    text = details() if callable(details) else None
+    return text or str(err)
+
