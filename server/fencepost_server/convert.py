@@ -32,18 +32,24 @@ def _set_ts(ts: Timestamp, ms: int) -> None:
 
 
 def record_to_pb(r: Record) -> rpb.Run:
-    """The wire form of a record. Runs once per answered call, so it sets
-    sub-message fields in place (2.3x faster than building Timestamp
-    messages and copying them in)."""
-    m = rpb.Run(
-        schema=r.schema,
-        run_id=r.run_id,
-        version=r.version,
-        status=int(r.status),  # type: ignore[arg-type]
-        attempt=r.attempt,
-        fencing_token=r.fencing_token,
-        revision=r.revision,
-    )
+    """The wire form of a record."""
+    m = rpb.Run()
+    fill_record_pb(m, r)
+    return m
+
+
+def fill_record_pb(m: rpb.Run, r: Record) -> None:
+    """Write a record into an empty Run message in place — e.g. straight into
+    the response a stream sends, with no copy. Runs once per answered
+    command, so sub-message fields are set in place too (2.3x faster than
+    building Timestamp messages and copying them in)."""
+    m.schema = r.schema
+    m.run_id = r.run_id
+    m.version = r.version
+    m.status = r.status.value  # type: ignore[assignment]
+    m.attempt = r.attempt
+    m.fencing_token = r.fencing_token
+    m.revision = r.revision
     _set_ts(m.created_at, r.created_at)
     _set_ts(m.updated_at, r.updated_at)
     le = r.lease
@@ -69,7 +75,6 @@ def record_to_pb(r: Record) -> rpb.Run:
     if su is not None:
         _set_ts(m.suspension.suspended_at, su.suspended_at)
         m.suspension.pending_approval_ids.extend(su.pending_approval_ids)
-    return m
 
 
 def status_from_pb(value: int, field: str) -> Status:

@@ -76,10 +76,34 @@ class LedgerState:
     compacted: int = 0
 
 
+Answer = Callable[[Any], None]  # called once with the result or the LedgerError
+
+
 @dataclass(slots=True)
 class _Item:
     cmd: L.Command
-    fut: asyncio.Future[Any]
+    fut: asyncio.Future[Any] | None
+    # Instead of a future: called on the loop, in the commit's own turn, with
+    # the result or the exception (streams answering many commands use this:
+    # no future and no scheduled callback per command).
+    answer: Answer | None = None
+
+    def deliver(self, answer: Any) -> None:
+        cb = self.answer
+        if cb is not None:
+            self.answer = None
+            try:
+                cb(answer)
+            except Exception:
+                log.exception("answer callback failed")
+            return
+        fut = self.fut
+        if fut is None or fut.done():
+            return
+        if isinstance(answer, BaseException):
+            fut.set_exception(answer)
+        else:
+            fut.set_result(answer)
 
 
 _STOP = object()
@@ -189,6 +213,30 @@ class Writer:
         self._idle.clear()
         return fut
 
+    def submit_with_answer(self, cmd: L.Command, answer: Answer) -> bool:
+        """Queue a command whose result (or LedgerError) is passed to
+        ``answer(result)`` on the loop once its commit is durable — or at once,
+        for WriterClosed. False, queueing nothing, when the queue is full
+        (``submit_with_answer_waiting`` then)."""
+        if self._closing:
+            answer(WriterClosed())
+            return True
+        try:
+            self._queue.put_nowait(_Item(cmd, None, answer))
+        except asyncio.QueueFull:
+            return False
+        self._idle.clear()
+        return True
+
+    async def submit_with_answer_waiting(self, cmd: L.Command, answer: Answer) -> None:
+        """``submit_with_answer``, waiting for room in the queue (back-pressure:
+        a stream stops reading while the writer is full, as a unary call waits)."""
+        if self._closing:
+            answer(WriterClosed())
+            return
+        self._idle.clear()
+        await self._queue.put(_Item(cmd, None, answer))
+
     def register(self, command_type: type, executor: Executor) -> None:
         """Route commands of this type (e.g. the engine store's) to
         ``executor(db, cmd, now) -> result`` in the writer thread, inside the
@@ -251,17 +299,15 @@ class Writer:
             self.stats.failed_commits += 1
             log.error("commit failed for %d commands: %s", len(batch), exc.message)
             for item in batch:
-                if not item.fut.done():
-                    item.fut.set_exception(LedgerError(exc.code, exc.message))
+                item.deliver(LedgerError(exc.code, exc.message))
             return
         except BaseException as exc:  # a bug: fail the batch, keep serving
             self.stats.failed_commits += 1
             log.exception("writer batch crashed")
             for item in batch:
-                if not item.fut.done():
-                    item.fut.set_exception(
-                        LedgerError(Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}")
-                    )
+                item.deliver(
+                    LedgerError(Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}")
+                )
             return
         answers, overlay, tombs, revision, events, compacted = outcome
         self.stats.batches += 1
@@ -272,12 +318,7 @@ class Writer:
         if compacted is not None:
             self.state.compacted = compacted
         for item, answer in zip(batch, answers, strict=True):
-            if item.fut.done():
-                continue
-            if isinstance(answer, BaseException):
-                item.fut.set_exception(answer)
-            else:
-                item.fut.set_result(answer)
+            item.deliver(answer)
         if events:
             for listener in list(self._listeners):
                 try:
@@ -419,12 +460,7 @@ class Writer:
         def deliver() -> None:
             self._publish_state(overlay, tombs, rev)
             for item, answer in zip(batch, answers, strict=True):
-                if item.fut.done():
-                    continue
-                if isinstance(answer, BaseException):
-                    item.fut.set_exception(answer)
-                else:
-                    item.fut.set_result(answer)
+                item.deliver(answer)
             for listener in list(self._listeners) if published else []:
                 try:
                     listener(published)

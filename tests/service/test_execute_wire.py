@@ -105,3 +105,16 @@ async def test_pipelined_messages_all_answered_on_half_close(aio_ledger) -> None
         for i in range(50)]) for m in range(10)]
     results = await asyncio.wait_for(run_all(aio_ledger, *msgs), 30)
     assert sorted(results) == list(range(500))
+
+
+async def test_a_full_writer_queue_pushes_back_instead_of_refusing(aio_ledger, server) -> None:  # type: ignore[no-untyped-def]
+    """More commands in one message than the writer's queue holds (16 384): the
+    stream stops reading until there is room, as a unary call waits; nothing
+    is refused with STORAGE_UNAVAILABLE."""
+    n = server.writer._queue.maxsize + 2_000
+    msg = pb.ExecuteRequest(commands=[
+        pb.Command(id=i, acquire=pb.AcquireRequest(run_id=f"q{i}", owner="w")) for i in range(n)])
+    results = await run_all(aio_ledger, msg)
+    assert len(results) == n
+    kinds = {r.WhichOneof("kind") for r in results.values()}
+    assert kinds == {"acquire"}, [r.error for r in results.values() if r.HasField("error")][:3]

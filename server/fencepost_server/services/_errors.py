@@ -63,10 +63,14 @@ def status_proto(err: LedgerError) -> status_pb2.Status:
     return status_pb2.Status(code=code.value[0], message=err.message, details=details)
 
 
+def internal_status_proto(exc: BaseException) -> status_pb2.Status:
+    """The status of a bug: INTERNAL, naming only the exception's type."""
+    message = f"internal error: {type(exc).__name__}"
+    return status_pb2.Status(code=code_pb2.INTERNAL, message=message)
+
+
 def internal_status(exc: BaseException) -> grpc.Status:
-    return rpc_status.to_status(
-        status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}")
-    )
+    return rpc_status.to_status(internal_status_proto(exc))
 
 
 H = TypeVar("H", bound=Callable[..., Awaitable[Any]])

@@ -4,10 +4,13 @@ mutations, multiplexed on one stream.
 Each incoming message's commands are converted and validated exactly as the
 unary handlers do (same ``convert`` functions; for the engine store, the same
 ``engine_store.MUTATIONS`` functions), then handed to the writer
-together without awaiting (``submit_nowait``); each future's callback turns
-the result into the unary response message, or the unary error status. Results
+together without awaiting (``Writer.submit_with_answer``: no future per
+command); each answer is written in place into the response message being
+assembled — the unary response message, or the unary error status. Results
 completed in the same event-loop turn (one group commit, typically) are sent
-as one message, so a batch of commands costs about one message each way.
+as one message, so a batch of commands costs about one message each way. When
+the writer's queue is full the stream stops reading (back-pressure), as a
+unary call waits.
 """
 
 from __future__ import annotations
@@ -24,40 +27,56 @@ from fencepost.v1 import ledger_pb2 as pb
 
 from .. import convert
 from ..core import ledger as L
-from ..core.errors import Code, LedgerError, validation
+from ..core.errors import LedgerError, validation
 from ..streams import Stop
-from ._errors import status_proto
+from ._errors import internal_status_proto, status_proto
 from ._registry import Malformed
 from .engine_store import MUTATIONS
 
 log = logging.getLogger("fencepost.execute")
 
 
-def _record_response(cls: Any) -> Callable[[Any], Any]:
-    return lambda result: cls(run=convert.record_to_pb(result))
+# Fill a CommandResult's response field (an empty message of the unary RPC's
+# response type) from the writer's result, in place.
+Fill = Callable[[Any, Any], None]
 
 
-# kind -> (request -> command, result -> response message)
-KINDS: dict[str, tuple[Callable[[Any], L.Command], Callable[[Any], Any]]] = {
-    "acquire": (convert.acquire, _record_response(pb.AcquireResponse)),
-    "renew": (convert.renew, _record_response(pb.RenewResponse)),
-    "record_checkpoint": (convert.record_checkpoint, _record_response(pb.RecordCheckpointResponse)),
-    "suspend": (convert.suspend, _record_response(pb.SuspendResponse)),
-    "finish": (convert.finish, _record_response(pb.FinishResponse)),
-    "release": (convert.release, _record_response(pb.ReleaseResponse)),
-    "cancel": (convert.cancel, _record_response(pb.CancelResponse)),
-    "request_resume": (convert.request_resume, _record_response(pb.RequestResumeResponse)),
-    "delete_run": (
-        convert.delete_run,
-        lambda d: pb.DeleteRunResponse(revision=d.revision, fencing_token=d.fencing_token),
-    ),
-    **MUTATIONS,  # the engine store's: create_run, update_run, ... doc_delete
+def _fill_record(response: Any, record: Any) -> None:
+    convert.fill_record_pb(response.run, record)
+
+
+def _fill_deleted(response: Any, deleted: Any) -> None:
+    response.revision = deleted.revision
+    response.fencing_token = deleted.fencing_token
+
+
+def _fill_from(to_response: Callable[[Any], Any]) -> Fill:
+    return lambda response, result: response.CopyFrom(to_response(result))
+
+
+# kind -> (request -> command, fill the response from the result)
+KINDS: dict[str, tuple[Callable[[Any], L.Command], Fill]] = {
+    "acquire": (convert.acquire, _fill_record),
+    "renew": (convert.renew, _fill_record),
+    "record_checkpoint": (convert.record_checkpoint, _fill_record),
+    "suspend": (convert.suspend, _fill_record),
+    "finish": (convert.finish, _fill_record),
+    "release": (convert.release, _fill_record),
+    "cancel": (convert.cancel, _fill_record),
+    "request_resume": (convert.request_resume, _fill_record),
+    "delete_run": (convert.delete_run, _fill_deleted),
+    # the engine store's: create_run, update_run, ... doc_delete
+    **{kind: (to_cmd, _fill_from(to_resp)) for kind, (to_cmd, to_resp) in MUTATIONS.items()},
 }
 
 
 class _Session:
+    """One Execute stream: results are written straight into the response
+    message being assembled; the first result of an event-loop turn schedules
+    the flush that queues it for the pump."""
+
     def __init__(self, limit: int) -> None:
-        self.pending: list[pb.CommandResult] = []
+        self.pending = pb.ExecuteResponse()
         self.outbox: asyncio.Queue[pb.ExecuteResponse | None] = asyncio.Queue()
         self.stop = Stop()
         self.limit = limit
@@ -66,25 +85,25 @@ class _Session:
         self.all_answered = asyncio.Event()
         self.all_answered.set()
 
-    def add(self, result: pb.CommandResult) -> None:
-        self.pending.append(result)
+    def result(self, cid: int) -> pb.CommandResult:
+        """A new result in the pending message (flushed this loop turn)."""
         if not self.flush_scheduled:
             self.flush_scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
+        return self.pending.results.add(id=cid)
+
+    def error(self, cid: int, err: LedgerError) -> None:
+        self.result(cid).error.CopyFrom(status_proto(err))
 
     def flush(self) -> None:
         self.flush_scheduled = False
-        if not self.pending or self.stop.reason is not None:
+        if not self.pending.results or self.stop.reason is not None:
             return
         if self.outbox.qsize() >= self.limit:
             self.stop.set(Stop.OVERFLOW)
             return
-        self.outbox.put_nowait(pb.ExecuteResponse(results=self.pending))
-        self.pending = []
-
-
-def _error_result(cid: int, err: LedgerError) -> pb.CommandResult:
-    return pb.CommandResult(id=cid, error=status_proto(err))
+        self.outbox.put_nowait(self.pending)
+        self.pending = pb.ExecuteResponse()
 
 
 class ExecuteHandler:
@@ -114,50 +133,58 @@ class ExecuteHandler:
             await context.write(msg)
 
     async def _execute_reader(self, session: _Session, requests: AsyncIterator[Any]) -> None:
+        writer = self.writer
         async for msg in requests:
             if isinstance(msg, Malformed):
-                session.add(
-                    _error_result(
-                        0, validation("request", f"undecodable {msg.type_name}: {msg.error}")
-                    )
+                session.error(
+                    0, validation("request", f"undecodable {msg.type_name}: {msg.error}")
                 )
                 continue
             for cmd in msg.commands:
-                self._execute_one(session, cmd)
+                queued = self._execute_one(session, cmd)
+                if queued is not None:  # the writer is full: stop reading until it has room
+                    await writer.submit_with_answer_waiting(*queued)
         # half-closed: answer everything accepted, then mark the end for the pump
         await session.all_answered.wait()
         session.flush()
         session.outbox.put_nowait(None)
 
-    def _execute_one(self, session: _Session, cmd: pb.Command) -> None:
+    def _execute_one(
+        self, session: _Session, cmd: pb.Command
+    ) -> tuple[L.Command, Callable[[Any], None]] | None:
+        """Validate one command and queue it (the answer fills its result in
+        place); returns it instead when the writer's queue is full."""
         kind = cmd.WhichOneof("kind")
         cid = cmd.id
         try:
             if kind is None:
                 raise validation("kind", "empty command")
-            to_command, to_response = KINDS[kind]
-            fut = self.writer.submit_nowait(to_command(getattr(cmd, kind)))
+            to_command, fill = KINDS[kind]
+            command = to_command(getattr(cmd, kind))
         except LedgerError as err:
-            session.add(_error_result(cid, err))
-            return
+            session.error(cid, err)
+            return None
+        except Exception as exc:  # a bug: answer as the unary call would (INTERNAL)
+            log.exception("converting a %s command failed", kind)
+            session.result(cid).error.CopyFrom(internal_status_proto(exc))
+            return None
         session.unanswered += 1
         session.all_answered.clear()
 
-        def done(f: asyncio.Future[Any]) -> None:
+        def answer(result: Any) -> None:
             session.unanswered -= 1
             if not session.unanswered:
                 session.all_answered.set()
-            if f.cancelled():
+            if session.stop.reason is not None:
                 return
-            exc = f.exception()
-            if exc is None:
-                session.add(pb.CommandResult(id=cid, **{kind: to_response(f.result())}))
-            elif isinstance(exc, LedgerError):
-                session.add(_error_result(cid, exc))
+            if isinstance(result, LedgerError):
+                session.error(cid, result)
+            elif isinstance(result, BaseException):
+                log.error("command failed unexpectedly: %r", result)
+                session.result(cid).error.CopyFrom(internal_status_proto(result))
             else:
-                log.error("command failed unexpectedly: %r", exc)
-                session.add(
-                    _error_result(cid, LedgerError(Code.STORAGE_UNAVAILABLE, "internal error"))
-                )
+                fill(getattr(session.result(cid), kind), result)
 
-        fut.add_done_callback(done)
+        if self.writer.submit_with_answer(command, answer):
+            return None
+        return command, answer

@@ -258,7 +258,10 @@ class LedgerServicer:
         with) and never ends the stream. Engine-store reads and PutArtifact
         (a client stream) stay separate RPCs. Results may come in any order and in
         any grouping; the server answers every command it accepted.
-        Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
+        An undecodable message is answered by a result with id 0 whose error is
+        RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
+        stream goes on. While the writer's queue is full the server stops reading
+        (flow control holds the sender back). Stream-level errors:
         STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
         (shutdown). A dropped stream's unanswered commands have unknown outcome:
         retry them with their request ids.

@@ -146,7 +146,10 @@ class LedgerStub:
     with) and never ends the stream. Engine-store reads and PutArtifact
     (a client stream) stay separate RPCs. Results may come in any order and in
     any grouping; the server answers every command it accepted.
-    Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
+    An undecodable message is answered by a result with id 0 whose error is
+    RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
+    stream goes on. While the writer's queue is full the server stops reading
+    (flow control holds the sender back). Stream-level errors:
     STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
     (shutdown). A dropped stream's unanswered commands have unknown outcome:
     retry them with their request ids.
@@ -242,7 +245,10 @@ class LedgerAsyncStub(LedgerStub):
     with) and never ends the stream. Engine-store reads and PutArtifact
     (a client stream) stay separate RPCs. Results may come in any order and in
     any grouping; the server answers every command it accepted.
-    Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
+    An undecodable message is answered by a result with id 0 whose error is
+    RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
+    stream goes on. While the writer's queue is full the server stops reading
+    (flow control holds the sender back). Stream-level errors:
     STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
     (shutdown). A dropped stream's unanswered commands have unknown outcome:
     retry them with their request ids.
@@ -425,7 +431,10 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         with) and never ends the stream. Engine-store reads and PutArtifact
         (a client stream) stay separate RPCs. Results may come in any order and in
         any grouping; the server answers every command it accepted.
-        Stream-level errors: RUN_VALIDATION_ERROR (undecodable message),
+        An undecodable message is answered by a result with id 0 whose error is
+        RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
+        stream goes on. While the writer's queue is full the server stops reading
+        (flow control holds the sender back). Stream-level errors:
         STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
         (shutdown). A dropped stream's unanswered commands have unknown outcome:
         retry them with their request ids.
