@@ -387,6 +387,9 @@ class ExecuteDispatcher:
             finally:
                 if self._session is session:
                     self._session = None
+                if self._closed and applied_unknown and code is not grpc.StatusCode.CANCELLED:
+                    # ended during the close: no retry may follow onto a closing channel
+                    code, message = grpc.StatusCode.CANCELLED, f"{_CLOSED} ({message})"
                 if session is not None:
                     self.messages_sent += session.messages_sent
                     self.commands_sent += session.commands_sent
