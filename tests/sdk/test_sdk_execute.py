@@ -3,9 +3,9 @@ Ledger.Execute stream, coalesced per event-loop turn, with unary fallback,
 retries with the same request id across a broken stream, and a clean close.
 
 What goes on the wire is observed with client interceptors on the client's own
-channel (every ExecuteRequest written, every unary call made); the server is a
-real one, with its writer instrumented only where a fault must land at an
-exact moment."""
+channel (every ExecuteRequest written, every unary call made), which also
+inject the faults (a refused stream, a lost answer); the server is a real one,
+reached through the TCP proxy of _proxy.py where a connection must be cut."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from _proxy import Proxy
 import fencepost
 from fencepost import RunStatus
 from fencepost.v1 import ledger_pb2 as pb
-from fencepost_server.core import ledger as L
 from fencepost_server.harness import ServerThread
 
 EXECUTE = "/fencepost.v1.Ledger/Execute"
@@ -62,7 +61,21 @@ class _StreamSide(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
                 wire.requests.append(msg)
                 yield msg
 
-        return await continuation(details, written())
+        call = await continuation(details, written())
+
+        async def answers() -> AsyncIterator[pb.ExecuteResponse]:
+            async for msg in call:
+                lost = [r for r in msg.results if wire.lose is not None and wire.lose(r)]
+                if lost:
+                    wire.lose, lose_then = None, wire.then
+                    for result in lost:
+                        msg.results.remove(result)
+                    if lose_then is not None:
+                        lose_then()
+                if msg.results:
+                    yield msg
+
+        return answers()  # grpc wraps it in the call: a response iterator
 
 
 class _UnarySide(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
@@ -70,22 +83,30 @@ class _UnarySide(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         self.wire = wire
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        self.wire.unary.append(_method(details).rsplit("/", 1)[-1])
+        method = _method(details).rsplit("/", 1)[-1]
+        self.wire.unary.append(method)
+        self.wire.unary_requests.append((method, request))
         return await continuation(details, request)
 
 
 class Wire:
     """What a client puts on the wire: ``requests`` (every ExecuteRequest
     written on an Execute stream), ``streams`` (Execute calls started),
-    ``unary`` (the method of every unary call). ``refuse`` fails new Execute
-    calls with that code; ``rename`` sends them to another method name."""
+    ``unary`` (the method of every unary call; with the request in
+    ``unary_requests``). ``refuse`` fails new Execute calls with that code;
+    ``rename`` sends them to another method name; ``lose(result)`` picks a
+    result that never reaches the client (once), and ``then()`` runs at that
+    moment."""
 
     def __init__(self) -> None:
         self.requests: list[pb.ExecuteRequest] = []
         self.streams = 0
         self.unary: list[str] = []
+        self.unary_requests: list[tuple[str, Any]] = []
         self.refuse: grpc.StatusCode | None = None
         self.rename: str | None = None
+        self.lose: Callable[[pb.CommandResult], bool] | None = None
+        self.then: Callable[[], None] | None = None
         self.interceptors = [_StreamSide(self), _UnarySide(self)]
 
     def unary_mutations(self) -> list[str]:
@@ -231,56 +252,41 @@ async def test_command_errors_are_the_unary_exceptions_and_keep_the_stream(
 async def test_a_command_cut_off_mid_flight_is_retried_with_its_request_id(
     server: ServerThread,
 ) -> None:
-    """The Acquire commits, then the connection is cut before its answer can be
-    sent: the outcome is unknown to the client, which retries with the same
-    request id (over unary or the re-opened stream) and gets the original
-    grant. Without the request id the retry would be a second acquisition by
-    the same owner: token 2."""
-    seen: list[tuple[str, str]] = []  # (path, request id) of each Acquire of run-cut
-    writer = server.writer
-    real_submit_nowait, real_submit = writer.submit_nowait, writer.submit
-
+    """The Acquire commits and is answered, but the connection is cut before
+    the answer reaches the client: the outcome is unknown to it, so it retries
+    with the same request id (over unary or the re-opened stream) and gets the
+    original grant. Had the retry carried a new id, it would have been a second
+    acquisition by the same owner: token 2, version 2."""
     with Proxy(server.address) as proxy:
-
-        def cut_then_mend(_: asyncio.Future[Any]) -> None:
-            # runs on the server's loop once the commit is durable, before the
-            # Execute handler's own callback turns it into a result
-            proxy.cut()
-            proxy.mend()
-
-        def submit_nowait(cmd: Any) -> asyncio.Future[Any]:
-            fut = real_submit_nowait(cmd)
-            if isinstance(cmd, L.Acquire) and cmd.run_id == "run-cut":
-                seen.append(("stream", cmd.request_id))
-                if len(seen) == 1:
-                    fut.add_done_callback(cut_then_mend)
-            return fut
-
-        async def submit(cmd: Any) -> Any:
-            if isinstance(cmd, L.Acquire) and cmd.run_id == "run-cut":
-                seen.append(("unary", cmd.request_id))
-            return await real_submit(cmd)
-
         wire = Wire()
         async with fencepost.Client(proxy.address, owner="worker-a", retry=FAST_RETRY,
                                     interceptors=wire.interceptors) as client:
             await _open_stream(client)
-            writer.submit_nowait, writer.submit = submit_nowait, submit
-            try:
-                lease = await client.acquire("run-cut")
-            finally:
-                del writer.submit_nowait, writer.submit
-            assert len(seen) >= 2, seen  # the command, then its retry (or retries)
-            assert seen[0][0] == "stream"
-            assert len({rid for _, rid in seen}) == 1 and len(seen[0][1]) == 32
+            dispatcher = client._dispatcher
+            assert dispatcher is not None
+
+            def cut() -> None:
+                proxy.cut()  # resets every connection: the stream breaks
+                proxy.mend()  # new connections may come
+
+            wire.lose = lambda r: r.HasField("acquire") and r.acquire.run.run_id == "run-cut"
+            wire.then = cut
+            lease = await client.acquire("run-cut")
+
+            assert wire.lose is None  # the answer was lost on the way, once
+            first = [c.acquire for c in wire.commands() if c.acquire.run_id == "run-cut"]
+            retried = [r for m, r in wire.unary_requests
+                       if m == "Acquire" and r.run_id == "run-cut"]
+            attempts = first + retried
+            assert len(attempts) >= 2  # the command on the stream, then its retry
+            assert len({a.request_id for a in attempts}) == 1 and len(attempts[0].request_id) == 32
             # exactly one grant: the retry got the original answer
             assert lease.fencing_token == 1
             rec = await client.get("run-cut")
             assert (rec.version, rec.fencing_token, rec.attempt) == (1, 1, 1)
             # and the client is whole: the stream comes back and carries commands
-            await _wait_for(lambda: client._dispatcher is not None
-                            and client._dispatcher.is_open, "the stream to reopen")
-            assert client._dispatcher is not None and client._dispatcher.streams_opened >= 2
+            await _wait_for(lambda: dispatcher.is_open, "the stream to reopen")
+            assert dispatcher.streams_opened >= 2
             await lease.finish()
             assert wire.commands()[-1].WhichOneof("kind") == "finish"
 
@@ -441,31 +447,29 @@ async def test_close_answers_every_command_the_stream_carries(server: ServerThre
 async def test_close_fails_what_the_server_never_answers(
     server: ServerThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A command the server holds past the close's bounded wait fails loudly
-    (CANCELLED, as a unary call cut off by the channel's close), never hangs."""
+    """A command the server has not answered when the close's bounded wait
+    ends fails loudly (CANCELLED, as a unary call cut off by the channel's
+    close), never hangs and never passes for a success."""
     monkeypatch.setattr("fencepost._execute.CLOSE_WAIT_S", 0.2)
-    writer = server.writer
-    real_submit_nowait = writer.submit_nowait
-    held: list[asyncio.Future[Any]] = []
-
-    def submit_nowait(cmd: Any) -> asyncio.Future[Any]:
-        if isinstance(cmd, L.Cancel) and cmd.run_id == "run-stuck":
-            held.append(asyncio.get_running_loop().create_future())  # never committed
-            return held[-1]
-        return real_submit_nowait(cmd)
-
     wire = Wire()
     client = fencepost.Client(server.address, owner="worker-a", interceptors=wire.interceptors)
     await _open_stream(client)
-    writer.submit_nowait = submit_nowait
+
+    async def hold_server_loop() -> None:
+        time.sleep(1.0)  # noqa: ASYNC251 - blocking that loop is the point
+
+    holder = threading.Thread(target=server.call, args=(hold_server_loop,))
+    holder.start()
     try:
-        task = asyncio.create_task(client.cancel("run-stuck"))
-        await _wait_for(lambda: bool(held), "the command to reach the server")
+        await asyncio.sleep(0.05)  # the server cannot answer anything now
+        task = asyncio.ensure_future(client.cancel("run-stuck"))
+        await _wait_for(lambda: any(c.HasField("cancel") for c in wire.commands()),
+                        "the command to be written")
         started = time.monotonic()
         await client.aclose()
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 0.8  # bounded by the close, not the server
         with pytest.raises(fencepost.RpcError) as info:
             await task
         assert info.value.code == "CANCELLED" and "closed" in info.value.message
     finally:
-        del writer.submit_nowait
+        await asyncio.to_thread(holder.join)
