@@ -296,7 +296,7 @@ class SyncClient:
     ``on_lost(sync_lease, reason)`` runs on a dedicated callback thread (so it
     may call this client); ``watch`` returns a blocking iterator. Mutations
     travel as ``Client``'s do (``transport``, ``command_window_ms``): calls
-    made from several threads at once share the Execute stream's messages.
+    made from several threads at about the same time can share one message.
     """
 
     def __init__(
