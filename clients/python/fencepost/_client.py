@@ -44,7 +44,7 @@ from ._errors import (
     StreamTooSlowError,
     from_rpc_error,
 )
-from ._execute import ExecuteDispatcher, check_window
+from ._execute import ExecuteDispatcher, attempt_of, check_window
 from ._records import (
     DeleteResult,
     FenceStatus,
@@ -987,16 +987,7 @@ class Client:
             raise RuntimeError("the client is closed")
         if mutation and not request.request_id:
             request.request_id = new_request_id()
-        dispatcher = self._dispatcher
-        if mutation and dispatcher is not None and dispatcher.carries(request):
-
-            async def attempt(deadline_s: float | None) -> Any:
-                return await dispatcher.execute(rpc, request, deadline_s)
-        else:
-
-            async def attempt(deadline_s: float | None) -> Any:
-                return await rpc(request, timeout=deadline_s)
-
+        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation)
         return await call_with_retry(attempt, policy or self._retry, mutation=mutation)
 
     async def _cleanup(self, coro: Any, limit_s: float) -> Any:

@@ -1,10 +1,14 @@
-"""Ledger mutations over one ``Ledger.Execute`` stream per client.
+"""A client's mutations over one ``Ledger.Execute`` stream per client.
 
 A unary call costs the server far more than the command it carries, so by
-default (``Client(transport="stream")``) every ledger mutation (acquire,
-renew, record_checkpoint, suspend, finish, release, cancel, request_resume,
-delete) of a client travels on one bidirectional Execute stream, many
-commands per message each way. Reads stay unary; KeepAlive is its own stream.
+default (``Client(transport="stream")``) every mutation of a client travels on
+one bidirectional Execute stream, many commands per message each way: the
+ledger's (acquire, renew, record_checkpoint, suspend, finish, release, cancel,
+request_resume, delete) and, through ``client.store``, the engine store's 13
+unary ones (create_run ... doc_delete). Which request travels as which
+``Command`` kind is read from ``ledger.proto``'s ``Command.kind`` oneof, so
+the dispatcher knows no kind by name. Reads, listings, artifact streams and
+``ValidateFence`` stay unary; KeepAlive is its own stream.
 
 - **Coalescing.** A command is buffered; the stream's writer task wakes one
   event-loop turn later and sends everything buffered as ONE
@@ -42,7 +46,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -54,19 +58,22 @@ from .v1 import ledger_pb2 as pb
 
 log = logging.getLogger("fencepost.execute")
 
-# The request messages the stream carries, and the Command / CommandResult
-# field of each (exactly the unary request and response messages).
-KIND_OF_REQUEST: dict[type[Any], str] = {
-    pb.AcquireRequest: "acquire",
-    pb.RenewRequest: "renew",
-    pb.RecordCheckpointRequest: "record_checkpoint",
-    pb.SuspendRequest: "suspend",
-    pb.FinishRequest: "finish",
-    pb.ReleaseRequest: "release",
-    pb.CancelRequest: "cancel",
-    pb.RequestResumeRequest: "request_resume",
-    pb.DeleteRunRequest: "delete_run",
-}
+
+def _kinds() -> dict[type[Any], str]:
+    """Every request message a ``Command`` can carry, and its field name in
+    the ``kind`` oneof (the answer is the ``CommandResult`` field of the same
+    name: the unary response message, or ``error``)."""
+    command = pb.Command()
+    return {
+        type(getattr(command, field.name)): field.name
+        for field in pb.Command.DESCRIPTOR.oneofs_by_name["kind"].fields
+    }
+
+
+# The request messages the stream carries (the ledger's commands, fields 2-10,
+# and the engine store's mutations, fields 20-32), and the Command /
+# CommandResult field of each (exactly the unary request and response messages).
+KIND_OF_REQUEST: dict[type[Any], str] = _kinds()
 
 MAX_WINDOW_MS = 1.0
 # One message carries at most this many commands, of at most about this many
@@ -95,6 +102,22 @@ def check_window(command_window_ms: float) -> float:
             f"(got {command_window_ms!r})"
         )
     return float(command_window_ms) / 1000
+
+
+def attempt_of(
+    dispatcher: ExecuteDispatcher | None,
+    rpc: Callable[..., Any],
+    request: Any,
+    *,
+    mutation: bool,
+) -> Callable[[float | None], Awaitable[Any]]:
+    """One attempt of a call, for ``call_with_retry``: a mutation the
+    ``dispatcher`` carries goes over its Execute stream (unary while the stream
+    is down), anything else is the unary ``rpc`` with the attempt's timeout.
+    The ledger client and the engine store both call through here."""
+    if mutation and dispatcher is not None and dispatcher.carries(request):
+        return lambda deadline_s: dispatcher.execute(rpc, request, deadline_s)
+    return lambda deadline_s: rpc(request, timeout=deadline_s)
 
 
 def _status(code: grpc.StatusCode, message: str) -> status_pb2.Status:
@@ -229,7 +252,7 @@ class _Session:
 
 
 class ExecuteDispatcher:
-    """A client's ledger mutations over one Execute stream (see the module docs).
+    """A client's mutations over one Execute stream (see the module docs).
 
     ``execute(rpc, request, timeout)`` is one attempt of one command, for
     ``call_with_retry``: over the stream when it is open, else the unary
@@ -259,7 +282,8 @@ class ExecuteDispatcher:
         return self._session is not None and self._session.usable
 
     def carries(self, request: Any) -> bool:
-        """Whether ``request`` is a ledger mutation the stream may carry."""
+        """Whether ``request`` is a mutation the stream may carry (a ``Command``
+        kind, small enough for a message)."""
         return (
             not self._closed
             and type(request) in KIND_OF_REQUEST
@@ -368,7 +392,7 @@ class ExecuteDispatcher:
                 if status is grpc.StatusCode.UNIMPLEMENTED:
                     self.unimplemented = True
                     applied_unknown = False  # refused before any command was looked at
-                    log.info("the server has no Ledger.Execute: ledger commands go unary "
+                    log.info("the server has no Ledger.Execute: mutations go unary "
                              "(asking again in %.0f s)", _UNIMPLEMENTED_RETRY_S)
                 else:
                     log.info("Execute stream ended (%s: %s); unary until it reconnects",
