@@ -634,7 +634,8 @@ class Client:
     its leases is lost.
 
     ``transport="stream"`` (default) sends every ledger mutation (acquire,
-    the fenced calls, cancel, request_resume, delete) over one
+    the fenced calls, cancel, request_resume, delete), and every engine-store
+    mutation of ``client.store`` (create_run ... doc_delete), over one
     ``Ledger.Execute`` stream: the commands issued in the same event-loop turn
     travel in one message. ``command_window_ms`` (0 to 1) makes the stream
     wait that much longer for more commands to join a message. While the
@@ -750,9 +751,12 @@ class Client:
 
     @property
     def store(self) -> AsyncStore:
-        """The engine store (SPEC §11) on this client's channel."""
+        """The engine store (SPEC §11) on this client's channel. Its mutations
+        share this client's Execute stream (``transport``); the rest is unary."""
         if self._store is None:
-            self._store = AsyncStore(self._store_channel, retry=self._retry)
+            store = AsyncStore(self._store_channel, retry=self._retry)
+            store._dispatcher = self._dispatcher
+            self._store = store
         return self._store
 
     def _store_channel(self) -> grpc.aio.Channel:

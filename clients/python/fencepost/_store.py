@@ -19,6 +19,15 @@ input (also a value that is not JSON, raised before anything is sent).
 Only UNAVAILABLE is retried, and every mutation carries one request id for
 all its attempts, so a retry never applies it twice.
 
+``client.store`` (a ``Client``'s store) sends its 13 unary mutations (create_run,
+update_run, claim_run, renew_claim, append_step, save_checkpoint, claim_key,
+acquire_lock, release_lock, put_effect, kv_set, doc_upsert, doc_delete) over
+the client's ``Ledger.Execute`` stream when the client's transport is "stream"
+(the default), exactly as the client's ledger mutations go (``_execute``):
+same answers, same errors, same retries. Reads, listings and artifact
+uploads and downloads stay unary, and so does everything of a store made
+with ``AsyncStore.connect`` or ``AsyncStore(channel)``.
+
     async with AsyncStore.connect("127.0.0.1:50051") as store:
         await store.create_run("run-1", agent="billing", input={"amount": 10})
 """
@@ -50,6 +59,7 @@ from ._errors import (
     ValidationError,
     from_rpc_error,
 )
+from ._execute import attempt_of
 from ._retry import RetryPolicy, call_with_retry
 from .v1 import engine_store_pb2 as pb
 from .v1 import engine_store_pb2_grpc
@@ -57,6 +67,7 @@ from .v1 import engine_store_pb2_grpc
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp
 
+    from ._execute import ExecuteDispatcher
     from .v1.engine_store_pb2_grpc import EngineStoreAsyncStub
 
 __all__ = [
@@ -375,6 +386,9 @@ class AsyncStore:
         self._retry = retry or RetryPolicy()
         self._stub_cache: tuple[grpc.aio.Channel, EngineStoreAsyncStub] | None = None
         self._owned: grpc.aio.Channel | None = None
+        # Set by Client.store: the client's Execute dispatcher, which then
+        # carries the mutations (None: every call is unary).
+        self._dispatcher: ExecuteDispatcher | None = None
 
     @classmethod
     def connect(
@@ -417,13 +431,14 @@ class AsyncStore:
         return cache[1]
 
     async def _unary(self, method: str, request: Any, *, mutation: bool) -> Any:
+        """One logical call of a unary RPC: a mutation gets one request id for
+        all its attempts; with a dispatcher, its attempts go over the Execute
+        stream while that is up (a broken stream retried as UNAVAILABLE is),
+        else unary. Errors are mapped by ``call_with_retry`` either way."""
         if mutation and not request.request_id:
             request.request_id = _new_request_id()
         rpc = getattr(self.stub, method)
-
-        async def attempt(deadline_s: float | None) -> Any:
-            return await rpc(request, timeout=deadline_s)
-
+        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation)
         return await call_with_retry(attempt, self._retry, mutation=mutation)
 
     async def _collect(self, method: str, request: Any) -> builtins.list[Any]:
