@@ -1,6 +1,12 @@
 """The SDK's engine store (``fencepost._store``): Python values in and out,
 copies, ABSENT vs None, datetimes, typed errors, artifacts from bytes and
-(async) iterables, and the blocking twin with the same API."""
+(async) iterables, and the blocking twin with the same API.
+
+The store is a client's (``Client.store``, ``SyncClient.store``), and every
+test runs over both of the client's transports: "stream", where the store's
+mutations ride the client's ``Ledger.Execute`` stream (issue #6), and
+"unary". Over "stream" the stream is opened before the test, and after it no
+store mutation may have gone unary: the tests really ran on the stream."""
 
 from __future__ import annotations
 
@@ -8,13 +14,15 @@ import asyncio
 import hashlib
 import inspect
 import os
-import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
+import grpc
 import pytest
 
+import fencepost
 from fencepost import InvalidRunStateError, RunNotFoundError, ValidationError
 from fencepost._store import (
     ABSENT,
@@ -27,44 +35,78 @@ from fencepost._store import (
 from fencepost_server.clock import ManualClock
 from fencepost_server.harness import ServerThread
 
-T = TypeVar("T")
 START = datetime.fromtimestamp(ManualClock().now_ms() / 1000, tz=UTC)  # tests/conftest.py T0
+ENGINE_STORE = "/fencepost.v1.EngineStore/"
+# The EngineStore RPCs that Ledger.Execute carries (Command fields 20-32).
+MUTATIONS = {"CreateRun", "UpdateRun", "ClaimRun", "RenewClaim", "AppendStep", "SaveCheckpoint",
+             "ClaimKey", "AcquireLock", "ReleaseLock", "PutEffect", "KvSet", "DocUpsert",
+             "DocDelete"}
 
 
-@pytest.fixture
-async def astore(server: ServerThread) -> AsyncIterator[AsyncStore]:
-    async with AsyncStore.connect(server.address) as store:
-        yield store
-
-
-class LoopThread:
-    """A private event loop on a thread (what SyncClient's portal does)."""
+class UnaryCalls(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Records the method of every unary call a client makes."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.methods: list[str] = []
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method
+        self.methods.append(method.decode() if isinstance(method, bytes) else str(method))
+        return await continuation(details, request)
 
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
+    def store_mutations(self) -> list[str]:
+        return [m for m in self.methods
+                if m.startswith(ENGINE_STORE) and m[len(ENGINE_STORE):] in MUTATIONS]
+
+
+@pytest.fixture(params=["stream", "unary"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """The client's transport: "stream" (Execute, the default) or "unary"."""
+    return str(request.param)
+
+
+def _stream_is_open(client: fencepost.Client) -> bool:
+    return client._dispatcher is not None and client._dispatcher.is_open
 
 
 @pytest.fixture
-def sstore(server: ServerThread) -> Iterator[SyncStore]:
-    portal = LoopThread()
+async def astore(server: ServerThread, transport: str) -> AsyncIterator[AsyncStore]:
+    calls = UnaryCalls()
+    async with fencepost.Client(server.address, owner="w", interceptors=[calls],
+                                transport=transport) as client:  # type: ignore[arg-type]
+        if transport == "stream":
+            # the stream opens in the background on a first mutation (a
+            # ledger one here: the store stays empty), which goes unary
+            with pytest.raises(RunNotFoundError):
+                await client.delete("warm-up")
+            deadline = time.monotonic() + 5
+            while not _stream_is_open(client):
+                assert time.monotonic() < deadline, "the Execute stream did not open"
+                await asyncio.sleep(0.005)
+        yield client.store
+        assert _stream_is_open(client) == (transport == "stream")  # it never broke
+    if transport == "stream":
+        assert calls.store_mutations() == []
+    else:
+        assert client._dispatcher is None
 
-    async def connect() -> AsyncStore:
-        return AsyncStore.connect(server.address)
 
-    inner = portal.run(connect())
-    yield SyncStore(inner, portal.run)
-    portal.run(inner.aclose())
-    portal.close()
+@pytest.fixture
+def sstore(server: ServerThread, transport: str) -> Iterator[SyncStore]:
+    calls = UnaryCalls()
+    with fencepost.SyncClient(server.address, owner="w", interceptors=[calls],
+                              transport=transport) as client:  # type: ignore[arg-type]
+        if transport == "stream":
+            with pytest.raises(RunNotFoundError):
+                client.delete("warm-up")
+            deadline = time.monotonic() + 5
+            while not _stream_is_open(client._client):
+                assert time.monotonic() < deadline, "the Execute stream did not open"
+                time.sleep(0.005)
+        yield client.store
+        assert _stream_is_open(client._client) == (transport == "stream")
+    if transport == "stream":
+        assert calls.store_mutations() == []
 
 
 async def test_runs_take_and_give_python_values(astore: AsyncStore, clock: ManualClock) -> None:
@@ -199,7 +241,7 @@ async def test_artifacts_from_bytes_and_iterables(astore: AsyncStore) -> None:
     assert [a.id for a in await astore.list_artifacts("r")] == ["a1", "a2", "a3", "a4", "a5"]
 
 
-def test_the_sync_store_has_the_same_api(sstore: SyncStore) -> None:
+def test_the_sync_store_has_the_same_api() -> None:
     def public(cls: type) -> dict[str, inspect.Signature]:
         return {
             n: inspect.signature(f)
