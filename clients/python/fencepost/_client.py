@@ -679,7 +679,7 @@ class Client:
         else:
             raise ValueError(f"renewal must be 'stream' or 'unary', not {renewal!r}")
         self._renewal: Renewal = renewal
-        # ledger mutations over one Execute stream (None: all unary)
+        # ledger and store mutations over one Execute stream (None: all unary)
         self._dispatcher: ExecuteDispatcher | None = None
         if transport == "stream":
             self._dispatcher = ExecuteDispatcher(

@@ -433,8 +433,9 @@ class AsyncStore:
     async def _unary(self, method: str, request: Any, *, mutation: bool) -> Any:
         """One logical call of a unary RPC: a mutation gets one request id for
         all its attempts; with a dispatcher, its attempts go over the Execute
-        stream while that is up (a broken stream retried as UNAVAILABLE is),
-        else unary. Errors are mapped by ``call_with_retry`` either way."""
+        stream while that is up (one lost with a broken stream is retried like
+        UNAVAILABLE), else unary. ``call_with_retry`` maps the errors of both
+        through the same function."""
         if mutation and not request.request_id:
             request.request_id = _new_request_id()
         rpc = getattr(self.stub, method)
