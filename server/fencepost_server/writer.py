@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -108,6 +109,9 @@ class _Item:
 
 _STOP = object()
 
+MATERIALIZE_CHUNK = 4096  # runs copied into the runs table per batch, at most
+MAX_PENDING = 65_536  # past this many unwritten runs, copy without waiting
+
 Executor = Callable[[Any, Any, int], Any]  # (sqlite3.Connection, command, now) -> result
 
 
@@ -123,6 +127,7 @@ class Writer:
         history_revisions: int = 100_000,
         history_max_age_ms: int = 0,
         prune_every_ms: int = 30_000,
+        materialize_after_ms: int = 1_000,
     ) -> None:
         if request_retention_ms < 10 * 60_000:
             raise ValueError("request ids must be remembered for at least 10 minutes")
@@ -133,6 +138,14 @@ class Writer:
         self.history_revisions = history_revisions
         self.history_max_age_ms = history_max_age_ms
         self.prune_every_ms = prune_every_ms
+        # The runs table trails the change log (storage/sqlite.py): a changed
+        # run is copied there about this long after its first unwritten change,
+        # at most MATERIALIZE_CHUNK runs per batch (sooner past MAX_PENDING).
+        self.materialize_after_ms = materialize_after_ms
+        # run_id -> (its first change not yet in the runs table, when), oldest
+        # first. Writer thread only.
+        self._pending: dict[str, tuple[int, int]] = {}
+        self._materialized = 0
         self.state = LedgerState()
         self.stats = WriterStats()
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
@@ -167,7 +180,10 @@ class Writer:
 
     def _open_and_load(self) -> Any:
         self.storage.open()
-        return self.storage.load()
+        loaded = self.storage.load()
+        self._materialized = loaded.revision  # load() wrote every replayed change
+        self._pending.clear()
+        return loaded
 
     async def close(self) -> None:
         """Stop accepting, finish everything queued, close the database."""
@@ -178,8 +194,26 @@ class Writer:
             await self._queue.put(_STOP)
             await self._task
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self.storage.close)
+        await loop.run_in_executor(self._executor, self._close_storage)
         self._executor.shutdown(wait=True)
+
+    def _close_storage(self) -> None:
+        """Copy every pending run into the runs table (a clean shutdown leaves
+        it current), then close. Writer thread."""
+        try:
+            if self._pending and self.storage.is_open:
+                runs = self.state.runs
+                with self.storage.transaction():
+                    out = Batch(revision=self.state.revision)
+                    out.materialize = [(k, runs.get(k)) for k in self._pending]
+                    out.materialized = self.state.revision
+                    self.storage.write(out)
+                self._pending.clear()
+                self._materialized = self.state.revision
+        except LedgerError as exc:  # the change log still has it all: load() replays
+            log.warning("could not bring the runs table up to date at shutdown: %s", exc.message)
+        finally:
+            self.storage.close()
 
     # -- the API -----------------------------------------------------------------
 
@@ -355,6 +389,7 @@ class Writer:
         out = Batch(now=now)
         answers: list[Any] = []
         events: list[ChangeEvent] = []
+        changed: dict[str, int] = {}  # run_id -> its first change in this batch
         with self.storage.transaction():
             rev = committed.revision
             rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
@@ -401,9 +436,10 @@ class Writer:
                     change = decision.change
                     if change is not None:
                         rev += 1
+                        if run_id not in changed:
+                            changed[run_id] = rev
                         if isinstance(change, L.Put):
                             overlay[run_id] = change.record
-                            out.puts[run_id] = change.record
                             out.deletes.pop(run_id, None)
                             out.changes.append((rev, run_id, KIND_PUT, change.record))
                             events.append(
@@ -411,7 +447,6 @@ class Writer:
                             )
                         else:
                             overlay[run_id] = None
-                            out.puts.pop(run_id, None)
                             tombs[run_id] = max(tomb, change.fencing_token)
                             out.deletes[run_id] = (tombs[run_id], now)
                             out.changes.append((rev, run_id, KIND_DELETE, None))
@@ -423,21 +458,64 @@ class Writer:
                     out.requests.append((rid, fp, answer, now))
                 answers.append(answer)
             out.revision = rev
+            taken, mark = self._plan_materialization(now, rev, changed)
+            if taken or mark != self._materialized:
+                out.materialize = [
+                    (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
+                ]
+                out.materialized = mark
             if now - self._last_prune >= self.prune_every_ms:
                 age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
                 out.prune = (
                     now - self.request_retention_ms,
                     rev - self.history_revisions + 1,
                     age_cutoff,
+                    mark,
                 )
             self.storage.write(out)
             if self.unsafe_ack_before_commit_s:  # TEST-ONLY broken build
                 self._unsafe_ack_early(batch, answers, overlay, tombs, rev, events)
+        # committed: move the materialization bookkeeping (a failed commit
+        # raised above and moved nothing)
+        pending = self._pending
+        for k in taken:
+            del pending[k]
+        for k, first in changed.items():
+            if k not in pending:
+                pending[k] = (first, now)
+        self._materialized = mark
         compacted = None
         if out.prune is not None:
             self._last_prune = now
             compacted = out.compacted
         return answers, overlay, tombs, rev, events, compacted
+
+    def _plan_materialization(
+        self, now: int, rev: int, changed: dict[str, int]
+    ) -> tuple[list[str], int]:
+        """Which pending runs this batch copies into the runs table (oldest
+        first: those pending for materialize_after_ms, those whose change the
+        history limit wants to prune, or any past MAX_PENDING), and the mark
+        once it commits: just below the oldest change still not in runs,
+        counting this batch's own changes as pending."""
+        pending = self._pending
+        taken: list[str] = []
+        if pending:
+            cutoff = now - self.materialize_after_ms
+            prunable = rev - self.history_revisions + 1
+            force = len(pending) > MAX_PENDING
+            for run_id, (first, since) in pending.items():
+                if len(taken) >= MATERIALIZE_CHUNK or (
+                    since > cutoff and first >= prunable and not force
+                ):
+                    break
+                taken.append(run_id)
+        if len(taken) < len(pending):
+            oldest_left = next(itertools.islice(pending.values(), len(taken), None))[0]
+            return taken, oldest_left - 1
+        if changed:
+            return taken, next(iter(changed.values())) - 1  # in revision order
+        return taken, rev
 
     def _unsafe_ack_early(
         self,

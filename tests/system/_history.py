@@ -36,9 +36,14 @@ class Change:
 @dataclass
 class Snapshot:
     changes: list[Change]
-    runs: dict[str, dict[str, Any]]  # run_id -> the row (columns + parsed record)
+    # run_id -> the row (columns + parsed record) as the server loads it: the
+    # runs table (a checkpoint of the log) with the changes above its
+    # materialized mark replayed on top, as storage.load() does.
+    runs: dict[str, dict[str, Any]]
     meta_revision: int
     integrity: list[str]
+    table_runs: dict[str, dict[str, Any]] | None = None  # the runs table itself
+    materialized: int = 0  # meta.materialized
 
     def by_revision(self) -> dict[int, Change]:
         return {c.revision: c for c in self.changes}
@@ -61,21 +66,36 @@ def load(db_path: Path) -> Snapshot:
                 "ORDER BY revision"
             )
         ]
-        runs: dict[str, dict[str, Any]] = {}
+        table: dict[str, dict[str, Any]] = {}
         for run_id, version, status, token, owner, revision, text in db.execute(
             "SELECT run_id, version, status, fencing_token, owner, revision, record FROM runs"
         ):
-            runs[run_id] = {
+            table[run_id] = {
                 "version": version, "status": status, "fencing_token": token,
                 "owner": owner, "revision": revision, "record": json.loads(text),
             }
         row = db.execute("SELECT value FROM meta WHERE key = 'revision'").fetchone()
         meta_revision = int(row[0]) if row else -1
+        row = db.execute("SELECT value FROM meta WHERE key = 'materialized'").fetchone()
+        materialized = int(row[0]) if row else -1
     except sqlite3.Error as exc:  # a corrupt file must fail the test, not crash it
         return Snapshot([], {}, -1, [f"cannot read the database: {exc!r}"])
     finally:
         db.close()
-    return Snapshot(changes, runs, meta_revision, integrity)
+    runs = dict(table)
+    for c in changes:  # replay what the runs table does not reflect yet
+        if c.revision <= materialized:
+            continue
+        if c.kind == DELETE or c.rec is None:
+            runs.pop(c.run_id, None)
+        else:
+            r = c.rec
+            runs[c.run_id] = {
+                "version": r["version"], "status": r["status"],
+                "fencing_token": r["fencing_token"], "owner": _owner(r),
+                "revision": c.revision, "record": r,
+            }
+    return Snapshot(changes, runs, meta_revision, integrity, table, materialized)
 
 
 def _owner(rec: dict[str, Any] | None) -> str | None:
@@ -135,6 +155,39 @@ def check_history(snap: Snapshot, *, allow_cancel: bool = False) -> list[str]:
             bad.append(f"{run_id}: runs columns {cols} != record {want}")
     for run_id in snap.runs.keys() - last.keys():
         bad.append(f"{run_id}: in runs but never in the history")
+    bad.extend(check_runs_table(snap))
+    return bad
+
+
+def check_runs_table(snap: Snapshot) -> list[str]:
+    """The runs table is a checkpoint of the log: the mark is within the
+    history, nothing above it was pruned, and every row is exactly the record
+    some retained change wrote, no older than the mark allows."""
+    if snap.table_runs is None:
+        return []
+    bad: list[str] = []
+    if not 0 <= snap.materialized <= snap.meta_revision:
+        bad.append(f"meta.materialized {snap.materialized} outside 0..{snap.meta_revision}")
+    revs = snap.by_revision()
+    low = min(revs) if revs else snap.meta_revision + 1
+    if low > snap.materialized + 1:
+        bad.append(f"changes above the materialized mark {snap.materialized} were pruned "
+                   f"(history starts at {low})")
+    last_at_mark: dict[str, Change] = {}
+    for c in snap.changes:
+        if c.revision <= snap.materialized:
+            last_at_mark[c.run_id] = c
+    for run_id, row in snap.table_runs.items():
+        c = revs.get(row["revision"])
+        if c is not None and (c.run_id != run_id or c.rec != row["record"]):
+            bad.append(f"{run_id}: runs row is not the record written at rev {row['revision']}")
+        at_mark = last_at_mark.get(run_id)
+        if at_mark is not None and row["revision"] < at_mark.revision:
+            bad.append(f"{run_id}: runs row (rev {row['revision']}) is older than the mark "
+                       f"allows (rev {at_mark.revision})")
+    for run_id, c in last_at_mark.items():
+        if c.kind == PUT and run_id not in snap.table_runs:
+            bad.append(f"{run_id}: rev {c.revision} is below the mark but not in runs")
     return bad
 
 

@@ -14,6 +14,7 @@ from fencepost_server.clock import ManualClock
 from fencepost_server.core import codec
 from fencepost_server.core import ledger as L
 from fencepost_server.core.errors import Code, LedgerError
+from fencepost_server.core.records import Status
 from fencepost_server.storage import SqliteStorage
 from fencepost_server.writer import Writer
 
@@ -129,3 +130,122 @@ async def test_a_cancelled_caller_abandons_its_reply_not_its_write(writer: Write
     await writer.wait_idle()
     assert writer.state.runs["c"].lease is not None  # committed all the same
     assert writer.state.runs["c"].lease.owner == "w"  # type: ignore[union-attr]
+
+
+# -- the runs table is a checkpoint of the change log -------------------------------
+
+
+def _runs_table(path: Path) -> tuple[dict[str, int], int]:
+    """run_id -> version in the runs table, and meta.materialized (read-only)."""
+    from fencepost_server.storage.sqlite import open_read_only
+
+    db = open_read_only(path)
+    try:
+        runs = dict(db.execute("SELECT run_id, version FROM runs"))
+        (mark,) = db.execute("SELECT value FROM meta WHERE key = 'materialized'").fetchone()
+        return runs, mark
+    finally:
+        db.close()
+
+
+async def test_runs_table_trails_the_log_and_catches_up(tmp_path: Path) -> None:
+    clock = ManualClock()
+    w = Writer(SqliteStorage(tmp_path / "m.db"), clock, materialize_after_ms=1_000)
+    await w.start()
+    try:
+        a = await w.submit(L.Acquire("a", "w"))
+        await w.submit(L.Renew("a", "w", a.fencing_token))
+        await w.submit(L.Acquire("b", "w"))
+        runs, mark = _runs_table(tmp_path / "m.db")
+        assert runs == {} and mark == 0  # in the log only: nothing rewritten per command
+        clock.advance(1_000)
+        await w.submit(L.Acquire("c", "w"))  # this batch copies a and b (pending 1 s)
+        runs, mark = _runs_table(tmp_path / "m.db")
+        assert runs == {"a": 2, "b": 1} and mark == 3  # c (revision 4) is still pending
+        await w.submit(L.DeleteRun("a"))
+        clock.advance(1_000)
+        await w.submit(L.Acquire("d", "w"))
+        runs, mark = _runs_table(tmp_path / "m.db")
+        assert runs == {"b": 1, "c": 1} and mark == 5
+    finally:
+        await w.close()
+    runs, mark = _runs_table(tmp_path / "m.db")
+    assert runs == {"b": 1, "c": 1, "d": 1} and mark == 6  # a clean close leaves it current
+
+
+async def test_a_crash_before_materializing_loses_nothing(tmp_path: Path) -> None:
+    """What kill -9 leaves: changes committed to the log but not yet copied to
+    runs. A new writer replays them, so the state is exact, and writes them."""
+    path = tmp_path / "c.db"
+    clock = ManualClock()
+    w = Writer(SqliteStorage(path), clock)
+    await w.start()
+    a = await w.submit(L.Acquire("a", "w"))
+    await w.submit(L.Finish("a", "w", a.fencing_token, Status.COMPLETED))
+    b = await w.submit(L.Acquire("b", "w"))
+    await w.submit(L.DeleteRun("b"))
+    await w.submit(L.Acquire("e", "w"))
+    before = dict(w.state.runs)  # records are never mutated, only replaced
+    assert _runs_table(path) == ({}, 0)
+    w._pending.clear()  # "dies" with everything pending: close() copies nothing
+    await w.close()
+    assert _runs_table(path) == ({}, 0)
+    w2 = Writer(SqliteStorage(path), clock)
+    await w2.start()
+    try:
+        assert w2.state.runs == before and w2.state.revision == 5
+        assert w2.state.tombstones == {"b": b.fencing_token}
+        assert _runs_table(path) == ({"a": 2, "e": 1}, 5)  # replayed, then written
+        again = await w2.submit(L.Acquire("b", "w"))
+        assert again.fencing_token > b.fencing_token  # the tombstone held
+    finally:
+        await w2.close()
+
+
+async def test_history_pruning_never_drops_an_unmaterialized_change(tmp_path: Path) -> None:
+    path = tmp_path / "p.db"
+    clock = ManualClock()
+    w = Writer(SqliteStorage(path), clock, history_revisions=10, prune_every_ms=0,
+               materialize_after_ms=60_000)
+    await w.start()
+    try:
+        for i in range(30):
+            await w.submit(L.Acquire(f"r{i}", "w"))
+        from fencepost_server.storage.sqlite import open_read_only
+
+        db = open_read_only(path)
+        (low,) = db.execute("SELECT min(revision) FROM changes").fetchone()
+        db.close()
+        runs, mark = _runs_table(path)
+        # pruned down to the limit, and everything pruned is in runs
+        assert low == 30 - 10 + 1 and mark >= low - 1
+        assert {f"r{i}" for i in range(low - 1)} <= set(runs)
+    finally:
+        await w.close()
+
+
+async def test_a_schema_2_database_keeps_its_runs(tmp_path: Path) -> None:
+    from fencepost_server.storage.sqlite import MIGRATIONS
+
+    path = tmp_path / "v2.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    for stmts in MIGRATIONS[:2]:
+        for stmt in stmts:
+            db.execute(stmt)
+    db.execute("PRAGMA user_version=2")
+    rec = ('{"schema":1,"run_id":"old","version":3,"status":2,"attempt":1,"fencing_token":4,'
+           '"created_at":1,"updated_at":2,"revision":7,"lease":["w",1,99999999999999,60000,0]}')
+    db.execute("INSERT INTO runs VALUES ('old', 3, 2, 4, 'w', 7, ?)", (rec,))
+    db.execute("INSERT INTO changes VALUES (7, 'old', 1, ?, 2)", (rec,))
+    db.execute("UPDATE meta SET value = 7 WHERE key = 'revision'")
+    db.close()
+    w = Writer(SqliteStorage(path), ManualClock())
+    await w.start()
+    try:
+        assert w.state.runs["old"].fencing_token == 4 and w.state.revision == 7
+        assert _runs_table(path) == ({"old": 3}, 7)
+        r = await w.submit(L.Renew("old", "w", 4))
+        assert r.version == 4 and r.revision == 8
+    finally:
+        await w.close()
