@@ -501,15 +501,19 @@ class Writer:
         pending = self._pending
         taken: list[str] = []
         if pending:
-            cutoff = now - self.materialize_after_ms
             prunable = rev - self.history_revisions + 1
             force = len(pending) > MAX_PENDING
-            for run_id, (first, since) in pending.items():
-                if len(taken) >= MATERIALIZE_CHUNK or (
-                    since > cutoff and first >= prunable and not force
-                ):
-                    break
-                taken.append(run_id)
+            first, since = next(iter(pending.values()))
+            if force or first < prunable or since <= now - self.materialize_after_ms:
+                # due: take everything pending for half the delay too, so this
+                # happens in a few batches a second, not in every batch
+                cutoff = now - self.materialize_after_ms // 2
+                for run_id, (first, since) in pending.items():
+                    if len(taken) >= MATERIALIZE_CHUNK or (
+                        since > cutoff and first >= prunable and not force
+                    ):
+                        break
+                    taken.append(run_id)
         if len(taken) < len(pending):
             oldest_left = next(itertools.islice(pending.values(), len(taken), None))[0]
             return taken, oldest_left - 1

@@ -372,7 +372,7 @@ class SqliteStorage:
                 state.runs[run_id] = rec
         if mark != state.revision:
             with self.transaction():
-                self._materialize(db, list(replay.items()), state.revision)
+                self._materialize(db, list(replay.items()), state.revision, state.revision)
         state.compacted = self._compacted(db, state.revision)
         return state
 
@@ -392,8 +392,10 @@ class SqliteStorage:
 
     @staticmethod
     def _materialize(
-        db: sqlite3.Connection, runs: list[tuple[str, Record | None]], mark: int
+        db: sqlite3.Connection, runs: list[tuple[str, Record | None]], mark: int, revision: int
     ) -> None:
+        """Copy runs into the runs table and set the mark (and the revision: one
+        statement for both meta rows)."""
         puts = [rec for _, rec in runs if rec is not None]
         if puts:
             db.executemany(
@@ -418,7 +420,11 @@ class SqliteStorage:
         gone = [(run_id,) for run_id, rec in runs if rec is None]
         if gone:
             db.executemany("DELETE FROM runs WHERE run_id = ?", gone)
-        db.execute("UPDATE meta SET value = ? WHERE key = 'materialized'", (mark,))
+        db.execute(
+            "UPDATE meta SET value = CASE key WHEN 'revision' THEN ? ELSE ? END "
+            "WHERE key IN ('revision', 'materialized')",
+            (revision, mark),
+        )
 
     @staticmethod
     def _compacted(db: sqlite3.Connection, revision: int) -> int:
@@ -510,9 +516,10 @@ class SqliteStorage:
                     for rev, run_id, kind, rec in batch.changes
                 ],
             )
-            db.execute("UPDATE meta SET value = ? WHERE key = 'revision'", (batch.revision,))
         if batch.materialized is not None:
-            self._materialize(db, batch.materialize, batch.materialized)
+            self._materialize(db, batch.materialize, batch.materialized, batch.revision)
+        elif batch.changes:
+            db.execute("UPDATE meta SET value = ? WHERE key = 'revision'", (batch.revision,))
         if batch.requests:
             db.executemany(
                 "INSERT OR REPLACE INTO requests (request_id, fingerprint, answer, "
