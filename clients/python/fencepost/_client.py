@@ -27,7 +27,6 @@ import os
 import secrets
 import socket
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -45,6 +44,7 @@ from ._errors import (
     from_rpc_error,
 )
 from ._execute import ExecuteDispatcher, attempt_of, check_window
+from ._ids import new_request_id
 from ._records import (
     DeleteResult,
     FenceStatus,
@@ -103,9 +103,6 @@ def default_owner() -> str:
     """``{hostname}-{pid}-{random}``: two live processes never share one."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 def merge_channel_options(options: Iterable[tuple[str, Any]]) -> builtins.list[tuple[str, Any]]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
-import uuid
 from collections.abc import (
     AsyncIterable,
     AsyncIterator,
@@ -60,6 +59,7 @@ from ._errors import (
     from_rpc_error,
 )
 from ._execute import attempt_of
+from ._ids import new_request_id
 from ._retry import RetryPolicy, call_with_retry
 from .v1 import engine_store_pb2 as pb
 from .v1 import engine_store_pb2_grpc
@@ -327,9 +327,6 @@ def _statuses(value: str | Iterable[str] | None) -> builtins.list[str]:
     return builtins.list(value)
 
 
-def _new_request_id() -> str:
-    return uuid.uuid4().hex
-
 
 async def _rechunk(data: Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     """Pieces of at most CHUNK_BYTES from any (async) iterable of bytes-likes.
@@ -437,7 +434,7 @@ class AsyncStore:
         UNAVAILABLE), else unary. ``call_with_retry`` maps the errors of both
         through the same function."""
         if mutation and not request.request_id:
-            request.request_id = _new_request_id()
+            request.request_id = new_request_id()
         rpc = getattr(self.stub, method)
         attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation)
         return await call_with_retry(attempt, self._retry, mutation=mutation)
@@ -706,7 +703,7 @@ class AsyncStore:
             name=name,
             content_type=content_type,
             size_bytes=size,
-            request_id=_new_request_id(),
+            request_id=new_request_id(),
         )
         if sha256 is not None:
             header.sha256 = sha256

@@ -27,6 +27,9 @@ bytes). The server remembers request ids (at least 10 minutes, across
 restarts) and answers a repeated id with the original answer instead of
 applying the command again, so a retry after an unknown outcome is safe.
 Reusing a request id for a different request is RUN_VALIDATION_ERROR.
+Prefer time-ordered ids (UUIDv7, as the Python SDK sends): the server's
+index of remembered ids then grows at its end; random ids (uuid4) dirty a
+random index page per command and cost the writer several times more.
 
 Every mutation is acknowledged only once the commit holding it is durable.
 """
