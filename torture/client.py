@@ -6,46 +6,179 @@ Mutations carry a request id (SPEC §5.5). When a call's outcome is unknown
 (transport failure, timeout) the client either retries it with the *same*
 request id until it gets an answer (one operation spanning all attempts), or
 abandons it (the operation stays unknown), as a real worker would.
+
+Two transports (docs/STREAMS.md): ``unary`` calls every RPC; ``stream`` sends
+every ledger mutation as a command on one long-lived ``Ledger.Execute`` stream
+per client, one at a time (reads and the raw RunStore seam stay unary).
+``mixed`` picks one of the two per client, by its seed. A stream command with
+no answer within the call timeout, or on a stream that broke, is a transport
+failure exactly like a unary UNAVAILABLE/DEADLINE_EXCEEDED (retried with the
+same request id on a new stream); a result's ``error`` is the unary call's
+status, read by the same helpers. Entries are the same either way, plus
+``tp``, the transport the call went over.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import random
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import IO, Any
 
 import grpc
-from _proc import CHANNEL_OPTIONS, error_record
-from google.rpc import error_details_pb2
+from _proc import CHANNEL_OPTIONS
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from fencepost.v1 import ledger_pb2 as lpb
-from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
+from fencepost.v1 import ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 from fencepost.v1 import run_store_pb2 as spb
 
-from .history import WRITES, dict_to_run, run_to_dict
+from .history import LEDGER_WRITES, WRITES, dict_to_run, run_to_dict
 
 CALL_TIMEOUT_S = 4.0
 
+TRANSPORTS = ("unary", "stream", "mixed")
+# a ledger mutation's function name -> its Execute Command field (docs/STREAMS.md)
+COMMAND_KINDS = {"acquire": "acquire", "renew": "renew", "checkpoint": "record_checkpoint",
+                 "suspend": "suspend", "finish": "finish", "release": "release",
+                 "cancel": "cancel", "resume": "request_resume", "delete_run": "delete_run"}
+assert set(COMMAND_KINDS) == set(LEDGER_WRITES)
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
-def error_reason(err: grpc.RpcError) -> str | None:
-    """The fencepost ErrorInfo reason of a refusal, or None (transport failure)."""
+
+def pick_transport(transport: str, seed: int) -> str:
+    """The transport of one client: ``mixed`` picks unary or stream by its seed
+    (from a generator of its own, so the workload's draws are unchanged)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+    if transport == "mixed":
+        return random.Random(f"transport-{seed}").choice(("unary", "stream"))
+    return transport
+
+
+def call_status(err: grpc.RpcError) -> status_pb2.Status | None:
+    """The google.rpc.Status a failed unary call ended with (None: none attached)."""
     try:
-        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        return rpc_status.from_call(err)  # type: ignore[arg-type]
     except Exception:
         return None
-    if status is None:
-        return None
-    for detail in status.details:
+
+
+def error_reason(status: status_pb2.Status | None) -> str | None:
+    """The fencepost ErrorInfo reason of a refusal, or None (transport failure)."""
+    for detail in status.details if status is not None else ():
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
             if info.domain == "fencepost":
                 return str(info.reason)
     return None
+
+
+def error_record(status: status_pb2.Status | None) -> Any:
+    """The record the server attached to a refusal (a fencepost.v1.Run), or None."""
+    for detail in status.details if status is not None else ():
+        if detail.Is(record_pb2.Run.DESCRIPTOR):
+            run = record_pb2.Run()
+            detail.Unpack(run)
+            return run
+    return None
+
+
+@dataclass
+class Attempt:
+    """One attempt's result: the response, a definite refusal (a status with a
+    fencepost reason), or a transport failure (its gRPC code's name)."""
+
+    resp: Any = None
+    refusal: status_pb2.Status | None = None
+    failure: str = ""
+    detail: str = ""  # what a protocol anomaly was (the stream answered out of turn...)
+
+
+def _status_attempt(status: status_pb2.Status) -> Attempt:
+    if error_reason(status) is not None:
+        return Attempt(refusal=status)
+    return Attempt(failure=_CODE_NAMES.get(status.code, "UNKNOWN"), detail=status.message)
+
+
+class _Ended:
+    """The stream ended with OK (put on the results queue by the reader)."""
+
+
+class ExecuteStream:
+    """One ``Ledger.Execute`` stream used one command at a time. gRPC's thread
+    sends what ``execute`` queues; a reader thread hands each result (or how the
+    stream ended) back. A timeout or an ending leaves it ``broken``: the client
+    then opens a new one."""
+
+    def __init__(self, ledger: ledger_pb2_grpc.LedgerStub, name: str) -> None:
+        self._out: queue.Queue[lpb.ExecuteRequest | None] = queue.Queue()
+        self._in: queue.Queue[Any] = queue.Queue()
+        self.ended = threading.Event()
+        self.broken = False
+        self._next_id = 0
+        self._call = ledger.Execute(iter(self._out.get, None))
+        threading.Thread(target=self._read, name=f"{name}-execute", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self._call:
+                for result in msg.results:
+                    self._in.put(result)
+            self._in.put(_Ended())
+        except grpc.RpcError as err:
+            self._in.put(err)
+        except Exception as exc:  # pragma: no cover - surfaced as a failure of the command
+            self._in.put(exc)
+        finally:
+            self.ended.set()
+
+    @property
+    def usable(self) -> bool:
+        return not self.broken and not self.ended.is_set()
+
+    def execute(self, kind: str, req: Any, timeout: float) -> Attempt:
+        self._next_id += 1
+        cid = self._next_id
+        cmd = lpb.Command(id=cid)
+        getattr(cmd, kind).CopyFrom(req)
+        self._out.put(lpb.ExecuteRequest(commands=[cmd]))
+        deadline = time.monotonic() + timeout
+        try:
+            got = self._in.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            self.broken = True
+            return Attempt(failure="DEADLINE_EXCEEDED", detail="no answer on the stream")
+        if isinstance(got, grpc.RpcError):
+            self.broken = True
+            code = got.code()  # type: ignore[attr-defined]
+            return Attempt(failure=code.name if code is not None else "UNKNOWN",
+                           detail="the stream broke")
+        self.broken = True  # unless the answer is the one expected
+        if isinstance(got, _Ended):
+            return Attempt(failure="INTERNAL", detail="the stream ended OK, command unanswered")
+        if isinstance(got, BaseException):
+            return Attempt(failure="UNKNOWN", detail=f"reading the stream: {got!r}")
+        answered = got.WhichOneof("kind")
+        if got.id != cid:
+            return Attempt(failure="INTERNAL", detail=f"result for id {got.id}, sent id {cid}")
+        if answered == "error":
+            self.broken = False
+            return _status_attempt(got.error)
+        if answered != kind:
+            return Attempt(failure="INTERNAL", detail=f"a {answered} result for a {kind}")
+        self.broken = False
+        return Attempt(resp=getattr(got, kind))
+
+    def close(self) -> None:
+        self._out.put(None)  # half-close, then drop whatever is still on it
+        self._call.cancel()
 
 
 class Client:
@@ -61,8 +194,12 @@ class Client:
         hard_stop_ns: int,
         abandon_p: float = 0.3,
         lock: threading.Lock | None = None,
+        transport: str = "unary",
     ) -> None:
         self.name = name
+        self.transport = pick_transport(transport, seed)
+        self._stream: ExecuteStream | None = None
+        self.streams_opened = 0
         self.rng = random.Random(seed)
         self.out = out
         self.lock = lock
@@ -75,7 +212,33 @@ class Client:
         self.counts: dict[str, int] = {}
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self.channel.close()
+
+    # -- the two transports -----------------------------------------------------
+
+    @staticmethod
+    def _unary(method: Any, req: Any) -> Attempt:
+        try:
+            return Attempt(resp=method(req, timeout=CALL_TIMEOUT_S))
+        except grpc.RpcError as err:
+            status = call_status(err)
+            if error_reason(status) is not None:  # a definite refusal
+                return Attempt(refusal=status)
+            code = err.code()  # type: ignore[attr-defined]
+            return Attempt(failure=code.name if code is not None else "UNKNOWN")
+
+    def _execute(self, f: str, req: Any) -> Attempt:
+        """One attempt over the client's Execute stream (a new one when the last
+        broke, timed out or ended)."""
+        if self._stream is not None and not self._stream.usable:
+            self._stream.close()
+            self._stream = None
+        if self._stream is None:
+            self._stream = ExecuteStream(self.ledger, self.name)
+            self.streams_opened += 1
+        return self._stream.execute(COMMAND_KINDS[f], req, CALL_TIMEOUT_S)
 
     # -- the one call path ------------------------------------------------------
 
@@ -89,26 +252,26 @@ class Client:
         rid = uuid.uuid4().hex if write else ""
         if write:
             req.request_id = rid
+        streamed = self.transport == "stream" and f in COMMAND_KINDS
         entry: dict[str, Any] = {"id": f"{self.name}:{self.seq}", "c": self.name, "run": run,
                                  "f": f, "a": args, "rid": rid, "rec": None, "x": {},
-                                 "code": "", "tf": 0}
+                                 "code": "", "tf": 0, "tp": "stream" if streamed else "unary"}
         entry["inv"] = time.monotonic_ns()
         tries = 0
         while True:
             tries += 1
-            try:
-                resp = method(req, timeout=CALL_TIMEOUT_S)
-            except grpc.RpcError as err:
-                why = error_reason(err)
-                if why is not None:  # a definite refusal, with the record it saw
-                    entry.update(st="fail", code=why)
-                    seen = error_record(err)
-                    if seen is not None:
-                        entry["rec"] = run_to_dict(seen)
-                    break
-                code = err.code()  # type: ignore[attr-defined]
+            got = self._execute(f, req) if streamed else self._unary(method, req)
+            if got.refusal is not None:  # a definite refusal, with the record it saw
+                entry.update(st="fail", code=error_reason(got.refusal))
+                seen = error_record(got.refusal)
+                if seen is not None:
+                    entry["rec"] = run_to_dict(seen)
+                break
+            if got.failure:
                 entry["tf"] += 1
-                entry["code"] = code.name if code is not None else "UNKNOWN"
+                entry["code"] = got.failure
+                if got.detail:
+                    entry["err"] = got.detail
                 give_up = (
                     not write
                     or entry["code"] in ("INTERNAL", "UNKNOWN", "UNIMPLEMENTED")
@@ -121,7 +284,7 @@ class Client:
                 time.sleep(self.rng.uniform(0.03, 0.15))
                 continue
             entry["st"] = "ok"
-            self._result(f, resp, entry)
+            self._result(f, got.resp, entry)
             break
         entry["cmp"] = None if entry["st"] == "unknown" else time.monotonic_ns()
         entry["tries"] = tries

@@ -9,13 +9,17 @@ An operation line::
      "inv": <monotonic ns>, "cmp": <monotonic ns> | null,
      "st": "ok" | "fail" | "unknown", "code": "<ErrorInfo reason or gRPC code>",
      "rec": <record, core.records.record_to_dict layout> | null,
-     "x": {...other result fields...}, "tries": n, "tf": <transport failures>}
+     "x": {...other result fields...}, "tries": n, "tf": <transport failures>,
+     "tp": "unary" | "stream"}
 
 ``inv``/``cmp`` are CLOCK_MONOTONIC readings (comparable across processes of one
 machine). ``st == "unknown"`` means the client never learned the outcome (the
 connection dropped or the call timed out, and it did not, or could not, retry
 with the same request id until answered); a retried call that was finally
 answered is one operation spanning from its first invocation to that answer.
+``tp`` is the transport the call went over: a unary RPC, or a command on a
+``Ledger.Execute`` stream (torture/client.py); the checkers do not look at it.
+A line may also carry ``err``, what the last transport failure was.
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ class Op:
     rid: str = ""
     tries: int = 1
     tf: int = 0
+    tp: str = "unary"  # the transport: "unary" or "stream" (recordings before it: unary)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Op:
@@ -150,14 +155,14 @@ class Op:
             id=d["id"], client=d["c"], run=d["run"], f=d["f"], inv=d["inv"], cmp=d.get("cmp"),
             st=d["st"], code=d.get("code") or "", a=d.get("a") or {}, rec=d.get("rec"),
             x=d.get("x") or {}, rid=d.get("rid") or "", tries=d.get("tries", 1),
-            tf=d.get("tf", 0),
+            tf=d.get("tf", 0), tp=d.get("tp") or "unary",
         )
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "c": self.client, "run": self.run, "f": self.f, "inv": self.inv,
                 "cmp": self.cmp, "st": self.st, "code": self.code, "a": self.a,
                 "rec": self.rec, "x": self.x, "rid": self.rid, "tries": self.tries,
-                "tf": self.tf}
+                "tf": self.tf, "tp": self.tp}
 
     @property
     def ok(self) -> bool:
