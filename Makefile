@@ -46,9 +46,10 @@ bench-peers: $(STAMP)  ## fencepost vs etcd, PostgreSQL, Redis, same load (insta
 
 DURATION  ?= 60
 SEED      ?= 1
+TRANSPORT ?= mixed
 .PHONY: torture
-torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 (docs/RELIABILITY.md)
-	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED)
+torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed (docs/RELIABILITY.md)
+	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT)
 
 clean:  ## remove the venv, caches and local databases
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info fencepost.db fencepost.db-*

@@ -1,4 +1,4 @@
-"""python -m torture [--duration S] [--seed N] [--out DIR] [--fault F] ...
+"""python -m torture [--duration S] [--seed N] [--transport T] [--out DIR] [--fault F] ...
 
 Exit code 0: zero violations; 1: violations found; 2: the harness itself failed.
 """
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import REPO
+from .client import TRANSPORTS
 from .runner import Config, check_dir, run
 
 
@@ -17,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m torture", description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=60.0, help="seconds of faults (60)")
     p.add_argument("--seed", type=int, default=1, help="seeds the workload and the nemesis")
-    p.add_argument("--out", type=Path, help="output directory (build/torture/seed-N-Ds)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="mixed",
+                   help="ledger mutations as unary RPCs, as commands on one Ledger.Execute "
+                   "stream per client, or mixed: each client picks one by its seed (mixed)")
+    p.add_argument("--out", type=Path,
+                   help="output directory (build/torture/seed-N-Ds-TRANSPORT)")
     p.add_argument("--workers", type=int, default=4, help="worker processes (4)")
     p.add_argument("--threads", type=int, default=3, help="client threads per worker (3)")
     p.add_argument("--runs", type=int, default=6, help="run ids everybody contends on (6)")
@@ -32,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         outcome = check_dir(a.check_only)
         print(outcome.summary())
         return 0 if outcome.ok else 1
-    out = a.out or REPO / "build" / "torture" / f"seed-{a.seed}-{a.duration:g}s"
+    out = a.out or REPO / "build" / "torture" / f"seed-{a.seed}-{a.duration:g}s-{a.transport}"
     cfg = Config(duration_s=a.duration, seed=a.seed, out=out, workers=a.workers,
                  threads=a.threads, runs=a.runs, profile=a.profile, nemesis=a.nemesis,
-                 fault=a.fault)
+                 fault=a.fault, transport=a.transport)
     try:
         outcome = run(cfg)
     except Exception as exc:

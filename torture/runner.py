@@ -21,7 +21,7 @@ from typing import Any
 from . import REPO
 from .checkers import Checked, check_all
 from .client import Client
-from .history import SUSPENDED, TERMINAL, Op, read_ops
+from .history import LEDGER_WRITES, SUSPENDED, TERMINAL, Op, read_ops
 from .nemesis import KINDS, Nemesis, Proxy, schedule
 from .worker import LOCK_DELAY_MS, MAX_TTL_MS
 
@@ -39,6 +39,7 @@ class Config:
     profile: str = "default"  # workload mix (worker.PROFILES)
     nemesis: str = "default"  # fault mix (nemesis.NEMESIS_PROFILES)
     fault: str = ""  # a deliberately broken server build (--fault)
+    transport: str = "mixed"  # ledger mutations: unary, stream, mixed (torture/client.py)
     liveness_bound_s: float = 20.0
     drain_s: float = 20.0  # after the deadline: workers finish retries within this
     budget: int = 5_000_000  # linearizability search configurations per run
@@ -49,6 +50,7 @@ class Outcome:
     config: dict[str, Any]
     ops: int
     ops_by_function: dict[str, dict[str, int]]
+    ops_by_transport: dict[str, dict[str, int]]
     unknown: dict[str, Any]
     faults: dict[str, Any]
     checker_seconds: dict[str, float]
@@ -68,9 +70,15 @@ class Outcome:
         lines = [
             f"torture seed={c['seed']} duration={c['duration_s']:.0f}s workers={c['workers']}x"
             f"{c['threads']} runs={c['runs']} profile={c['profile']} nemesis={c['nemesis']}"
+            f" transport={c.get('transport', 'unary')}"
             + (f" FAULT={c['fault']}" if c["fault"] else ""),
             f"  operations: {self.ops} "
             f"({', '.join(f'{k} {sum(v.values())}' for k, v in self.ops_by_function.items())})",
+            "  transports: " + "; ".join(
+                f"{tp} {t['ops']} ops ({t['ledger_writes']} ledger mutations from "
+                f"{t['clients']} clients; {t['transport_failures']} lost their connection or "
+                f"timed out, {t['left_unknown']} stayed unknown)"
+                for tp, t in self.ops_by_transport.items()),
             f"  unknown outcome: {self.unknown['calls']} calls lost their connection or timed "
             f"out; {self.unknown['resolved']} were resolved by a retry with the same request "
             f"id, {self.unknown['left']} stayed unknown",
@@ -124,7 +132,8 @@ def run(cfg: Config) -> Outcome:
         for i in range(cfg.workers):
             wcfg = {"index": i, "threads": cfg.threads, "addr": proxy.address,
                     "seed": cfg.seed * 100 + i, "runs": runs, "deadline_ns": deadline,
-                    "hard_stop_ns": hard_stop, "out_dir": str(out), "profile": cfg.profile}
+                    "hard_stop_ns": hard_stop, "out_dir": str(out), "profile": cfg.profile,
+                    "transport": cfg.transport}
             files.append(open(out / f"worker-{i}.log", "wb"))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torture.worker", json.dumps(wcfg)],
@@ -138,7 +147,7 @@ def run(cfg: Config) -> Outcome:
 
         def probe(n: int, killed: int) -> None:
             c = Client(f"probe{n}", srv.address, probe_out, seed=n,
-                       hard_stop_ns=time.monotonic_ns() + int(30e9))
+                       hard_stop_ns=time.monotonic_ns() + int(30e9), transport=cfg.transport)
             try:
                 for r in runs:
                     c.get_run(r)
@@ -182,7 +191,8 @@ def run(cfg: Config) -> Outcome:
                                        + (out / f"worker-{i}.log").read_text()[-3000:])
         live_out = open(out / "ops-live.jsonl", "w", buffering=1)
         files.append(live_out)
-        liveness = drive_to_completion(srv.address, runs, cfg.liveness_bound_s, live_out)
+        liveness = drive_to_completion(srv.address, runs, cfg.liveness_bound_s, live_out,
+                                       cfg.transport)
         stopped = srv.stop()
         if stopped != 0:
             worker_problems.append(f"graceful stop of the server exited {stopped}")
@@ -216,6 +226,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
     if cfg is None:
         saved = json.loads((out / "config.json").read_text())
         saved["out"] = out
+        saved.setdefault("transport", "unary")  # recorded before there was a choice
         cfg = Config(**saved)
     runs = [f"t{i}" for i in range(cfg.runs)]
     ops = read_ops(sorted(out.glob("ops-*.jsonl")))
@@ -240,13 +251,13 @@ def _config(cfg: Config) -> dict[str, Any]:
     return conf
 
 
-def drive_to_completion(addr: str, runs: list[str], bound_s: float,
-                        out: Any) -> list[dict[str, Any]]:
+def drive_to_completion(addr: str, runs: list[str], bound_s: float, out: Any,
+                        transport: str = "unary") -> list[dict[str, Any]]:
     """Liveness: with the nemesis stopped, every run can be acquired and
     finished within ``bound_s`` (a finished run is deleted and started again, so
     every run id is acquired and finished)."""
     c = Client("live", addr, out, seed=0, hard_stop_ns=time.monotonic_ns()
-               + int(bound_s * 1e9 * (len(runs) + 1)))
+               + int(bound_s * 1e9 * (len(runs) + 1)), transport=transport)
     results: list[dict[str, Any]] = []
     try:
         for run in runs:
@@ -294,12 +305,26 @@ def _outcome(cfg: Config, ops: list[Op], faults: list[dict[str, Any]], checked: 
             left[o.f] = left.get(o.f, 0) + 1
     unknown = {"calls": len(saw), "resolved": sum(1 for o in saw if o.st != "unknown"),
                "left": sum(left.values()), "left_by_function": left}
+    by_tp: dict[str, dict[str, int]] = {}
+    writers: dict[str, set[str]] = {}
+    for o in ops:
+        t = by_tp.setdefault(o.tp, {"ops": 0, "ledger_writes": 0, "clients": 0,
+                                    "transport_failures": 0, "left_unknown": 0})
+        t["ops"] += 1
+        t["transport_failures"] += o.tf > 0
+        t["left_unknown"] += o.st == "unknown"
+        if o.f in LEDGER_WRITES:
+            t["ledger_writes"] += 1
+            writers.setdefault(o.tp, set()).add(o.client)
+    for tp, t in by_tp.items():
+        t["clients"] = len(writers.get(tp, ()))
     by_kind = {k: sum(1 for f in faults if f["kind"] == k) for k in KINDS}
     clocks = [f for f in faults if f["kind"] == "clock"]
     return Outcome(
         config=_config(cfg),
         ops=len(ops),
         ops_by_function=dict(sorted(by_f.items())),
+        ops_by_transport=dict(sorted(by_tp.items(), key=lambda kv: (kv[0] != "stream", kv[0]))),
         unknown=unknown,
         faults={"by_kind": by_kind,
                 "cut_connections": sum(f.get("connections", 0) for f in faults),

@@ -214,7 +214,8 @@ def main(cfg: dict[str, Any]) -> int:
         f = open(out_dir / f"ops-{name}.jsonl", "w", buffering=1)
         files.append(f)
         client = Client(name, cfg["addr"], f, seed=cfg["seed"] * 1000 + t,
-                        hard_stop_ns=cfg["hard_stop_ns"])
+                        hard_stop_ns=cfg["hard_stop_ns"],
+                        transport=cfg.get("transport", "unary"))
         clients.append(client)
         actor = Actor(client, cfg["runs"], cfg["profile"], cfg["deadline_ns"])
 
@@ -234,7 +235,8 @@ def main(cfg: dict[str, Any]) -> int:
         c.close()
     for f in files:
         f.close()
-    print(json.dumps({c.name: c.counts for c in clients}))
+    print(json.dumps({c.name: {"transport": c.transport, "streams_opened": c.streams_opened,
+                               "counts": c.counts} for c in clients}))
     return 1 if errors else 0
 
 
