@@ -1,13 +1,16 @@
-"""The torture harness end to end: a short fixed-seed run must find zero
-violations, and deliberately broken server builds must be caught (the
-harness can fail). Longer runs: ``make torture DURATION=900`` (docs/RELIABILITY.md)."""
+"""The torture harness end to end: a short fixed-seed run (both transports,
+mixed) must find zero violations, and deliberately broken server builds must
+be caught (the harness can fail) over the unary calls and over the Execute
+stream. Longer runs: ``make torture DURATION=900`` (docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from torture.history import read_ops
 from torture.runner import Config, Outcome, run
 
 SEED = 1
@@ -22,8 +25,11 @@ def _run(tmp_path: Path, **kw: object) -> Outcome:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torture_fixed_seed_has_zero_violations(tmp_path: Path) -> None:
-    outcome = _run(tmp_path, duration_s=60.0)
+    outcome = _run(tmp_path, duration_s=60.0, transport="mixed")
     assert outcome.ok, outcome.summary()
+    # both transports carried ledger mutations, on the same runs
+    tps = outcome.ops_by_transport
+    assert tps["stream"]["ledger_writes"] >= 500 and tps["unary"]["ledger_writes"] >= 500, tps
     # not vacuous: every kind of fault happened, under real contention
     faults = outcome.faults["by_kind"]
     assert all(faults[k] >= 1 for k in ("kill", "pause", "cut", "clock")), faults
@@ -37,10 +43,18 @@ def test_torture_fixed_seed_has_zero_violations(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_writer_that_acknowledges_before_commit_is_caught(tmp_path: Path) -> None:
-    outcome = _run(tmp_path, duration_s=15.0, fault="ack-before-commit", nemesis="kills")
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_a_writer_that_acknowledges_before_commit_is_caught(tmp_path: Path,
+                                                            transport: str) -> None:
+    outcome = _run(tmp_path, duration_s=15.0, fault="ack-before-commit", nemesis="kills",
+                   transport=transport)
     assert outcome.faults["by_kind"]["kill"] >= 1
     found = outcome.violations
     assert found.get("durability-restart", 0) + found.get("durability-final", 0) >= 1, found
+    # and among the writes found lost, some were acknowledged over this transport
+    tp = {o.id: o.tp for o in read_ops((tmp_path / "torture").glob("ops-*.jsonl"))}
+    lost = {tp.get(m) for d in outcome.violation_details if d.startswith("[durability")
+            for m in re.findall(r"^\s*\[(\S+) ", d, re.M)}
+    assert transport in lost, outcome.summary()
 
 
