@@ -178,8 +178,8 @@ def check_runs_table(snap: Snapshot) -> list[str]:
         if c.revision <= snap.materialized:
             last_at_mark[c.run_id] = c
     for run_id, row in snap.table_runs.items():
-        c = revs.get(row["revision"])
-        if c is not None and (c.run_id != run_id or c.rec != row["record"]):
+        wrote = revs.get(row["revision"])
+        if wrote is not None and (wrote.run_id != run_id or wrote.rec != row["record"]):
             bad.append(f"{run_id}: runs row is not the record written at rev {row['revision']}")
         at_mark = last_at_mark.get(run_id)
         if at_mark is not None and row["revision"] < at_mark.revision:
