@@ -109,66 +109,61 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
     ) -> None:
         await self._watch(request, context)
 
-    async def _record(self, cmd: object) -> Record:
+    async def _answer(self, cmd: object, response: Any) -> Any:
+        """Submit a command whose result is a record; fill it into the empty
+        response's ``run`` in place (no intermediate message, no copy)."""
         result = await self.writer.submit(cmd)  # type: ignore[arg-type]
         assert isinstance(result, Record)
-        return result
+        convert.fill_record_pb(response.run, result)
+        return response
 
     @handler
     async def Acquire(
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireResponse:
-        rec = await self._record(convert.acquire(request))
-        return pb.AcquireResponse(run=convert.record_to_pb(rec))
+        return await self._answer(convert.acquire(request), pb.AcquireResponse())
 
     @handler
     async def Renew(
         self, request: pb.RenewRequest, context: grpc.aio.ServicerContext
     ) -> pb.RenewResponse:
-        rec = await self._record(convert.renew(request))
-        return pb.RenewResponse(run=convert.record_to_pb(rec))
+        return await self._answer(convert.renew(request), pb.RenewResponse())
 
     @handler
     async def RecordCheckpoint(
         self, request: pb.RecordCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.RecordCheckpointResponse:
-        rec = await self._record(convert.record_checkpoint(request))
-        return pb.RecordCheckpointResponse(run=convert.record_to_pb(rec))
+        return await self._answer(convert.record_checkpoint(request), pb.RecordCheckpointResponse())
 
     @handler
     async def Suspend(
         self, request: pb.SuspendRequest, context: grpc.aio.ServicerContext
     ) -> pb.SuspendResponse:
-        rec = await self._record(convert.suspend(request))
-        return pb.SuspendResponse(run=convert.record_to_pb(rec))
+        return await self._answer(convert.suspend(request), pb.SuspendResponse())
 
     @handler
     async def Finish(
         self, request: pb.FinishRequest, context: grpc.aio.ServicerContext
     ) -> pb.FinishResponse:
-        rec = await self._record(convert.finish(request))
-        return pb.FinishResponse(run=convert.record_to_pb(rec))
+        return await self._answer(convert.finish(request), pb.FinishResponse())
 
     @handler
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        rec = await self._record(convert.release(request))
-        return pb.ReleaseResponse(run=convert.record_to_pb(rec))
+        return await self._answer(convert.release(request), pb.ReleaseResponse())
 
     @handler
     async def Cancel(
         self, request: pb.CancelRequest, context: grpc.aio.ServicerContext
     ) -> pb.CancelResponse:
-        rec = await self._record(convert.cancel(request))
-        return pb.CancelResponse(run=convert.record_to_pb(rec))
+        return await self._answer(convert.cancel(request), pb.CancelResponse())
 
     @handler
     async def RequestResume(
         self, request: pb.RequestResumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.RequestResumeResponse:
-        rec = await self._record(convert.request_resume(request))
-        return pb.RequestResumeResponse(run=convert.record_to_pb(rec))
+        return await self._answer(convert.request_resume(request), pb.RequestResumeResponse())
 
     @handler
     async def GetRun(
