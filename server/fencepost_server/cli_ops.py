@@ -43,9 +43,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import sys
+import threading
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any, TextIO
 
 import fencepost
@@ -217,31 +221,84 @@ def _guarded(args: argparse.Namespace, err: TextIO, body: Any) -> int:
 def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) -> int:
     """Print changes until --limit, Ctrl-C (exit 0 either way) or an error.
 
-    Runs the async client under ``asyncio.run``: on Ctrl-C asyncio cancels the
-    main task, and cancellation unwinds the watch and the client cleanly (a
-    KeyboardInterrupt raised at an arbitrary point of a blocking call could
-    leave the SyncClient's private loop waiting)."""
+    Runs the async client under ``asyncio.run`` and owns Ctrl-C itself (see
+    ``_CtrlC``): the first one cancels the watch task, and cancellation
+    unwinds the stream (its call cancelled) and the client (its channel
+    closed) on the loop (a KeyboardInterrupt raised at an arbitrary point of a
+    blocking call could leave the SyncClient's private loop waiting)."""
+    ctrl_c = _CtrlC()
 
     async def watch() -> None:
+        ctrl_c.task = asyncio.current_task()
+        if ctrl_c.seen:
+            return  # Ctrl-C before the loop ran
         printed = 0
         async with fencepost.Client(args.addr, retry=retry) as client:
-            async for ev in client.watch(args.run_ids, from_revision=args.from_revision):
-                if args.json:
-                    out.write(json.dumps(ev.to_dict(), ensure_ascii=False) + "\n")
-                else:
-                    out.write(_event_text(ev))
-                out.flush()
-                printed += 1
-                if args.limit is not None and printed >= args.limit:
-                    return
+            # aclosing: the stream's call is cancelled here, before the channel
+            # closes, not by the generator's finalizer at some later point
+            events = client.watch(args.run_ids, from_revision=args.from_revision)
+            async with contextlib.aclosing(events):
+                async for ev in events:
+                    if args.json:
+                        out.write(json.dumps(ev.to_dict(), ensure_ascii=False) + "\n")
+                    else:
+                        out.write(_event_text(ev))
+                    out.flush()
+                    printed += 1
+                    if args.limit is not None and printed >= args.limit:
+                        return
 
+    owned = ctrl_c.install()
     try:
         asyncio.run(watch())
+    except asyncio.CancelledError:
+        if not ctrl_c.seen:
+            raise
     except KeyboardInterrupt:
-        pass  # Ctrl-C: the way to stop watching
+        pass  # Ctrl-C where SIGINT is not ours to handle (not the main thread...)
     except BrokenPipeError:  # `fencepost watch | head`
         pass
+    finally:
+        if owned and not ctrl_c.seen:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     return EXIT_OK
+
+
+class _CtrlC:
+    """SIGINT for ``watch``: the first one cancels the watch task and turns
+    SIGINT to "ignore" for the rest of the process.
+
+    Ignoring the next ones is the point: the unwinding is bounded (a cancelled
+    call, a closed channel) and the process is on its way out, but a user's
+    second Ctrl-C (asyncio.run's own handler raises KeyboardInterrupt on it)
+    landed at an arbitrary point of that unwinding, of asyncio.run's teardown
+    or of interpreter exit, where Python has put SIGINT back to its default
+    action: the process was killed by the signal (no exit 0), printed
+    tracebacks, or hung. An ignored SIGINT stays ignored through interpreter
+    exit. Installed only where asyncio.run would install its own handler
+    (the main thread, Python's default handler in place): a SIGINT ignored
+    from the start (a shell's background job) stays ignored."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.seen = False
+
+    def install(self) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return False
+        signal.signal(signal.SIGINT, self._on_sigint)
+        return True
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.seen = True
+        task = self.task
+        if task is None:
+            return  # watch() sees ``seen`` when it starts
+        if not task.done() and not task.get_loop().is_closed():
+            task.get_loop().call_soon_threadsafe(task.cancel)
 
 
 def _event_text(ev: WatchEvent) -> str:
