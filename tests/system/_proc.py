@@ -15,7 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -80,7 +80,7 @@ class ServerProc:
         *,
         args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
-        preexec_fn: Callable[[], None] | None = None,
+        prelude: str = "",
     ) -> None:
         self.db_path = db_path
         self.log_path = log_path
@@ -88,10 +88,15 @@ class ServerProc:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self.starts = 0
-        # extra `serve` flags, environment and a child set-up hook (torture, disk faults)
+        # extra `serve` flags, environment, and Python run in the child before it
+        # execs the server (disk faults: a file-size limit). Not a preexec_fn:
+        # that makes subprocess fork() this process, which runs gRPC; gRPC's
+        # fork handlers restart its event engine in the child, close_fds then
+        # closes the new epoll fd under a poller thread, and the child aborts
+        # before exec now and then (see tests/sdk/test_sdk_cli.py::_spawn_cli).
         self.args = args
         self.env = env or {}
-        self.preexec_fn = preexec_fn
+        self.prelude = prelude
 
     @property
     def address(self) -> str:
@@ -103,14 +108,17 @@ class ServerProc:
         self._log.write(f"\n=== start #{self.starts + 1} ===\n".encode())
         self._log.flush()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        cmd = [str(FENCEPOST), "serve", "--listen", self.address, "--db", str(self.db_path),
+               *self.args]
+        if self.prelude:  # a fresh interpreter sets the child up, then execs the server
+            code = f"{self.prelude}\nimport os, sys\nos.execv(sys.argv[1], sys.argv[1:])"
+            cmd = [sys.executable, "-S", "-c", code, *cmd]
         self.proc = subprocess.Popen(
-            [str(FENCEPOST), "serve", "--listen", self.address, "--db", str(self.db_path),
-             *self.args],
+            cmd,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=self._log,
             env=env,
-            preexec_fn=self.preexec_fn,
         )
         self.starts += 1
         self._wait_serving(timeout)

@@ -25,7 +25,6 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +42,14 @@ STORAGE = {"STORAGE_FULL": grpc.StatusCode.RESOURCE_EXHAUSTED,
            "STORAGE_UNAVAILABLE": grpc.StatusCode.UNAVAILABLE}
 
 
-def _file_size_limit(nbytes: int) -> Callable[[], None]:
-    def child() -> None:  # runs in the server process before exec
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
-        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
-
-    return child
+def _file_size_limit(nbytes: int) -> str:
+    """Set-up run in the server's process before it execs the server."""
+    return (
+        "import resource, signal\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death\n"
+        "_, hard = resource.getrlimit(resource.RLIMIT_FSIZE)\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({nbytes}, hard))\n"
+    )
 
 
 class Writer(threading.Thread):
@@ -94,7 +94,7 @@ class Writer(threading.Thread):
 @pytest.mark.timeout(120)
 def test_file_size_limit_mid_load(tmp_path: Path) -> None:
     srv = ServerProc(tmp_path / "fencepost.db", tmp_path / "server.log",
-                     preexec_fn=_file_size_limit(LIMIT))
+                     prelude=_file_size_limit(LIMIT))
     stop = threading.Event()
     writers: list[Writer] = []
     try:
@@ -144,7 +144,7 @@ def test_file_size_limit_mid_load(tmp_path: Path) -> None:
             assert resumed.revision == last + 1
         # nothing acknowledged is lost across a crash
         srv.kill()
-        srv.preexec_fn = None
+        srv.prelude = ""
         srv.start()
         srv.kill()
         snap = load(srv.db_path)
