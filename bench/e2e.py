@@ -65,6 +65,7 @@ from fencepost.v1 import ledger_pb2_grpc
 from fencepost.v1 import record_pb2 as rpb
 
 RPC_TIMEOUT_S = 30.0
+NOISY_OTHERS_CORES = 0.3  # others' CPU during a measured window that voids a verdict
 CONNECT_TIMEOUT_S = 20.0
 
 Resp = TypeVar("Resp")
@@ -485,8 +486,16 @@ def summarize(runs: list[RunResult], targets: tuple[str, ...]) -> dict[str, Any]
     summary["target_ratio"] = TARGET_RATIO
     # A run with failed RPCs measured something else: no verdict from it.
     summary["valid"] = all(summary[t]["errors"] == 0 for t in targets)
+    # Neither is a ratio whose two sides saw different machines: a round in
+    # which any run shared the cores with others' load is noisy.
+    summary["noisy_rounds"] = sorted(
+        {r.round for r in runs if r.other_cpu > NOISY_OTHERS_CORES}
+    )
     summary["target_met"] = (
-        summary["valid"] and summary["ratio"] is not None and summary["ratio"] >= TARGET_RATIO
+        summary["valid"]
+        and not summary["noisy_rounds"]
+        and summary["ratio"] is not None
+        and summary["ratio"] >= TARGET_RATIO
     )
     return summary
 
@@ -494,6 +503,9 @@ def summarize(runs: list[RunResult], targets: tuple[str, ...]) -> dict[str, Any]
 def verdict(summary: dict[str, Any]) -> str:
     if not summary["valid"]:
         return "INVALID (RPCs failed; see the error samples above)"
+    if summary.get("noisy_rounds"):
+        return (f"NOT VALID (others' load above {NOISY_OTHERS_CORES} cores in round(s) "
+                f"{summary['noisy_rounds']}: re-run on a quiet machine)")
     return "met" if summary["target_met"] else "MISSED"
 
 
