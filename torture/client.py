@@ -30,12 +30,11 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import grpc
-from _proc import CHANNEL_OPTIONS
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from _proc import CHANNEL_OPTIONS, call_status, status_reason, status_record
+from google.rpc import status_pb2
 
 from fencepost.v1 import ledger_pb2 as lpb
-from fencepost.v1 import ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
+from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
 from fencepost.v1 import run_store_pb2 as spb
 
 from .history import LEDGER_WRITES, WRITES, dict_to_run, run_to_dict
@@ -61,35 +60,6 @@ def pick_transport(transport: str, seed: int) -> str:
     return transport
 
 
-def call_status(err: grpc.RpcError) -> status_pb2.Status | None:
-    """The google.rpc.Status a failed unary call ended with (None: none attached)."""
-    try:
-        return rpc_status.from_call(err)  # type: ignore[arg-type]
-    except Exception:
-        return None
-
-
-def error_reason(status: status_pb2.Status | None) -> str | None:
-    """The fencepost ErrorInfo reason of a refusal, or None (transport failure)."""
-    for detail in status.details if status is not None else ():
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            if info.domain == "fencepost":
-                return str(info.reason)
-    return None
-
-
-def error_record(status: status_pb2.Status | None) -> Any:
-    """The record the server attached to a refusal (a fencepost.v1.Run), or None."""
-    for detail in status.details if status is not None else ():
-        if detail.Is(record_pb2.Run.DESCRIPTOR):
-            run = record_pb2.Run()
-            detail.Unpack(run)
-            return run
-    return None
-
-
 @dataclass
 class Attempt:
     """One attempt's result: the response, a definite refusal (a status with a
@@ -102,7 +72,7 @@ class Attempt:
 
 
 def _status_attempt(status: status_pb2.Status) -> Attempt:
-    if error_reason(status) is not None:
+    if status_reason(status) is not None:
         return Attempt(refusal=status)
     return Attempt(failure=_CODE_NAMES.get(status.code, "UNKNOWN"), detail=status.message)
 
@@ -224,7 +194,7 @@ class Client:
             return Attempt(resp=method(req, timeout=CALL_TIMEOUT_S))
         except grpc.RpcError as err:
             status = call_status(err)
-            if error_reason(status) is not None:  # a definite refusal
+            if status_reason(status) is not None:  # a definite refusal
                 return Attempt(refusal=status)
             code = err.code()  # type: ignore[attr-defined]
             return Attempt(failure=code.name if code is not None else "UNKNOWN")
@@ -262,8 +232,8 @@ class Client:
             tries += 1
             got = self._execute(f, req) if streamed else self._unary(method, req)
             if got.refusal is not None:  # a definite refusal, with the record it saw
-                entry.update(st="fail", code=error_reason(got.refusal))
-                seen = error_record(got.refusal)
+                entry.update(st="fail", code=status_reason(got.refusal))
+                seen = status_record(got.refusal)
                 if seen is not None:
                     entry["rec"] = run_to_dict(seen)
                 break

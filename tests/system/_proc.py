@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
@@ -48,19 +48,44 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def call_status(err: grpc.RpcError) -> status_pb2.Status | None:
+    """The google.rpc.Status a failed unary call ended with (None: none attached)."""
+    try:
+        return rpc_status.from_call(err)  # type: ignore[arg-type]
+    except Exception:
+        return None
+
+
+def status_reason(status: status_pb2.Status | None) -> str | None:
+    """The fencepost ErrorInfo reason of a refusal's status (a unary call's, or
+    an Execute result's ``error``), or None (a transport failure)."""
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == "fencepost":
+                return str(info.reason)
+    return None
+
+
+def status_record(status: status_pb2.Status | None) -> Any:
+    """The record the server attached to a refusal's status (a fencepost.v1.Run), or None."""
+    from fencepost.v1 import record_pb2
+
+    for detail in status.details if status is not None else ():
+        if detail.Is(record_pb2.Run.DESCRIPTOR):
+            run = record_pb2.Run()
+            detail.Unpack(run)
+            return run
+    return None
+
+
 def reason(err: grpc.RpcError) -> str:
     """The ErrorInfo reason of a failed call, or the gRPC code name when the
     status carries none (UNAVAILABLE from the transport, DEADLINE_EXCEEDED)."""
-    try:
-        status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    except Exception:
-        status = None
-    if status is not None:
-        for detail in status.details:
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                return info.reason
+    why = status_reason(call_status(err))
+    if why is not None:
+        return why
     code = err.code()  # type: ignore[attr-defined]
     return code.name if code is not None else "UNKNOWN"
 
@@ -205,17 +230,4 @@ def connect_ro(db_path: Path) -> sqlite3.Connection:
 
 def error_record(err: grpc.RpcError) -> Any:
     """The record the server attached to a refusal (a fencepost.v1.Run), or None."""
-    from fencepost.v1 import record_pb2
-
-    try:
-        status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    except Exception:
-        return None
-    if status is None:
-        return None
-    for detail in status.details:
-        if detail.Is(record_pb2.Run.DESCRIPTOR):
-            run = record_pb2.Run()
-            detail.Unpack(run)
-            return run
-    return None
+    return status_record(call_status(err))
