@@ -61,6 +61,8 @@ class Settings:
     max_concurrent_streams: int = 1024
     shutdown_grace_s: float = 5.0
     max_batch: int = 1024
+    # Group-commit window under load (writer.py); 0 turns it off.
+    commit_delay_ms: float = 8.0
     request_retention_s: int = 15 * 60
     history_revisions: int = 100_000
     history_max_age_s: int = 0  # 0: no age limit on the watch history
@@ -84,6 +86,7 @@ class Settings:
             "FENCEPOST_MAX_MESSAGE_BYTES": ("max_message_bytes", int),
             "FENCEPOST_METRICS_PORT": ("metrics_port", int),
             "FENCEPOST_SHUTDOWN_GRACE_S": ("shutdown_grace_s", float),
+            "FENCEPOST_COMMIT_DELAY_MS": ("commit_delay_ms", float),
             "FENCEPOST_HISTORY_REVISIONS": ("history_revisions", int),
             "FENCEPOST_HISTORY_MAX_AGE_S": ("history_max_age_s", int),
             "FENCEPOST_TEST_HOOKS": ("test_hooks", _flag),
@@ -122,6 +125,7 @@ class App:
             storage,
             self.clock,
             max_batch=s.max_batch,
+            commit_delay_ms=s.commit_delay_ms,
             request_retention_ms=s.request_retention_s * 1000,
             history_revisions=s.history_revisions,
             history_max_age_ms=s.history_max_age_s * 1000,

@@ -61,6 +61,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="largest request accepted (env FENCEPOST_MAX_MESSAGE_BYTES; 4 MiB)",
     )
     p.add_argument(
+        "--commit-delay-ms",
+        type=float,
+        help="under concurrent load, hold a batch open up to this long so more writes "
+        "share one commit and fsync (env FENCEPOST_COMMIT_DELAY_MS; default 8; 0 off)",
+    )
+    p.add_argument(
         "--shutdown-grace",
         dest="shutdown_grace_s",
         type=float,
@@ -92,6 +98,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace_s,
+        commit_delay_ms=args.commit_delay_ms,
         test_hooks=args.test_hooks,
         fault=args.fault,
     )
