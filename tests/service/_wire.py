@@ -1,8 +1,8 @@
-"""Helpers for wire tests: read the rich error of a failed call."""
+"""Helpers for wire tests: read the rich error of a failed call; run Execute."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +11,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from fencepost.v1 import record_pb2
+from fencepost.v1 import ledger_pb2, record_pb2
 
 
 @dataclass
@@ -66,3 +66,19 @@ def expect(
     if has_record is False:
         assert e.record is None, e
     return e
+
+
+async def run_all(ledger: Any, *messages: ledger_pb2.ExecuteRequest) -> dict[int, Any]:
+    """Send every message on one Execute stream, half-close, collect the
+    results by command id (each id answered once)."""
+
+    async def feed() -> AsyncIterator[ledger_pb2.ExecuteRequest]:
+        for m in messages:
+            yield m
+
+    results: dict[int, Any] = {}
+    async for resp in ledger.Execute(feed()):
+        for r in resp.results:
+            assert r.id not in results
+            results[r.id] = r
+    return results

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _wire import run_all
 from google.rpc import error_details_pb2, status_pb2
 
 from fencepost.v1 import engine_store_pb2 as epb
@@ -55,21 +56,6 @@ def J(text: str) -> epb.JsonValue:
 async def stubs(server) -> AsyncIterator[tuple[Any, Any]]:  # type: ignore[no-untyped-def]
     async with grpc.aio.insecure_channel(server.address) as ch:
         yield ledger_pb2_grpc.LedgerStub(ch), engine_store_pb2_grpc.EngineStoreStub(ch)
-
-
-async def run_all(ledger: Any, *messages: pb.ExecuteRequest) -> dict[int, pb.CommandResult]:
-    """Send every message on one stream, half-close, collect results by id."""
-
-    async def feed() -> AsyncIterator[pb.ExecuteRequest]:
-        for m in messages:
-            yield m
-
-    results: dict[int, pb.CommandResult] = {}
-    async for resp in ledger.Execute(feed()):
-        for r in resp.results:
-            assert r.id not in results
-            results[r.id] = r
-    return results
 
 
 async def unary_status(call: Any, request: Any) -> status_pb2.Status:

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _wire import run_all
 from google.rpc import error_details_pb2
 
 from fencepost.v1 import ledger_pb2 as pb
@@ -20,19 +21,6 @@ from fencepost.v1 import record_pb2 as rpb
 async def aio_ledger(server) -> AsyncIterator[Any]:  # type: ignore[no-untyped-def]
     async with grpc.aio.insecure_channel(server.address) as ch:
         yield ledger_pb2_grpc.LedgerStub(ch)
-
-
-async def run_all(stub: Any, *messages: pb.ExecuteRequest) -> dict[int, pb.CommandResult]:
-    async def feed() -> AsyncIterator[pb.ExecuteRequest]:
-        for m in messages:
-            yield m
-
-    results: dict[int, pb.CommandResult] = {}
-    async for resp in stub.Execute(feed()):
-        for r in resp.results:
-            assert r.id not in results
-            results[r.id] = r
-    return results
 
 
 async def test_many_commands_in_one_message(aio_ledger, server) -> None:  # type: ignore[no-untyped-def]

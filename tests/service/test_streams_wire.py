@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from _records import bump
+from _wire import run_all
 
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
@@ -373,4 +374,28 @@ async def test_many_renewals_in_one_message_answered_in_one_batch(aio, clock) ->
     assert kinds.count("renewed") == 50 and kinds.count("lost") == 1
     assert messages < 51  # coalesced
     assert {m.renewed.run_id for m in got if m.renewed.run_id} == {r.run_id for r in runs}
+    call.cancel()
+
+
+async def test_a_full_writer_queue_holds_renewals_back_instead_of_refusing(aio, server) -> None:  # type: ignore[no-untyped-def]
+    """More renewals in one KeepAlive message than the writer's queue holds
+    (16 384): the stream stops reading until there is room; every renewal is
+    answered `renewed`, none refused with STORAGE_UNAVAILABLE."""
+    ledger, _ = aio
+    n = server.writer._queue.maxsize + 2_000
+    acquired = await run_all(ledger, pb.ExecuteRequest(commands=[
+        pb.Command(id=i, acquire=pb.AcquireRequest(run_id=f"k{i}", owner="w")) for i in range(n)]))
+    assert {r.WhichOneof("kind") for r in acquired.values()} == {"acquire"}
+    call = ledger.KeepAlive()
+    await call.write(pb.KeepAliveRequest(hello=pb.KeepAliveHello(owner="w")))
+    await call.write(pb.KeepAliveRequest(renews=[
+        pb.KeepAliveRenew(run_id=f"k{i}", fencing_token=acquired[i].acquire.run.fencing_token)
+        for i in range(n)]))
+    got: list[pb.KeepAliveResponse] = []
+    while len(got) < n:
+        msg = await asyncio.wait_for(call.read(), 30)
+        got.extend(msg.batch or [msg])
+    kinds = {m.WhichOneof("kind") for m in got}
+    assert kinds == {"renewed"}, [m.error for m in got if m.HasField("error")][:3]
+    assert len({m.renewed.run_id for m in got}) == n
     call.cancel()

@@ -119,7 +119,9 @@ class StreamHandlers:
                 kind = msg.WhichOneof("kind")
                 if kind == "renew":
                     run_id = msg.renew.run_id
-                    self._stream_renew(session, msg.renew)
+                    full = self._stream_renew(session, msg.renew)
+                    if full is not None:
+                        await full
                 elif kind == "track":
                     run_id = msg.track.run_id
                     validate.run_id(run_id, "track.run_id")
@@ -137,35 +139,40 @@ class StreamHandlers:
                 session.send(_error(run_id, err))
             for r in msg.renews if not isinstance(msg, Malformed) else ():
                 try:
-                    self._stream_renew(session, r)
+                    full = self._stream_renew(session, r)
                 except LedgerError as err:
                     session.send(_error(r.run_id, err))
+                    continue
+                if full is not None:
+                    await full
         # the client half-closed: it is done with this stream
 
-    def _stream_renew(self, session: Session, r: Any) -> None:
-        """Validate a renewal and hand it to the writer; answered by callback."""
+    def _stream_renew(self, session: Session, r: Any) -> Awaitable[None] | None:
+        """Validate a renewal and hand it to the writer; answered by callback in
+        the commit's own loop turn (no future per renewal). When the writer's
+        queue is full, returns what to await before reading on: the stream
+        stops reading (back-pressure) instead of refusing a renewal."""
         ttl = r.lease_ttl_ms if r.HasField("lease_ttl_ms") else None
         cmd = validate.command(L.Renew(r.run_id, session.owner, r.fencing_token, ttl))
-        fut = self.writer.submit_nowait(cmd)
-        fut.add_done_callback(
-            functools.partial(self._renew_done, session, r.run_id, r.fencing_token)
-        )
+        answer = functools.partial(self._renew_done, session, r.run_id, r.fencing_token)
+        if self.writer.submit_with_answer(cmd, answer):
+            return None
+        return self.writer.submit_with_answer_waiting(cmd, answer)
 
-    def _renew_done(
-        self, session: Session, run_id: str, token: int, fut: asyncio.Future[Any]
-    ) -> None:
-        if fut.cancelled() or session not in self.hub.sessions:
+    def _renew_done(self, session: Session, run_id: str, token: int, result: Any) -> None:
+        if session not in self.hub.sessions:
             return
-        err = fut.exception()
-        if err is None:
+        if not isinstance(result, BaseException):
             self.hub.renewed(session, run_id, token)
-        elif isinstance(err, LedgerError) and err.code is Code.RUN_LEASE_LOST:
+        elif isinstance(result, LedgerError) and result.code is Code.RUN_LEASE_LOST:
             self.hub.untrack(session, run_id)
-            session.send(lost_message(run_id, token, lost_reason(err.record, token), err.record))
-        elif isinstance(err, LedgerError):
-            session.send(_error(run_id, err))
+            session.send(
+                lost_message(run_id, token, lost_reason(result.record, token), result.record)
+            )
+        elif isinstance(result, LedgerError):
+            session.send(_error(run_id, result))
         else:
-            log.error("renew failed unexpectedly: %r", err)
+            log.error("renew failed unexpectedly: %r", result)
             session.send(_error(run_id, LedgerError(Code.STORAGE_UNAVAILABLE, "internal error")))
 
     # -- WatchRuns -------------------------------------------------------------------
