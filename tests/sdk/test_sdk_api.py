@@ -23,7 +23,8 @@ PUBLIC_API = {
     "IntegrityError", "InvalidRunStateError", "InvalidTransitionError", "Lease",
     "LeaseAtRiskError", "LeaseHeldError", "LeaseInfo", "LeaseLostError", "LostReason",
     "Outcome", "OutcomeUnknownError", "PermissionDeniedError", "RetryPolicy",
-    "RevisionCompactedError", "RpcError", "RunNotFoundError", "RunRecord", "RunStatus",
+    "RevisionCompactedError", "RpcError", "RunListing", "RunNotFoundError", "RunRecord",
+    "RunStatus",
     "RunSuspendedError", "ShuttingDownError", "StorageFullError", "StorageUnavailableError",
     "StreamTooSlowError",
     "Stubs", "Suspension", "SyncClient", "SyncLease", "SyncStubs", "UnauthenticatedError",
@@ -33,6 +34,7 @@ PUBLIC_API = {
 
 CLIENT_API = {
     "acquire", "address", "cancel", "closed", "default_ttl_ms", "delete", "get", "list",
+    "list_all",
     "owner", "renewal", "request_resume", "retry", "store", "stubs", "validate_fence", "watch",
 }
 

@@ -100,6 +100,27 @@ async def test_from_now_and_filtered(
     await watch.close()
 
 
+async def test_list_all_then_watch_from_its_revision_misses_nothing(
+    client: fencepost.Client, rival: fencepost.Client
+) -> None:
+    for i in range(5):
+        await rival.acquire(f"run-{i}")  # revisions 1..5
+    await rival.cancel("run-1")  # 6
+    listing = await client.list_all(page_size=2)  # three pages, one revision
+    assert [r.run_id for r in listing.runs] == [f"run-{i}" for i in range(5)]
+    assert listing.revision == 6
+    assert listing.runs[1].status is RunStatus.CANCELLED
+    only = await client.list_all(statuses=["cancelled"])
+    assert [r.run_id for r in only.runs] == ["run-1"] and only.revision == 6
+    await rival.acquire("run-9")  # 7: after the listing, before the watch
+    await client.delete("run-0")  # 8
+    agen = client.watch(from_revision=listing.revision + 1)
+    got = [await anext(agen), await anext(agen)]
+    assert [(e.revision, e.kind, e.run_id) for e in got] == [
+        (7, ChangeKind.PUT, "run-9"), (8, ChangeKind.DELETE, "run-0")]
+    await agen.aclose()
+
+
 async def test_resumes_after_a_server_restart_without_gap_or_duplicate(
     server: ServerThread, client: fencepost.Client, rival: fencepost.Client
 ) -> None:
@@ -203,6 +224,14 @@ def test_sync_watch_is_a_blocking_iterator(server: ServerThread, sync_client: Sy
         time.sleep(0.01)
     with pytest.raises(ValueError):
         sync_client.watch(from_revision=-1)
+
+
+def test_sync_list_all(sync_client: SyncClient) -> None:
+    for i in range(3):
+        sync_client.acquire(f"run-{i}")
+    listing = sync_client.list_all(page_size=1, owner="worker-a")
+    assert [r.run_id for r in listing.runs] == ["run-0", "run-1", "run-2"]
+    assert listing.revision == 3 and isinstance(listing, fencepost.RunListing)
 
 
 def test_sync_watch_ends_when_the_client_closes(server: ServerThread) -> None:

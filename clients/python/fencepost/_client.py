@@ -49,6 +49,7 @@ from ._records import (
     DeleteResult,
     FenceStatus,
     LostReason,
+    RunListing,
     RunRecord,
     RunStatus,
     WatchEvent,
@@ -826,11 +827,30 @@ class Client:
         wanted = tuple(parse_status(s) for s in statuses)
         token = ""
         while True:
-            records, token = await self._list_page(wanted, owner, page_size, token)
+            records, token, _ = await self._list_page(wanted, owner, page_size, token)
             for rec in records:
                 yield rec
             if not token:
                 return
+
+    async def list_all(
+        self,
+        *,
+        statuses: Iterable[RunStatus | str] = (),
+        owner: str | None = None,
+        page_size: int = 1000,
+    ) -> RunListing:
+        """Every matching run, read to the end, with the revision the listing
+        began at: the start of "list, then ``watch(from_revision=revision +
+        1)``" (see ``RunListing``)."""
+        wanted = tuple(parse_status(s) for s in statuses)
+        runs: builtins.list[RunRecord] = []
+        records, token, revision = await self._list_page(wanted, owner, page_size, "")
+        runs.extend(records)
+        while token:
+            records, token, _ = await self._list_page(wanted, owner, page_size, token)
+            runs.extend(records)
+        return RunListing(tuple(runs), revision)
 
     async def cancel(self, run_id: str, message: str | None = None) -> RunRecord:
         """Operator cancel: moves the fencing token (fencing the worker). An
@@ -866,7 +886,7 @@ class Client:
         revision received + 1: no change is missed or repeated. It raises
         ``RevisionCompactedError`` when the revision to resume from is older
         than the server's retained history (re-list, then watch from the
-        list's revision + 1), and ``UnavailableError`` when the server stays
+        list's revision + 1: ``list_all`` gives it), and ``UnavailableError`` when the server stays
         unreachable for longer than the client's retry policy allows.
         """
         ids = builtins.list(run_ids)
@@ -962,7 +982,7 @@ class Client:
         owner: str | None,
         page_size: int,
         page_token: str,
-    ) -> tuple[builtins.list[RunRecord], str]:
+    ) -> tuple[builtins.list[RunRecord], str, int]:
         req = ledger_pb2.ListRunsRequest(
             statuses=[status_to_pb(s) for s in statuses],  # type: ignore[misc]
             owner=owner or "",
@@ -970,7 +990,7 @@ class Client:
             page_token=page_token,
         )
         resp = await self._call(self._ledger.ListRuns, req, mutation=False)
-        return [record_from_pb(r) for r in resp.runs], resp.next_page_token
+        return [record_from_pb(r) for r in resp.runs], resp.next_page_token, resp.revision
 
     async def _call(
         self,

@@ -215,6 +215,19 @@ class DeleteResult:
     revision: int
 
 
+@dataclass(frozen=True, slots=True)
+class RunListing:
+    """Answer of ``list_all``: every matching run (ordered by run_id) and the
+    server's revision when the listing began. ``watch(from_revision=revision
+    + 1)`` then delivers every change committed after it — nothing between the
+    list and the watch is missed. A change committed while later pages were
+    read can show up in both (the watch's event is the newer: apply events in
+    order and it wins)."""
+
+    runs: tuple[RunRecord, ...]
+    revision: int
+
+
 # -- wire -> Python -----------------------------------------------------------------
 
 

@@ -41,6 +41,7 @@ from ._records import (
     DeleteResult,
     FenceStatus,
     LostReason,
+    RunListing,
     RunRecord,
     RunStatus,
     WatchEvent,
@@ -455,13 +456,25 @@ class SyncClient:
         wanted = tuple(parse_status(s) for s in statuses)
         return self._pages(wanted, owner, page_size)
 
+    def list_all(
+        self,
+        *,
+        statuses: Iterable[RunStatus | str] = (),
+        owner: str | None = None,
+        page_size: int = 1000,
+    ) -> RunListing:
+        """``Client.list_all``: every matching run and the revision to watch from."""
+        return self._portal.run(
+            self._client.list_all(statuses=statuses, owner=owner, page_size=page_size)
+        )
+
     def _pages(
         self, statuses: tuple[RunStatus, ...], owner: str | None, page_size: int
     ) -> Iterator[RunRecord]:
         token = ""
         while True:
             records: builtins.list[RunRecord]
-            records, token = self._portal.run(
+            records, token, _ = self._portal.run(
                 self._client._list_page(statuses, owner, page_size, token)
             )
             yield from records
