@@ -1,7 +1,8 @@
 """The single writer: queue, group commit, revision, change feed.
 
 Every write — ledger, raw seam, later the engine store — is a command put on
-one bounded queue. One task takes whatever is queued (up to ``max_batch``),
+one bounded queue. One task takes whatever is queued (up to ``max_batch``;
+under concurrent load it first waits up to ``commit_delay_ms`` for more),
 hands the whole batch to one dedicated thread that decides each command in
 order against the committed state plus the batch's own earlier changes,
 writes the rows and commits once; only after that commit is durable are the
