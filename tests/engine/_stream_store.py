@@ -12,26 +12,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import grpc
-from service._transport import StreamLedger  # tests/ is on sys.path (tests/conftest.py)
+from service._transport import (  # tests/ is on sys.path (tests/conftest.py)
+    ENGINE_KIND_OF,
+    StreamLedger,
+)
 
 from fencepost.v1 import engine_store_pb2_grpc
-
-# EngineStore RPC -> its field in ledger.proto's Command / CommandResult oneofs
-KIND_OF = {
-    "CreateRun": "create_run",
-    "UpdateRun": "update_run",
-    "ClaimRun": "claim_run",
-    "RenewClaim": "renew_claim",
-    "AppendStep": "append_step",
-    "SaveCheckpoint": "save_checkpoint",
-    "ClaimKey": "claim_key",
-    "AcquireLock": "acquire_lock",
-    "ReleaseLock": "release_lock",
-    "PutEffect": "put_effect",
-    "KvSet": "kv_set",
-    "DocUpsert": "doc_upsert",
-    "DocDelete": "doc_delete",
-}
 
 
 class StreamEngineStore(StreamLedger):
@@ -42,7 +28,7 @@ class StreamEngineStore(StreamLedger):
         self._engine = engine_store_pb2_grpc.EngineStoreStub(channel)
 
     def __getattr__(self, name: str) -> Any:
-        kind = KIND_OF.get(name)
+        kind = ENGINE_KIND_OF.get(name)
         if kind is None:
             return getattr(self._engine, name)
         return lambda request, **_: self._call(kind, request)

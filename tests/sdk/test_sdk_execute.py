@@ -10,6 +10,7 @@ reached through the TCP proxy of _proxy.py where a connection must be cut."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -131,6 +132,31 @@ async def _open_stream(client: fencepost.Client) -> None:
     dispatcher = client._dispatcher
     assert dispatcher is not None
     await _wait_for(lambda: dispatcher.is_open, "the Execute stream to open")
+
+
+@contextlib.asynccontextmanager
+async def answer_lost_once(
+    server: ServerThread, owner: str, lose: Callable[[Any], bool]
+) -> AsyncIterator[tuple[fencepost.Client, Wire, Any]]:
+    """A client whose stream is open, behind a proxy that cuts every
+    connection right after the first result matching ``lose`` reaches it —
+    so that answer never arrives (the outcome is unknown to the client).
+    Yields the client, its Wire and its dispatcher."""
+    with Proxy(server.address) as proxy:
+        wire = Wire()
+        async with fencepost.Client(proxy.address, owner=owner, retry=FAST_RETRY,
+                                    interceptors=wire.interceptors) as client:
+            await _open_stream(client)
+            dispatcher = client._dispatcher
+            assert dispatcher is not None
+
+            def cut() -> None:
+                proxy.cut()  # resets every connection: the stream breaks
+                proxy.mend()  # new connections may come
+
+            wire.lose = lose
+            wire.then = cut
+            yield client, wire, dispatcher
 
 
 # -- (a) coalescing ----------------------------------------------------------------------
@@ -257,38 +283,27 @@ async def test_a_command_cut_off_mid_flight_is_retried_with_its_request_id(
     with the same request id (over unary or the re-opened stream) and gets the
     original grant. Had the retry carried a new id, it would have been a second
     acquisition by the same owner: token 2, version 2."""
-    with Proxy(server.address) as proxy:
-        wire = Wire()
-        async with fencepost.Client(proxy.address, owner="worker-a", retry=FAST_RETRY,
-                                    interceptors=wire.interceptors) as client:
-            await _open_stream(client)
-            dispatcher = client._dispatcher
-            assert dispatcher is not None
+    lost = answer_lost_once(
+        server, "worker-a", lambda r: r.HasField("acquire") and r.acquire.run.run_id == "run-cut")
+    async with lost as (client, wire, dispatcher):
+        lease = await client.acquire("run-cut")
 
-            def cut() -> None:
-                proxy.cut()  # resets every connection: the stream breaks
-                proxy.mend()  # new connections may come
-
-            wire.lose = lambda r: r.HasField("acquire") and r.acquire.run.run_id == "run-cut"
-            wire.then = cut
-            lease = await client.acquire("run-cut")
-
-            assert wire.lose is None  # the answer was lost on the way, once
-            first = [c.acquire for c in wire.commands() if c.acquire.run_id == "run-cut"]
-            retried = [r for m, r in wire.unary_requests
-                       if m == "Acquire" and r.run_id == "run-cut"]
-            attempts = first + retried
-            assert len(attempts) >= 2  # the command on the stream, then its retry
-            assert len({a.request_id for a in attempts}) == 1 and len(attempts[0].request_id) == 32
-            # exactly one grant: the retry got the original answer
-            assert lease.fencing_token == 1
-            rec = await client.get("run-cut")
-            assert (rec.version, rec.fencing_token, rec.attempt) == (1, 1, 1)
-            # and the client is whole: the stream comes back and carries commands
-            await _wait_for(lambda: dispatcher.is_open, "the stream to reopen")
-            assert dispatcher.streams_opened >= 2
-            await lease.finish()
-            assert wire.commands()[-1].WhichOneof("kind") == "finish"
+        assert wire.lose is None  # the answer was lost on the way, once
+        first = [c.acquire for c in wire.commands() if c.acquire.run_id == "run-cut"]
+        retried = [r for m, r in wire.unary_requests
+                   if m == "Acquire" and r.run_id == "run-cut"]
+        attempts = first + retried
+        assert len(attempts) >= 2  # the command on the stream, then its retry
+        assert len({a.request_id for a in attempts}) == 1 and len(attempts[0].request_id) == 32
+        # exactly one grant: the retry got the original answer
+        assert lease.fencing_token == 1
+        rec = await client.get("run-cut")
+        assert (rec.version, rec.fencing_token, rec.attempt) == (1, 1, 1)
+        # and the client is whole: the stream comes back and carries commands
+        await _wait_for(lambda: dispatcher.is_open, "the stream to reopen")
+        assert dispatcher.streams_opened >= 2
+        await lease.finish()
+        assert wire.commands()[-1].WhichOneof("kind") == "finish"
 
 
 # -- (d) fallback ------------------------------------------------------------------------

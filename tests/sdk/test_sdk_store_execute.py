@@ -15,8 +15,13 @@ import asyncio
 from typing import Any
 
 import pytest
-from _proxy import Proxy
-from test_sdk_execute import FAST_RETRY, Wire, _open_stream, _same_error, _wait_for
+from test_sdk_execute import (
+    Wire,
+    _open_stream,
+    _same_error,
+    _wait_for,
+    answer_lost_once,
+)
 
 import fencepost
 from fencepost._execute import KIND_OF_REQUEST
@@ -230,44 +235,33 @@ async def test_a_store_mutation_cut_off_mid_flight_applies_once(
     id the retry would have applied again: create_run would answer
     ``created=False`` (the run existed), append_step would append a second
     step."""
-    with Proxy(server.address) as proxy:
-        wire = Wire()
-        async with fencepost.Client(proxy.address, owner="w", retry=FAST_RETRY,
-                                    interceptors=wire.interceptors) as client:
-            await _open_stream(client)
-            dispatcher = client._dispatcher
-            assert dispatcher is not None
+    async with answer_lost_once(server, "w", lambda r: r.HasField(kind)) as (
+        client, wire, dispatcher
+    ):
+        if kind == "create_run":
+            made = await client.store.create_run("run-cut", agent="a")
+            assert made.created  # the original answer
+            unary_name = "CreateRun"
+        else:
+            step = await client.store.append_step("run-cut", "only")
+            assert step.seq == 1
+            unary_name = "AppendStep"
+        assert wire.lose is None  # the answer was lost on the way, once
 
-            def cut() -> None:
-                proxy.cut()  # resets every connection: the stream breaks
-                proxy.mend()  # new connections may come
-
-            wire.lose = lambda r: r.HasField(kind)  # type: ignore[assignment]
-            wire.then = cut
-            if kind == "create_run":
-                made = await client.store.create_run("run-cut", agent="a")
-                assert made.created  # the original answer
-                unary_name = "CreateRun"
-            else:
-                step = await client.store.append_step("run-cut", "only")
-                assert step.seq == 1
-                unary_name = "AppendStep"
-            assert wire.lose is None  # the answer was lost on the way, once
-
-            first = [getattr(c, kind) for c in wire.commands() if c.HasField(kind)]
-            retried = [r for m, r in wire.unary_requests if m == unary_name]
-            attempts = first + retried
-            assert len(attempts) >= 2  # the command on the stream, then its retry
-            assert len({a.request_id for a in attempts}) == 1
-            assert len(attempts[0].request_id) == 32
-            # applied once
-            if kind == "create_run":
-                runs = await client.store.list_runs()
-                assert [r.id for r in runs.runs] == ["run-cut"]
-            else:
-                assert [s.seq for s in await client.store.list_steps("run-cut")] == [1]
-            # and the client is whole: the stream comes back and carries the store's commands
-            await _wait_for(lambda: dispatcher.is_open, "the stream to reopen")
-            assert dispatcher.streams_opened >= 2
-            await client.store.kv_set("a", "after", True)
-            assert wire.commands()[-1].WhichOneof("kind") == "kv_set"
+        first = [getattr(c, kind) for c in wire.commands() if c.HasField(kind)]
+        retried = [r for m, r in wire.unary_requests if m == unary_name]
+        attempts = first + retried
+        assert len(attempts) >= 2  # the command on the stream, then its retry
+        assert len({a.request_id for a in attempts}) == 1
+        assert len(attempts[0].request_id) == 32
+        # applied once
+        if kind == "create_run":
+            runs = await client.store.list_runs()
+            assert [r.id for r in runs.runs] == ["run-cut"]
+        else:
+            assert [s.seq for s in await client.store.list_steps("run-cut")] == [1]
+        # and the client is whole: the stream comes back and carries the store's commands
+        await _wait_for(lambda: dispatcher.is_open, "the stream to reopen")
+        assert dispatcher.streams_opened >= 2
+        await client.store.kv_set("a", "after", True)
+        assert wire.commands()[-1].WhichOneof("kind") == "kv_set"

@@ -29,6 +29,23 @@ KIND_OF = {
     "DeleteRun": "delete_run",
 }
 
+# EngineStore RPC -> its field in ledger.proto's Command / CommandResult oneofs
+ENGINE_KIND_OF = {
+    "CreateRun": "create_run",
+    "UpdateRun": "update_run",
+    "ClaimRun": "claim_run",
+    "RenewClaim": "renew_claim",
+    "AppendStep": "append_step",
+    "SaveCheckpoint": "save_checkpoint",
+    "ClaimKey": "claim_key",
+    "AcquireLock": "acquire_lock",
+    "ReleaseLock": "release_lock",
+    "PutEffect": "put_effect",
+    "KvSet": "kv_set",
+    "DocUpsert": "doc_upsert",
+    "DocDelete": "doc_delete",
+}
+
 
 class StreamedError(grpc.RpcError):
     """A command's error result, shaped like a failed unary call."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _transport import ENGINE_KIND_OF
 from _wire import run_all
 from google.rpc import error_details_pb2, status_pb2
 
@@ -178,33 +179,18 @@ INVALID: list[tuple[str, Any, str]] = [
     ("CreateRun", epb.EngineCreateRunRequest(
         run=epb.EngineRun(id="r", agent="a", status="q"), request_id="x" * 129), "request_id"),
 ]
-KIND_OF = {
-    "CreateRun": "create_run",
-    "UpdateRun": "update_run",
-    "ClaimRun": "claim_run",
-    "RenewClaim": "renew_claim",
-    "AppendStep": "append_step",
-    "SaveCheckpoint": "save_checkpoint",
-    "ClaimKey": "claim_key",
-    "AcquireLock": "acquire_lock",
-    "ReleaseLock": "release_lock",
-    "PutEffect": "put_effect",
-    "KvSet": "kv_set",
-    "DocUpsert": "doc_upsert",
-    "DocDelete": "doc_delete",
-}
 
 
 async def test_validation_errors_are_per_command_identical_to_unary_and_the_stream_goes_on(
     stubs,  # type: ignore[no-untyped-def]
 ) -> None:
     ledger, es = stubs
-    assert set(KIND_OF.values()) == ENGINE_KINDS
+    assert set(ENGINE_KIND_OF.values()) == ENGINE_KINDS
     expected = [await unary_status(getattr(es, m), req) for m, req, _ in INVALID]
     # one stream; each message a bad command followed by a good one
     messages = [
         pb.ExecuteRequest(commands=[
-            pb.Command(id=2 * i, **{KIND_OF[m]: req}),
+            pb.Command(id=2 * i, **{ENGINE_KIND_OF[m]: req}),
             pb.Command(id=2 * i + 1, kv_set=epb.EngineKvSetRequest(
                 agent="a", key=f"after-{i}", value=J(str(i)))),
         ])
