@@ -161,8 +161,8 @@ async def test_commit_delay_gathers_bigger_batches_under_load(tmp_path: Path) ->
 
 
 async def test_commit_delay_never_holds_a_lone_caller(tmp_path: Path) -> None:
-    """One caller at a time is never delayed: 20 sequential writes with a 200 ms
-    window take well under the 4 s that waiting would cost."""
+    """One caller at a time is never delayed: 20 sequential writes with a 100 ms
+    window take well under the 2 s that waiting would cost."""
     w = Writer(SqliteStorage(tmp_path / "lone.db"), ManualClock(), commit_delay_ms=100.0)
     await w.start()
     try:
