@@ -19,6 +19,8 @@ commit time and its fsync.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -245,6 +247,31 @@ def _answer_text(answer: Any, encoded: dict[int, str]) -> str:
     return _dumps(codec.encode(answer))
 
 
+def _lock_exclusively(path: str) -> int:
+    """Hold an exclusive ``flock`` on the database file for the server's lifetime.
+
+    Two servers on one file would each keep their own in-memory state (stale
+    reads, and revisions that collide on the next write), so the second one is
+    refused before it reads anything. ``flock`` is independent of the POSIX
+    record locks SQLite takes, so it never blocks SQLite itself or read-only
+    inspection; the kernel drops it when the process dies, ``kill -9`` included.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(
+            f"{path} is in use by another fencepost server (it holds the file's lock); "
+            "one server per database file: stop the other one, or give this one its "
+            "own --db"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _storage_error(exc: sqlite3.Error) -> LedgerError:
     code = getattr(exc, "sqlite_errorcode", None)
     if code == sqlite3.SQLITE_FULL:
@@ -261,6 +288,7 @@ class SqliteStorage:
         self.path = str(path)
         self.durability = Durability(durability)
         self._db: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -269,7 +297,12 @@ class SqliteStorage:
         not fencepost databases or were written by a newer release."""
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._lock_fd = _lock_exclusively(self.path)
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except BaseException:
+            self._unlock()
+            raise
         try:
             mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if self.path != ":memory:" and mode.lower() != "wal":
@@ -290,13 +323,20 @@ class SqliteStorage:
             self._migrate(db)
         except sqlite3.DatabaseError as exc:
             db.close()
+            self._unlock()
             raise RuntimeError(
                 f"{self.path} is not a usable fencepost database ({exc}); refusing to start"
             ) from exc
         except BaseException:
             db.close()
+            self._unlock()
             raise
         self._db = db
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
 
     def _migrate(self, db: sqlite3.Connection) -> None:
         version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -330,6 +370,7 @@ class SqliteStorage:
                 pass
             self._db.close()
             self._db = None
+        self._unlock()
 
     @property
     def is_open(self) -> bool:
