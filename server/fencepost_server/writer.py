@@ -176,6 +176,7 @@ class Writer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_prune = 0
+        self._prune_more = False  # writer thread only
         self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
         self._executors: dict[type, Executor] = {}
         # TEST-ONLY broken build (``--test-hooks --fault ack-before-commit``, set by
@@ -510,7 +511,7 @@ class Writer:
                     (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
                 ]
                 out.materialized = mark
-            if now - self._last_prune >= self.prune_every_ms:
+            if self._prune_more or now - self._last_prune >= self.prune_every_ms:
                 age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
                 out.prune = (
                     now - self.request_retention_ms,
@@ -533,6 +534,7 @@ class Writer:
         compacted = None
         if out.prune is not None:
             self._last_prune = now
+            self._prune_more = out.prune_more  # a backlog: again in the next batch
             compacted = out.compacted
         return answers, overlay, tombs, rev, events, compacted
 

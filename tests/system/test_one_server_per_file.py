@@ -42,7 +42,8 @@ def test_a_second_server_on_the_same_file_refuses_to_start(tmp_path: Path) -> No
         # The first server is unharmed: it still serves its run and takes writes.
         with grpc.insecure_channel(first.address, options=CHANNEL_OPTIONS) as ch:
             stub = ledger_pb2_grpc.LedgerStub(ch)
-            assert stub.GetRun(ledger_pb2.GetRunRequest(run_id="r1"), timeout=10).run.lease.owner == "w1"
+            run = stub.GetRun(ledger_pb2.GetRunRequest(run_id="r1"), timeout=10).run
+            assert run.lease.owner == "w1"
             stub.Acquire(ledger_pb2.AcquireRequest(run_id="r2", owner="w1", lease_ttl_ms=60_000),
                          timeout=10)
     finally:

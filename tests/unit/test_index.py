@@ -62,7 +62,8 @@ def test_index_walk_equals_a_full_scan(
 
 def test_a_filtered_walk_visits_only_its_matches() -> None:
     runs = [_record(f"r{i:05d}", Status.COMPLETED, "") for i in range(10_000)]
-    runs += [_record(f"r{i:05d}x", Status.RUNNING, f"w{i // 2000 % 2}") for i in range(0, 10_000, 2000)]
+    runs += [_record(f"r{i:05d}x", Status.RUNNING, f"w{i // 2000 % 2}")
+             for i in range(0, 10_000, 2000)]
     index = RunIndex(runs)
     assert len(list(index.candidates(None, frozenset({Status.RUNNING}), ""))) == 5
     assert len(list(index.candidates(None, frozenset(), "w0"))) == 3

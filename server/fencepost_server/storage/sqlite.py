@@ -225,6 +225,16 @@ class Batch:
     # the materialized mark): no change above the mark is ever dropped.
     prune: tuple[int, int, int | None, int] | None = None
     compacted: int | None = None  # set by write() when it pruned
+    # set by write(): the prune stopped at PRUNE_CHUNK rows of a table and more
+    # is due (the writer prunes again in its next batch, not in prune_every_ms)
+    prune_more: bool = False
+
+
+# Rows one batch prunes from each of changes and requests, at most. Pruning
+# everything due in one statement every prune_every_ms (150 000 rows at 5 000
+# renewals/s and 30 s) stalled that batch and every caller queued behind it;
+# in chunks the backlog goes in a few batches of a few milliseconds each.
+PRUNE_CHUNK = 8192
 
 
 def _dumps(obj: Any) -> str:
@@ -572,13 +582,34 @@ class SqliteStorage:
             )
         if batch.prune is not None:
             request_cutoff, keep_from, age_cutoff, mark = batch.prune
-            db.execute("DELETE FROM requests WHERE created_at < ?", (request_cutoff,))
-            db.execute("DELETE FROM changes WHERE revision < ?", (min(keep_from, mark + 1),))
-            if age_cutoff is not None:
-                db.execute(
-                    "DELETE FROM changes WHERE committed_at < ? AND revision <= ?",
-                    (age_cutoff, mark),
-                )
+            more = db.execute(
+                "DELETE FROM requests WHERE request_id IN (SELECT request_id FROM requests "
+                "WHERE created_at < ? ORDER BY created_at LIMIT ?)",
+                (request_cutoff, PRUNE_CHUNK),
+            ).rowcount >= PRUNE_CHUNK
+            # changes are deleted oldest first and never above the mark: the
+            # history stays one contiguous range of revisions
+            floor = db.execute("SELECT min(revision) FROM changes").fetchone()[0]
+            if floor is not None:
+                ceiling = mark + 1  # never a change above the mark
+                limit = min(floor + PRUNE_CHUNK, ceiling)
+                below = min(keep_from, ceiling)  # what the count limit prunes
+                old_window = False
+                if age_cutoff is not None:
+                    # the age limit prunes up to the first change (within this
+                    # chunk) committed at or after the cutoff
+                    young = db.execute(
+                        "SELECT min(revision) FROM changes WHERE revision >= ? AND "
+                        "revision < ? AND committed_at >= ?",
+                        (floor, limit, age_cutoff),
+                    ).fetchone()[0]
+                    old_window = young is None
+                    below = max(below, limit if young is None else young)
+                stop = min(below, limit)
+                if stop > floor:
+                    db.execute("DELETE FROM changes WHERE revision < ?", (stop,))
+                more = more or (stop == limit < ceiling and (stop < below or old_window))
+            batch.prune_more = more
             batch.compacted = self._compacted(db, batch.revision)
 
 
