@@ -14,6 +14,7 @@ commit, together with the runs dict it mirrors.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterable, Iterator
 
 from sortedcontainers import SortedList
@@ -28,18 +29,24 @@ def _owner(rec: Record) -> str | None:
 class RunIndex:
     __slots__ = ("by_owner", "by_status", "ids")
 
-    def __init__(self, runs: Iterable[Record] = ()) -> None:
+    def __init__(
+        self, runs: Iterable[Record] = (), cold: Iterable[tuple[str, int, str | None]] = ()
+    ) -> None:
+        """``runs``: records; ``cold``: (run id, status, lease owner) of runs
+        known by their index entries alone (not held in memory)."""
         # Built in bulk (one sort per list), not one insert at a time: start-up
         # with a million runs stays a fraction of a second.
         ids: list[str] = []
         status: dict[Status, list[str]] = {}
         owners: dict[str, list[str]] = {}
-        for rec in runs:
-            ids.append(rec.run_id)
-            status.setdefault(rec.status, []).append(rec.run_id)
-            owner = _owner(rec)
+        entries = itertools.chain(
+            ((rec.run_id, rec.status, _owner(rec)) for rec in runs), cold
+        )
+        for run_id, st, owner in entries:
+            ids.append(run_id)
+            status.setdefault(Status(st), []).append(run_id)
             if owner is not None:
-                owners.setdefault(owner, []).append(rec.run_id)
+                owners.setdefault(owner, []).append(run_id)
         self.ids: SortedList = SortedList(ids)
         self.by_status: dict[Status, SortedList] = {k: SortedList(v) for k, v in status.items()}
         self.by_owner: dict[str, SortedList] = {k: SortedList(v) for k, v in owners.items()}
@@ -47,12 +54,20 @@ class RunIndex:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self.ids
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.ids)
+
     def update(self, old: Record | None, new: Record | None) -> None:
         """Move one run from its old record's entries to its new one's (None:
-        absent before / deleted now)."""
+        absent before / deleted now). Set-like: an entry is added only when
+        missing and dropped only when present, so applying the same move twice
+        changes nothing more."""
         run_id = (new or old).run_id  # type: ignore[union-attr]
         if old is None and new is not None:
-            self.ids.add(run_id)
+            self._add(self.ids, run_id)
         elif old is not None and new is None:
             self.ids.discard(run_id)
         old_status = old.status if old is not None else None
@@ -61,18 +76,25 @@ class RunIndex:
             if old_status is not None:
                 self._drop(self.by_status, old_status, run_id)
             if new_status is not None:
-                self.by_status.setdefault(new_status, SortedList()).add(run_id)
+                self._add(self.by_status.setdefault(new_status, SortedList()), run_id)
         old_owner = _owner(old) if old is not None else None
         new_owner = _owner(new) if new is not None else None
         if old_owner != new_owner:
             if old_owner is not None:
                 self._drop(self.by_owner, old_owner, run_id)
             if new_owner is not None:
-                self.by_owner.setdefault(new_owner, SortedList()).add(run_id)
+                self._add(self.by_owner.setdefault(new_owner, SortedList()), run_id)
+
+    @staticmethod
+    def _add(ids: SortedList, run_id: str) -> None:
+        if run_id not in ids:
+            ids.add(run_id)
 
     @staticmethod
     def _drop(table: dict, key: object, run_id: str) -> None:
-        ids = table[key]
+        ids = table.get(key)
+        if ids is None:
+            return
         ids.discard(run_id)
         if not ids:
             del table[key]

@@ -69,3 +69,21 @@ def test_a_filtered_walk_visits_only_its_matches() -> None:
     assert len(list(index.candidates(None, frozenset(), "w0"))) == 3
     assert list(index.candidates("r04000x", frozenset({Status.RUNNING, Status.QUEUED}), "")) == \
         ["r06000x", "r08000x"]
+
+
+def test_the_same_move_twice_changes_nothing_more() -> None:
+    """The writer may publish one batch twice (the test-only ack-before-commit
+    build does): the index must not grow duplicates or fail on a second drop."""
+    a = _record("a", Status.RUNNING, "w1")
+    done = _record("a", Status.COMPLETED, "")
+    index = RunIndex()
+    for _ in range(2):
+        index.update(None, a)
+    assert list(index.ids) == ["a"] and list(index.candidates(None, frozenset(), "w1")) == ["a"]
+    for _ in range(2):
+        index.update(a, done)
+    assert list(index.candidates(None, frozenset({Status.RUNNING}), "")) == []
+    assert list(index.candidates(None, frozenset({Status.COMPLETED}), "")) == ["a"]
+    for _ in range(2):
+        index.update(done, None)
+    assert len(index) == 0 and not index.by_status and not index.by_owner

@@ -34,7 +34,7 @@ from ..core import codec
 from ..core.errors import Code, LedgerError
 from ..core.records import Record, record_from_dict, record_to_dict
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Each entry migrates user_version i -> i + 1. Append; never edit a shipped one.
 MIGRATIONS: list[list[str]] = [
@@ -184,7 +184,18 @@ MIGRATIONS: list[list[str]] = [
         "INSERT INTO meta (key, value) SELECT 'materialized', value FROM meta "
         "WHERE key = 'revision'",
     ],
+    # 3 -> 4: finished runs are no longer held in memory (they are read from
+    # `runs` on demand); start-up loads the unfinished ones by status, and the
+    # ids, statuses and owners of the rest from this index alone.
+    [
+        "CREATE INDEX runs_by_status ON runs (status, owner)",
+    ],
 ]
+
+# Statuses whose runs are held in memory ("hot"); the terminal ones are read
+# from the runs table on demand once it reflects them.
+HOT_STATUSES = (1, 2, 3)  # queued, running, suspended
+COLD_STATUSES = (4, 5, 6)  # completed, failed, cancelled
 
 KIND_PUT = 1
 KIND_DELETE = 2
@@ -200,7 +211,10 @@ class Durability(StrEnum):
 
 @dataclass
 class LoadedState:
+    # the runs held in memory: unfinished ones, and any the change log
+    # replayed; ``cold`` names the rest (id, status, lease owner)
     runs: dict[str, Record] = field(default_factory=dict)
+    cold: list[tuple[str, int, str | None]] = field(default_factory=list)
     tombstones: dict[str, int] = field(default_factory=dict)
     revision: int = 0
     compacted: int = 0
@@ -395,12 +409,17 @@ class SqliteStorage:
     # -- reads (writer thread) --------------------------------------------------
 
     def load(self) -> LoadedState:
-        """The committed ledger: the runs table, plus the changes above its
-        materialized mark replayed in order — which are then written to runs
-        (one transaction), so the writer starts with nothing pending."""
+        """The committed ledger: the unfinished runs of the runs table, plus the
+        changes above its materialized mark replayed in order — which are then
+        written to runs (one transaction), so the writer starts with nothing
+        pending. Finished runs are not read: ``cold`` lists their ids (from
+        the status index alone); ``read_runs`` reads them when asked."""
         db = self.db
         state = LoadedState()
-        for run_id, text in db.execute("SELECT run_id, record FROM runs"):
+        marks = ",".join("?" * len(HOT_STATUSES))
+        for run_id, text in db.execute(
+            f"SELECT run_id, record FROM runs WHERE status IN ({marks})", HOT_STATUSES
+        ):
             state.runs[run_id] = self._readable(text, f"the stored record of run {run_id!r}")
         state.tombstones = dict(db.execute("SELECT run_id, fencing_token FROM tombstones"))
         state.revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0]
@@ -421,11 +440,28 @@ class SqliteStorage:
                 state.runs.pop(run_id, None)
             else:
                 state.runs[run_id] = rec
+        marks = ",".join("?" * len(COLD_STATUSES))
+        state.cold = [
+            row for row in db.execute(
+                f"SELECT run_id, status, owner FROM runs INDEXED BY runs_by_status "
+                f"WHERE status IN ({marks})", COLD_STATUSES,
+            )
+            if row[0] not in replay
+        ]
         if mark != state.revision:
             with self.transaction():
                 self._materialize(db, list(replay.items()), state.revision, state.revision)
+        for run_id, rec in replay.items():  # now reflected in runs: finished ones go cold
+            if rec is not None and rec.status in COLD_STATUSES:
+                del state.runs[run_id]
+                state.cold.append((run_id, int(rec.status), rec.lease.owner if rec.lease else None))
         state.compacted = self._compacted(db, state.revision)
         return state
+
+    def read_runs(self, run_ids: list[str]) -> dict[str, Record]:
+        """The runs table's records of those ids that have one (writer thread:
+        inside a batch it sees what earlier batches committed)."""
+        return read_runs(self.db, run_ids)
 
     def _readable(self, text: Any, what: str) -> Record:
         try:
@@ -611,6 +647,19 @@ class SqliteStorage:
                 more = more or (stop == limit < ceiling and (stop < below or old_window))
             batch.prune_more = more
             batch.compacted = self._compacted(db, batch.revision)
+
+
+def read_runs(db: sqlite3.Connection, run_ids: list[str]) -> dict[str, Record]:
+    """Records of the runs table by id, in chunks the statement can bind."""
+    out: dict[str, Record] = {}
+    for i in range(0, len(run_ids), 500):
+        chunk = run_ids[i:i + 500]
+        for run_id, text in db.execute(
+            f"SELECT run_id, record FROM runs WHERE run_id IN ({','.join('?' * len(chunk))})",
+            chunk,
+        ):
+            out[run_id] = record_from_dict(_loads(text))
+    return out
 
 
 def open_read_only(path: str | Path) -> sqlite3.Connection:
