@@ -74,11 +74,22 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# Python refuses to turn more than 4300 digits into an int (CVE-2020-10735's
+# limit, sys.get_int_max_str_digits); Decimal parses any length exactly and
+# compares equal to the int it denotes, so longer integers are read as one.
+_INT_DIGITS = 4000
+
+
+def _exact_int(text: str) -> int | Decimal:
+    return int(text) if len(text) <= _INT_DIGITS else Decimal(text)
+
+
 def parse_json(field: str, text: str) -> Any:
     """Parse a JSON text exactly (integers of any size, decimals as Decimal);
     RUN_VALIDATION_ERROR naming ``field`` when it is not RFC 8259 JSON."""
     try:
-        return json.loads(text, parse_float=Decimal, parse_constant=_no_constants)
+        return json.loads(text, parse_float=Decimal, parse_int=_exact_int,
+                          parse_constant=_no_constants)
     except RecursionError:
         raise validation(field, "JSON is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, NaN/Infinity
@@ -146,7 +157,7 @@ def doc_matches(doc_text: str, where: dict[str, Any]) -> bool:
     """Whether a stored document's top-level fields equal every field of where."""
     if not where:
         return True
-    doc = json.loads(doc_text, parse_float=Decimal)
+    doc = json.loads(doc_text, parse_float=Decimal, parse_int=_exact_int)
     if not isinstance(doc, dict):
         return False
     return all(k in doc and json_equal(doc[k], v) for k, v in where.items())

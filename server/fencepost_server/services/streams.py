@@ -115,7 +115,7 @@ class StreamHandlers:
             run_id = ""
             try:
                 if isinstance(msg, Malformed):
-                    raise validation("request", f"undecodable {msg.type_name}: {msg.error}")
+                    raise validation(msg.field, f"undecodable {msg.type_name}: {msg.error}")
                 kind = msg.WhichOneof("kind")
                 if kind == "renew":
                     run_id = msg.renew.run_id
