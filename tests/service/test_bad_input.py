@@ -1,4 +1,4 @@
-"""SPEC §10: bad input gets INVALID_ARGUMENT naming the field and changes nothing."""
+"""docs/SPEC.md §10: bad input gets INVALID_ARGUMENT naming the field and changes nothing."""
 
 from __future__ import annotations
 

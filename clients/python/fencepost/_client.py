@@ -2,7 +2,7 @@
 ``Client.acquire`` returns (awaitable and an async context manager) and the
 guard that cancels work when a lease is lost.
 
-How a lease's state is kept (SPEC §6.1, docs/STREAMS.md):
+How a lease's state is kept (docs/SPEC.md §6.1, docs/STREAMS.md):
 
 - *safe-until*: every answered renewal (the Acquire itself, a stream
   ``renewed``, a unary Renew or RecordCheckpoint) gives a deadline on this
@@ -763,7 +763,7 @@ class Client:
 
     @property
     def store(self) -> AsyncStore:
-        """The engine store (SPEC §11) on this client's channel. Its mutations
+        """The engine store (docs/SPEC.md §11) on this client's channel. Its mutations
         share this client's Execute stream (``transport``); the rest is unary."""
         if self._store is None:
             store = AsyncStore(self._store_channel, retry=self._retry)

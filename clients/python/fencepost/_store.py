@@ -1,4 +1,4 @@
-"""The engine store (SPEC §11) from Python: ``AsyncStore`` and ``SyncStore``.
+"""The engine store (docs/SPEC.md §11) from Python: ``AsyncStore`` and ``SyncStore``.
 
 Python values in and out: JSON values are plain Python data (dict, list,
 str, int of any size, float, bool, None), sent as JSON text and parsed back,

@@ -1,7 +1,7 @@
 """A reusable contract suite for any ``fencepost.v1.EngineStore`` endpoint.
 
 It checks an endpoint, over the wire with the generated stubs, against every
-rule of SPEC §11 (the engine store) and the expiry rule of SPEC §4. Run it
+rule of docs/SPEC.md §11 (the engine store) and the expiry rule of docs/SPEC.md §4. Run it
 against fencepost behind a proxy, a new storage backend, or another
 implementation of the API. Each test works in a namespace of its own (fresh
 ids, agents, scopes and keys), so a shared deployment is fine.
@@ -594,7 +594,7 @@ def test_renew_claim_only_for_the_live_owner(
 def test_claims_keys_and_locks_expire_at_exactly_t_plus_ttl(
     engine_store: Any, store_ns: str, store_clock: StoreClock
 ) -> None:
-    """SPEC §4: granted at T with ttl D -> live at T + D - 1 ms, taken over at T + D."""
+    """docs/SPEC.md §4: granted at T with ttl D -> live at T + D - 1 ms, taken over at T + D."""
     store_clock.require_manual()
     d = 5_000
     rid, scope, lock = f"{store_ns}-run", f"{store_ns}-scope", f"{store_ns}-lock"

@@ -1,4 +1,4 @@
-"""The one place a domain error becomes a gRPC status (SPEC §8)."""
+"""The one place a domain error becomes a gRPC status (docs/SPEC.md §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""fencepost.v1.EngineStore (SPEC §11): thin handlers.
+"""fencepost.v1.EngineStore (docs/SPEC.md §11): thin handlers.
 
 Each handler validates its request with the input rules of ``core.engine``
 (naming the field), builds a command and awaits the writer, or reads through

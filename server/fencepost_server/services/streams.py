@@ -1,4 +1,4 @@
-"""The streaming Ledger RPCs: KeepAlive and WatchRuns (SPEC §6).
+"""The streaming Ledger RPCs: KeepAlive and WatchRuns (docs/SPEC.md §6).
 
 Each stream's handler runs a *pump* task (messages out) and, for KeepAlive, a
 *reader* task (messages in), and waits for the first of: the pump ending, the
