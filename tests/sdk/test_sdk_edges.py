@@ -129,3 +129,10 @@ async def test_json_integers_of_any_length_round_trip_exactly(
         assert [d.doc for d in docs] == [value]
         await store.put_effect("e", n)
         assert (await store.get_effect("e")).value == n
+
+
+async def test_an_artifact_upload_that_never_left_is_unavailable() -> None:
+    async with fencepost.AsyncStore.connect(_refusing_address(), retry=FAST) as store:
+        with pytest.raises(fencepost.UnavailableError) as info:
+            await store.put_artifact("a-1", b"bytes", run_id="r")
+        assert type(info.value) is fencepost.UnavailableError

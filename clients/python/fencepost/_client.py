@@ -654,6 +654,11 @@ class Client:
     stream is not (yet) open or is down, mutations go unary and it reconnects
     in the background; behaviour, errors and retries are the same either way.
     ``transport="unary"`` never opens the stream. Reads are always unary.
+
+    ``owner`` names one live process: the server takes two processes with the
+    same owner for one holder, so the second one's acquire takes over (and
+    fences) the first one's lease. Left out, it is ``{hostname}-{pid}-{random}``,
+    unique to this client; pass one only if no other live process uses it.
     """
 
     def __init__(

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import grpc
 
+from ._connect import until_connected
 from ._errors import (
     InvalidRunStateError,
     RunNotFoundError,
@@ -756,7 +757,10 @@ class AsyncStore:
                 yield pb.EnginePutArtifactRequest(chunk=piece)
 
         async def attempt(deadline_s: float | None) -> Any:
-            return await self.stub.PutArtifact(messages())
+            stub = self.stub
+            assert self._stub_cache is not None
+            await until_connected(self._stub_cache[0], deadline_s)  # else: nothing was sent
+            return await stub.PutArtifact(messages())
 
         resp = await call_with_retry(attempt, policy, mutation=True)
         return PutArtifactResult(resp.created, _artifact(resp.artifact))
