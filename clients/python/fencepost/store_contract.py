@@ -81,6 +81,7 @@ __all__ = [
     "test_effects_a_recorded_null_is_found",
     "test_idempotency_first_caller_wins_until_expiry",
     "test_idempotency_takeover_after_ttl",
+    "test_integers_longer_than_pythons_conversion_limit_are_stored_exactly",
     "test_json_values_round_trip_exactly",
     "test_kv_state_null_is_distinct_from_absent",
     "test_list_runs_filters",
@@ -770,6 +771,29 @@ def test_kv_state_null_is_distinct_from_absent(engine_store: Any, store_ns: str)
         engine_store.KvGet(pb.EngineKvGetRequest(agent=a1, key="k")).value, {"n": [1, 2]}
     )
     assert not engine_store.KvGet(pb.EngineKvGetRequest(agent=a2, key="k")).found
+
+
+def test_integers_longer_than_pythons_conversion_limit_are_stored_exactly(
+    engine_store: Any, store_ns: str
+) -> None:
+    """Integers of any length: 5 000 digits is past the 4 300 that Python (a
+    likely server language) converts to int by default."""
+    digits = "7" * 5000
+    text = f'{{"n":{digits},"neg":-{digits},"list":[{digits},1]}}'
+    rid = f"{store_ns}-long"
+    run = new_run(engine_store, rid, input=pb.JsonValue(json=text))
+    assert run.input.json == text and get_run(engine_store, rid).input.json == text
+    engine_store.KvSet(pb.EngineKvSetRequest(agent=store_ns, key="long",
+                                             value=pb.JsonValue(json=text)))
+    assert engine_store.KvGet(pb.EngineKvGetRequest(agent=store_ns, key="long")).value.json == text
+    engine_store.DocUpsert(pb.EngineDocUpsertRequest(agent=store_ns, collection="long", id="d",
+                                                     doc=pb.JsonValue(json=text)))
+    where = pb.EngineDocListRequest(agent=store_ns, collection="long",
+                                    where=pb.JsonValue(json=f'{{"n":{digits}}}'))
+    assert [d.doc.json for page in engine_store.DocList(where) for d in page.docs] == [text]
+    other = pb.EngineDocListRequest(agent=store_ns, collection="long",
+                                    where=pb.JsonValue(json=f'{{"n":{digits}8}}'))
+    assert [d.id for page in engine_store.DocList(other) for d in page.docs] == []
 
 
 def _docs(store: Any, agent: str, coll: str, where: Any = None, **kw: Any) -> list[str]:
