@@ -149,3 +149,13 @@ def test_the_checker_catches_what_it_is_for(tmp_path: Path) -> None:
         "docs/B.md:5: https://example.org points outside the repository",
         "docs/B.md:5: ../../x leaves the repository",
     ]
+
+
+def test_no_file_outside_tests_cites_an_issue_number() -> None:
+    """Docs and code speak to users, not to the tracker."""
+    pattern = re.compile(r"\bissues?\s*#?\d+\b|\(#\d+\)", re.I)
+    offenders = [
+        f"{name}: {m.group(0)}" for name in tracked_files() if not name.startswith("tests/")
+        for m in pattern.finditer((REPO / name).read_text(encoding="utf-8", errors="replace"))
+    ]
+    assert offenders == []
