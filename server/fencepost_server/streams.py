@@ -54,7 +54,7 @@ def lost_reason(record: Record | None, token: int, cause: type | None = None) ->
 
 def holds(record: Record | None, token: int, owner: str | None = None) -> bool:
     """Whether (token[, owner]) is still the fence of the record: exactly the
-    ledger's fence check (SPEC §5.2: same token, a lease with that owner), so
+    ledger's fence check (docs/SPEC.md §5.2: same token, a lease with that owner), so
     the stream never calls lost a handle whose fenced writes would pass."""
     return (
         record is not None

@@ -1,4 +1,4 @@
-"""fencepost.v1.RunStore: the raw three-method seam plus a declaration (SPEC §7)."""
+"""fencepost.v1.RunStore: the raw three-method seam plus a declaration (docs/SPEC.md §7)."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ MIGRATIONS: list[list[str]] = [
                record       TEXT,
                committed_at INTEGER NOT NULL
            )""",
-        # Answers to recent request ids (SPEC §5.5).
+        # Answers to recent request ids (docs/SPEC.md §5.5).
         """CREATE TABLE requests (
                request_id  TEXT PRIMARY KEY,
                fingerprint TEXT NOT NULL,
@@ -78,7 +78,7 @@ MIGRATIONS: list[list[str]] = [
            ) WITHOUT ROWID""",
         "CREATE INDEX requests_by_age ON requests (created_at)",
     ],
-    # 1 -> 2: the engine store (SPEC §11; storage/engine_sql.py reads and writes it).
+    # 1 -> 2: the engine store (docs/SPEC.md §11; storage/engine_sql.py reads and writes it).
     [
         """CREATE TABLE engine_runs (
                id               TEXT PRIMARY KEY,
