@@ -32,7 +32,7 @@ SESSION_QUEUE_LIMIT = 65_536
 
 def lost_reason(record: Record | None, token: int, cause: type | None = None) -> int:
     """Why the fence of a tracked (run, token) is gone, given the record now."""
-    if record is None or cause in (L.DeleteRun, L.RawDelete):
+    if record is None or cause in (L.DeleteRun, L.RawDelete, L.Retire):
         return pb.LOST_REASON_DELETED
     if cause is L.Cancel:
         return pb.LOST_REASON_CANCELLED

@@ -35,6 +35,7 @@ from .storage.sqlite import (
     KIND_PUT,
     Batch,
     SqliteStorage,
+    finished_before,
     open_read_only,
     read_runs,
 )
@@ -302,9 +303,23 @@ class Writer:
         return out
 
     def _read_cold(self, run_ids: list[str]) -> dict[str, Record]:
+        return read_runs(self._read_only(), run_ids)
+
+    def _read_only(self) -> Any:
         if self._reader_db is None:
             self._reader_db = open_read_only(self.storage.path)
-        return read_runs(self._reader_db, run_ids)
+        return self._reader_db
+
+    async def finished_before(
+        self, cutoff_ms: int, limit: int, after: tuple[int, str] | None = None
+    ) -> list[tuple[str, int, int]]:
+        """(run id, version, finished at) of finished runs the runs table holds,
+        last changed before ``cutoff_ms``, oldest first from ``after`` (for
+        retention), read off the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._reader, lambda: finished_before(self._read_only(), cutoff_ms, limit, after)
+        )
 
     async def submit(self, cmd: L.Command) -> L.Result:
         """Queue a command; return its result once its commit is durable, or

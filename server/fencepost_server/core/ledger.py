@@ -112,6 +112,17 @@ class DeleteRun:
 
 
 @dataclass(slots=True)
+class Retire:
+    """Retention: delete a finished run, but only while it is still finished
+    and unchanged since the retention pass read it (``version``). Its
+    tombstone keeps the token guarantee, as for DeleteRun."""
+
+    run_id: str
+    version: int
+    request_id: str = ""
+
+
+@dataclass(slots=True)
 class RawCreate:
     record: Record
     request_id: str = ""
@@ -145,6 +156,7 @@ Command = (
     | Cancel
     | RequestResume
     | DeleteRun
+    | Retire
     | RawCreate
     | RawCompareAndSet
     | RawDelete
@@ -471,6 +483,14 @@ def _delete_run(cmd: DeleteRun, cur: Record | None, tombstone: int, now: int, re
     )
 
 
+def _retire(cmd: Retire, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    if cur is None or cur.version != cmd.version or not is_terminal(cur.status):
+        return Decision(None, Deleted(False))  # gone, changed or reopened: keep it
+    return Decision(
+        Delete(cmd.run_id, cur.fencing_token, rev), Deleted(True, rev, cur.fencing_token)
+    )
+
+
 # -- raw seam -----------------------------------------------------------------------
 
 
@@ -542,6 +562,7 @@ _DECIDERS: dict[type, Callable[[Any, Record | None, int, int, int], Decision]] =
     Cancel: _cancel,
     RequestResume: _request_resume,
     DeleteRun: _delete_run,
+    Retire: _retire,
     RawCreate: _raw_create,
     RawCompareAndSet: _raw_cas,
     RawDelete: _raw_delete,

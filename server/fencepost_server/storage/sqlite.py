@@ -189,6 +189,9 @@ MIGRATIONS: list[list[str]] = [
     # ids, statuses and owners of the rest from this index alone.
     [
         "CREATE INDEX runs_by_status ON runs (status, owner)",
+        # retention (--retain-terminal): finished runs by the time they finished
+        "CREATE INDEX runs_finished_at ON runs (json_extract(record, '$.updated_at')) "
+        "WHERE status IN (4, 5, 6)",
     ],
 ]
 
@@ -660,6 +663,23 @@ def read_runs(db: sqlite3.Connection, run_ids: list[str]) -> dict[str, Record]:
         ):
             out[run_id] = record_from_dict(_loads(text))
     return out
+
+
+def finished_before(
+    db: sqlite3.Connection, cutoff_ms: int, limit: int, after: tuple[int, str] | None = None
+) -> list[tuple[str, int, int]]:
+    """(run id, version, finished at) of finished runs of the runs table last
+    changed before ``cutoff_ms``, oldest first, past ``after`` (the last
+    (finished at, run id) a previous call returned): the runs_finished_at index."""
+    at, run_id = after if after is not None else (-(2**62), "")
+    return db.execute(
+        "SELECT run_id, version, json_extract(record, '$.updated_at') FROM runs "
+        "INDEXED BY runs_finished_at "
+        "WHERE status IN (4, 5, 6) AND json_extract(record, '$.updated_at') < ? "
+        "AND (json_extract(record, '$.updated_at'), run_id) > (?, ?) "
+        "ORDER BY json_extract(record, '$.updated_at'), run_id LIMIT ?",
+        (cutoff_ms, at, run_id, limit),
+    ).fetchall()
 
 
 def open_read_only(path: str | Path) -> sqlite3.Connection:
