@@ -26,6 +26,7 @@ from typing import Any
 
 from . import codec, validate
 from .errors import Code, LedgerError, validation
+from .fence import Fence
 
 MAX_ID_BYTES = 512  # run, document and artifact ids
 MAX_NAME_BYTES = 256  # agents, collections, owners, step names
@@ -252,6 +253,7 @@ class CreateRun:
     error: str | None = None
     metadata: str | None = None
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +274,7 @@ class UpdateRun:
     expect_status: tuple[str, ...] = ()
     expect_owner: str | None = None
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +283,7 @@ class ClaimRun:
     owner: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +292,7 @@ class RenewClaim:
     owner: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +305,7 @@ class AppendStep:
     error: str | None = None
     metadata: str | None = None
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +314,7 @@ class SaveCheckpoint:
     step_index: int
     state: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +324,7 @@ class ClaimKey:
     run_id: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +333,7 @@ class AcquireLock:
     owner: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +341,7 @@ class ReleaseLock:
     key: str
     owner: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +349,7 @@ class PutEffect:
     key: str
     result: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +358,7 @@ class KvSet:
     key: str
     value: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +368,7 @@ class DocUpsert:
     id: str
     doc: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,6 +377,7 @@ class DocDelete:
     collection: str
     id: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,6 +408,7 @@ class CommitArtifact:
     upload_id: str = field(default="", repr=False, compare=False)
     staged_bytes: int = field(default=0, repr=False, compare=False)
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -655,6 +670,31 @@ def decide_release_lock(
     if current is None or current.owner != cmd.owner:
         return None, Done(False)
     return Lock(cmd.key, None, current.fencing_token, now), Done(True)
+
+
+def check_lock_fence(fence: Fence, current: Lock | None) -> None:
+    """A lock fence holds while the lock is held (live or expired, not taken
+    over nor released) under the fence's token: a new grant moves the token
+    and a release clears the owner, and either refuses the write (LOCK_LOST;
+    RUN_NOT_FOUND naming ``fence.lock_key`` for a lock never acquired)."""
+    if current is None:
+        raise LedgerError(
+            Code.RUN_NOT_FOUND,
+            f"fence.lock_key: lock {fence.lock_key!r} was never acquired",
+            field="fence.lock_key",
+        )
+    if current.fencing_token != fence.fencing_token or current.owner is None:
+        held = f"held by {current.owner!r}" if current.owner is not None else "released"
+        raise LedgerError(
+            Code.LOCK_LOST,
+            f"fence: lock {fence.lock_key!r} is at token {current.fencing_token} ({held}); "
+            f"token {fence.fencing_token} no longer fences writes",
+            metadata={
+                "lock_key": current.key,
+                "fencing_token": str(current.fencing_token),
+                "owner": current.owner or "",
+            },
+        )
 
 
 # -- decisions: state --------------------------------------------------------------------
