@@ -72,6 +72,6 @@ def in_transaction(exc: LedgerError, index: int) -> LedgerError:
     if exc.field is not None and message.startswith(f"{exc.field}:"):
         message = f"{field}:{message[len(exc.field) + 1 :]}"
     else:
-        message = f"{prefix}: {message}"
+        message = f"{field or prefix}: {message}"
     meta = {**(exc.metadata or {}), "command_index": str(index)}
     return LedgerError(exc.code, message, exc.record, field, meta)

@@ -669,21 +669,27 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
                 raise validation(
                     "header.sha256", f"the bytes received hash to {digest}, not {hdr.sha256}"
                 )
-            res: E.ArtifactCommitted = await self._submit(
-                E.CommitArtifact(
-                    id=hdr.id,
-                    run_id=hdr.run_id,
-                    name=hdr.name,
-                    content_type=hdr.content_type,
-                    size_bytes=hdr.size_bytes,
-                    sha256=digest,
-                    metadata=hdr.metadata,
-                    upload_id=upload_id,
-                    staged_bytes=received,
-                    request_id=hdr.request_id,
-                    fence=hdr.fence,
+            try:
+                res: E.ArtifactCommitted = await self._submit(
+                    E.CommitArtifact(
+                        id=hdr.id,
+                        run_id=hdr.run_id,
+                        name=hdr.name,
+                        content_type=hdr.content_type,
+                        size_bytes=hdr.size_bytes,
+                        sha256=digest,
+                        metadata=hdr.metadata,
+                        upload_id=upload_id,
+                        staged_bytes=received,
+                        request_id=hdr.request_id,
+                        fence=hdr.fence,
+                    )
                 )
-            )
+            except LedgerError as exc:
+                if exc.field is not None and exc.field.startswith("fence."):
+                    exc.field = f"header.{exc.field}"  # the fence is the header's
+                    exc.message = exc.message.replace("fence.", "header.fence.", 1)
+                raise
             adopted = bool(upload_id) and res.created and res.upload_id == upload_id
             return pb.EnginePutArtifactResponse(
                 created=res.created, artifact=artifact_to_pb(res.artifact)
