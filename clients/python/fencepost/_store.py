@@ -466,10 +466,12 @@ class AsyncStore:
         attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation)
         return await self._fenced_call(attempt, mutation=mutation)
 
-    async def _fenced_call(self, attempt: Any, *, mutation: bool) -> Any:
+    async def _fenced_call(
+        self, attempt: Any, *, mutation: bool, policy: RetryPolicy | None = None
+    ) -> Any:
         """``call_with_retry``; a refused fence is also reported to the view's owner."""
         try:
-            return await call_with_retry(attempt, self._retry, mutation=mutation)
+            return await call_with_retry(attempt, policy or self._retry, mutation=mutation)
         except (LeaseLostError, LockLostError) as exc:
             if self._on_fence_refused is not None:
                 self._on_fence_refused(exc)
@@ -811,12 +813,7 @@ class AsyncStore:
         async def attempt(deadline_s: float | None) -> Any:
             return await self.stub.PutArtifact(messages())
 
-        try:
-            resp = await call_with_retry(attempt, policy, mutation=True)
-        except (LeaseLostError, LockLostError) as exc:
-            if self._on_fence_refused is not None:
-                self._on_fence_refused(exc)
-            raise
+        resp = await self._fenced_call(attempt, mutation=True, policy=policy)
         return PutArtifactResult(resp.created, _artifact(resp.artifact))
 
     async def get_artifact(self, id: str) -> EngineArtifact | None:
