@@ -270,9 +270,9 @@ class LedgerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request_iterator, context):
-        """Many ledger commands, and the EngineStore's unary mutations
-        (engine_store.proto), multiplexed on one stream, many per message in both
-        directions: the fast path past the per-call cost of unary RPCs. Each
+        """Many ledger commands, the EngineStore's unary mutations
+        (engine_store.proto) and transactions (Transact), multiplexed on one
+        stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
         command carries a client-chosen id echoed on its result. Semantics,
         validation, errors and request-id retries are exactly those of the
         unary RPCs; a command's failure is its result's `error` (the same

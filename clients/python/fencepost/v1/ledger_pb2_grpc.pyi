@@ -153,9 +153,9 @@ class LedgerStub:
     from the last revision received + 1.
     """
     Execute: _grpc.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]
-    """Many ledger commands, and the EngineStore's unary mutations
-    (engine_store.proto), multiplexed on one stream, many per message in both
-    directions: the fast path past the per-call cost of unary RPCs. Each
+    """Many ledger commands, the EngineStore's unary mutations
+    (engine_store.proto) and transactions (Transact), multiplexed on one
+    stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
     command carries a client-chosen id echoed on its result. Semantics,
     validation, errors and request-id retries are exactly those of the
     unary RPCs; a command's failure is its result's `error` (the same
@@ -265,9 +265,9 @@ class LedgerAsyncStub(LedgerStub):
     from the last revision received + 1.
     """
     Execute: _aio.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]  # type: ignore[assignment]
-    """Many ledger commands, and the EngineStore's unary mutations
-    (engine_store.proto), multiplexed on one stream, many per message in both
-    directions: the fast path past the per-call cost of unary RPCs. Each
+    """Many ledger commands, the EngineStore's unary mutations
+    (engine_store.proto) and transactions (Transact), multiplexed on one
+    stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
     command carries a client-chosen id echoed on its result. Semantics,
     validation, errors and request-id retries are exactly those of the
     unary RPCs; a command's failure is its result's `error` (the same
@@ -470,9 +470,9 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_ledger_pb2.ExecuteRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ledger_pb2.ExecuteResponse], _abc.AsyncIterator[_ledger_pb2.ExecuteResponse]]:
-        """Many ledger commands, and the EngineStore's unary mutations
-        (engine_store.proto), multiplexed on one stream, many per message in both
-        directions: the fast path past the per-call cost of unary RPCs. Each
+        """Many ledger commands, the EngineStore's unary mutations
+        (engine_store.proto) and transactions (Transact), multiplexed on one
+        stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
         command carries a client-chosen id echoed on its result. Semantics,
         validation, errors and request-id retries are exactly those of the
         unary RPCs; a command's failure is its result's `error` (the same
