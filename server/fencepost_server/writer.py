@@ -16,7 +16,6 @@ Only this module (through ``SqliteStorage.open``) opens a write connection.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
 import logging
 import time
@@ -31,6 +30,7 @@ from .core import fence as F
 from .core import ledger as L
 from .core.errors import Code, LedgerError, in_transaction, validation
 from .core.records import Record
+from .index import RunIndex
 from .storage.sqlite import KIND_DELETE, KIND_PUT, Batch, SqliteStorage
 
 log = logging.getLogger("fencepost.writer")
@@ -74,7 +74,7 @@ class LedgerState:
     runs: dict[str, Record] = field(default_factory=dict)
     tombstones: dict[str, int] = field(default_factory=dict)
     revision: int = 0
-    sorted_ids: list[str] = field(default_factory=list)
+    index: RunIndex = field(default_factory=RunIndex)  # ListRuns: by id, status, owner
     # Changes at or below this revision are no longer retained (watch floor).
     compacted: int = 0
 
@@ -221,6 +221,7 @@ class Writer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_prune = 0
+        self._prune_more = False  # writer thread only
         self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
         self._executors: dict[type, Executor] = {}
         # Checks a lock fence against its row (registered with the engine
@@ -240,7 +241,7 @@ class Writer:
             runs=loaded.runs,
             tombstones=loaded.tombstones,
             revision=loaded.revision,
-            sorted_ids=sorted(loaded.runs),
+            index=RunIndex(loaded.runs.values()),
             compacted=loaded.compacted,
         )
         self._loop = asyncio.get_running_loop()
@@ -461,16 +462,13 @@ class Writer:
         self, overlay: dict[str, Record | None], tombs: dict[str, int], revision: int
     ) -> None:
         st = self.state
+        runs, index = st.runs, st.index
         for run_id, rec in overlay.items():
-            if rec is None:
-                if st.runs.pop(run_id, None) is not None:
-                    i = bisect.bisect_left(st.sorted_ids, run_id)
-                    if i < len(st.sorted_ids) and st.sorted_ids[i] == run_id:
-                        del st.sorted_ids[i]
-            else:
-                if run_id not in st.runs:
-                    bisect.insort(st.sorted_ids, run_id)
-                st.runs[run_id] = rec
+            old = runs.pop(run_id, None) if rec is None else runs.get(run_id)
+            if old is not None or rec is not None:
+                index.update(old, rec)
+            if rec is not None:
+                runs[run_id] = rec
         st.tombstones.update(tombs)
         st.revision = revision
 
@@ -539,7 +537,7 @@ class Writer:
                     (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
                 ]
                 out.materialized = mark
-            if now - self._last_prune >= self.prune_every_ms:
+            if self._prune_more or now - self._last_prune >= self.prune_every_ms:
                 age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
                 out.prune = (
                     now - self.request_retention_ms,
@@ -562,6 +560,7 @@ class Writer:
         compacted = None
         if out.prune is not None:
             self._last_prune = now
+            self._prune_more = out.prune_more  # a backlog: again in the next batch
             compacted = out.compacted
         return answers, overlay, tombs, rev, events, compacted
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import base64
-import bisect
 import hashlib
-import itertools
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -57,16 +55,16 @@ def decode_page_token(token: str, fkey: str) -> str:
 def list_page(
     writer: Writer, statuses: frozenset[Status], owner: str, page_size: int, page_token: str
 ) -> tuple[list[Record], str]:
-    """One page of runs ordered by run_id from the committed state. Scans from
-    the token's position and stops at the first match past a full page, so a
-    page costs what it skips, not the size of the table."""
+    """One page of runs ordered by run_id from the committed state. Walks the
+    narrowest index the filters allow (all ids, one status's, or one owner's;
+    index.py) from the token's position and stops at the first match past a
+    full page, so a page costs the matches it returns plus what the chosen
+    index holds that the other filter refuses, not the size of the table."""
     fkey = _filter_key(statuses, owner)
     after = decode_page_token(page_token, fkey) if page_token else None
     st = writer.state
-    ids = st.sorted_ids
-    i = bisect.bisect_right(ids, after) if after is not None else 0
     out: list[Record] = []
-    for k in itertools.islice(ids, i, None):
+    for k in st.index.candidates(after, statuses, owner):
         rec = st.runs[k]
         if statuses and rec.status not in statuses:
             continue

@@ -19,6 +19,8 @@ commit time and its fsync.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -223,6 +225,16 @@ class Batch:
     # the materialized mark): no change above the mark is ever dropped.
     prune: tuple[int, int, int | None, int] | None = None
     compacted: int | None = None  # set by write() when it pruned
+    # set by write(): the prune stopped at PRUNE_CHUNK rows of a table and more
+    # is due (the writer prunes again in its next batch, not in prune_every_ms)
+    prune_more: bool = False
+
+
+# Rows one batch prunes from each of changes and requests, at most. Pruning
+# everything due in one statement every prune_every_ms (150 000 rows at 5 000
+# renewals/s and 30 s) stalled that batch and every caller queued behind it;
+# in chunks the backlog goes in a few batches of a few milliseconds each.
+PRUNE_CHUNK = 8192
 
 
 def _dumps(obj: Any) -> str:
@@ -245,6 +257,31 @@ def _answer_text(answer: Any, encoded: dict[int, str]) -> str:
     return _dumps(codec.encode(answer))
 
 
+def _lock_exclusively(path: str) -> int:
+    """Hold an exclusive ``flock`` on the database file for the server's lifetime.
+
+    Two servers on one file would each keep their own in-memory state (stale
+    reads, and revisions that collide on the next write), so the second one is
+    refused before it reads anything. ``flock`` is independent of the POSIX
+    record locks SQLite takes, so it never blocks SQLite itself or read-only
+    inspection; the kernel drops it when the process dies, ``kill -9`` included.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(
+            f"{path} is in use by another fencepost server (it holds the file's lock); "
+            "one server per database file: stop the other one, or give this one its "
+            "own --db"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _storage_error(exc: sqlite3.Error) -> LedgerError:
     code = getattr(exc, "sqlite_errorcode", None)
     if code == sqlite3.SQLITE_FULL:
@@ -261,6 +298,7 @@ class SqliteStorage:
         self.path = str(path)
         self.durability = Durability(durability)
         self._db: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -269,7 +307,12 @@ class SqliteStorage:
         not fencepost databases or were written by a newer release."""
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._lock_fd = _lock_exclusively(self.path)
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except BaseException:
+            self._unlock()
+            raise
         try:
             mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if self.path != ":memory:" and mode.lower() != "wal":
@@ -290,13 +333,20 @@ class SqliteStorage:
             self._migrate(db)
         except sqlite3.DatabaseError as exc:
             db.close()
+            self._unlock()
             raise RuntimeError(
                 f"{self.path} is not a usable fencepost database ({exc}); refusing to start"
             ) from exc
         except BaseException:
             db.close()
+            self._unlock()
             raise
         self._db = db
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
 
     def _migrate(self, db: sqlite3.Connection) -> None:
         version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -330,6 +380,7 @@ class SqliteStorage:
                 pass
             self._db.close()
             self._db = None
+        self._unlock()
 
     @property
     def is_open(self) -> bool:
@@ -531,13 +582,34 @@ class SqliteStorage:
             )
         if batch.prune is not None:
             request_cutoff, keep_from, age_cutoff, mark = batch.prune
-            db.execute("DELETE FROM requests WHERE created_at < ?", (request_cutoff,))
-            db.execute("DELETE FROM changes WHERE revision < ?", (min(keep_from, mark + 1),))
-            if age_cutoff is not None:
-                db.execute(
-                    "DELETE FROM changes WHERE committed_at < ? AND revision <= ?",
-                    (age_cutoff, mark),
-                )
+            more = db.execute(
+                "DELETE FROM requests WHERE request_id IN (SELECT request_id FROM requests "
+                "WHERE created_at < ? ORDER BY created_at LIMIT ?)",
+                (request_cutoff, PRUNE_CHUNK),
+            ).rowcount >= PRUNE_CHUNK
+            # changes are deleted oldest first and never above the mark: the
+            # history stays one contiguous range of revisions
+            floor = db.execute("SELECT min(revision) FROM changes").fetchone()[0]
+            if floor is not None:
+                ceiling = mark + 1  # never a change above the mark
+                limit = min(floor + PRUNE_CHUNK, ceiling)
+                below = min(keep_from, ceiling)  # what the count limit prunes
+                old_window = False
+                if age_cutoff is not None:
+                    # the age limit prunes up to the first change (within this
+                    # chunk) committed at or after the cutoff
+                    young = db.execute(
+                        "SELECT min(revision) FROM changes WHERE revision >= ? AND "
+                        "revision < ? AND committed_at >= ?",
+                        (floor, limit, age_cutoff),
+                    ).fetchone()[0]
+                    old_window = young is None
+                    below = max(below, limit if young is None else young)
+                stop = min(below, limit)
+                if stop > floor:
+                    db.execute("DELETE FROM changes WHERE revision < ?", (stop,))
+                more = more or (stop == limit < ceiling and (stop < below or old_window))
+            batch.prune_more = more
             batch.compacted = self._compacted(db, batch.revision)
 
 
