@@ -341,3 +341,17 @@ def test_a_refused_fenced_write_is_answered_the_same_on_retry(channel: grpc.Chan
     expect(es.PutEffect, other, grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR",
            field="request_id")
     assert not es.GetEffect(epb.EngineGetEffectRequest(key="e")).found
+
+
+def test_a_fence_on_a_deleted_run_is_lease_lost_naming_the_field(channel: grpc.Channel) -> None:
+    """A deleted run fences its last holder out (its token is kept as a
+    tombstone); a run that never existed is RUN_NOT_FOUND instead."""
+    es = engine_store_pb2_grpc.EngineStoreStub(channel)
+    ledger = ledger_pb2_grpc.LedgerStub(channel)
+    token = ledger.Acquire(pb.AcquireRequest(run_id="D", owner="a")).run.fencing_token
+    ledger.DeleteRun(pb.DeleteRunRequest(run_id="D"))
+    req = epb.EngineKvSetRequest(agent="ag", key="k", value=J(1),
+                                 fence=epb.Fence(run_id="D", fencing_token=token))
+    err = expect(es.KvSet, req, FP, "RUN_LEASE_LOST", field="fence.run_id", has_record=False)
+    assert "deleted" in err.message
+    assert not es.KvGet(epb.EngineKvGetRequest(agent="ag", key="k")).found

@@ -47,7 +47,7 @@ def check_run_fence(fence: Fence, cur: Record | None, tombstone: int) -> None:
         if tombstone:
             raise LedgerError(
                 Code.RUN_LEASE_LOST,
-                f"fence: run {fence.run_id!r} was deleted (its last token was {tombstone})",
+                f"fence.run_id: run {fence.run_id!r} was deleted (its last token was {tombstone})",
                 field="fence.run_id",
             )
         raise LedgerError(
