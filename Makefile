@@ -48,9 +48,10 @@ bench-peers: $(STAMP)  ## fencepost vs etcd, PostgreSQL, Redis, same load (insta
 DURATION  ?= 60
 SEED      ?= 1
 TRANSPORT ?= mixed
+SNAPSHOTS ?= fenced
 .PHONY: torture
-torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed (docs/RELIABILITY.md)
-	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT)
+torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed SNAPSHOTS=fenced|unfenced|off (docs/RELIABILITY.md)
+	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT) --snapshots $(SNAPSHOTS)
 
 clean:  ## remove the venv, caches and build output (never your data: see clean-data)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

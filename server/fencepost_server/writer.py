@@ -26,8 +26,9 @@ from typing import Any
 
 from .clock import Clock
 from .core import codec
+from .core import fence as F
 from .core import ledger as L
-from .core.errors import Code, LedgerError
+from .core.errors import Code, LedgerError, in_transaction, validation
 from .core.records import TERMINAL, Record
 from .index import RunIndex
 from .storage.sqlite import (
@@ -133,6 +134,52 @@ MAX_PENDING = 65_536  # past this many unwritten runs, copy without waiting
 Executor = Callable[[Any, Any, int], Any]  # (sqlite3.Connection, command, now) -> result
 
 
+class _Step:
+    """The batch being decided: the committed state it starts from, the
+    changes its commands made so far (overlay, tombstones, rows, events) and
+    the last revision given out. Writer thread only."""
+
+    __slots__ = ("changed", "cold", "committed", "events", "out", "overlay", "rev", "tombs")
+
+    def __init__(self, committed: LedgerState, out: Batch, rev: int) -> None:
+        self.committed = committed
+        self.out = out
+        self.rev = rev
+        self.overlay: dict[str, Record | None] = {}
+        self.tombs: dict[str, int] = {}
+        self.events: list[ChangeEvent] = []
+        self.changed: dict[str, int] = {}  # run_id -> its first change in this batch
+        # finished runs read from the runs table (committed state: never undone)
+        self.cold: dict[str, Record | None] = {}
+
+    def mark(self) -> tuple[Any, ...]:
+        """What ``undo`` needs to forget every change made after this call."""
+        out = self.out
+        return (
+            self.rev,
+            len(out.changes),
+            len(self.events),
+            dict(self.overlay),
+            dict(self.tombs),
+            dict(out.deletes),
+            dict(self.changed),
+        )
+
+    def undo(self, mark: tuple[Any, ...]) -> None:
+        rev, n_changes, n_events, overlay, tombs, deletes, changed = mark
+        self.rev = rev
+        del self.out.changes[n_changes:]
+        del self.events[n_events:]
+        self.overlay.clear()
+        self.overlay.update(overlay)
+        self.tombs.clear()
+        self.tombs.update(tombs)
+        self.out.deletes.clear()
+        self.out.deletes.update(deletes)
+        self.changed.clear()
+        self.changed.update(changed)
+
+
 class Writer:
     def __init__(
         self,
@@ -195,6 +242,9 @@ class Writer:
         self.evict_finished = str(storage.path) != ":memory:"
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-reader")
         self._reader_db: Any = None
+        # Checks a lock fence against its row (registered with the engine
+        # store's executors): (sqlite3.Connection, Fence) -> None or raise.
+        self.lock_fence: Callable[[Any, F.Fence], None] | None = None
         # TEST-ONLY broken build (``--test-hooks --fault ack-before-commit``, set by
         # app.py): seconds between answering a batch and committing it. 0: never.
         self.unsafe_ack_before_commit_s = 0.0
@@ -527,16 +577,12 @@ class Writer:
         """Decide every command of the batch in order and commit once.
         Runs in the writer thread; reads the committed state, never moves it."""
         committed = self.state
-        overlay: dict[str, Record | None] = {}
-        tombs: dict[str, int] = {}
         answered: dict[str, tuple[str, Any]] = {}
-        cold: dict[str, Record | None] = {}  # finished runs read from the runs table
         out = Batch(now=now)
+        st = _Step(committed, out, committed.revision)
+        cold = st.cold
         answers: list[Any] = []
-        events: list[ChangeEvent] = []
-        changed: dict[str, int] = {}  # run_id -> its first change in this batch
         with self.storage.transaction():
-            rev = committed.revision
             rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
             stored_answers = self.storage.lookup_requests(rids) if rids else {}
             for item in batch:
@@ -563,45 +609,27 @@ class Writer:
                 answer: Any
                 executor = self._executors.get(type(cmd))
                 if executor is not None:
-                    answer = self.storage.run_isolated(executor, cmd, now)
-                    if rid:
-                        answered[rid] = (fp, answer)
-                        out.requests.append((rid, fp, answer, now))
-                    answers.append(answer)
-                    continue
-                run_id = cmd.run_id
-                cur = overlay[run_id] if run_id in overlay else self._committed(run_id, cold)
-                tomb = tombs.get(run_id, committed.tombstones.get(run_id, 0))
-                try:
-                    decision = L.decide(cmd, cur, tomb, now, rev + 1)
-                except LedgerError as exc:
-                    answer = exc
+                    fence = getattr(cmd, "fence", None)
+                    try:
+                        if fence is not None:
+                            self._check_fence(fence, st)
+                    except LedgerError as exc:
+                        answer = exc
+                    else:
+                        answer = self.storage.run_isolated(executor, cmd, now)
+                elif type(cmd) is L.Transaction:
+                    answer = self._transaction(cmd, st, now)  # type: ignore[arg-type]
                 else:
-                    answer = decision.result
-                    change = decision.change
-                    if change is not None:
-                        rev += 1
-                        if run_id not in changed:
-                            changed[run_id] = rev
-                        if isinstance(change, L.Put):
-                            overlay[run_id] = change.record
-                            out.deletes.pop(run_id, None)
-                            out.changes.append((rev, run_id, KIND_PUT, change.record))
-                            events.append(
-                                ChangeEvent(rev, KIND_PUT, run_id, change.record, cur, type(cmd))
-                            )
-                        else:
-                            overlay[run_id] = None
-                            tombs[run_id] = max(tomb, change.fencing_token)
-                            out.deletes[run_id] = (tombs[run_id], now)
-                            out.changes.append((rev, run_id, KIND_DELETE, None))
-                            events.append(
-                                ChangeEvent(rev, KIND_DELETE, run_id, None, cur, type(cmd))
-                            )
+                    try:
+                        answer = self._decide(cmd, st, now)
+                    except LedgerError as exc:
+                        answer = exc
                 if rid:
                     answered[rid] = (fp, answer)
                     out.requests.append((rid, fp, answer, now))
                 answers.append(answer)
+            overlay, tombs, events, changed = st.overlay, st.tombs, st.events, st.changed
+            rev = st.rev
             out.revision = rev
             taken, mark = self._plan_materialization(now, rev, changed)
             if taken or mark != self._materialized:
@@ -656,6 +684,94 @@ class Writer:
         got = self.storage.read_runs([run_id]).get(run_id)
         cold[run_id] = got
         return got
+
+    def _decide(self, cmd: Any, st: _Step, now: int) -> Any:
+        """Decide one ledger command against the committed state plus the
+        batch's earlier changes and add its change to the batch; returns its
+        result or raises its LedgerError (nothing added then)."""
+        run_id = cmd.run_id
+        overlay = st.overlay
+        committed = st.committed
+        cur = overlay[run_id] if run_id in overlay else self._committed(run_id, st.cold)
+        tomb = st.tombs.get(run_id, committed.tombstones.get(run_id, 0))
+        if type(cmd) is L.RecordCheckpoint and cmd.fence is not None:
+            self._check_fence(cmd.fence, st)
+        decision = L.decide(cmd, cur, tomb, now, st.rev + 1)
+        change = decision.change
+        if change is not None:
+            rev = st.rev = st.rev + 1
+            if run_id not in st.changed:
+                st.changed[run_id] = rev
+            out = st.out
+            if isinstance(change, L.Put):
+                overlay[run_id] = change.record
+                out.deletes.pop(run_id, None)
+                out.changes.append((rev, run_id, KIND_PUT, change.record))
+                st.events.append(ChangeEvent(rev, KIND_PUT, run_id, change.record, cur, type(cmd)))
+            else:
+                overlay[run_id] = None
+                st.tombs[run_id] = max(tomb, change.fencing_token)
+                out.deletes[run_id] = (st.tombs[run_id], now)
+                out.changes.append((rev, run_id, KIND_DELETE, None))
+                st.events.append(ChangeEvent(rev, KIND_DELETE, run_id, None, cur, type(cmd)))
+        return decision.result
+
+    def _check_fence(self, fence: F.Fence, st: _Step) -> None:
+        """Raise unless ``fence`` holds right now: a run fence against the
+        writer's authoritative records (committed plus this batch's earlier
+        changes), a lock fence against the lock's row as this transaction
+        sees it. Writer thread, in the step that applies the fenced write."""
+        if fence.run_id:
+            run_id = fence.run_id
+            cur = st.overlay[run_id] if run_id in st.overlay else self._committed(run_id, st.cold)
+            tomb = st.tombs.get(run_id, st.committed.tombstones.get(run_id, 0))
+            F.check_run_fence(fence, cur, tomb)
+            return
+        if self.lock_fence is None:
+            raise LedgerError(
+                Code.RUN_VALIDATION_ERROR,
+                "fence.lock_key: this server has no engine store (no keyed locks)",
+                field="fence.lock_key",
+            )
+        self.lock_fence(self.storage.db, fence)
+
+    def _transaction(self, tx: L.Transaction, st: _Step, now: int) -> Any:
+        """Apply every command of ``tx`` in order, the shared fence checked
+        before each, in one savepoint: all of them, or (the first refusal,
+        naming its command) none. Writer thread."""
+        mark = st.mark()
+        db = self.storage.db
+        db.execute("SAVEPOINT tx")
+        results: list[Any] = []
+        try:
+            for i, cmd in enumerate(tx.commands):
+                try:
+                    if tx.fence is not None:
+                        self._check_fence(tx.fence, st)
+                    executor = self._executors.get(type(cmd))
+                    if type(cmd) is L.Transaction:
+                        raise validation("commands", "a transaction cannot contain a transaction")
+                    if executor is None:
+                        results.append(self._decide(cmd, st, now))
+                        continue
+                    fence = getattr(cmd, "fence", None)
+                    if fence is not None:
+                        self._check_fence(fence, st)
+                    results.append(executor(db, cmd, now))
+                except LedgerError as exc:
+                    raise in_transaction(exc, i) from None
+        except LedgerError as exc:
+            db.execute("ROLLBACK TO tx")
+            db.execute("RELEASE tx")
+            st.undo(mark)
+            return exc
+        except BaseException:
+            db.execute("ROLLBACK TO tx")
+            db.execute("RELEASE tx")
+            st.undo(mark)
+            raise
+        db.execute("RELEASE tx")
+        return L.TransactionDone(tuple(results))
 
     def _plan_materialization(
         self, now: int, rev: int, changed: dict[str, int]

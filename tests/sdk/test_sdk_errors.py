@@ -40,6 +40,7 @@ EXPECTED_CLASS = {
     "RUN_INTEGRITY_ERROR": fencepost.IntegrityError,
     "RUN_STORE_ATOMIC_REQUIRED": fencepost.AtomicStoreRequiredError,
     "INVALID_RUN_STATE": fencepost.InvalidRunStateError,
+    "LOCK_LOST": fencepost.LockLostError,
     "STORAGE_FULL": fencepost.StorageFullError,
     "STORAGE_UNAVAILABLE": fencepost.StorageUnavailableError,
     "RUN_REVISION_COMPACTED": fencepost.RevisionCompactedError,

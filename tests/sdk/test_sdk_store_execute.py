@@ -58,7 +58,7 @@ def test_the_dispatcher_carries_exactly_the_store_mutations_with_their_answers()
         assert not method.client_streaming and not method.server_streaming
         assert result_fields[kind].message_type is method.output_type, method.name
     assert carried == STORE_MUTATIONS
-    assert len(KIND_OF_REQUEST) == 9 + 13  # and the ledger's nine
+    assert len(KIND_OF_REQUEST) == 9 + 13 + 1  # and the ledger's nine, and Transact
 
 
 # -- coalescing --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ KIND_OF = {
     "Cancel": "cancel",
     "RequestResume": "request_resume",
     "DeleteRun": "delete_run",
+    "Transact": "transaction",
 }
 
 # EngineStore RPC -> its field in ledger.proto's Command / CommandResult oneofs

@@ -163,3 +163,29 @@ def test_a_restart_loads_only_unfinished_runs(tmp_path: Any) -> None:
         assert len(srv.app.writer.state.index) == 6
         for run_id, run in finished.items():
             assert ledger.GetRun(pb.GetRunRequest(run_id=run_id)).run == run
+
+
+def test_a_fence_on_a_cold_run_is_checked_against_its_stored_record(
+    server: ServerThread, clock: ManualClock, stubs: tuple[Any, Any]
+) -> None:
+    """A write fenced by a finished run's token is refused as lost (with the
+    record), not as an unknown run, once memory no longer holds the run."""
+    from fencepost.v1 import engine_store_pb2 as epb
+    from fencepost.v1 import engine_store_pb2_grpc
+
+    ledger, _ = stubs
+    done = _finish(ledger, "f1")
+    _go_cold(server, clock, ledger)
+    assert server.app.writer.is_cold("f1")
+    es = engine_store_pb2_grpc.EngineStoreStub(grpc.insecure_channel(server.address))
+    e = expect(
+        es.SaveCheckpoint,
+        epb.EngineSaveCheckpointRequest(
+            checkpoint=epb.EngineCheckpoint(run_id="f1", step_index=1,
+                                            state=epb.JsonValue(json="{}")),
+            fence=epb.Fence(run_id="f1", fencing_token=done.fencing_token),
+        ),
+        grpc.StatusCode.FAILED_PRECONDITION, "RUN_LEASE_LOST", has_record=True,
+    )
+    assert e.record == done
+    assert not es.LatestCheckpoint(epb.EngineLatestCheckpointRequest(run_id="f1")).found

@@ -31,6 +31,7 @@ LEDGER_KINDS = {
     "cancel",
     "request_resume",
     "delete_run",
+    "transaction",
 }
 ENGINE_KINDS = {
     "create_run",

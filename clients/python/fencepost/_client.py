@@ -66,6 +66,7 @@ from ._store import AsyncStore
 from .v1 import ledger_pb2, ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 
 if TYPE_CHECKING:
+    from ._transaction import StoreTransaction
     from .v1.ledger_pb2_grpc import LedgerAsyncStub
     from .v1.run_store_pb2_grpc import RunStoreAsyncStub
 
@@ -271,6 +272,40 @@ class Lease:
         cancellation from outside still propagates as ``CancelledError``. The
         block runs in the current task, which is the one cancelled."""
         return _Guard(self)
+
+    # -- fenced writes to the engine store -----------------------------------------
+
+    def fenced(self) -> AsyncStore:
+        """The client's engine store with every write fenced by this lease:
+        each commits only while this lease's token is the run's current one,
+        checked by the server in the same step as the write. After a takeover
+        (or cancel, delete, finish) a write raises ``LeaseLostError``, writes
+        nothing, and marks this lease lost. Reads are unchanged."""
+        view = self._client.store.fenced(run_id=self._run_id, fencing_token=self._token)
+        view._on_fence_refused = self._fence_refused
+        return view
+
+    def transaction(self) -> StoreTransaction:
+        """``async with lease.transaction() as tx:`` -- the store writes made on
+        ``tx`` (and ``tx.renew()``, ``tx.record_checkpoint()``) commit together,
+        under this lease's fence, or not at all: a stale fence raises
+        ``LeaseLostError`` and nothing of the block is written (see
+        ``fencepost.StoreTransaction``)."""
+        from ._transaction import StoreTransaction
+
+        view = self.fenced()
+        return StoreTransaction(view, view._fence, lease=self)
+
+    def _fence_refused(self, exc: FencepostError) -> None:
+        """A fenced write was refused RUN_LEASE_LOST: the lease is lost unless the
+        refusal was about another run, or this handle gave the lease up itself."""
+        if not isinstance(exc, LeaseLostError) or not self.is_active:
+            return
+        rec = exc.record
+        if rec is not None and rec.run_id != self._run_id:
+            return
+        exc.reason = derive_lost_reason(rec, self._token)
+        self._mark_lost(rec, exc.reason)
 
     # -- fenced calls --------------------------------------------------------------
 

@@ -72,7 +72,7 @@ def _kinds() -> dict[type[Any], str]:
 
 
 # The request messages the stream carries (the ledger's commands, fields 2-10,
-# and the engine store's mutations, fields 20-32), and the Command /
+# the engine store's mutations, fields 20-32, and transactions, 40), and the Command /
 # CommandResult field of each (exactly the unary request and response messages).
 KIND_OF_REQUEST: dict[type[Any], str] = _kinds()
 

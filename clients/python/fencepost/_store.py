@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import copy
 import json
 from collections.abc import (
     AsyncIterable,
@@ -55,7 +56,10 @@ import grpc
 
 from ._connect import until_connected
 from ._errors import (
+    FencepostError,
     InvalidRunStateError,
+    LeaseLostError,
+    LockLostError,
     RunNotFoundError,
     ValidationError,
     from_rpc_error,
@@ -64,12 +68,13 @@ from ._execute import attempt_of
 from ._ids import new_request_id
 from ._retry import RetryPolicy, call_with_retry
 from .v1 import engine_store_pb2 as pb
-from .v1 import engine_store_pb2_grpc
+from .v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp
 
     from ._execute import ExecuteDispatcher
+    from ._transaction import StoreTransaction, SyncStoreTransaction
     from .v1.engine_store_pb2_grpc import EngineStoreAsyncStub
 
 __all__ = [
@@ -360,6 +365,22 @@ def _artifact(m: pb.EngineArtifact) -> EngineArtifact:
     )
 
 
+def make_fence(
+    fencing_token: int | None, run_id: str | None, lock_key: str | None
+) -> pb.Fence:
+    """The wire form of a fence: exactly one of ``run_id`` and ``lock_key``."""
+    if (run_id is None) == (lock_key is None):
+        raise ValidationError(
+            "fence.run_id: give exactly one of run_id and lock_key", field="fence.run_id"
+        )
+    if isinstance(fencing_token, bool) or not isinstance(fencing_token, int):
+        raise ValidationError(
+            f"fence.fencing_token: must be an int (got {fencing_token!r})",
+            field="fence.fencing_token",
+        )
+    return pb.Fence(run_id=run_id or "", lock_key=lock_key or "", fencing_token=fencing_token)
+
+
 def _statuses(value: str | Iterable[str] | None) -> builtins.list[str]:
     if value is None:
         return []
@@ -427,6 +448,10 @@ class AsyncStore:
         # Set by Client.store: the client's Execute dispatcher, which then
         # carries the mutations (None: every call is unary).
         self._dispatcher: ExecuteDispatcher | None = None
+        # A fenced view's precondition, sent with every write (``fenced``),
+        # and who to tell when the server refuses it (a Lease marks itself lost).
+        self._fence: pb.Fence | None = None
+        self._on_fence_refused: Callable[[FencepostError], None] | None = None
 
     @classmethod
     def connect(
@@ -476,10 +501,79 @@ class AsyncStore:
         through the same function."""
         if mutation and not request.request_id:
             request.request_id = new_request_id()
+        if mutation and self._fence is not None and not request.HasField("fence"):
+            request.fence.CopyFrom(self._fence)
         rpc = getattr(self.stub, method)
         channel = self._stub_cache[0] if self._stub_cache is not None else None
         attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation, channel=channel)
-        return await call_with_retry(attempt, self._retry, mutation=mutation)
+        return await self._fenced_call(attempt, mutation=mutation)
+
+    async def _fenced_call(
+        self, attempt: Any, *, mutation: bool, policy: RetryPolicy | None = None
+    ) -> Any:
+        """``call_with_retry``; a refused fence is also reported to the view's owner."""
+        try:
+            return await call_with_retry(attempt, policy or self._retry, mutation=mutation)
+        except (LeaseLostError, LockLostError) as exc:
+            if self._on_fence_refused is not None:
+                self._on_fence_refused(exc)
+            raise
+
+    # -- fenced writes ------------------------------------------------------------------
+
+    def fenced(
+        self,
+        *,
+        fencing_token: int,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> AsyncStore:
+        """A view of this store whose every write carries a fence: it commits
+        only while the ledger run ``run_id`` is still at ``fencing_token``
+        (a lease's token), or the keyed lock ``lock_key`` still at its token
+        (``acquire_lock(...).fencing_token``), checked by the server in the
+        same step as the write. A stale fence raises ``LeaseLostError``
+        (``LockLostError`` for a lock) and writes nothing. Reads are
+        unchanged. The view shares this store's channel and transport
+        (``lease.fenced()`` makes one for a lease)."""
+        view = copy.copy(self)
+        view._owned = None  # closing the view closes nothing
+        view._fence = make_fence(fencing_token, run_id, lock_key)
+        view._on_fence_refused = None
+        return view
+
+    def transaction(
+        self,
+        *,
+        fencing_token: int | None = None,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> StoreTransaction:
+        """``async with store.transaction(...) as tx:`` -- the writes made on
+        ``tx`` inside the block are sent together when it ends and commit
+        all together or not at all (``Ledger.Transact``), under the fence
+        given here (or this view's, for a ``fenced`` view; none without
+        either). A refusal of any write or of the fence raises, and nothing
+        of the block was written; an exception inside the block sends
+        nothing. ``tx.results`` then holds each write's answer, in order."""
+        from ._transaction import StoreTransaction
+
+        fence = (
+            self._fence
+            if fencing_token is None and run_id is None and lock_key is None
+            else make_fence(fencing_token, run_id, lock_key)
+        )
+        return StoreTransaction(self, fence)
+
+    async def _transact(self, request: Any) -> Any:
+        """One Ledger.Transact (over the Execute stream when the client's is up)."""
+        if not request.request_id:
+            request.request_id = new_request_id()
+        src = self._channel_source
+        channel = src if isinstance(src, grpc.aio.Channel) else src()
+        rpc: Any = ledger_pb2_grpc.LedgerStub(channel).Transact  # type: ignore[arg-type]
+        attempt = attempt_of(self._dispatcher, rpc, request, mutation=True, channel=channel)
+        return await self._fenced_call(attempt, mutation=True)
 
     async def _collect(self, method: str, request: Any) -> builtins.list[Any]:
         """Every message of a paged listing (retried from the start when the
@@ -749,6 +843,8 @@ class AsyncStore:
         )
         if sha256 is not None:
             header.sha256 = sha256
+        if self._fence is not None:
+            header.fence.CopyFrom(self._fence)
         _set_json(header, "metadata", metadata, "header.metadata")
 
         async def messages() -> AsyncIterator[pb.EnginePutArtifactRequest]:
@@ -762,7 +858,7 @@ class AsyncStore:
             await until_connected(self._stub_cache[0], deadline_s)  # else: nothing was sent
             return await stub.PutArtifact(messages())
 
-        resp = await call_with_retry(attempt, policy, mutation=True)
+        resp = await self._fenced_call(attempt, mutation=True, policy=policy)
         return PutArtifactResult(resp.created, _artifact(resp.artifact))
 
     async def get_artifact(self, id: str) -> EngineArtifact | None:
@@ -822,6 +918,31 @@ class SyncStore:
     @property
     def async_store(self) -> AsyncStore:
         return self._store
+
+    def fenced(
+        self,
+        *,
+        fencing_token: int,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> SyncStore:
+        """``AsyncStore.fenced``: a view whose every write carries the fence."""
+        view = self._store.fenced(fencing_token=fencing_token, run_id=run_id, lock_key=lock_key)
+        return SyncStore(view, self._run_coro)
+
+    def transaction(
+        self,
+        *,
+        fencing_token: int | None = None,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> SyncStoreTransaction:
+        """``with store.transaction(...) as tx:`` (see ``AsyncStore.transaction``)."""
+        from ._transaction import SyncStoreTransaction
+
+        tx = self._store.transaction(fencing_token=fencing_token, run_id=run_id,
+                                     lock_key=lock_key)
+        return SyncStoreTransaction(tx, self._run_coro)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._run_coro(coro)  # type: ignore[no-any-return]

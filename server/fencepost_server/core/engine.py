@@ -26,6 +26,7 @@ from typing import Any
 
 from . import codec, validate
 from .errors import Code, LedgerError, validation
+from .fence import Fence
 
 MAX_ID_BYTES = 512  # run, document and artifact ids
 MAX_NAME_BYTES = 256  # agents, collections, owners, step names
@@ -263,6 +264,7 @@ class CreateRun:
     error: str | None = None
     metadata: str | None = None
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +285,7 @@ class UpdateRun:
     expect_status: tuple[str, ...] = ()
     expect_owner: str | None = None
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +294,7 @@ class ClaimRun:
     owner: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +303,7 @@ class RenewClaim:
     owner: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +316,7 @@ class AppendStep:
     error: str | None = None
     metadata: str | None = None
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +325,7 @@ class SaveCheckpoint:
     step_index: int
     state: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +335,7 @@ class ClaimKey:
     run_id: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +344,7 @@ class AcquireLock:
     owner: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +352,7 @@ class ReleaseLock:
     key: str
     owner: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +360,7 @@ class PutEffect:
     key: str
     result: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,6 +369,7 @@ class KvSet:
     key: str
     value: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +379,7 @@ class DocUpsert:
     id: str
     doc: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +388,7 @@ class DocDelete:
     collection: str
     id: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,6 +419,7 @@ class CommitArtifact:
     upload_id: str = field(default="", repr=False, compare=False)
     staged_bytes: int = field(default=0, repr=False, compare=False)
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -666,6 +681,31 @@ def decide_release_lock(
     if current is None or current.owner != cmd.owner:
         return None, Done(False)
     return Lock(cmd.key, None, current.fencing_token, now), Done(True)
+
+
+def check_lock_fence(fence: Fence, current: Lock | None) -> None:
+    """A lock fence holds while the lock is held (live or expired, not taken
+    over nor released) under the fence's token: a new grant moves the token
+    and a release clears the owner, and either refuses the write (LOCK_LOST;
+    RUN_NOT_FOUND naming ``fence.lock_key`` for a lock never acquired)."""
+    if current is None:
+        raise LedgerError(
+            Code.RUN_NOT_FOUND,
+            f"fence.lock_key: lock {fence.lock_key!r} was never acquired",
+            field="fence.lock_key",
+        )
+    if current.fencing_token != fence.fencing_token or current.owner is None:
+        held = f"held by {current.owner!r}" if current.owner is not None else "released"
+        raise LedgerError(
+            Code.LOCK_LOST,
+            f"fence: lock {fence.lock_key!r} is at token {current.fencing_token} ({held}); "
+            f"token {fence.fencing_token} no longer fences writes",
+            metadata={
+                "lock_key": current.key,
+                "fencing_token": str(current.fencing_token),
+                "owner": current.owner or "",
+            },
+        )
 
 
 # -- decisions: state --------------------------------------------------------------------

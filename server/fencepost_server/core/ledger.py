@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import Code, LedgerError, validation
 from .records import (
@@ -23,6 +23,9 @@ from .records import (
     can_transition,
     is_terminal,
 )
+
+if TYPE_CHECKING:
+    from .fence import Fence
 
 DEFAULT_TTL_MS = 60_000
 MIN_TTL_MS = 100
@@ -63,6 +66,7 @@ class RecordCheckpoint:
     key: str
     snapshot_version: int
     request_id: str = ""
+    fence: Fence | None = None  # a second precondition, checked by the writer
 
 
 @dataclass(slots=True)
@@ -146,6 +150,25 @@ class RawDelete:
     request_id: str = ""
 
 
+@dataclass(slots=True)
+class Transaction:
+    """Several commands (ledger and engine store) applied as one all-or-nothing
+    step of the writer, each after the shared ``fence`` is checked against the
+    state the earlier ones left. Its result is a ``TransactionDone``."""
+
+    commands: tuple[Any, ...]
+    fence: Fence | None = None
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class TransactionDone:
+    results: tuple[Any, ...]
+
+
+MAX_TRANSACTION_COMMANDS = 100
+
+
 Command = (
     Acquire
     | Renew
@@ -160,6 +183,7 @@ Command = (
     | RawCreate
     | RawCompareAndSet
     | RawDelete
+    | Transaction
 )
 HandleCommand = Renew | RecordCheckpoint | Suspend | Finish | Release
 

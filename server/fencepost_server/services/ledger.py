@@ -22,7 +22,7 @@ from ..storage.sqlite import HistoryReader
 from ..streams import FenceHub
 from ..writer import Writer
 from ._errors import handler
-from .execute import ExecuteHandler
+from .execute import ExecuteHandler, fill_transaction, transaction_cmd
 from .streams import StreamHandlers
 
 DEFAULT_PAGE_SIZE = 100
@@ -145,6 +145,15 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         self, request: pb.RecordCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.RecordCheckpointResponse:
         return await self._answer(convert.record_checkpoint(request), pb.RecordCheckpointResponse())
+
+    @handler
+    async def Transact(
+        self, request: pb.TransactionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TransactionResponse:
+        done = await self.writer.submit(transaction_cmd(request))
+        response = pb.TransactionResponse()
+        fill_transaction(response, done, request)  # type: ignore[arg-type]
+        return response
 
     @handler
     async def Suspend(

@@ -48,9 +48,23 @@ domain "fencepost", as in ledger.proto. The engine store uses:
   RUN_NOT_FOUND         NOT_FOUND            UpdateRun of an unknown run id;
                                              ReadArtifact of an unknown id
   INVALID_RUN_STATE     FAILED_PRECONDITION  an UpdateRun guard failed
+  RUN_LEASE_LOST        FAILED_PRECONDITION  a `fence` on a ledger run no longer
+                                             holds; the run record is attached
+  LOCK_LOST             FAILED_PRECONDITION  a `fence` on a keyed lock no longer
+                                             holds; metadata["lock_key"],
+                                             ["fencing_token"], ["owner"]
   STORAGE_FULL          RESOURCE_EXHAUSTED   the write could not be made durable
   STORAGE_UNAVAILABLE   UNAVAILABLE          the write could not be made
                                              durable, or the server is stopping
+
+Fenced writes. Every mutation takes an optional `fence`: a precondition
+on a ledger run's fencing token or on a keyed lock's token (see `Fence`).
+The writer checks it in the same serialized step that applies the write,
+against its authoritative state, so a write is never committed under a
+token that is no longer current at its commit; a fence that does not hold
+refuses the write (RUN_LEASE_LOST or LOCK_LOST) and nothing is written.
+Ledger.Transact (and Execute's `transaction` command) applies several
+mutations under one shared fence, all or nothing.
 
 Retries. Every mutating request has a `request_id` (optional, at most 128
 bytes). The server remembers request ids (at least 10 minutes, across
@@ -104,6 +118,61 @@ class JsonValue(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JsonValue: _TypeAlias = JsonValue  # noqa: Y015
+
+@_typing.final
+class Fence(_message.Message):
+    """A precondition on a write: the write commits only if, at the moment the
+    writer applies it, the fence named here is still current. Set exactly one
+    of `run_id` and `lock_key`, and `fencing_token`.
+
+    A run fence holds while the ledger run `run_id` exists, is RUNNING under a
+    lease, and its fencing token equals `fencing_token` (Ledger.ValidateFence's
+    `current`). Its lease's expiry alone does not break it: the token moves
+    when another owner takes the run over, and that is what refuses the write.
+    A stale token, a run that was finished, suspended, released, cancelled or
+    deleted is RUN_LEASE_LOST with the observed record; a run that never
+    existed is RUN_NOT_FOUND naming `fence.run_id`.
+
+    A lock fence holds while the keyed lock `lock_key` (EngineStore.AcquireLock)
+    is held and its token equals `fencing_token`; as for runs, expiry alone
+    does not break it, a new grant (which moves the token) or a release does.
+    Otherwise LOCK_LOST (metadata: lock_key, the lock's fencing_token and
+    owner, empty when released); a lock never acquired is RUN_NOT_FOUND naming
+    `fence.lock_key`.
+
+    Bad fences (both or neither target set, a token < 1) are
+    RUN_VALIDATION_ERROR naming the field (`fence.run_id`,
+    `fence.fencing_token`). A request id retried after a refusal is answered
+    with the same refusal.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    LOCK_KEY_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The ledger run whose fence must hold, 1-512 bytes (Acquire's run_id)."""
+    fencing_token: _builtins.int
+    """The token the writer holds (>= 1): the lease's fencing token for a run
+    fence, AcquireLock's fencing_token for a lock fence.
+    """
+    lock_key: _builtins.str
+    """The keyed lock whose fence must hold, 1-1024 bytes (AcquireLock's key)."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        fencing_token: _builtins.int = ...,
+        lock_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "lock_key", b"lock_key", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Fence: _TypeAlias = Fence  # noqa: Y015
 
 @_typing.final
 class EngineRunClaim(_message.Message):
@@ -489,6 +558,7 @@ class EngineCreateRunRequest(_message.Message):
 
     RUN_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Retry token; see the file comment."""
     @_builtins.property
@@ -497,15 +567,22 @@ class EngineCreateRunRequest(_message.Message):
         `created_at` and `updated_at` must be absent (the server sets them).
         """
 
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
         run: Global___EngineRun | None = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "request_id", b"request_id", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -592,6 +669,7 @@ class EngineUpdateRunRequest(_message.Message):
     EXPECT_STATUS_FIELD_NUMBER: _builtins.int
     EXPECT_OWNER_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The run id, 1-512 bytes. Unknown: RUN_NOT_FOUND."""
     expect_owner: _builtins.str
@@ -610,6 +688,12 @@ class EngineUpdateRunRequest(_message.Message):
         INVALID_RUN_STATE. Empty: no status guard. At most 100 entries.
         """
 
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
@@ -618,10 +702,11 @@ class EngineUpdateRunRequest(_message.Message):
         expect_status: _abc.Iterable[_builtins.str] | None = ...,
         expect_owner: _builtins.str | None = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_expect_owner", b"_expect_owner", "expect_owner", b"expect_owner", "patch", b"patch"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expect_owner", b"_expect_owner", "expect_owner", b"expect_owner", "fence", b"fence", "patch", b"patch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expect_owner", b"_expect_owner", "expect_owner", b"expect_owner", "expect_status", b"expect_status", "id", b"id", "patch", b"patch", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expect_owner", b"_expect_owner", "expect_owner", b"expect_owner", "expect_status", b"expect_status", "fence", b"fence", "id", b"id", "patch", b"patch", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__expect_owner: _TypeAlias = _typing.Literal["expect_owner"]  # noqa: Y015
     _WhichOneofArgType__expect_owner: _TypeAlias = _typing.Literal["_expect_owner", b"_expect_owner"]  # noqa: Y015
@@ -734,6 +819,7 @@ class EngineClaimRunRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The run id, 1-512 bytes."""
     owner: _builtins.str
@@ -742,6 +828,12 @@ class EngineClaimRunRequest(_message.Message):
     """Claim ttl in ms (see the file comment for the range)."""
     request_id: _builtins.str
     """Retry token; see the file comment."""
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
@@ -749,10 +841,11 @@ class EngineClaimRunRequest(_message.Message):
         owner: _builtins.str = ...,
         ttl_ms: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "owner", b"owner", "request_id", b"request_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "id", b"id", "owner", b"owner", "request_id", b"request_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -794,6 +887,7 @@ class EngineRenewClaimRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The run id, 1-512 bytes."""
     owner: _builtins.str
@@ -802,6 +896,12 @@ class EngineRenewClaimRequest(_message.Message):
     """New ttl in ms, counted from the server's now."""
     request_id: _builtins.str
     """Retry token; see the file comment."""
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
@@ -809,10 +909,11 @@ class EngineRenewClaimRequest(_message.Message):
         owner: _builtins.str = ...,
         ttl_ms: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "owner", b"owner", "request_id", b"request_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "id", b"id", "owner", b"owner", "request_id", b"request_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -855,6 +956,7 @@ class EngineAppendStepRequest(_message.Message):
 
     STEP_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Retry token; see the file comment."""
     @_builtins.property
@@ -863,15 +965,22 @@ class EngineAppendStepRequest(_message.Message):
         `created_at` absent (assigned by the server).
         """
 
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
         step: Global___EngineStep | None = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "request_id", b"request_id", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -947,6 +1056,7 @@ class EngineSaveCheckpointRequest(_message.Message):
 
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Retry token; see the file comment."""
     @_builtins.property
@@ -955,15 +1065,22 @@ class EngineSaveCheckpointRequest(_message.Message):
         `saved_at` absent (set by the server).
         """
 
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
         checkpoint: Global___EngineCheckpoint | None = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "fence", b"fence", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1057,6 +1174,7 @@ class EngineClaimKeyRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
     """The key's namespace, 1-1024 bytes."""
     key: _builtins.str
@@ -1067,6 +1185,12 @@ class EngineClaimKeyRequest(_message.Message):
     """How long the key is held, in ms, counted from the server's now."""
     request_id: _builtins.str
     """Retry token; see the file comment."""
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
@@ -1075,10 +1199,11 @@ class EngineClaimKeyRequest(_message.Message):
         run_id: _builtins.str = ...,
         ttl_ms: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "request_id", b"request_id", "run_id", b"run_id", "scope", b"scope", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "key", b"key", "request_id", b"request_id", "run_id", b"run_id", "scope", b"scope", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1122,6 +1247,7 @@ class EngineAcquireLockRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The lock's name, 1-1024 bytes."""
     owner: _builtins.str
@@ -1130,6 +1256,12 @@ class EngineAcquireLockRequest(_message.Message):
     """Lock ttl in ms, counted from the server's now."""
     request_id: _builtins.str
     """Retry token; see the file comment."""
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
@@ -1137,10 +1269,11 @@ class EngineAcquireLockRequest(_message.Message):
         owner: _builtins.str = ...,
         ttl_ms: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "owner", b"owner", "request_id", b"request_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "key", b"key", "owner", b"owner", "request_id", b"request_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1190,22 +1323,30 @@ class EngineReleaseLockRequest(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The lock's name, 1-1024 bytes."""
     owner: _builtins.str
     """The releasing worker, 1-256 bytes."""
     request_id: _builtins.str
     """Retry token; see the file comment."""
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
         owner: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "owner", b"owner", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "key", b"key", "owner", b"owner", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1297,6 +1438,7 @@ class EnginePutEffectRequest(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The effect's key, 1-1024 bytes."""
     request_id: _builtins.str
@@ -1305,16 +1447,23 @@ class EnginePutEffectRequest(_message.Message):
     def result(self) -> Global___JsonValue:
         """The result to record (required; may be a JSON null)."""
 
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
         result: Global___JsonValue | None = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "request_id", b"request_id", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "key", b"key", "request_id", b"request_id", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1406,6 +1555,7 @@ class EngineKvSetRequest(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     VALUE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     """The agent, 1-256 bytes."""
     key: _builtins.str
@@ -1416,6 +1566,12 @@ class EngineKvSetRequest(_message.Message):
     def value(self) -> Global___JsonValue:
         """The value (required; may be a JSON null)."""
 
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
@@ -1423,10 +1579,11 @@ class EngineKvSetRequest(_message.Message):
         key: _builtins.str = ...,
         value: Global___JsonValue | None = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "key", b"key", "request_id", b"request_id", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "fence", b"fence", "key", b"key", "request_id", b"request_id", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1523,6 +1680,7 @@ class EngineDocUpsertRequest(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     DOC_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     """The agent, 1-256 bytes."""
     collection: _builtins.str
@@ -1535,6 +1693,12 @@ class EngineDocUpsertRequest(_message.Message):
     def doc(self) -> Global___JsonValue:
         """The document (required), a JSON object."""
 
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
@@ -1543,10 +1707,11 @@ class EngineDocUpsertRequest(_message.Message):
         id: _builtins.str = ...,
         doc: Global___JsonValue | None = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["doc", b"doc"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["doc", b"doc", "fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "collection", b"collection", "doc", b"doc", "id", b"id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "collection", b"collection", "doc", b"doc", "fence", b"fence", "id", b"id", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1586,6 +1751,7 @@ class EngineDocDeleteRequest(_message.Message):
     COLLECTION_FIELD_NUMBER: _builtins.int
     ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     """The agent, 1-256 bytes."""
     collection: _builtins.str
@@ -1594,6 +1760,12 @@ class EngineDocDeleteRequest(_message.Message):
     """The document id, 1-512 bytes."""
     request_id: _builtins.str
     """Retry token; see the file comment."""
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
@@ -1601,10 +1773,11 @@ class EngineDocDeleteRequest(_message.Message):
         collection: _builtins.str = ...,
         id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "collection", b"collection", "id", b"id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "collection", b"collection", "fence", b"fence", "id", b"id", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1649,6 +1822,7 @@ class EngineArtifactHeader(_message.Message):
     SHA256_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Caller-chosen artifact id, 1-512 bytes."""
     run_id: _builtins.str
@@ -1671,6 +1845,12 @@ class EngineArtifactHeader(_message.Message):
     def metadata(self) -> Global___JsonValue:
         """Free-form metadata; absent when none."""
 
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
     def __init__(
         self,
         *,
@@ -1682,10 +1862,11 @@ class EngineArtifactHeader(_message.Message):
         sha256: _builtins.str | None = ...,
         metadata: Global___JsonValue | None = ...,
         request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_sha256", b"_sha256", "metadata", b"metadata", "sha256", b"sha256"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_sha256", b"_sha256", "fence", b"fence", "metadata", b"metadata", "sha256", b"sha256"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sha256", b"_sha256", "content_type", b"content_type", "id", b"id", "metadata", b"metadata", "name", b"name", "request_id", b"request_id", "run_id", b"run_id", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sha256", b"_sha256", "content_type", b"content_type", "fence", b"fence", "id", b"id", "metadata", b"metadata", "name", b"name", "request_id", b"request_id", "run_id", b"run_id", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__sha256: _TypeAlias = _typing.Literal["sha256"]  # noqa: Y015
     _WhichOneofArgType__sha256: _TypeAlias = _typing.Literal["_sha256", b"_sha256"]  # noqa: Y015

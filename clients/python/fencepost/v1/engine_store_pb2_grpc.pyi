@@ -48,9 +48,23 @@ domain "fencepost", as in ledger.proto. The engine store uses:
   RUN_NOT_FOUND         NOT_FOUND            UpdateRun of an unknown run id;
                                              ReadArtifact of an unknown id
   INVALID_RUN_STATE     FAILED_PRECONDITION  an UpdateRun guard failed
+  RUN_LEASE_LOST        FAILED_PRECONDITION  a `fence` on a ledger run no longer
+                                             holds; the run record is attached
+  LOCK_LOST             FAILED_PRECONDITION  a `fence` on a keyed lock no longer
+                                             holds; metadata["lock_key"],
+                                             ["fencing_token"], ["owner"]
   STORAGE_FULL          RESOURCE_EXHAUSTED   the write could not be made durable
   STORAGE_UNAVAILABLE   UNAVAILABLE          the write could not be made
                                              durable, or the server is stopping
+
+Fenced writes. Every mutation takes an optional `fence`: a precondition
+on a ledger run's fencing token or on a keyed lock's token (see `Fence`).
+The writer checks it in the same serialized step that applies the write,
+against its authoritative state, so a write is never committed under a
+token that is no longer current at its commit; a fence that does not hold
+refuses the write (RUN_LEASE_LOST or LOCK_LOST) and nothing is written.
+Ledger.Transact (and Execute's `transaction` command) applies several
+mutations under one shared fence, all or nothing.
 
 Retries. Every mutating request has a `request_id` (optional, at most 128
 bytes). The server remembers request ids (at least 10 minutes, across

@@ -49,6 +49,11 @@ class LedgerStub:
                 request_serializer=fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointRequest.SerializeToString,
                 response_deserializer=fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointResponse.FromString,
                 _registered_method=True)
+        self.Transact = channel.unary_unary(
+                '/fencepost.v1.Ledger/Transact',
+                request_serializer=fencepost_dot_v1_dot_ledger__pb2.TransactionRequest.SerializeToString,
+                response_deserializer=fencepost_dot_v1_dot_ledger__pb2.TransactionResponse.FromString,
+                _registered_method=True)
         self.Suspend = channel.unary_unary(
                 '/fencepost.v1.Ledger/Suspend',
                 request_serializer=fencepost_dot_v1_dot_ledger__pb2.SuspendRequest.SerializeToString,
@@ -135,7 +140,24 @@ class LedgerServicer:
 
     def RecordCheckpoint(self, request, context):
         """Record a checkpoint pointer and renew the lease in the same write.
-        Errors: as Renew.
+        Errors: as Renew; with a `fence`, also LOCK_LOST and RUN_NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Transact(self, request, context):
+        """Apply several mutations (ledger commands and EngineStore mutations) as
+        one all-or-nothing step of the writer, optionally under one shared
+        `fence` (engine_store.proto). The fence is checked before every command,
+        against the state the transaction's earlier commands left, and every
+        command is applied in order; if the fence fails or any command is
+        refused, nothing of the transaction is written and the call fails with
+        that refusal (its message names `commands[i]`; a validation error's
+        field is prefixed `commands[i].`). Answers only once the commit holding
+        every command is durable.
+        Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND, RUN_LEASE_LOST, LOCK_LOST,
+        and any refusal of a command in it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,9 +270,9 @@ class LedgerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request_iterator, context):
-        """Many ledger commands, and the EngineStore's unary mutations
-        (engine_store.proto), multiplexed on one stream, many per message in both
-        directions: the fast path past the per-call cost of unary RPCs. Each
+        """Many ledger commands, the EngineStore's unary mutations
+        (engine_store.proto) and transactions (Transact), multiplexed on one
+        stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
         command carries a client-chosen id echoed on its result. Semantics,
         validation, errors and request-id retries are exactly those of the
         unary RPCs; a command's failure is its result's `error` (the same
@@ -288,6 +310,11 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.RecordCheckpoint,
                     request_deserializer=fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointRequest.FromString,
                     response_serializer=fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointResponse.SerializeToString,
+            ),
+            'Transact': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transact,
+                    request_deserializer=fencepost_dot_v1_dot_ledger__pb2.TransactionRequest.FromString,
+                    response_serializer=fencepost_dot_v1_dot_ledger__pb2.TransactionResponse.SerializeToString,
             ),
             'Suspend': grpc.unary_unary_rpc_method_handler(
                     servicer.Suspend,
@@ -431,6 +458,33 @@ class Ledger:
             '/fencepost.v1.Ledger/RecordCheckpoint',
             fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointRequest.SerializeToString,
             fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencepost.v1.Ledger/Transact',
+            fencepost_dot_v1_dot_ledger__pb2.TransactionRequest.SerializeToString,
+            fencepost_dot_v1_dot_ledger__pb2.TransactionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,7 @@ detail with domain "fencepost" and reason one of:
   RUN_NOT_FOUND          NOT_FOUND
   RUN_LEASE_HELD         FAILED_PRECONDITION  another owner holds a live lease
   RUN_LEASE_LOST         FAILED_PRECONDITION  the handle's fence moved
+  LOCK_LOST              FAILED_PRECONDITION  a lock `fence` no longer holds
   RUN_ALREADY_TERMINAL   FAILED_PRECONDITION
   RUN_SUSPENDED          FAILED_PRECONDITION
   RUN_INVALID_TRANSITION FAILED_PRECONDITION
@@ -75,7 +76,20 @@ class LedgerStub:
     """
     RecordCheckpoint: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.RecordCheckpointRequest, _ledger_pb2.RecordCheckpointResponse]
     """Record a checkpoint pointer and renew the lease in the same write.
-    Errors: as Renew.
+    Errors: as Renew; with a `fence`, also LOCK_LOST and RUN_NOT_FOUND.
+    """
+    Transact: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.TransactionRequest, _ledger_pb2.TransactionResponse]
+    """Apply several mutations (ledger commands and EngineStore mutations) as
+    one all-or-nothing step of the writer, optionally under one shared
+    `fence` (engine_store.proto). The fence is checked before every command,
+    against the state the transaction's earlier commands left, and every
+    command is applied in order; if the fence fails or any command is
+    refused, nothing of the transaction is written and the call fails with
+    that refusal (its message names `commands[i]`; a validation error's
+    field is prefixed `commands[i].`). Answers only once the commit holding
+    every command is durable.
+    Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND, RUN_LEASE_LOST, LOCK_LOST,
+    and any refusal of a command in it.
     """
     Suspend: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.SuspendRequest, _ledger_pb2.SuspendResponse]
     """Park the run (-> SUSPENDED) and drop the lease. A retry by the same
@@ -139,9 +153,9 @@ class LedgerStub:
     from the last revision received + 1.
     """
     Execute: _grpc.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]
-    """Many ledger commands, and the EngineStore's unary mutations
-    (engine_store.proto), multiplexed on one stream, many per message in both
-    directions: the fast path past the per-call cost of unary RPCs. Each
+    """Many ledger commands, the EngineStore's unary mutations
+    (engine_store.proto) and transactions (Transact), multiplexed on one
+    stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
     command carries a client-chosen id echoed on its result. Semantics,
     validation, errors and request-id retries are exactly those of the
     unary RPCs; a command's failure is its result's `error` (the same
@@ -175,7 +189,20 @@ class LedgerAsyncStub(LedgerStub):
     """
     RecordCheckpoint: _aio.UnaryUnaryMultiCallable[_ledger_pb2.RecordCheckpointRequest, _ledger_pb2.RecordCheckpointResponse]  # type: ignore[assignment]
     """Record a checkpoint pointer and renew the lease in the same write.
-    Errors: as Renew.
+    Errors: as Renew; with a `fence`, also LOCK_LOST and RUN_NOT_FOUND.
+    """
+    Transact: _aio.UnaryUnaryMultiCallable[_ledger_pb2.TransactionRequest, _ledger_pb2.TransactionResponse]  # type: ignore[assignment]
+    """Apply several mutations (ledger commands and EngineStore mutations) as
+    one all-or-nothing step of the writer, optionally under one shared
+    `fence` (engine_store.proto). The fence is checked before every command,
+    against the state the transaction's earlier commands left, and every
+    command is applied in order; if the fence fails or any command is
+    refused, nothing of the transaction is written and the call fails with
+    that refusal (its message names `commands[i]`; a validation error's
+    field is prefixed `commands[i].`). Answers only once the commit holding
+    every command is durable.
+    Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND, RUN_LEASE_LOST, LOCK_LOST,
+    and any refusal of a command in it.
     """
     Suspend: _aio.UnaryUnaryMultiCallable[_ledger_pb2.SuspendRequest, _ledger_pb2.SuspendResponse]  # type: ignore[assignment]
     """Park the run (-> SUSPENDED) and drop the lease. A retry by the same
@@ -239,9 +266,9 @@ class LedgerAsyncStub(LedgerStub):
     from the last revision received + 1.
     """
     Execute: _aio.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]  # type: ignore[assignment]
-    """Many ledger commands, and the EngineStore's unary mutations
-    (engine_store.proto), multiplexed on one stream, many per message in both
-    directions: the fast path past the per-call cost of unary RPCs. Each
+    """Many ledger commands, the EngineStore's unary mutations
+    (engine_store.proto) and transactions (Transact), multiplexed on one
+    stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
     command carries a client-chosen id echoed on its result. Semantics,
     validation, errors and request-id retries are exactly those of the
     unary RPCs; a command's failure is its result's `error` (the same
@@ -290,7 +317,26 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.RecordCheckpointResponse, _abc.Awaitable[_ledger_pb2.RecordCheckpointResponse]]:
         """Record a checkpoint pointer and renew the lease in the same write.
-        Errors: as Renew.
+        Errors: as Renew; with a `fence`, also LOCK_LOST and RUN_NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def Transact(
+        self,
+        request: _ledger_pb2.TransactionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.TransactionResponse, _abc.Awaitable[_ledger_pb2.TransactionResponse]]:
+        """Apply several mutations (ledger commands and EngineStore mutations) as
+        one all-or-nothing step of the writer, optionally under one shared
+        `fence` (engine_store.proto). The fence is checked before every command,
+        against the state the transaction's earlier commands left, and every
+        command is applied in order; if the fence fails or any command is
+        refused, nothing of the transaction is written and the call fails with
+        that refusal (its message names `commands[i]`; a validation error's
+        field is prefixed `commands[i].`). Answers only once the commit holding
+        every command is durable.
+        Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND, RUN_LEASE_LOST, LOCK_LOST,
+        and any refusal of a command in it.
         """
 
     @_abc_1.abstractmethod
@@ -426,9 +472,9 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_ledger_pb2.ExecuteRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ledger_pb2.ExecuteResponse], _abc.AsyncIterator[_ledger_pb2.ExecuteResponse]]:
-        """Many ledger commands, and the EngineStore's unary mutations
-        (engine_store.proto), multiplexed on one stream, many per message in both
-        directions: the fast path past the per-call cost of unary RPCs. Each
+        """Many ledger commands, the EngineStore's unary mutations
+        (engine_store.proto) and transactions (Transact), multiplexed on one
+        stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
         command carries a client-chosen id echoed on its result. Semantics,
         validation, errors and request-id retries are exactly those of the
         unary RPCs; a command's failure is its result's `error` (the same
