@@ -45,6 +45,10 @@ bench-peers: $(STAMP)  ## fencepost vs etcd, PostgreSQL, Redis, same load (insta
 	$(BIN)/python -c 'import asyncpg, redis, hiredis' 2>/dev/null || $(BIN)/python -m pip install --quiet asyncpg redis hiredis
 	$(BIN)/python bench/peers --install
 
+.PHONY: bench-scale
+bench-scale: $(STAMP)  ## costs as runs pile up: new-run cost, restart, RSS, filtered listing (1M runs; ~10 min)
+	$(BIN)/python bench/scale.py
+
 DURATION  ?= 60
 SEED      ?= 1
 TRANSPORT ?= mixed
