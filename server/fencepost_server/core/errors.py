@@ -30,6 +30,12 @@ class Code(StrEnum):
     RUN_REVISION_COMPACTED = "RUN_REVISION_COMPACTED"
     # A stream (KeepAlive, WatchRuns) fell too far behind reading and was dropped.
     STREAM_TOO_SLOW = "STREAM_TOO_SLOW"
+    # Identity and authorization (docs/SECURITY.md).
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    OWNER_NOT_PERMITTED = "OWNER_NOT_PERMITTED"
+    # A per-connection limit (tracked leases per KeepAlive stream) was reached.
+    STREAM_LIMIT_EXCEEDED = "STREAM_LIMIT_EXCEEDED"
 
 
 class LedgerError(Exception):
@@ -41,12 +47,14 @@ class LedgerError(Exception):
         message: str,
         record: Record | None = None,
         field: str | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.record = record
         self.field = field
+        self.metadata = metadata  # extra ErrorInfo metadata (owner, principal, role...)
 
     def __repr__(self) -> str:
         return f"LedgerError({self.code.value}, {self.message!r})"

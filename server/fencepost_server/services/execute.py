@@ -25,7 +25,7 @@ import grpc
 
 from fencepost.v1 import ledger_pb2 as pb
 
-from .. import convert
+from .. import auth, convert
 from ..core import ledger as L
 from ..core.errors import LedgerError, validation
 from ..streams import Stop
@@ -84,6 +84,8 @@ class _Session:
         self.unanswered = 0
         self.all_answered = asyncio.Event()
         self.all_answered.set()
+        self.room = asyncio.Event()  # set when fewer than the in-flight limit are unanswered
+        self.room.set()
 
     def result(self, cid: int) -> pb.CommandResult:
         """A new result in the pending message (flushed this loop turn)."""
@@ -111,6 +113,7 @@ class ExecuteHandler:
 
     writer: Any
     hub: Any
+    max_inflight_per_stream: int
 
     async def _execute(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -134,6 +137,7 @@ class ExecuteHandler:
 
     async def _execute_reader(self, session: _Session, requests: AsyncIterator[Any]) -> None:
         writer = self.writer
+        limit = self.max_inflight_per_stream
         async for msg in requests:
             if isinstance(msg, Malformed):
                 session.error(
@@ -141,6 +145,9 @@ class ExecuteHandler:
                 )
                 continue
             for cmd in msg.commands:
+                while session.unanswered >= limit:  # --max-inflight-per-stream: stop reading
+                    session.room.clear()
+                    await session.room.wait()
                 queued = self._execute_one(session, cmd)
                 if queued is not None:  # the writer is full: stop reading until it has room
                     await writer.submit_with_answer_waiting(*queued)
@@ -160,7 +167,9 @@ class ExecuteHandler:
             if kind is None:
                 raise validation("kind", "empty command")
             to_command, fill = KINDS[kind]
-            command = to_command(getattr(cmd, kind))
+            request = getattr(cmd, kind)
+            auth.check_command(kind, request)
+            command = to_command(request)
         except LedgerError as err:
             session.error(cid, err)
             return None
@@ -171,10 +180,14 @@ class ExecuteHandler:
         session.unanswered += 1
         session.all_answered.clear()
 
+        limit = self.max_inflight_per_stream
+
         def answer(result: Any) -> None:
             session.unanswered -= 1
             if not session.unanswered:
                 session.all_answered.set()
+            if session.unanswered < limit:
+                session.room.set()
             if session.stop.reason is not None:
                 return
             if isinstance(result, LedgerError):
