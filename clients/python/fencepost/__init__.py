@@ -30,6 +30,7 @@ from ._errors import (
     LeaseHeldError,
     LeaseLostError,
     OutcomeUnknownError,
+    OwnerNotPermittedError,
     PermissionDeniedError,
     RevisionCompactedError,
     RpcError,
@@ -60,6 +61,7 @@ from ._records import (
     is_terminal,
 )
 from ._retry import RetryPolicy
+from ._security import TLS
 from ._store import ABSENT, AsyncStore, InvalidRunState, Lookup, RunNotFound, SyncStore
 from ._sync import SyncClient, SyncLease, SyncStubs
 
@@ -67,6 +69,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ABSENT",
+    "TLS",
     "AcquireContext",
     "AlreadyTerminalError",
     "AsyncStore",
@@ -91,6 +94,7 @@ __all__ = [
     "LostReason",
     "Outcome",
     "OutcomeUnknownError",
+    "OwnerNotPermittedError",
     "PermissionDeniedError",
     "RetryPolicy",
     "RevisionCompactedError",
