@@ -140,3 +140,36 @@ async def test_a_plaintext_client_cannot_reach_a_tls_server(server: ServerThread
     async with fencepost.Client(server.address, retry=retry) as client:
         with pytest.raises(fencepost.UnavailableError):
             await client.get("x")
+
+
+# -- the CLI ---------------------------------------------------------------------------
+
+
+def test_cli_flags_and_environment(server: ServerThread, token_server: ServerThread,
+                                   certs: Certs, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from fencepost_server.cli import main
+
+    admin = certs.clients["admin"]
+    tls = ["--cacert", str(certs.ca.cert), "--cert", str(admin.cert), "--key", str(admin.key)]
+    assert main(["get", "nope", "--addr", server.address, *tls]) == 1
+    assert "RUN_NOT_FOUND" in capsys.readouterr().err
+    # no certificate: the handshake fails, the server is unreachable for this client
+    assert main(["get", "nope", "--addr", server.address, "--timeout", "0.3"]) == 3
+    capsys.readouterr()
+    w1 = certs.clients["w1"]
+    monkeypatch.setenv("FENCEPOST_CACERT", str(certs.ca.cert))
+    monkeypatch.setenv("FENCEPOST_CERT", str(w1.cert))
+    monkeypatch.setenv("FENCEPOST_KEY", str(w1.key))
+    assert main(["cancel", "nope", "--addr", server.address, "--json"]) == 1
+    assert '"code": "PERMISSION_DENIED"' in capsys.readouterr().err
+    monkeypatch.delenv("FENCEPOST_KEY")
+    assert main(["get", "nope", "--addr", server.address]) == 2
+    assert "cert and key" in capsys.readouterr().err
+    for var in ("FENCEPOST_CACERT", "FENCEPOST_CERT"):
+        monkeypatch.delenv(var)
+    assert main(["get", "nope", "--addr", token_server.address, "--token", "bad"]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    monkeypatch.setenv("FENCEPOST_TOKEN", ADMIN_TOKEN)
+    assert main(["ls", "--addr", token_server.address, "--json"]) == 0
+    assert capsys.readouterr().out.strip() == "[]"
