@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nemesis", default="default", help="fault mix: default, kills, none")
     p.add_argument("--fault", default="", help="TEST ONLY: run a deliberately broken server "
                    "(ack-before-commit, fence-ignores-owner); the run must then FAIL")
+    p.add_argument("--tls", action="store_true",
+                   help="mutual TLS: a certificate per client, owners bound to it")
     p.add_argument("--check-only", type=Path, metavar="DIR",
                    help="re-run the checkers on a recorded run's directory")
     a = p.parse_args(argv)
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or REPO / "build" / "torture" / f"seed-{a.seed}-{a.duration:g}s-{a.transport}"
     cfg = Config(duration_s=a.duration, seed=a.seed, out=out, workers=a.workers,
                  threads=a.threads, runs=a.runs, profile=a.profile, nemesis=a.nemesis,
-                 fault=a.fault, transport=a.transport)
+                 fault=a.fault, transport=a.transport, tls=a.tls)
     try:
         outcome = run(cfg)
     except Exception as exc:

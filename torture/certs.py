@@ -11,6 +11,7 @@ import datetime as dt
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -122,3 +123,24 @@ class CA:
         """A server leaf for 127.0.0.1 and localhost."""
         return self.issue(name, cn="localhost", dns=("localhost",), ips=("127.0.0.1",),
                           server=True)
+
+
+def torture_certs(directory: Path, names: list[str]) -> CA:
+    """A CA, the server's certificate and one client certificate per name (its
+    CN: the client's principal) for a mutual-TLS torture run."""
+    ca = CA(directory, "fencepost torture CA")
+    ca.server()
+    for name in names:
+        ca.issue(name, cn=name)
+    return ca
+
+
+def client_credentials(directory: str | Path, name: str) -> Any:
+    """grpc channel credentials for the client ``name`` from ``directory``."""
+    import grpc
+
+    d = Path(directory)
+    return grpc.ssl_channel_credentials(
+        (d / "ca.pem").read_bytes(), (d / f"{name}-key.pem").read_bytes(),
+        (d / f"{name}.pem").read_bytes(),
+    )
