@@ -88,6 +88,7 @@ class Settings:
     authz: str = ""  # TOML policy: roles and bearer tokens
     identity_from: str = "auto"  # spiffe | dns | cn; auto: that order
     allow_insecure: bool = False  # plaintext on a non-loopback address
+    health_listen: str = ""  # also serve only gRPC health here, plaintext (probes under TLS)
     max_tracked_per_stream: int = 100_000  # leases one KeepAlive stream may track
     max_inflight_per_stream: int = 4096  # unanswered commands per Execute stream
     # TEST-ONLY (torture harness): OffsetClock + the TestHooks service; never by default.
@@ -119,6 +120,7 @@ class Settings:
             "FENCEPOST_AUTHZ": ("authz", str),
             "FENCEPOST_IDENTITY_FROM": ("identity_from", str),
             "FENCEPOST_ALLOW_INSECURE": ("allow_insecure", _flag),
+            "FENCEPOST_HEALTH_LISTEN": ("health_listen", str),
             "FENCEPOST_MAX_CONCURRENT_STREAMS": ("max_concurrent_streams", int),
             "FENCEPOST_MAX_TRACKED_PER_STREAM": ("max_tracked_per_stream", int),
             "FENCEPOST_MAX_INFLIGHT_PER_STREAM": ("max_inflight_per_stream", int),
@@ -141,6 +143,8 @@ class App:
     health: Any = None
     hub: FenceHub | None = None
     port: int = 0
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
     _history: HistoryReader | None = None
     _history_executor: ThreadPoolExecutor | None = None
     engine_store: EngineStoreService | None = None
@@ -215,6 +219,13 @@ class App:
         if self.port == 0:
             raise RuntimeError(f"could not listen on {s.listen}")
         await self.server.start()
+        if s.health_listen:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(s.health_listen)
+            if self.health_port == 0:
+                raise RuntimeError(f"could not listen on {s.health_listen} (--health-listen)")
+            await self.health_server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if s.metrics_port:
             from .metrics import start_metrics
@@ -286,6 +297,8 @@ class App:
             self.hub.shutdown()  # streams end with UNAVAILABLE
         if self.server is not None:
             await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self.hub is not None:
             await self.hub.close()
         if self.engine_store is not None:

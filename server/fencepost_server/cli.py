@@ -104,6 +104,8 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-insecure", action="store_true", default=None,
                    help="allow plaintext on a non-loopback address: only on a network you "
                    "trust completely (env FENCEPOST_ALLOW_INSECURE=1)")
+    g.add_argument("--health-listen", help="also serve gRPC health alone, in plaintext, on this "
+                   "address (for probes that cannot do TLS; env FENCEPOST_HEALTH_LISTEN)")
     g.add_argument("--max-concurrent-streams", type=int,
                    help="concurrent calls per connection (env FENCEPOST_MAX_CONCURRENT_STREAMS;"
                    " default 1024)")
@@ -135,6 +137,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         authz=args.authz,
         identity_from=args.identity_from,
         allow_insecure=args.allow_insecure,
+        health_listen=args.health_listen,
         max_concurrent_streams=args.max_concurrent_streams,
         max_tracked_per_stream=args.max_tracked_per_stream,
         max_inflight_per_stream=args.max_inflight_per_stream,

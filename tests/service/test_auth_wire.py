@@ -606,3 +606,17 @@ def test_renewed_certificate_files_are_picked_up_without_dropping_connections(
     finally:
         srv.close()
 
+
+
+def test_a_plaintext_health_port_for_probes_beside_mutual_tls(tmp_path: Path,
+                                                              certs: Certs) -> None:
+    srv = _server(tmp_path, certs, client_ca=str(certs.ca.cert), health_listen="127.0.0.1:0")
+    try:
+        assert srv.app is not None and srv.app.health_port
+        with grpc.insecure_channel(f"127.0.0.1:{srv.app.health_port}") as ch:
+            assert _health(ch) is OK
+            # only health: the ledger is not served there
+            got = _rpc(ch, "Ledger", "GetRun", pb.GetRunRequest(run_id="x"))
+            assert got.code is grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        srv.close()
