@@ -106,7 +106,7 @@ OWNER_FIELDS: dict[str, tuple[str, ...]] = {
     "fencepost.v1.EngineUpdateRunRequest": ("expect_owner",),
     # the raw seam writes a lease's owner directly
     "fencepost.v1.CreateRequest": ("run.lease.owner",),
-    "fencepost.v1.CompareAndSetRequest": ("next.lease.owner",),
+    # CompareAndSet: check_raw_lease_owner (keeping the current holder is no grant)
     "fencepost.v1.KeepAliveHello": ("owner",),
 }
 
@@ -193,6 +193,23 @@ def check_owners(principal: Principal, request: Any, prefix: str = "") -> None:
         owner = _get_path(request, path)
         if owner is not None:
             check_owner(principal, owner, prefix + path)
+
+
+def check_raw_lease_owner(principal: Principal, runs: Mapping[str, Any], request: Any) -> None:
+    """A raw CompareAndSet may keep the lease holder of the version it
+    replaces (rewriting another field); giving the lease to an owner is bound
+    like an Acquire. Sound against races: a different committed version makes
+    the swap fail anyway."""
+    if not principal.bound or getattr(request, "DESCRIPTOR", None) is None:
+        return  # no identities, or Malformed (the handler refuses it)
+    if not request.next.HasField("lease"):
+        return
+    current = runs.get(request.run_id)
+    owner = request.next.lease.owner
+    keeps = (current is not None and current.version == request.expected_version
+             and current.lease is not None and current.lease.owner == owner)
+    if not keeps:
+        check_owner(principal, owner, "next.lease.owner")
 
 
 def check_command(kind: str, request: Any) -> None:

@@ -345,12 +345,30 @@ def test_impersonation_on_the_engine_store(chans: dict[str, grpc.Channel]) -> No
 def test_raw_seam_owners_are_bound_without_a_policy(mtls_channels: dict[str, grpc.Channel],
                                                     channels: dict[str, grpc.Channel]) -> None:
     run = f"raw-{time.monotonic_ns()}"
-    rec = record_pb2.Run(run_id=run, status=record_pb2.RUN_STATUS_RUNNING, fencing_token=1,
+    rec = record_pb2.Run(schema=1, run_id=run, status=record_pb2.RUN_STATUS_RUNNING,
+                         fencing_token=1, version=1,
                          lease=record_pb2.Lease(owner="w2"))
     got = _rpc(mtls_channels["w1"], "RunStore", "Create", run_store_pb2.CreateRequest(run=rec))
     _owner_refused(got, "w2", "w1")
     got = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet",
                run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=0, next=rec))
+    _owner_refused(got, "w2", "w1")
+    # rewriting a record that keeps its current holder is no grant: allowed
+    w2 = ledger_pb2_grpc.LedgerStub(mtls_channels["w2"])
+    cur = w2.Acquire(pb.AcquireRequest(run_id=run, owner="w2")).run
+    nxt = record_pb2.Run()
+    nxt.CopyFrom(cur)
+    nxt.version += 1
+    nxt.checkpoint_ref.key, nxt.checkpoint_ref.snapshot_version = "raw-k", 1
+    got = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet",
+               run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version,
+                                                  next=nxt))
+    assert got.code is OK, got
+    # ... but expecting another version is judged as a grant
+    nxt.version += 5
+    got = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet",
+               run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version + 4,
+                                                  next=nxt))
     _owner_refused(got, "w2", "w1")
     # with a policy, the raw seam is the admin's, and an admin is not bound
     got = _rpc(channels["admin"], "RunStore", "Create", run_store_pb2.CreateRequest(run=rec))
