@@ -27,7 +27,6 @@ import contextvars
 import fnmatch
 import functools
 import hashlib
-import ipaddress
 import logging
 import os
 import tomllib
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from fencepost._security import is_loopback as _host_is_loopback
 
 from .core.errors import Code, LedgerError
 
@@ -449,10 +450,4 @@ def is_loopback(listen: str) -> bool:
     """Whether a listen address only accepts local connections."""
     if listen.startswith(("unix:", "unix-abstract:")):
         return True
-    host = listen.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return _host_is_loopback(listen)

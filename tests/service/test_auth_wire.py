@@ -104,22 +104,22 @@ def mtls_server(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Itera
     srv.close()
 
 
-@pytest.fixture(scope="module")
-def channels(authz_server: ServerThread, certs: Certs) -> Iterator[dict[str, grpc.Channel]]:
-    chans = {who: grpc.secure_channel(authz_server.address, certs.creds(who))
-             for who in PRINCIPALS}
+def _channels(srv: ServerThread, certs: Certs) -> Iterator[dict[str, grpc.Channel]]:
+    """One channel per principal, each with its own client certificate."""
+    chans = {who: grpc.secure_channel(srv.address, certs.creds(who)) for who in PRINCIPALS}
     yield chans
     for ch in chans.values():
         ch.close()
+
+
+@pytest.fixture(scope="module")
+def channels(authz_server: ServerThread, certs: Certs) -> Iterator[dict[str, grpc.Channel]]:
+    yield from _channels(authz_server, certs)
 
 
 @pytest.fixture(scope="module")
 def mtls_channels(mtls_server: ServerThread, certs: Certs) -> Iterator[dict[str, grpc.Channel]]:
-    chans = {who: grpc.secure_channel(mtls_server.address, certs.creds(who))
-             for who in PRINCIPALS}
-    yield chans
-    for ch in chans.values():
-        ch.close()
+    yield from _channels(mtls_server, certs)
 
 
 # -- every RPC x every role -----------------------------------------------------------

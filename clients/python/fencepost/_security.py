@@ -49,7 +49,8 @@ class TLS:
         )
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """Whether ``host:port`` (or a bare host) names this machine only."""
     host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
     if host == "localhost":
         return True
@@ -70,7 +71,7 @@ def channel_credentials(
         return None
     if tls is not None:
         creds = tls.credentials()
-    elif _is_loopback(address):
+    elif is_loopback(address):
         creds = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
     else:
         raise ValueError(
