@@ -60,7 +60,7 @@ def test_an_oversized_keepalive_message_is_answered_and_the_stream_goes_on(serve
         answers = _keepalive_answers(s)
         err = next(answers)
         assert err.WhichOneof("kind") == "error", err
-        assert err.error.code == "RUN_VALIDATION_ERROR"
+        assert (err.error.code, err.error.metadata["field"]) == ("RUN_VALIDATION_ERROR", "request")
         assert err.error.message.startswith("request: ") and "over the server's limit" in (
             err.error.message)
         ok = next(answers)
@@ -114,6 +114,8 @@ def test_leases_tracked_per_keepalive_stream_are_limited(tmp_path: Path) -> None
                 err = next(answers)
                 assert (err.error.run_id, err.error.code) == ("r3", "STREAM_LIMIT_EXCEEDED"), err
                 assert "--max-tracked-per-stream" in err.error.message
+                assert dict(err.error.metadata) == {"limit": "max_tracked_per_stream",
+                                                    "value": "3"}
             # a tracked run still renews; untracking makes room
             s.send(pb.KeepAliveRequest(renew=pb.KeepAliveRenew(run_id="r0",
                                                                fencing_token=toks["r0"])))

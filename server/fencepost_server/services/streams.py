@@ -36,8 +36,13 @@ REPLAY_PAGE = 1000
 
 
 def _error(run_id: str, err: LedgerError) -> pb.KeepAliveResponse:
+    metadata = dict(err.metadata) if err.metadata else {}
+    if err.field is not None:
+        metadata["field"] = err.field
     return pb.KeepAliveResponse(
-        error=pb.KeepAliveError(run_id=run_id, code=err.code.value, message=err.message)
+        error=pb.KeepAliveError(
+            run_id=run_id, code=err.code.value, message=err.message, metadata=metadata
+        )
     )
 
 
