@@ -173,3 +173,14 @@ def test_cli_flags_and_environment(server: ServerThread, token_server: ServerThr
     monkeypatch.setenv("FENCEPOST_TOKEN", ADMIN_TOKEN)
     assert main(["ls", "--addr", token_server.address, "--json"]) == 0
     assert capsys.readouterr().out.strip() == "[]"
+
+
+async def test_a_store_of_its_own_over_mutual_tls(server: ServerThread, certs: Certs) -> None:
+    store = fencepost.AsyncStore.connect(server.address, tls=tls_for(certs, "w1"))
+    try:
+        await store.create_run("store-tls", agent="a")
+        assert await store.claim_run("store-tls", "w1/x", ttl_ms=1000)
+        with pytest.raises(fencepost.OwnerNotPermittedError):
+            await store.claim_run("store-tls", "w2", ttl_ms=1000)
+    finally:
+        await store.aclose()
