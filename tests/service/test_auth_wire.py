@@ -638,3 +638,18 @@ def test_a_plaintext_health_port_for_probes_beside_mutual_tls(tmp_path: Path,
             assert got.code is grpc.StatusCode.UNIMPLEMENTED
     finally:
         srv.close()
+
+
+def test_every_security_setting_has_its_environment_variable() -> None:
+    env = {"FENCEPOST_TLS_CERT": "c.pem", "FENCEPOST_TLS_KEY": "k.pem",
+           "FENCEPOST_CLIENT_CA": "ca.pem", "FENCEPOST_AUTHZ": "p.toml",
+           "FENCEPOST_IDENTITY_FROM": "dns", "FENCEPOST_ALLOW_INSECURE": "1",
+           "FENCEPOST_HEALTH_LISTEN": "127.0.0.1:9", "FENCEPOST_MAX_CONCURRENT_STREAMS": "7",
+           "FENCEPOST_MAX_TRACKED_PER_STREAM": "8", "FENCEPOST_MAX_INFLIGHT_PER_STREAM": "9"}
+    s = Settings.from_env(env)
+    assert (s.tls_cert, s.tls_key, s.client_ca, s.authz, s.identity_from, s.allow_insecure,
+            s.health_listen, s.max_concurrent_streams, s.max_tracked_per_stream,
+            s.max_inflight_per_stream) == ("c.pem", "k.pem", "ca.pem", "p.toml", "dns", True,
+                                           "127.0.0.1:9", 7, 8, 9)
+    # a flag wins over the environment
+    assert Settings.from_env(env, identity_from="cn").identity_from == "cn"
