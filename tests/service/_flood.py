@@ -5,7 +5,6 @@ Prints how many commands were answered."""
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 import grpc
@@ -39,7 +38,6 @@ def main() -> int:
         for resp in stub.Execute(requests(), timeout=seconds + 60):
             answered += len(resp.results)
     print(answered, flush=True)
-    threading.Event().wait(0)
     return 0
 
 
