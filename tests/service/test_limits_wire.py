@@ -163,7 +163,7 @@ def test_concurrent_streams_per_connection_are_limited(tmp_path: Path) -> None:
 
 # Measured on the shared 2-core development machine (server, flooding client
 # and this client in three processes): with --max-inflight-per-stream 256 the
-# other client's Renew p99 was 34-66 ms under the flood over four runs (38 ms
+# other client's Renew p99 was 34-66 ms under the flood in three measured runs (38 ms
 # before it); with the limit lifted (1 000 000) it was 577 ms. The bound leaves room for a
 # loaded CI machine and still fails if the limit stops working.
 FAIR_LIMIT = 256
