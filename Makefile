@@ -13,7 +13,8 @@ PYTEST_ARGS ?=
 .PHONY: help all serve test lint proto bench clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}' \
+	  | sed -e 's|$$(ADDR)|$(ADDR)|g' -e 's|$$(DB)|$(DB)|g'
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,6 +52,11 @@ TRANSPORT ?= mixed
 torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed (docs/RELIABILITY.md)
 	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT)
 
-clean:  ## remove the venv, caches and local databases
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info fencepost.db fencepost.db-*
+clean:  ## remove the venv, caches and build output (never your data: see clean-data)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+.PHONY: clean-data
+clean-data:  ## DELETE the database $(DB) (with its -wal and -shm files): every run it holds
+	@echo "deleting $(DB), $(DB)-wal and $(DB)-shm: every run recorded in them is gone"
+	rm -f $(DB) $(DB)-wal $(DB)-shm

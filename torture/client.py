@@ -2,7 +2,7 @@
 (torture/history.py), with its invocation and completion times and its
 result: ok, failed with a code, or unknown because the connection dropped.
 
-Mutations carry a request id (SPEC §5.5). When a call's outcome is unknown
+Mutations carry a request id (docs/SPEC.md §5.5). When a call's outcome is unknown
 (transport failure, timeout) the client either retries it with the *same*
 request id until it gets an answer (one operation spanning all attempts), or
 abandons it (the operation stays unknown), as a real worker would.

@@ -155,7 +155,7 @@ class Actor:
         ttl = self.rng.choice(TTLS)
         r = self.rng.random()
         if cur["status"] == RUNNING and cur.get("lease"):
-            if r < 0.45:  # steal the lease: a new holder, so a new token (SPEC §1)
+            if r < 0.45:  # steal the lease: a new holder, so a new token (docs/SPEC.md §1)
                 nxt["lease"][0] = thief
                 nxt["fencing_token"] += 1
             elif r < 0.65:  # take over with a new token

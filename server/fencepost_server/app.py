@@ -237,7 +237,7 @@ class App:
             Path(s.db_path),
             s.durability.value,
             self.writer.state.revision,
-            len(self.writer.state.runs),
+            len(self.writer.state.index),
         )
         return self
 

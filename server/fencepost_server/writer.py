@@ -16,7 +16,6 @@ Only this module (through ``SqliteStorage.open``) opens a write connection.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
 import logging
 import time
@@ -29,8 +28,16 @@ from .clock import Clock
 from .core import codec
 from .core import ledger as L
 from .core.errors import Code, LedgerError
-from .core.records import Record
-from .storage.sqlite import KIND_DELETE, KIND_PUT, Batch, SqliteStorage
+from .core.records import TERMINAL, Record
+from .index import RunIndex
+from .storage.sqlite import (
+    KIND_DELETE,
+    KIND_PUT,
+    Batch,
+    SqliteStorage,
+    open_read_only,
+    read_runs,
+)
 
 log = logging.getLogger("fencepost.writer")
 
@@ -70,10 +77,13 @@ class LedgerState:
     """The committed state, read by handlers on the event loop. Only the writer
     task moves it, and only after a commit."""
 
+    # The runs held in memory ("hot"): every unfinished run, and finished ones
+    # until the runs table reflects them; then they are read from there on
+    # demand (``Writer.read_runs``). ``index`` knows every run, hot or not.
     runs: dict[str, Record] = field(default_factory=dict)
     tombstones: dict[str, int] = field(default_factory=dict)
     revision: int = 0
-    sorted_ids: list[str] = field(default_factory=list)
+    index: RunIndex = field(default_factory=RunIndex)  # ListRuns: by id, status, owner
     # Changes at or below this revision are no longer retained (watch floor).
     compacted: int = 0
 
@@ -176,8 +186,14 @@ class Writer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_prune = 0
+        self._prune_more = False  # writer thread only
         self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
         self._executors: dict[type, Executor] = {}
+        # Finished runs leave memory once the runs table reflects them (not
+        # for an in-memory database, which has no second connection to read).
+        self.evict_finished = str(storage.path) != ":memory:"
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-reader")
+        self._reader_db: Any = None
         # TEST-ONLY broken build (``--test-hooks --fault ack-before-commit``, set by
         # app.py): seconds between answering a batch and committing it. 0: never.
         self.unsafe_ack_before_commit_s = 0.0
@@ -192,7 +208,7 @@ class Writer:
             runs=loaded.runs,
             tombstones=loaded.tombstones,
             revision=loaded.revision,
-            sorted_ids=sorted(loaded.runs),
+            index=RunIndex(loaded.runs.values(), cold=loaded.cold),
             compacted=loaded.compacted,
         )
         self._loop = asyncio.get_running_loop()
@@ -216,6 +232,13 @@ class Writer:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._close_storage)
         self._executor.shutdown(wait=True)
+        await loop.run_in_executor(self._reader, self._close_reader)
+        self._reader.shutdown(wait=True)
+
+    def _close_reader(self) -> None:
+        if self._reader_db is not None:
+            self._reader_db.close()
+            self._reader_db = None
 
     def _close_storage(self) -> None:
         """Copy every pending run into the runs table (a clean shutdown leaves
@@ -236,6 +259,52 @@ class Writer:
             self.storage.close()
 
     # -- the API -----------------------------------------------------------------
+
+    def get_hot(self, run_id: str) -> Record | None:
+        """The run's record if memory holds it (every unfinished run)."""
+        return self.state.runs.get(run_id)
+
+    def is_cold(self, run_id: str) -> bool:
+        """A finished run that memory no longer holds (``read_runs`` reads it)."""
+        return run_id not in self.state.runs and run_id in self.state.index
+
+    async def read_run(self, run_id: str) -> Record | None:
+        """The run's committed record (None: no such run), as ``read_runs``."""
+        rec = self.state.runs.get(run_id)
+        if rec is not None or run_id not in self.state.index:
+            return rec
+        return (await self.read_runs([run_id])).get(run_id)
+
+    async def read_runs(self, run_ids: list[str]) -> dict[str, Record]:
+        """Committed records by id: from memory, and for finished runs memory
+        no longer holds, from the runs table on a read-only connection in a
+        thread of its own (the event loop never waits on SQLite). A run
+        leaves memory only once the table reflects its last change, and any
+        later change brings it back before it is published, so a record read
+        there is never older than the state when this call began."""
+        st = self.state
+        out: dict[str, Record] = {}
+        missing: list[str] = []
+        for run_id in run_ids:
+            rec = st.runs.get(run_id)
+            if rec is not None:
+                out[run_id] = rec
+            elif run_id in st.index:
+                missing.append(run_id)
+        if missing:
+            loop = asyncio.get_running_loop()
+            got = await loop.run_in_executor(self._reader, self._read_cold, missing)
+            for run_id in missing:
+                # the writer may have changed it meanwhile: memory is newer
+                rec = st.runs.get(run_id) or got.get(run_id)
+                if rec is not None:
+                    out[run_id] = rec
+        return out
+
+    def _read_cold(self, run_ids: list[str]) -> dict[str, Record]:
+        if self._reader_db is None:
+            self._reader_db = open_read_only(self.storage.path)
+        return read_runs(self._reader_db, run_ids)
 
     async def submit(self, cmd: L.Command) -> L.Result:
         """Queue a command; return its result once its commit is durable, or
@@ -392,12 +461,12 @@ class Writer:
                     LedgerError(Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}")
                 )
             return
-        answers, overlay, tombs, revision, events, compacted = outcome
+        answers, overlay, tombs, revision, events, compacted, cold, evict = outcome
         self.stats.batches += 1
         self.stats.commands += len(batch)
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
         self.stats.commit_seconds += time.perf_counter() - started
-        self._publish_state(overlay, tombs, revision)
+        self._publish_state(overlay, tombs, revision, cold, evict)
         if compacted is not None:
             self.state.compacted = compacted
         for item, answer in zip(batch, answers, strict=True):
@@ -410,19 +479,30 @@ class Writer:
                     log.exception("change-feed listener failed")
 
     def _publish_state(
-        self, overlay: dict[str, Record | None], tombs: dict[str, int], revision: int
+        self,
+        overlay: dict[str, Record | None],
+        tombs: dict[str, int],
+        revision: int,
+        cold: dict[str, Record | None] | None = None,
+        evict: list[str] | None = None,
     ) -> None:
+        """Move the committed state after a commit. ``cold``: the records this
+        batch read from the runs table (their previous state, for the index);
+        ``evict``: finished runs the runs table now reflects, no longer held."""
         st = self.state
+        runs, index = st.runs, st.index
         for run_id, rec in overlay.items():
-            if rec is None:
-                if st.runs.pop(run_id, None) is not None:
-                    i = bisect.bisect_left(st.sorted_ids, run_id)
-                    if i < len(st.sorted_ids) and st.sorted_ids[i] == run_id:
-                        del st.sorted_ids[i]
-            else:
-                if run_id not in st.runs:
-                    bisect.insort(st.sorted_ids, run_id)
-                st.runs[run_id] = rec
+            old = runs.pop(run_id, None) if rec is None else runs.get(run_id)
+            if old is None and cold:
+                old = cold.get(run_id)
+            if old is not None or rec is not None:
+                index.update(old, rec)
+            if rec is not None:
+                runs[run_id] = rec
+        for run_id in evict or ():
+            rec = runs.get(run_id)
+            if rec is not None and rec.status in TERMINAL:
+                del runs[run_id]
         st.tombstones.update(tombs)
         st.revision = revision
 
@@ -435,6 +515,7 @@ class Writer:
         overlay: dict[str, Record | None] = {}
         tombs: dict[str, int] = {}
         answered: dict[str, tuple[str, Any]] = {}
+        cold: dict[str, Record | None] = {}  # finished runs read from the runs table
         out = Batch(now=now)
         answers: list[Any] = []
         events: list[ChangeEvent] = []
@@ -474,7 +555,7 @@ class Writer:
                     answers.append(answer)
                     continue
                 run_id = cmd.run_id
-                cur = overlay[run_id] if run_id in overlay else committed.runs.get(run_id)
+                cur = overlay[run_id] if run_id in overlay else self._committed(run_id, cold)
                 tomb = tombs.get(run_id, committed.tombstones.get(run_id, 0))
                 try:
                     decision = L.decide(cmd, cur, tomb, now, rev + 1)
@@ -513,7 +594,7 @@ class Writer:
                     (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
                 ]
                 out.materialized = mark
-            if now - self._last_prune >= self.prune_every_ms:
+            if self._prune_more or now - self._last_prune >= self.prune_every_ms:
                 age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
                 out.prune = (
                     now - self.request_retention_ms,
@@ -523,7 +604,7 @@ class Writer:
                 )
             self.storage.write(out)
             if self.unsafe_ack_before_commit_s:  # TEST-ONLY broken build
-                self._unsafe_ack_early(batch, answers, overlay, tombs, rev, events)
+                self._unsafe_ack_early(batch, answers, overlay, tombs, rev, events, cold)
         # committed: move the materialization bookkeeping (a failed commit
         # raised above and moved nothing)
         pending = self._pending
@@ -536,8 +617,30 @@ class Writer:
         compacted = None
         if out.prune is not None:
             self._last_prune = now
+            self._prune_more = out.prune_more  # a backlog: again in the next batch
             compacted = out.compacted
-        return answers, overlay, tombs, rev, events, compacted
+        # finished runs that the runs table now reflects leave memory
+        evict = [
+            k for k, rec in out.materialize
+            if rec is not None and rec.status in TERMINAL and k not in pending
+        ] if self.evict_finished else []
+        return answers, overlay, tombs, rev, events, compacted, cold, evict
+
+    def _committed(self, run_id: str, cold: dict[str, Record | None]) -> Record | None:
+        """A run's committed record: held in memory, or — a finished run the
+        index knows but memory no longer holds — read from the runs table,
+        once per batch. Writer thread (the loop moves the state only between
+        batches)."""
+        rec = self.state.runs.get(run_id)
+        if rec is not None:
+            return rec
+        if run_id in cold:
+            return cold[run_id]
+        if run_id not in self.state.index:
+            return None
+        got = self.storage.read_runs([run_id]).get(run_id)
+        cold[run_id] = got
+        return got
 
     def _plan_materialization(
         self, now: int, rev: int, changed: dict[str, int]
@@ -578,6 +681,7 @@ class Writer:
         tombs: dict[str, int],
         rev: int,
         events: list[ChangeEvent],
+        cold: dict[str, Record | None],
     ) -> None:
         """TEST-ONLY (``--fault ack-before-commit``): answer the batch's callers
         and publish its state *before* its COMMIT, then hold the COMMIT back, so
@@ -589,7 +693,7 @@ class Writer:
         events.clear()
 
         def deliver() -> None:
-            self._publish_state(overlay, tombs, rev)
+            self._publish_state(overlay, tombs, rev, cold)
             for item, answer in zip(batch, answers, strict=True):
                 item.deliver(answer)
             for listener in list(self._listeners) if published else []:

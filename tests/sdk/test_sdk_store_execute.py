@@ -1,4 +1,4 @@
-"""client.store over the client's Execute stream (issue #6): the engine store's
+"""client.store over the client's Execute stream: the engine store's
 13 mutations ride the same dispatcher as the client's ledger mutations —
 coalesced per event-loop turn (a ledger command may share their message),
 raising exactly the unary call's exception, retried with the same request id

@@ -1,5 +1,5 @@
 """Property tests: random command sequences through the pure decisions keep the
-invariants of SPEC §3 and §9 (tokens never go back, one holder at a time,
+invariants of docs/SPEC.md §3 and §9 (tokens never go back, one holder at a time,
 terminal is final, version +1 per write, legal transitions only)."""
 
 from __future__ import annotations

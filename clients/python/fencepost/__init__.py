@@ -2,7 +2,7 @@
 
     import fencepost
 
-    async with fencepost.Client("127.0.0.1:50051", owner="worker-7") as client:
+    async with fencepost.Client("127.0.0.1:50051") as client:  # owner: unique per process
         async with client.acquire("run-42", ttl_ms=10_000) as lease:
             await lease.record_checkpoint("ckpt/run-42/1", snapshot_version=1)
             await lease.finish("completed")

@@ -42,7 +42,9 @@ The tree::
     │                               (.code is the gRPC status name, e.g. "INTERNAL")
     └── UnavailableError            no answer: UNAVAILABLE after every retry, or a
         │                           read's deadline passed (.code "UNAVAILABLE" or
-        │                           "DEADLINE_EXCEEDED")
+        │                           "DEADLINE_EXCEEDED"); for a mutation, raised only
+        │                           when no attempt can have left this process (the
+        │                           channel never connected): nothing was applied
         ├── ShuttingDownError       SHUTTING_DOWN: the server is stopping and did
         │                           nothing with this call; retried like UNAVAILABLE
         └── OutcomeUnknownError     a mutation got no answer: it may or may not have
@@ -237,7 +239,9 @@ class RpcError(FencepostError):
 
 class UnavailableError(FencepostError):
     """The server gave no answer: unreachable after every retry, or a read's
-    deadline passed."""
+    deadline passed. A mutation raises exactly this class (not
+    ``OutcomeUnknownError``) only when none of its attempts was sent, because
+    the client never had a connection to the server: nothing was applied."""
 
     code = "UNAVAILABLE"
 

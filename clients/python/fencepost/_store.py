@@ -1,4 +1,4 @@
-"""The engine store (SPEC §11) from Python: ``AsyncStore`` and ``SyncStore``.
+"""The engine store (docs/SPEC.md §11) from Python: ``AsyncStore`` and ``SyncStore``.
 
 Python values in and out: JSON values are plain Python data (dict, list,
 str, int of any size, float, bool, None), sent as JSON text and parsed back,
@@ -47,11 +47,13 @@ from collections.abc import (
 )
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import grpc
 
+from ._connect import until_connected
 from ._errors import (
     InvalidRunStateError,
     RunNotFoundError,
@@ -240,11 +242,50 @@ class PutArtifactResult:
 # -- conversions -----------------------------------------------------------------------------
 
 
+# Python refuses to convert an int of more than 4300 digits to or from text
+# (sys.get_int_max_str_digits), which json.dumps and json.loads do; Decimal
+# converts any length exactly, so integers longer than this go through it.
+_INT_DIGITS = 4000
+_INT_BITS = 13_000  # fewer decimal digits than _INT_DIGITS (13 000 * log10(2) < 3 914)
+
+
 def _dumps(field: str, value: Any) -> str:
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        try:
+            return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except ValueError:
+            return _dumps_long_ints(value)  # integers of any length; NaN still refused
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValidationError(f"{field}: not a JSON value ({exc})", field=field) from None
+
+
+def _dumps_long_ints(value: Any) -> str:
+    """``json.dumps`` (same output) for values holding integers too long for it."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _INT_BITS:
+        return str(Decimal(int(value)))
+    if isinstance(value, dict):
+        return "{" + ",".join(
+            _dumps_key(key) + ":" + _dumps_long_ints(item) for key, item in value.items()
+        ) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_dumps_long_ints(item) for item in value) + "]"
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def _dumps_key(key: Any) -> str:
+    if isinstance(key, str):
+        return json.dumps(key, ensure_ascii=False)
+    # an int, float, bool or None key, coerced to a string as json.dumps does
+    return json.dumps({key: 0}, ensure_ascii=False, allow_nan=False)[1:-4]
+
+
+def _exact_int(text: str) -> int:
+    return int(text) if len(text) <= _INT_DIGITS else int(Decimal(text))
+
+
+def _json(text: str) -> Any:
+    """A stored JSON text as Python data, integers of any length exactly."""
+    return json.loads(text, parse_int=_exact_int)
 
 
 def _json_value(field: str, value: Any) -> pb.JsonValue:
@@ -257,7 +298,7 @@ def _set_json(msg: Any, name: str, value: Any, field: str | None = None) -> None
 
 
 def _loads(msg: Any, name: str) -> Any:
-    return json.loads(getattr(msg, name).json) if msg.HasField(name) else ABSENT
+    return _json(getattr(msg, name).json) if msg.HasField(name) else ABSENT
 
 
 def _dt(ts: Timestamp) -> datetime:
@@ -300,11 +341,11 @@ def _step(m: pb.EngineStep) -> EngineStep:
 
 
 def _checkpoint(m: pb.EngineCheckpoint) -> EngineCheckpoint:
-    return EngineCheckpoint(m.run_id, m.step_index, json.loads(m.state.json), _dt(m.saved_at))
+    return EngineCheckpoint(m.run_id, m.step_index, _json(m.state.json), _dt(m.saved_at))
 
 
 def _doc(m: pb.EngineDoc) -> EngineDoc:
-    return EngineDoc(m.id, json.loads(m.doc.json), _dt(m.updated_at))
+    return EngineDoc(m.id, _json(m.doc.json), _dt(m.updated_at))
 
 
 def _artifact(m: pb.EngineArtifact) -> EngineArtifact:
@@ -441,7 +482,8 @@ class AsyncStore:
         if mutation and not request.request_id:
             request.request_id = new_request_id()
         rpc = getattr(self.stub, method)
-        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation)
+        channel = self._stub_cache[0] if self._stub_cache is not None else None
+        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation, channel=channel)
         return await call_with_retry(attempt, self._retry, mutation=mutation)
 
     async def _collect(self, method: str, request: Any) -> builtins.list[Any]:
@@ -622,7 +664,7 @@ class AsyncStore:
         resp = await self._unary("GetEffect", pb.EngineGetEffectRequest(key=key), mutation=False)
         if not resp.found:
             return Lookup(False)
-        return Lookup(True, json.loads(resp.result.json), _opt_dt(resp, "recorded_at"))
+        return Lookup(True, _json(resp.result.json), _opt_dt(resp, "recorded_at"))
 
     async def put_effect(self, key: str, result: Any) -> None:
         req = pb.EnginePutEffectRequest(key=key, result=_json_value("result", result))
@@ -633,7 +675,7 @@ class AsyncStore:
         resp = await self._unary("KvGet", req, mutation=False)
         if not resp.found:
             return Lookup(False)
-        return Lookup(True, json.loads(resp.value.json), _opt_dt(resp, "updated_at"))
+        return Lookup(True, _json(resp.value.json), _opt_dt(resp, "updated_at"))
 
     async def kv_set(self, agent: str, key: str, value: Any) -> None:
         req = pb.EngineKvSetRequest(agent=agent, key=key, value=_json_value("value", value))
@@ -720,7 +762,10 @@ class AsyncStore:
                 yield pb.EnginePutArtifactRequest(chunk=piece)
 
         async def attempt(deadline_s: float | None) -> Any:
-            return await self.stub.PutArtifact(messages())
+            stub = self.stub
+            assert self._stub_cache is not None
+            await until_connected(self._stub_cache[0], deadline_s)  # else: nothing was sent
+            return await stub.PutArtifact(messages())
 
         resp = await call_with_retry(attempt, policy, mutation=True)
         return PutArtifactResult(resp.created, _artifact(resp.artifact))

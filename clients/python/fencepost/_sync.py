@@ -340,7 +340,7 @@ class SyncClient:
 
     @property
     def store(self) -> SyncStore:
-        """The engine store (SPEC §11), blocking."""
+        """The engine store (docs/SPEC.md §11), blocking."""
         if self._store is None:
             self._store = SyncStore(self._client.store, self._portal.run)
         return self._store

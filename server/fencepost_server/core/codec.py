@@ -1,4 +1,4 @@
-"""Results and refusals as plain data, for the durable request-id cache (SPEC §5.5).
+"""Results and refusals as plain data, for the durable request-id cache (docs/SPEC.md §5.5).
 
 A repeated request id is answered with exactly the original answer, also after
 a restart, so answers are stored as JSON-able dicts. Pure.

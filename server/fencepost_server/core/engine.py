@@ -1,4 +1,4 @@
-"""Pure decisions for the engine store (SPEC §11), and its input rules.
+"""Pure decisions for the engine store (docs/SPEC.md §11), and its input rules.
 
 Eight parts — runs (with claims), steps, checkpoints, idempotency keys,
 locks, effects, state (key/value and documents), artifacts. For every
@@ -12,7 +12,7 @@ JSON values are carried as their text: validated here, stored and returned
 byte for byte (``None`` in a field of this module means "absent"; the text
 ``"null"`` is a stored JSON null).
 
-One expiry rule (SPEC §4): a thing granted at T with ttl D is live while
+One expiry rule (docs/SPEC.md §4): a thing granted at T with ttl D is live while
 ``now < T + D`` and expired at exactly ``T + D`` (``is_live``).
 """
 
@@ -42,7 +42,7 @@ _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def is_live(expires_at: int, now: int) -> bool:
-    """SPEC §4: live while now < T + D, expired at exactly T + D."""
+    """docs/SPEC.md §4: live while now < T + D, expired at exactly T + D."""
     return now < expires_at
 
 
@@ -74,11 +74,22 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# Python refuses to turn more than 4300 digits into an int (CVE-2020-10735's
+# limit, sys.get_int_max_str_digits); Decimal parses any length exactly and
+# compares equal to the int it denotes, so longer integers are read as one.
+_INT_DIGITS = 4000
+
+
+def _exact_int(text: str) -> int | Decimal:
+    return int(text) if len(text) <= _INT_DIGITS else Decimal(text)
+
+
 def parse_json(field: str, text: str) -> Any:
     """Parse a JSON text exactly (integers of any size, decimals as Decimal);
     RUN_VALIDATION_ERROR naming ``field`` when it is not RFC 8259 JSON."""
     try:
-        return json.loads(text, parse_float=Decimal, parse_constant=_no_constants)
+        return json.loads(text, parse_float=Decimal, parse_int=_exact_int,
+                          parse_constant=_no_constants)
     except RecursionError:
         raise validation(field, "JSON is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, NaN/Infinity
@@ -146,7 +157,7 @@ def doc_matches(doc_text: str, where: dict[str, Any]) -> bool:
     """Whether a stored document's top-level fields equal every field of where."""
     if not where:
         return True
-    doc = json.loads(doc_text, parse_float=Decimal)
+    doc = json.loads(doc_text, parse_float=Decimal, parse_int=_exact_int)
     if not isinstance(doc, dict):
         return False
     return all(k in doc and json_equal(doc[k], v) for k, v in where.items())
@@ -238,7 +249,7 @@ class Artifact:
     created_at: int
 
 
-# -- commands (frozen; `request_id` for SPEC §5.5) --------------------------------------
+# -- commands (frozen; `request_id` for docs/SPEC.md §5.5) --------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,7 +577,7 @@ def _with_claim(run: Run, owner: str, expires_at: int, now: int) -> Run:
 
 
 def decide_claim_run(current: Run | None, cmd: ClaimRun, now: int) -> tuple[Run | None, RunClaimed]:
-    """Succeeds only when unclaimed or the claim expired (SPEC §11, §4)."""
+    """Succeeds only when unclaimed or the claim expired (docs/SPEC.md §11, §4)."""
     if current is None:
         return None, RunClaimed(False, None)
     if current.claim is not None and is_live(current.claim.expires_at, now):
@@ -694,7 +705,7 @@ def decide_commit_artifact(
     return art, ArtifactCommitted(True, art, cmd.upload_id)
 
 
-# -- request-id cache codecs (SPEC §5.5) ----------------------------------------------------
+# -- request-id cache codecs (docs/SPEC.md §5.5) -------------------------------------------
 
 
 def _claimed(d: dict[str, Any]) -> dict[str, Any]:

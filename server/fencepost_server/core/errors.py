@@ -1,4 +1,4 @@
-"""Domain errors (SPEC §8). Pure: the gRPC mapping lives in services/_errors.py."""
+"""Domain errors (docs/SPEC.md §8). Pure: the gRPC mapping lives in services/_errors.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class Code(StrEnum):
     RUN_INTEGRITY_ERROR = "RUN_INTEGRITY_ERROR"
     RUN_STORE_ATOMIC_REQUIRED = "RUN_STORE_ATOMIC_REQUIRED"
     INVALID_RUN_STATE = "INVALID_RUN_STATE"
-    # The write could not be made durable (SPEC §9); nothing changed.
+    # The write could not be made durable (docs/SPEC.md §9); nothing changed.
     STORAGE_FULL = "STORAGE_FULL"
     STORAGE_UNAVAILABLE = "STORAGE_UNAVAILABLE"
     # The server is stopping: nothing was done; retry (elsewhere, or after restart).

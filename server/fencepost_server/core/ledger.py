@@ -1,4 +1,4 @@
-"""Pure decisions for the ledger and the raw seam (SPEC §3-§5, §7).
+"""Pure decisions for the ledger and the raw seam (docs/SPEC.md §3-§5, §7).
 
 ``decide(cmd, current, tombstone, now, revision)`` returns a ``Decision``: the
 change to write (a new record, a delete, or nothing) and the caller's result,
@@ -276,7 +276,7 @@ def _check_transition(cur: Record, dst: Status) -> None:
 
 
 def _fence(cmd: HandleCommand, cur: Record | None) -> Record:
-    """SPEC §5.2 fence check: exists, same token, same lease owner."""
+    """docs/SPEC.md §5.2 fence check: exists, same token, same lease owner."""
     if cur is None:
         raise LedgerError(Code.RUN_LEASE_LOST, f"run {cmd.run_id!r} no longer exists")
     if cur.fencing_token != cmd.fencing_token:
@@ -510,7 +510,7 @@ def _raw_cas(
         and (cur.lease is None or cur.lease.owner != new_lease.owner)
         and cmd.next.fencing_token == cur.fencing_token
     ):
-        # SPEC §1: the token moves whenever ownership changes hands. A lease
+        # docs/SPEC.md §1: the token moves whenever ownership changes hands. A lease
         # granted to a new holder under the same token would let two handles
         # share it (and make a stale handle's converging retry look done).
         raise LedgerError(

@@ -1,4 +1,4 @@
-"""The one place a domain error becomes a gRPC status (SPEC §8)."""
+"""The one place a domain error becomes a gRPC status (docs/SPEC.md §8)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def handler(fn: H) -> H:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             if isinstance(request, Malformed):
-                raise validation("request", f"undecodable {request.type_name}: {request.error}")
+                raise validation(request.field, f"undecodable {request.type_name}: {request.error}")
             return await fn(self, request, context)
         except LedgerError as err:
             await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]

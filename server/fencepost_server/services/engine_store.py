@@ -1,4 +1,4 @@
-"""fencepost.v1.EngineStore (SPEC §11): thin handlers.
+"""fencepost.v1.EngineStore (docs/SPEC.md §11): thin handlers.
 
 Each handler validates its request with the input rules of ``core.engine``
 (naming the field), builds a command and awaits the writer, or reads through
@@ -641,7 +641,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         if first is None:
             raise validation("header", "the stream ended before its header")
         if isinstance(first, Malformed):
-            raise validation("request", f"undecodable {first.type_name}: {first.error}")
+            raise validation(first.field, f"undecodable {first.type_name}: {first.error}")
         if first.WhichOneof("part") != "header":
             raise validation("header", "the first message must be the header (bytes came first)")
         hdr = _Header(first.header)
@@ -689,7 +689,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         try:
             async for msg in messages:
                 if isinstance(msg, Malformed):
-                    raise validation("request", f"undecodable {msg.type_name}: {msg.error}")
+                    raise validation(msg.field, f"undecodable {msg.type_name}: {msg.error}")
                 part = msg.WhichOneof("part")
                 if part == "header":
                     raise validation("header", "a stream carries exactly one header")

@@ -141,7 +141,7 @@ class ExecuteHandler:
         async for msg in requests:
             if isinstance(msg, Malformed):
                 session.error(
-                    0, validation("request", f"undecodable {msg.type_name}: {msg.error}")
+                    0, validation(msg.field, f"undecodable {msg.type_name}: {msg.error}")
                 )
                 continue
             for cmd in msg.commands:

@@ -139,7 +139,7 @@ class AcquireRequest(_message.Message):
     lease_ttl_ms: _builtins.int
     """Lease ttl in ms, 100 - 86 400 000. Absent means 60 000."""
     lock_delay_ms: _builtins.int
-    """Lock-delay in ms, 0 - 86 400 000; 0 (default) means none (SPEC §5.6)."""
+    """Lock-delay in ms, 0 - 86 400 000; 0 (default) means none (docs/SPEC.md §5.6)."""
     request_id: _builtins.str
     """Retry token; see the file comment."""
     def __init__(

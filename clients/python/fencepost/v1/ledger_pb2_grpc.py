@@ -115,7 +115,7 @@ class LedgerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Acquire(self, request, context):
-        """Become the single active owner of a run, creating it if new (SPEC §5.1).
+        """Become the single active owner of a run, creating it if new (docs/SPEC.md §5.1).
         Returns the record with the new lease and fencing token.
         Errors: RUN_VALIDATION_ERROR, RUN_ALREADY_TERMINAL, RUN_SUSPENDED,
         RUN_LEASE_HELD.
@@ -215,7 +215,7 @@ class LedgerServicer:
 
     def ValidateFence(self, request, context):
         """Ask whether a fencing token is still the run's current one, for
-        downstream resources that must refuse stale writers (SPEC §5.4).
+        downstream resources that must refuse stale writers (docs/SPEC.md §5.4).
         Errors: RUN_VALIDATION_ERROR.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -224,7 +224,7 @@ class LedgerServicer:
 
     def KeepAlive(self, request_iterator, context):
         """One bidirectional stream per worker process: renews any number of its
-        leases and brings back revocations (SPEC §6.1; protocol in
+        leases and brings back revocations (docs/SPEC.md §6.1; protocol in
         docs/STREAMS.md). The first client message must be `hello`. Per-run
         failures come back as `error` and never close the stream. A stream that
         drops revokes nothing: leases live by their ttl.
@@ -235,7 +235,7 @@ class LedgerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchRuns(self, request, context):
-        """Stream every committed change, in revision order (SPEC §6.2). With
+        """Stream every committed change, in revision order (docs/SPEC.md §6.2). With
         from_revision > 0, first replays the retained history from that revision,
         then goes live, with no gap and no duplicate.
         Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
@@ -259,8 +259,9 @@ class LedgerServicer:
         (a client stream) stay separate RPCs. Results may come in any order and in
         any grouping; the server answers every command it accepted.
         An undecodable message is answered by a result with id 0 whose error is
-        RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
-        stream goes on. While the writer's queue is full the server stops reading
+        RUN_VALIDATION_ERROR naming the field that holds invalid UTF-8
+        (`commands[1].acquire.owner`), or `request` when the bytes do not parse
+        at all (none of its commands ran); the stream goes on. While the writer's queue is full the server stops reading
         (flow control holds the sender back). Stream-level errors:
         STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
         (shutdown). A dropped stream's unanswered commands have unknown outcome:

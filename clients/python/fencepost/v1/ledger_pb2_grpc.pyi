@@ -72,7 +72,7 @@ class LedgerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> LedgerAsyncStub: ...
     Acquire: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.AcquireRequest, _ledger_pb2.AcquireResponse]
-    """Become the single active owner of a run, creating it if new (SPEC §5.1).
+    """Become the single active owner of a run, creating it if new (docs/SPEC.md §5.1).
     Returns the record with the new lease and fencing token.
     Errors: RUN_VALIDATION_ERROR, RUN_ALREADY_TERMINAL, RUN_SUSPENDED,
     RUN_LEASE_HELD.
@@ -127,19 +127,19 @@ class LedgerStub:
     """
     ValidateFence: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.ValidateFenceRequest, _ledger_pb2.ValidateFenceResponse]
     """Ask whether a fencing token is still the run's current one, for
-    downstream resources that must refuse stale writers (SPEC §5.4).
+    downstream resources that must refuse stale writers (docs/SPEC.md §5.4).
     Errors: RUN_VALIDATION_ERROR.
     """
     KeepAlive: _grpc.StreamStreamMultiCallable[_ledger_pb2.KeepAliveRequest, _ledger_pb2.KeepAliveResponse]
     """One bidirectional stream per worker process: renews any number of its
-    leases and brings back revocations (SPEC §6.1; protocol in
+    leases and brings back revocations (docs/SPEC.md §6.1; protocol in
     docs/STREAMS.md). The first client message must be `hello`. Per-run
     failures come back as `error` and never close the stream. A stream that
     drops revokes nothing: leases live by their ttl.
     Stream-level errors: RUN_VALIDATION_ERROR (no or bad hello).
     """
     WatchRuns: _grpc.UnaryStreamMultiCallable[_ledger_pb2.WatchRunsRequest, _ledger_pb2.WatchRunsResponse]
-    """Stream every committed change, in revision order (SPEC §6.2). With
+    """Stream every committed change, in revision order (docs/SPEC.md §6.2). With
     from_revision > 0, first replays the retained history from that revision,
     then goes live, with no gap and no duplicate.
     Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
@@ -159,8 +159,9 @@ class LedgerStub:
     (a client stream) stay separate RPCs. Results may come in any order and in
     any grouping; the server answers every command it accepted.
     An undecodable message is answered by a result with id 0 whose error is
-    RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
-    stream goes on. While the writer's queue is full the server stops reading
+    RUN_VALIDATION_ERROR naming the field that holds invalid UTF-8
+    (`commands[1].acquire.owner`), or `request` when the bytes do not parse
+    at all (none of its commands ran); the stream goes on. While the writer's queue is full the server stops reading
     (flow control holds the sender back). Stream-level errors:
     STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
     (shutdown). A dropped stream's unanswered commands have unknown outcome:
@@ -171,7 +172,7 @@ class LedgerStub:
 class LedgerAsyncStub(LedgerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Acquire: _aio.UnaryUnaryMultiCallable[_ledger_pb2.AcquireRequest, _ledger_pb2.AcquireResponse]  # type: ignore[assignment]
-    """Become the single active owner of a run, creating it if new (SPEC §5.1).
+    """Become the single active owner of a run, creating it if new (docs/SPEC.md §5.1).
     Returns the record with the new lease and fencing token.
     Errors: RUN_VALIDATION_ERROR, RUN_ALREADY_TERMINAL, RUN_SUSPENDED,
     RUN_LEASE_HELD.
@@ -226,19 +227,19 @@ class LedgerAsyncStub(LedgerStub):
     """
     ValidateFence: _aio.UnaryUnaryMultiCallable[_ledger_pb2.ValidateFenceRequest, _ledger_pb2.ValidateFenceResponse]  # type: ignore[assignment]
     """Ask whether a fencing token is still the run's current one, for
-    downstream resources that must refuse stale writers (SPEC §5.4).
+    downstream resources that must refuse stale writers (docs/SPEC.md §5.4).
     Errors: RUN_VALIDATION_ERROR.
     """
     KeepAlive: _aio.StreamStreamMultiCallable[_ledger_pb2.KeepAliveRequest, _ledger_pb2.KeepAliveResponse]  # type: ignore[assignment]
     """One bidirectional stream per worker process: renews any number of its
-    leases and brings back revocations (SPEC §6.1; protocol in
+    leases and brings back revocations (docs/SPEC.md §6.1; protocol in
     docs/STREAMS.md). The first client message must be `hello`. Per-run
     failures come back as `error` and never close the stream. A stream that
     drops revokes nothing: leases live by their ttl.
     Stream-level errors: RUN_VALIDATION_ERROR (no or bad hello).
     """
     WatchRuns: _aio.UnaryStreamMultiCallable[_ledger_pb2.WatchRunsRequest, _ledger_pb2.WatchRunsResponse]  # type: ignore[assignment]
-    """Stream every committed change, in revision order (SPEC §6.2). With
+    """Stream every committed change, in revision order (docs/SPEC.md §6.2). With
     from_revision > 0, first replays the retained history from that revision,
     then goes live, with no gap and no duplicate.
     Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
@@ -258,8 +259,9 @@ class LedgerAsyncStub(LedgerStub):
     (a client stream) stay separate RPCs. Results may come in any order and in
     any grouping; the server answers every command it accepted.
     An undecodable message is answered by a result with id 0 whose error is
-    RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
-    stream goes on. While the writer's queue is full the server stops reading
+    RUN_VALIDATION_ERROR naming the field that holds invalid UTF-8
+    (`commands[1].acquire.owner`), or `request` when the bytes do not parse
+    at all (none of its commands ran); the stream goes on. While the writer's queue is full the server stops reading
     (flow control holds the sender back). Stream-level errors:
     STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
     (shutdown). A dropped stream's unanswered commands have unknown outcome:
@@ -273,7 +275,7 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         request: _ledger_pb2.AcquireRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.AcquireResponse, _abc.Awaitable[_ledger_pb2.AcquireResponse]]:
-        """Become the single active owner of a run, creating it if new (SPEC §5.1).
+        """Become the single active owner of a run, creating it if new (docs/SPEC.md §5.1).
         Returns the record with the new lease and fencing token.
         Errors: RUN_VALIDATION_ERROR, RUN_ALREADY_TERMINAL, RUN_SUSPENDED,
         RUN_LEASE_HELD.
@@ -394,7 +396,7 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.ValidateFenceResponse, _abc.Awaitable[_ledger_pb2.ValidateFenceResponse]]:
         """Ask whether a fencing token is still the run's current one, for
-        downstream resources that must refuse stale writers (SPEC §5.4).
+        downstream resources that must refuse stale writers (docs/SPEC.md §5.4).
         Errors: RUN_VALIDATION_ERROR.
         """
 
@@ -405,7 +407,7 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ledger_pb2.KeepAliveResponse], _abc.AsyncIterator[_ledger_pb2.KeepAliveResponse]]:
         """One bidirectional stream per worker process: renews any number of its
-        leases and brings back revocations (SPEC §6.1; protocol in
+        leases and brings back revocations (docs/SPEC.md §6.1; protocol in
         docs/STREAMS.md). The first client message must be `hello`. Per-run
         failures come back as `error` and never close the stream. A stream that
         drops revokes nothing: leases live by their ttl.
@@ -418,7 +420,7 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         request: _ledger_pb2.WatchRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ledger_pb2.WatchRunsResponse], _abc.AsyncIterator[_ledger_pb2.WatchRunsResponse]]:
-        """Stream every committed change, in revision order (SPEC §6.2). With
+        """Stream every committed change, in revision order (docs/SPEC.md §6.2). With
         from_revision > 0, first replays the retained history from that revision,
         then goes live, with no gap and no duplicate.
         Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
@@ -444,8 +446,9 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         (a client stream) stay separate RPCs. Results may come in any order and in
         any grouping; the server answers every command it accepted.
         An undecodable message is answered by a result with id 0 whose error is
-        RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
-        stream goes on. While the writer's queue is full the server stops reading
+        RUN_VALIDATION_ERROR naming the field that holds invalid UTF-8
+        (`commands[1].acquire.owner`), or `request` when the bytes do not parse
+        at all (none of its commands ran); the stream goes on. While the writer's queue is full the server stops reading
         (flow control holds the sender back). Stream-level errors:
         STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
         (shutdown). A dropped stream's unanswered commands have unknown outcome:
