@@ -1,9 +1,19 @@
 # fencepost coordinator. The database lives on the /data volume.
 FROM python:3.11-slim
 
+# Listening on 0.0.0.0 is what makes a published port reachable, and a
+# plaintext port that others can reach lets any client hold or fence any lease.
+# So the image does not choose plaintext for you: it starts only with TLS
+# (mount certificates and set FENCEPOST_TLS_CERT, FENCEPOST_TLS_KEY and, for
+# mutual TLS with owners bound to client certificates, FENCEPOST_CLIENT_CA),
+# or with FENCEPOST_ALLOW_INSECURE=1 when the network is yours alone
+# (`docker run -p 127.0.0.1:50051:50051 -e FENCEPOST_ALLOW_INSECURE=1 ...`).
+# Without either it exits 2 and says so (docs/SECURITY.md). Health is also
+# served alone in plaintext on loopback, for the HEALTHCHECK below.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     FENCEPOST_LISTEN=0.0.0.0:50051 \
+    FENCEPOST_HEALTH_LISTEN=127.0.0.1:50052 \
     FENCEPOST_DB=/data/fencepost.db
 
 WORKDIR /app
@@ -20,7 +30,7 @@ VOLUME ["/data"]
 EXPOSE 50051
 
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=2); sys.exit(0 if s.status == h.HealthCheckResponse.SERVING else 1)"]
+    CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50052')).Check(h.HealthCheckRequest(), timeout=2); sys.exit(0 if s.status == h.HealthCheckResponse.SERVING else 1)"]
 
 # SIGTERM drains in-flight calls and closes the database cleanly.
 STOPSIGNAL SIGTERM

@@ -13,7 +13,10 @@ The same client program runs, in one invocation, against
 * ``fencepost``: ``fencepost serve`` on a fresh database in a temp dir at
   ``--durability full``, with ``--metrics-port`` so the writer's mean batch
   size over the measured window can be read (delta of the
-  ``fencepost_writer_commands`` and ``fencepost_writer_batches`` counters).
+  ``fencepost_writer_commands`` and ``fencepost_writer_batches`` counters);
+* ``fencepost-mtls``: the same with mutual TLS (certificates made for the run:
+  a CA, the server's, one client certificate; every owner under its
+  principal), for the cost of TLS: the ratio fencepost-mtls/fencepost.
 
 Each run: the client processes connect, then all start at one instant, warm up
 (default 2 s, not counted), and measure for a fixed time (default 10 s); an op
@@ -83,6 +86,7 @@ class ClientConfig:
     warmup_s: float
     duration_s: float
     run_prefix: str
+    certs: str | None = None  # mutual TLS: the directory of bench_certs()
 
 
 @dataclass
@@ -144,7 +148,7 @@ class _Window:
 async def _client(
     stub: ledger_pb2_grpc.LedgerStub, win: _Window, prefix: str, index: int
 ) -> None:
-    owner = f"{prefix}-c{index:03d}"
+    owner = f"{prefix}-c{index:03d}"  # under mutual TLS, prefix starts with the principal
     i = 0
     while True:
         run_id = f"{owner}-{i:07d}"
@@ -179,7 +183,14 @@ async def _client(
 
 
 async def _client_main(cfg: ClientConfig, go: MpEvent, start_at: Any, ready: Any) -> ClientResult:
-    channels = [grpc.aio.insecure_channel(cfg.address) for _ in range(cfg.channels)]
+    if cfg.certs:
+        d = Path(cfg.certs)
+        creds = grpc.ssl_channel_credentials((d / "ca.pem").read_bytes(),
+                                             (d / f"{BENCH_PRINCIPAL}-key.pem").read_bytes(),
+                                             (d / f"{BENCH_PRINCIPAL}.pem").read_bytes())
+        channels = [grpc.aio.secure_channel(cfg.address, creds) for _ in range(cfg.channels)]
+    else:
+        channels = [grpc.aio.insecure_channel(cfg.address) for _ in range(cfg.channels)]
     try:
         for ch in channels:
             await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)
@@ -192,6 +203,8 @@ async def _client_main(cfg: ClientConfig, go: MpEvent, start_at: Any, ready: Any
         await asyncio.sleep(max(0.0, start_mono - time.monotonic()))
         stubs = [ledger_pb2_grpc.LedgerStub(ch) for ch in channels]
         prefix = f"{cfg.run_prefix}-p{cfg.proc_index}"
+        if cfg.certs:
+            prefix = f"{BENCH_PRINCIPAL}/{prefix}"
         async with asyncio.TaskGroup() as tg:
             tg.create_task(win.watch_cpu())
             for c in range(cfg.clients):
@@ -313,6 +326,7 @@ def drive(
     warmup_s: float,
     duration_s: float,
     metrics_port: int | None,
+    certs: str | None = None,
 ) -> RunResult:
     """Run the client processes against ``server`` once and merge their results."""
     ctx = mp.get_context("spawn")
@@ -327,6 +341,7 @@ def drive(
             cfg = ClientConfig(
                 address=server.address, proc_index=i, clients=n, channels=channels,
                 warmup_s=warmup_s, duration_s=duration_s, run_prefix=f"{target}-r{round_no}",
+                certs=certs,
             )
             w = ctx.Process(target=client_process, args=(cfg, go, start_at, ready, out),
                             name=f"bench-client-{i}", daemon=True)
@@ -399,8 +414,22 @@ def drive(
 # echo: the ceiling. fencepost: the real server at --durability full (what the
 # target is about). fencepost-normal: the same at --durability normal, a
 # diagnostic (no fsync per commit), off by default.
-ALL_TARGETS = ("echo", "fencepost", "fencepost-normal")
-DEFAULT_TARGETS = ("echo", "fencepost")
+# fencepost-mtls: fencepost (full) with mutual TLS, for the cost of TLS.
+ALL_TARGETS = ("echo", "fencepost", "fencepost-normal", "fencepost-mtls")
+DEFAULT_TARGETS = ("echo", "fencepost", "fencepost-mtls")
+BENCH_PRINCIPAL = "bench-client"
+
+
+def bench_certs(workdir: Path) -> Path:
+    """A CA, the server's certificate and the clients' (CN bench-client)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from torture.certs import torture_certs
+
+    d = workdir / "certs"
+    if not (d / "ca.pem").exists():
+        torture_certs(d, [BENCH_PRINCIPAL])
+    return d
 
 
 def start_target(target: str, workdir: Path, round_no: int) -> tuple[ServerProcess, int | None]:
@@ -411,7 +440,8 @@ def start_target(target: str, workdir: Path, round_no: int) -> tuple[ServerProce
         srv = start_server(target, argv, log)
         srv.wait_ready(r"echo serving on (\S+)")
         return srv, None
-    durability = {"fencepost": "full", "fencepost-normal": "normal"}[target]
+    durability = {"fencepost": "full", "fencepost-normal": "normal",
+                  "fencepost-mtls": "full"}[target]
     metrics_port = free_port()
     argv = [
         str(BIN / "fencepost"), "serve",
@@ -421,6 +451,10 @@ def start_target(target: str, workdir: Path, round_no: int) -> tuple[ServerProce
         "--metrics-port", str(metrics_port),
         "--log-level", "INFO",
     ]
+    if target == "fencepost-mtls":
+        d = bench_certs(workdir)
+        argv += ["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server-key.pem"),
+                 "--client-ca", str(d / "ca.pem")]
     srv = start_server(target, argv, log)
     srv.wait_ready(r"fencepost serving on (\S+)")
     return srv, metrics_port
@@ -483,6 +517,17 @@ def summarize(runs: list[RunResult], targets: tuple[str, ...]) -> dict[str, Any]
         summary[t] = m
     fp = summary.get("fencepost", {})
     summary["ratio"] = fp.get("ratio_to_echo")
+    # The cost of mutual TLS: its lifecycle ops/s over plaintext's, same run
+    # (medians, and per round).
+    tls = summary.get("fencepost-mtls")
+    if tls is not None and fp.get("ops_per_s"):
+        summary["tls_ratio"] = tls["ops_per_s"] / fp["ops_per_s"]
+        summary["tls_paired_ratios"] = [
+            t.ops_per_s / f.ops_per_s
+            for rnd in sorted({r.round for r in runs})
+            for t in runs if t.round == rnd and t.target == "fencepost-mtls"
+            for f in runs if f.round == rnd and f.target == "fencepost" and f.ops_per_s
+        ]
     summary["target_ratio"] = TARGET_RATIO
     # A run with failed RPCs measured something else: no verdict from it.
     summary["valid"] = all(summary[t]["errors"] == 0 for t in targets)
@@ -507,6 +552,16 @@ def verdict(summary: dict[str, Any]) -> str:
         return (f"NOT VALID (others' load above {NOISY_OTHERS_CORES} cores in round(s) "
                 f"{summary['noisy_rounds']}: re-run on a quiet machine)")
     return "met" if summary["target_met"] else "MISSED"
+
+
+def tls_line(s: dict[str, Any]) -> str | None:
+    """The cost of mutual TLS in one line, or None when it was not measured."""
+    if s.get("tls_ratio") is None:
+        return None
+    paired = ", ".join(f"{x:.2f}" for x in s["tls_paired_ratios"])
+    return (f"mutual TLS: {fmt_rate(s['fencepost-mtls']['ops_per_s'])} ops/s vs plaintext "
+            f"{fmt_rate(s['fencepost']['ops_per_s'])}: {s['tls_ratio']:.2f}x "
+            f"(per round: {paired})")
 
 
 def _print_run(r: RunResult) -> None:
@@ -546,6 +601,9 @@ def print_summary(s: dict[str, Any], targets: tuple[str, ...]) -> None:
         if t == "fencepost":
             line += f"; target >= {s['target_ratio']:.2f}: {verdict(s)}"
         print(line, flush=True)
+    tls = tls_line(s)
+    if tls is not None:
+        print(f"    {tls}", flush=True)
 
 
 def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
@@ -565,6 +623,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
                         target, rnd, srv, clients=cfg.clients, procs=cfg.procs,
                         channels=cfg.channels, warmup_s=cfg.warmup_s,
                         duration_s=cfg.duration_s, metrics_port=metrics_port,
+                        certs=str(bench_certs(workdir)) if target == "fencepost-mtls" else None,
                     )
                 finally:
                     code = srv.stop()

@@ -74,6 +74,9 @@ def _print_summary(result: dict[str, Any]) -> None:
         if s.get("ratio") is not None:
             print(f"                 fencepost/echo {s['ratio']:.2f}; "
                   f"target >= {s['target_ratio']:.2f}: {e2e.verdict(s)}")
+        tls = e2e.tls_line(s)
+        if tls is not None:
+            print(f"                 {tls}")
     if result.get("streams") is not None:
         for line in streams_suite.summary_lines(result["streams"]):
             print(line)

@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="every checkpoint also writes the run's snapshot, under the handle's "
                    "fence or unfenced (the residual window left open: stale snapshots are "
                    "then found and reported as violations); off: none (fenced)")
+    p.add_argument("--tls", action="store_true",
+                   help="mutual TLS: a certificate per client, owners bound to it")
     p.add_argument("--check-only", type=Path, metavar="DIR",
                    help="re-run the checkers on a recorded run's directory")
     a = p.parse_args(argv)
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if a.snapshots == "fenced" else f"-{a.snapshots}"))
     cfg = Config(duration_s=a.duration, seed=a.seed, out=out, workers=a.workers,
                  threads=a.threads, runs=a.runs, profile=a.profile, nemesis=a.nemesis,
-                 fault=a.fault, transport=a.transport,
+                 fault=a.fault, transport=a.transport, tls=a.tls,
                  snapshots="" if a.snapshots == "off" else a.snapshots)
     try:
         outcome = run(cfg)

@@ -172,6 +172,7 @@ class Client:
         lock: threading.Lock | None = None,
         transport: str = "unary",
         snap_out: IO[str] | None = None,
+        certs: str | None = None,
     ) -> None:
         self.name = name
         self.snap_out = snap_out  # where snapshot operations are recorded
@@ -183,7 +184,13 @@ class Client:
         self.lock = lock
         self.hard_stop_ns = hard_stop_ns
         self.abandon_p = abandon_p
-        self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        if certs:  # mutual TLS: this client's certificate names it (CN = name)
+            from .certs import client_credentials
+
+            self.channel = grpc.secure_channel(addr, client_credentials(certs, name),
+                                               options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self.ledger = ledger_pb2_grpc.LedgerStub(self.channel)
         self.store = run_store_pb2_grpc.RunStoreStub(self.channel)
         self.engine = engine_store_pb2_grpc.EngineStoreStub(self.channel)

@@ -242,12 +242,9 @@ class Nemesis:
     def jump_clock(self, ms: int, resync: bool = False) -> int:
         """Jump the server's clock; remember the offset so a restart keeps it
         (the server's clock never goes back, as a jumped wall clock would not)."""
-        import grpc
-        from _proc import CHANNEL_OPTIONS
-
         from fencepost.v1 import testing_pb2, testing_pb2_grpc
 
-        with grpc.insecure_channel(self.server.address, options=CHANNEL_OPTIONS) as ch:
+        with self.server.channel() as ch:
             stub = testing_pb2_grpc.TestHooksStub(ch)
             now = stub.JumpClock(testing_pb2.JumpClockRequest(ms=ms), timeout=30).now_ms
         if resync:  # from the server's answer, rounded up: ahead is harmless, behind is not

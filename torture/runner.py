@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from .snapshots import check_snapshots
 from .worker import LOCK_DELAY_MS, MAX_TTL_MS
 
 COMPLETED = 4
+MAX_PROBES = 64  # probe clients' certificates (mutual TLS); names are reused past it
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Config:
     nemesis: str = "default"  # fault mix (nemesis.NEMESIS_PROFILES)
     fault: str = ""  # a deliberately broken server build (--fault)
     transport: str = "mixed"  # ledger mutations: unary, stream, mixed (torture/client.py)
+    tls: bool = False  # mutual TLS: every client's owners are bound to its certificate
     liveness_bound_s: float = 20.0
     drain_s: float = 20.0  # after the deadline: workers finish retries within this
     budget: int = 5_000_000  # linearizability search configurations per run
@@ -129,9 +132,24 @@ def run(cfg: Config) -> Outcome:
     args: tuple[str, ...] = ("--test-hooks",)
     if cfg.fault:
         args += ("--fault", cfg.fault)
+    certs: str | None = None
+    admin_creds = None
+    if cfg.tls:
+        from .certs import client_credentials, torture_certs
+
+        names = [f"w{i}.{t}" for i in range(cfg.workers) for t in range(cfg.threads)]
+        names += ["live", "final", "admin", *(f"probe{n}" for n in range(MAX_PROBES))]
+        cdir = out / "certs"
+        shutil.rmtree(cdir, ignore_errors=True)
+        torture_certs(cdir, names)
+        certs = str(cdir)
+        args += ("--tls-cert", str(cdir / "server.pem"), "--tls-key", str(cdir / "server-key.pem"),
+                 "--client-ca", str(cdir / "ca.pem"))
+        admin_creds = client_credentials(cdir, "admin")
     srv = ServerProc(out / "fencepost.db", out / "server.log", args=args,
                      env={"FENCEPOST_HISTORY_REVISIONS": str(10**12),
-                          "FENCEPOST_TEST_CLOCK_OFFSET_MS": "0"})
+                          "FENCEPOST_TEST_CLOCK_OFFSET_MS": "0"},
+                     credentials=admin_creds)
     proxy: Proxy | None = None
     procs: list[subprocess.Popen[bytes]] = []
     files: list[Any] = []
@@ -150,7 +168,8 @@ def run(cfg: Config) -> Outcome:
             wcfg = {"index": i, "threads": cfg.threads, "addr": proxy.address,
                     "seed": cfg.seed * 100 + i, "runs": runs, "deadline_ns": deadline,
                     "hard_stop_ns": hard_stop, "out_dir": str(out), "profile": cfg.profile,
-                    "transport": cfg.transport, "snapshots": cfg.snapshots}
+                    "transport": cfg.transport, "snapshots": cfg.snapshots,
+                    "certs": certs}
             files.append(open(out / f"worker-{i}.log", "wb"))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torture.worker", json.dumps(wcfg)],
@@ -163,8 +182,9 @@ def run(cfg: Config) -> Outcome:
         files.append(probe_out)
 
         def probe(n: int, killed: int) -> None:
-            c = Client(f"probe{n}", srv.address, probe_out, seed=n,
-                       hard_stop_ns=time.monotonic_ns() + int(30e9), transport=cfg.transport)
+            c = Client(f"probe{n % MAX_PROBES}", srv.address, probe_out, seed=n,
+                       hard_stop_ns=time.monotonic_ns() + int(30e9), transport=cfg.transport,
+                       certs=certs)
             try:
                 for r in runs:
                     c.get_run(r)
@@ -209,12 +229,12 @@ def run(cfg: Config) -> Outcome:
         live_out = open(out / "ops-live.jsonl", "w", buffering=1)
         files.append(live_out)
         liveness = drive_to_completion(srv.address, runs, cfg.liveness_bound_s, live_out,
-                                       cfg.transport)
+                                       cfg.transport, certs)
         if cfg.snapshots:  # what a holder resuming now would read
             snap_final = open(out / "snapshots-final.jsonl", "w", buffering=1)
             files.append(snap_final)
             reader = Client("final", srv.address, live_out, seed=0, snap_out=snap_final,
-                            hard_stop_ns=time.monotonic_ns() + int(30e9))
+                            hard_stop_ns=time.monotonic_ns() + int(30e9), certs=certs)
             try:
                 for r in runs:
                     reader.read_snapshot(r)
@@ -290,12 +310,13 @@ def _config(cfg: Config) -> dict[str, Any]:
 
 
 def drive_to_completion(addr: str, runs: list[str], bound_s: float, out: Any,
-                        transport: str = "unary") -> list[dict[str, Any]]:
+                        transport: str = "unary", certs: str | None = None,
+                        ) -> list[dict[str, Any]]:
     """Liveness: with the nemesis stopped, every run can be acquired and
     finished within ``bound_s`` (a finished run is deleted and started again, so
     every run id is acquired and finished)."""
     c = Client("live", addr, out, seed=0, hard_stop_ns=time.monotonic_ns()
-               + int(bound_s * 1e9 * (len(runs) + 1)), transport=transport)
+               + int(bound_s * 1e9 * (len(runs) + 1)), transport=transport, certs=certs)
     results: list[dict[str, Any]] = []
     try:
         for run in runs:

@@ -175,7 +175,9 @@ class Actor:
         nxt["version"] = cur["version"] + 1
         nxt["revision"] = 0
         nxt["checkpoint_ref"] = [marker, self.raw_n, cur["updated_at"]]
-        thief = f"{self.owner}~{self.raw_n}"  # a fresh identity: handles never come back
+        # a fresh owner name (under this client's principal, which mutual TLS
+        # binds owners to): its handles never come back
+        thief = f"{self.owner}/~{self.raw_n}"
         ttl = self.rng.choice(TTLS)
         r = self.rng.random()
         if cur["status"] == RUNNING and cur.get("lease"):
@@ -246,7 +248,8 @@ def main(cfg: dict[str, Any]) -> int:
             files.append(snap_out)
         client = Client(name, cfg["addr"], f, seed=cfg["seed"] * 1000 + t,
                         hard_stop_ns=cfg["hard_stop_ns"],
-                        transport=cfg.get("transport", "unary"), snap_out=snap_out)
+                        transport=cfg.get("transport", "unary"), snap_out=snap_out,
+                        certs=cfg.get("certs"))
         clients.append(client)
         actor = Actor(client, cfg["runs"], cfg["profile"], cfg["deadline_ns"], snapshots)
 

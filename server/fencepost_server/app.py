@@ -19,6 +19,14 @@ from grpc_reflection.v1alpha import reflection
 
 from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
+from .auth import (
+    IDENTITY_SOURCES,
+    Authenticator,
+    CertificateFiles,
+    Policy,
+    PolicyError,
+    is_loopback,
+)
 from .clock import Clock, OffsetClock, SystemClock
 from .retention import Retention, parse_duration_ms
 from .services._registry import add_service
@@ -35,6 +43,10 @@ log = logging.getLogger("fencepost")
 # TEST-ONLY broken builds (``--fault``), honoured only with ``--test-hooks``.
 FAULTS = ("ack-before-commit", "fence-ignores-owner")
 UNSAFE_ACK_DELAY_S = 0.2  # ack-before-commit: how long an answered batch stays uncommitted
+
+
+class ConfigError(RuntimeError):
+    """Flags that cannot work together; the server does not start (exit 2)."""
 
 
 def _flag(value: str) -> bool:
@@ -73,6 +85,16 @@ class Settings:
     # Delete runs finished longer ago than this (retention.py): "90s", "30m",
     # "12h", "7d" or seconds; "" keeps every finished run.
     retain_terminal: str = ""
+    # Identity and limits (auth.py, docs/SECURITY.md).
+    tls_cert: str = ""  # with tls_key: serve TLS only
+    tls_key: str = ""
+    client_ca: str = ""  # mutual TLS: every connection needs a certificate this CA signed
+    authz: str = ""  # TOML policy: roles and bearer tokens
+    identity_from: str = "auto"  # spiffe | dns | cn; auto: that order
+    allow_insecure: bool = False  # plaintext on a non-loopback address
+    health_listen: str = ""  # also serve only gRPC health here, plaintext (probes under TLS)
+    max_tracked_per_stream: int = 100_000  # leases one KeepAlive stream may track
+    max_inflight_per_stream: int = 4096  # unanswered commands per Execute stream
     # TEST-ONLY (torture harness): OffsetClock + the TestHooks service; never by default.
     test_hooks: bool = False
     test_clock_offset_ms: int = 0  # with test_hooks: start the clock this far ahead
@@ -97,6 +119,16 @@ class Settings:
             "FENCEPOST_TEST_HOOKS": ("test_hooks", _flag),
             "FENCEPOST_TEST_CLOCK_OFFSET_MS": ("test_clock_offset_ms", int),
             "FENCEPOST_FAULT": ("fault", str),
+            "FENCEPOST_TLS_CERT": ("tls_cert", str),
+            "FENCEPOST_TLS_KEY": ("tls_key", str),
+            "FENCEPOST_CLIENT_CA": ("client_ca", str),
+            "FENCEPOST_AUTHZ": ("authz", str),
+            "FENCEPOST_IDENTITY_FROM": ("identity_from", str),
+            "FENCEPOST_ALLOW_INSECURE": ("allow_insecure", _flag),
+            "FENCEPOST_HEALTH_LISTEN": ("health_listen", str),
+            "FENCEPOST_MAX_CONCURRENT_STREAMS": ("max_concurrent_streams", int),
+            "FENCEPOST_MAX_TRACKED_PER_STREAM": ("max_tracked_per_stream", int),
+            "FENCEPOST_MAX_INFLIGHT_PER_STREAM": ("max_inflight_per_stream", int),
         }
         for var, (name, typ) in mapping.items():
             if var in env and env[var] != "":
@@ -116,6 +148,8 @@ class App:
     health: Any = None
     hub: FenceHub | None = None
     port: int = 0
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
     _history: HistoryReader | None = None
     _history_executor: ThreadPoolExecutor | None = None
     engine_store: EngineStoreService | None = None
@@ -126,6 +160,7 @@ class App:
         s = self.settings
         if s.fault and s.fault not in FAULTS:
             raise RuntimeError(f"unknown --fault {s.fault!r}; known: {', '.join(FAULTS)}")
+        authn, credentials = security(s)  # before anything opens: a bad flag changes nothing
         retain_ms = parse_duration_ms(s.retain_terminal, "--retain-terminal") \
             if s.retain_terminal else 0
         storage = SqliteStorage(s.db_path, s.durability)
@@ -146,41 +181,62 @@ class App:
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
         self._history = HistoryReader(s.db_path)
         options = [
-            ("grpc.max_receive_message_length", s.max_message_bytes),
+            # Our own limit (services/_registry.py) answers an oversized message
+            # with RUN_VALIDATION_ERROR and keeps the stream; gRPC's, above it,
+            # only cuts what is far too big to buffer.
+            ("grpc.max_receive_message_length", transport_receive_limit(s.max_message_bytes)),
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_concurrent_streams", s.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options)
+        guarded: dict[str, Any] = {"authn": authn, "max_message_bytes": s.max_message_bytes}
         add_service(
             self.server,
-            LedgerService(self.writer, self.hub, self._history, self._history_executor),
+            LedgerService(
+                self.writer, self.hub, self._history, self._history_executor,
+                max_tracked_per_stream=s.max_tracked_per_stream,
+                max_inflight_per_stream=s.max_inflight_per_stream,
+            ),
             ledger_pb2.DESCRIPTOR.services_by_name["Ledger"],
+            **guarded,
         )
         add_service(
             self.server,
             RunStoreService(self.writer),
             run_store_pb2.DESCRIPTOR.services_by_name["RunStore"],
+            **guarded,
         )
         add_service(
             self.server,
             self.engine_store,
             engine_store_pb2.DESCRIPTOR.services_by_name["EngineStore"],
+            **guarded,
         )
         if s.test_hooks or s.fault:
-            self._test_hooks()
+            self._test_hooks(guarded)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        self.port = self.server.add_insecure_port(s.listen)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(s.listen)
+        else:
+            self.port = self.server.add_secure_port(s.listen, credentials)
         if self.port == 0:
             raise RuntimeError(f"could not listen on {s.listen}")
         await self.server.start()
         if retain_ms:
             self.retention = Retention(self.writer, self.clock, retain_ms)
             self.retention.start()
+        if s.health_listen:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(s.health_listen)
+            if self.health_port == 0:
+                raise RuntimeError(f"could not listen on {s.health_listen} (--health-listen)")
+            await self.health_server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if s.metrics_port:
             from .metrics import start_metrics
@@ -196,7 +252,7 @@ class App:
         )
         return self
 
-    def _test_hooks(self) -> None:
+    def _test_hooks(self, guarded: dict[str, Any]) -> None:
         """TEST-ONLY: register TestHooks and switch on a broken build (torture/)."""
         from .core import ledger as core_ledger
         from .services.testing import TestHooksService
@@ -215,6 +271,7 @@ class App:
             self.server,
             TestHooksService(self.clock),
             testing_pb2.DESCRIPTOR.services_by_name["TestHooks"],
+            **guarded,
         )
         if s.fault == "fence-ignores-owner":
             core_ledger.UNSAFE_SKIP_OWNER_CHECK = True
@@ -253,6 +310,8 @@ class App:
             self.hub.shutdown()  # streams end with UNAVAILABLE
         if self.server is not None:
             await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self.hub is not None:
             await self.hub.close()
         if self.engine_store is not None:
@@ -266,6 +325,56 @@ class App:
             await asyncio.get_running_loop().run_in_executor(self._history_executor, history.close)
             self._history_executor.shutdown(wait=True)
         log.info("fencepost stopped")
+
+
+def transport_receive_limit(max_message_bytes: int) -> int:
+    """gRPC's receive limit: 4x ours, at least 16 MiB."""
+    return max(4 * max_message_bytes, 16 * 1024 * 1024)
+
+
+def security(s: Settings) -> tuple[Authenticator | None, grpc.ServerCredentials | None]:
+    """Check the TLS/identity flags together and build the authenticator and
+    the listener's credentials (None: plaintext). Raises ConfigError."""
+    if bool(s.tls_cert) != bool(s.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if s.client_ca and not s.tls_cert:
+        raise ConfigError("--client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+    if s.identity_from not in IDENTITY_SOURCES:
+        raise ConfigError(f"--identity-from must be one of {', '.join(IDENTITY_SOURCES)}")
+    for name, value in (("--max-message-bytes", s.max_message_bytes),
+                        ("--max-concurrent-streams", s.max_concurrent_streams),
+                        ("--max-tracked-per-stream", s.max_tracked_per_stream),
+                        ("--max-inflight-per-stream", s.max_inflight_per_stream)):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, not {value}")
+    if not s.tls_cert and not s.allow_insecure and not is_loopback(s.listen):
+        raise ConfigError(
+            f"refusing to serve plaintext on {s.listen}: anyone who can reach it could hold "
+            "or fence any lease. Serve TLS (--tls-cert FILE --tls-key FILE, and --client-ca "
+            "FILE for mutual TLS), listen on 127.0.0.1, or pass --allow-insecure if the "
+            "network itself is trusted"
+        )
+    policy = None
+    if s.authz:
+        try:
+            policy = Policy.load(s.authz)
+        except PolicyError as exc:
+            raise ConfigError(str(exc)) from None
+    if policy is not None and not s.client_ca and not policy.tokens:
+        raise ConfigError(
+            "--authz names roles, but callers have no identity: add --client-ca (mutual TLS) "
+            "or a [tokens] table"
+        )
+    credentials = None
+    if s.tls_cert:
+        try:
+            credentials = CertificateFiles(s.tls_cert, s.tls_key, s.client_ca or None)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"TLS files: {exc}") from None
+    authn = Authenticator(mtls=bool(s.client_ca), policy=policy, identity_from=s.identity_from)
+    if not authn.identities:
+        return None, credentials.credentials() if credentials else None
+    return authn, credentials.credentials() if credentials else None
 
 
 async def serve(settings: Settings, clock: Clock | None = None) -> None:

@@ -72,6 +72,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         type=float,
         help="seconds in-flight calls get on SIGTERM (default 5)",
     )
+    _security_flags(p)
     p.add_argument(
         "--retain-terminal",
         dest="retain_terminal",
@@ -95,8 +96,37 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
 
 
+def _security_flags(p: argparse.ArgumentParser) -> None:
+    """TLS, identity and per-connection limits (docs/SECURITY.md)."""
+    g = p.add_argument_group("security and limits (docs/SECURITY.md)")
+    g.add_argument("--tls-cert", help="serve TLS only, with this PEM certificate chain "
+                   "(env FENCEPOST_TLS_CERT); renewed files are picked up by new connections")
+    g.add_argument("--tls-key", help="the certificate's PEM private key (env FENCEPOST_TLS_KEY)")
+    g.add_argument("--client-ca", help="mutual TLS: every connection needs a client "
+                   "certificate signed by this PEM CA; its identity becomes the caller's "
+                   "principal, and lease owners are bound to it (env FENCEPOST_CLIENT_CA)")
+    g.add_argument("--authz", help="TOML policy file: [roles] and [tokens] (env FENCEPOST_AUTHZ)")
+    g.add_argument("--identity-from", choices=["auto", "spiffe", "dns", "cn"],
+                   help="which certificate field names the principal; auto (default): the "
+                   "SPIFFE id, else the first DNS SAN, else the CN (env FENCEPOST_IDENTITY_FROM)")
+    g.add_argument("--allow-insecure", action="store_true", default=None,
+                   help="allow plaintext on a non-loopback address: only on a network you "
+                   "trust completely (env FENCEPOST_ALLOW_INSECURE=1)")
+    g.add_argument("--health-listen", help="also serve gRPC health alone, in plaintext, on this "
+                   "address (for probes that cannot do TLS; env FENCEPOST_HEALTH_LISTEN)")
+    g.add_argument("--max-concurrent-streams", type=int,
+                   help="concurrent calls per connection (env FENCEPOST_MAX_CONCURRENT_STREAMS;"
+                   " default 1024)")
+    g.add_argument("--max-tracked-per-stream", type=int,
+                   help="leases one KeepAlive stream may track (env "
+                   "FENCEPOST_MAX_TRACKED_PER_STREAM; default 100000)")
+    g.add_argument("--max-inflight-per-stream", type=int,
+                   help="unanswered commands per Execute stream before the server stops "
+                   "reading it (env FENCEPOST_MAX_INFLIGHT_PER_STREAM; default 4096)")
+
+
 def _run_serve(args: argparse.Namespace) -> int:
-    from .app import Settings, serve
+    from .app import ConfigError, Settings, security, serve
 
     settings = Settings.from_env(
         listen=args.listen,
@@ -110,11 +140,26 @@ def _run_serve(args: argparse.Namespace) -> int:
         retain_terminal=args.retain_terminal,
         test_hooks=args.test_hooks,
         fault=args.fault,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        client_ca=args.client_ca,
+        authz=args.authz,
+        identity_from=args.identity_from,
+        allow_insecure=args.allow_insecure,
+        health_listen=args.health_listen,
+        max_concurrent_streams=args.max_concurrent_streams,
+        max_tracked_per_stream=args.max_tracked_per_stream,
+        max_inflight_per_stream=args.max_inflight_per_stream,
     )
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        security(settings)
+    except ConfigError as exc:
+        print(f"fencepost serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         asyncio.run(serve(settings))
     except RuntimeError as exc:  # refused database, port in use...

@@ -9,7 +9,10 @@
 
 Each takes ``--addr`` (env FENCEPOST_ADDR, default 127.0.0.1:50051),
 ``--timeout`` (seconds to keep retrying an unreachable server, default 5)
-and ``--json``.
+and ``--json``; for a server with TLS or tokens (docs/SECURITY.md),
+``--cacert`` ``--cert`` ``--key`` ``--token`` (env FENCEPOST_CACERT,
+FENCEPOST_CERT, FENCEPOST_KEY, FENCEPOST_TOKEN; any of the first three turns
+TLS on).
 
 ``watch`` prints every committed change to the given runs (all runs when
 none is given) as it happens, one line per change, until Ctrl-C (exit 0) or
@@ -45,6 +48,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -109,6 +113,17 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     common.add_argument(
         "--json", action="store_true", help="machine-readable output (see the module docs)"
     )
+    env = os.environ
+    common.add_argument("--cacert", default=env.get("FENCEPOST_CACERT") or None,
+                        help="verify the server's TLS certificate with this PEM CA (env "
+                        "FENCEPOST_CACERT; turns TLS on)")
+    common.add_argument("--cert", default=env.get("FENCEPOST_CERT") or None,
+                        help="client certificate for mutual TLS (env FENCEPOST_CERT)")
+    common.add_argument("--key", default=env.get("FENCEPOST_KEY") or None,
+                        help="the client certificate's private key (env FENCEPOST_KEY)")
+    common.add_argument("--token", default=env.get("FENCEPOST_TOKEN") or None,
+                        help="bearer token (env FENCEPOST_TOKEN; prefer the variable: "
+                        "arguments show in the process list)")
     common.add_argument(
         "--timeout",
         type=_positive_float,
@@ -181,7 +196,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
 
     def one_shot() -> int:
         nonlocal doc, text
-        with fencepost.SyncClient(args.addr, retry=retry) as client:
+        with fencepost.SyncClient(args.addr, retry=retry, **_security(args)) as client:
             doc, text = _dispatch(client, args)
         return EXIT_OK
 
@@ -199,10 +214,21 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     return EXIT_OK
 
 
+def _security(args: argparse.Namespace) -> dict[str, Any]:
+    """``tls=`` and ``token=`` for the client, from the flags (or environment)."""
+    tls = None
+    if args.cacert or args.cert or args.key:
+        tls = fencepost.TLS(ca=args.cacert, cert=args.cert, key=args.key)
+    return {"tls": tls, "token": args.token}
+
+
 def _guarded(args: argparse.Namespace, err: TextIO, body: Any) -> int:
     """Run ``body()``; map the SDK's errors to the exit-code table."""
     try:
         return int(body())
+    except ValueError as exc:  # --cert without --key, a token in plaintext...
+        err.write(f"fencepost: {exc}\n")
+        return EXIT_USAGE
     except UnavailableError as exc:
         if isinstance(exc, OutcomeUnknownError):
             msg = (
@@ -233,7 +259,7 @@ def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) 
         if ctrl_c.seen:
             return  # Ctrl-C before the loop ran
         printed = 0
-        async with fencepost.Client(args.addr, retry=retry) as client:
+        async with fencepost.Client(args.addr, retry=retry, **_security(args)) as client:
             # aclosing: the stream's call is cancelled here, before the channel
             # closes, not by the generator's finalizer at some later point
             events = client.watch(args.run_ids, from_revision=args.from_revision)

@@ -98,6 +98,8 @@ class Session:
     outbox: asyncio.Queue[pb.KeepAliveResponse] = field(default_factory=asyncio.Queue)
     tracked: dict[str, Tracked] = field(default_factory=dict)
     stop: Stop = field(default_factory=Stop)
+    # runs not yet tracked whose renewal is with the writer (count toward the limit)
+    renewing: set[str] = field(default_factory=set)
 
     def send(self, msg: pb.KeepAliveResponse) -> None:
         if self.stop.reason is not None:

@@ -46,6 +46,9 @@ EXPECTED_CLASS = {
     "RUN_REVISION_COMPACTED": fencepost.RevisionCompactedError,
     "STREAM_TOO_SLOW": fencepost.StreamTooSlowError,
     "SHUTTING_DOWN": fencepost.ShuttingDownError,
+    "UNAUTHENTICATED": fencepost.UnauthenticatedError,
+    "PERMISSION_DENIED": fencepost.PermissionDeniedError,
+    "OWNER_NOT_PERMITTED": fencepost.OwnerNotPermittedError,
 }
 
 

@@ -225,9 +225,20 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
     assert snapshot(seeded.db_path) == before
 
 
-def test_oversized_message_is_refused_and_server_keeps_serving(server, ledger) -> None:  # type: ignore[no-untyped-def]
+def test_oversized_message_is_refused_and_server_keeps_serving(server, channel) -> None:  # type: ignore[no-untyped-def]
+    # (over Execute: tests/service/test_limits_wire.py, where the stream goes on)
+    ledger = ledger_pb2_grpc.LedgerStub(channel)
+    # over --max-message-bytes (4 MiB): a validation error naming `request`
     with pytest.raises(grpc.RpcError) as ei:
         ledger.Acquire(pb.AcquireRequest(run_id="r", owner="w" * (5 * 1024 * 1024)))
+    e = wire_error(ei.value)
+    assert (e.code, e.reason, e.metadata["field"]) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR", "request",
+    )
+    assert "over the server's limit" in e.message
+    # far over it (gRPC's own receive limit, 16 MiB): the transport refuses
+    with pytest.raises(grpc.RpcError) as ei:
+        ledger.Acquire(pb.AcquireRequest(run_id="r", owner="w" * (17 * 1024 * 1024)))
     assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
     assert ledger.Acquire(pb.AcquireRequest(run_id="r", owner="w")).run.fencing_token == 1
 

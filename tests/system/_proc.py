@@ -106,6 +106,7 @@ class ServerProc:
         args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         prelude: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.db_path = db_path
         self.log_path = log_path
@@ -122,6 +123,13 @@ class ServerProc:
         self.args = args
         self.env = env or {}
         self.prelude = prelude
+        self.credentials = credentials  # TLS servers: how this harness connects
+
+    def channel(self) -> grpc.Channel:
+        """A channel to the server for the harness itself (health, hooks)."""
+        if self.credentials is None:
+            return grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(self.address, self.credentials, options=CHANNEL_OPTIONS)
 
     @property
     def address(self) -> str:
@@ -151,7 +159,7 @@ class ServerProc:
 
     def _wait_serving(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS) as ch:
+        with self.channel() as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
                 assert self.proc is not None

@@ -25,8 +25,11 @@ def _run(tmp_path: Path, **kw: object) -> Outcome:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_torture_fixed_seed_has_zero_violations(tmp_path: Path) -> None:
-    outcome = _run(tmp_path, duration_s=60.0, transport="mixed")
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "mutual-tls"])
+def test_torture_fixed_seed_has_zero_violations(tmp_path: Path, tls: bool) -> None:
+    """With mutual TLS every client has its own certificate and may only use
+    owners under its name; the run must be as clean."""
+    outcome = _run(tmp_path, duration_s=60.0, transport="mixed", tls=tls)
     assert outcome.ok, outcome.summary()
     # both transports carried ledger mutations, on the same runs
     tps = outcome.ops_by_transport
@@ -39,6 +42,13 @@ def test_torture_fixed_seed_has_zero_violations(tmp_path: Path) -> None:
     assert outcome.unknown["calls"] >= 1 and outcome.unknown["resolved"] >= 1, outcome.unknown
     fails = {k for v in outcome.ops_by_function.values() for k in v if k.startswith("fail:")}
     assert {"fail:RUN_LEASE_HELD", "fail:RUN_LEASE_LOST"} <= fails, fails
+    # Identities refuse nothing a worker does under its own name; the one
+    # exception is a raw compare-and-set written against a version that is no
+    # longer current, which the server cannot verify keeps the lease holder
+    # (it would have failed its version check anyway).
+    refused = {(f, k) for f, v in outcome.ops_by_function.items() for k in v
+               if any(w in k for w in ("PERMISSION", "OWNER", "UNAUTH"))}
+    assert refused <= {("raw_cas", "fail:OWNER_NOT_PERMITTED")}, refused
     assert len(outcome.liveness) == 6 and all(r["ok"] for r in outcome.liveness)
     # fenced snapshot writes: the residual window was exercised (stale writes
     # sent after a takeover) and every one was refused

@@ -31,6 +31,7 @@ from ._errors import (
     LeaseLostError,
     LockLostError,
     OutcomeUnknownError,
+    OwnerNotPermittedError,
     PermissionDeniedError,
     RevisionCompactedError,
     RpcError,
@@ -61,6 +62,7 @@ from ._records import (
     is_terminal,
 )
 from ._retry import RetryPolicy
+from ._security import TLS
 from ._store import ABSENT, AsyncStore, InvalidRunState, Lookup, RunNotFound, SyncStore
 from ._sync import SyncClient, SyncLease, SyncStubs
 from ._transaction import StoreTransaction, SyncStoreTransaction
@@ -69,6 +71,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ABSENT",
+    "TLS",
     "AcquireContext",
     "AlreadyTerminalError",
     "AsyncStore",
@@ -94,6 +97,7 @@ __all__ = [
     "LostReason",
     "Outcome",
     "OutcomeUnknownError",
+    "OwnerNotPermittedError",
     "PermissionDeniedError",
     "RetryPolicy",
     "RevisionCompactedError",

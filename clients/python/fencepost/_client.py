@@ -62,6 +62,7 @@ from ._records import (
 )
 from ._renewal import Renewer, StreamRenewer, UnaryRenewer
 from ._retry import RetryPolicy, call_with_retry
+from ._security import TLS, aio_channel, channel_credentials
 from ._store import AsyncStore
 from .v1 import ledger_pb2, ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 
@@ -709,8 +710,11 @@ class Client:
         renewal: Renewal = "stream",
         transport: Transport = "stream",
         command_window_ms: float = 0.0,
+        tls: TLS | None = None,
+        token: str | None = None,
     ) -> None:
         window_s = check_window(command_window_ms)
+        channel_credentials(address, tls, token)  # refuse bad combinations now
         if transport not in ("stream", "unary"):
             raise ValueError(f"transport must be 'stream' or 'unary', not {transport!r}")
         self._address = address
@@ -719,6 +723,7 @@ class Client:
         self._retry = retry
         self._channel_options = merge_channel_options(channel_options)
         self._interceptors = builtins.list(interceptors)
+        self._tls, self._token = tls, token
         self._channel: grpc.aio.Channel | None = None
         self._stubs: Stubs | None = None
         self._store: AsyncStore | None = None
@@ -824,9 +829,9 @@ class Client:
             raise RuntimeError("the client is closed")
         loop = asyncio.get_running_loop()
         if self._stubs is None:
-            self._channel = grpc.aio.insecure_channel(
-                self._address, options=self._channel_options,
-                interceptors=self._interceptors or None,
+            self._channel = aio_channel(
+                self._address, tls=self._tls, token=self._token,
+                options=self._channel_options, interceptors=self._interceptors or None,
             )
             self._loop = loop
             self._stubs = Stubs(

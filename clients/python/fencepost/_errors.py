@@ -30,8 +30,15 @@ The tree::
     │                                                          longer retained; re-list)
     ├── StreamTooSlowError          STREAM_TOO_SLOW            (a stream fell too far behind;
     │                                                          the SDK reconnects by itself)
-    ├── UnauthenticatedError        UNAUTHENTICATED
-    ├── PermissionDeniedError       PERMISSION_DENIED
+    ├── UnauthenticatedError        UNAUTHENTICATED            (no or bad credentials; never
+    │                                                          retried)
+    ├── PermissionDeniedError       PERMISSION_DENIED          (the caller's role may not make
+    │   │                                                      this call: .metadata["role"]
+    │   │                                                      names the role needed; never
+    │   │                                                      retried)
+    │   └── OwnerNotPermittedError  OWNER_NOT_PERMITTED        (the owner is not the caller's
+    │                                                          principal or principal/...;
+    │                                                          .metadata owner, principal)
     ├── RpcError                    a reason this SDK has no class for yet (.code is
     │                               the reason), or a status with no fencepost reason
     │                               (.code is the gRPC status name, e.g. "INTERNAL")
@@ -79,15 +86,18 @@ class FencepostError(Exception):
         record: RunRecord | None = None,
         field: str | None = None,
         grpc_code: grpc.StatusCode | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        # the ErrorInfo metadata, when the server sent one (field, run_id, a lock
+        # fence's lock_key, a transaction's command_index, owner, principal, role...)
+        self.metadata: dict[str, str] = dict(metadata or {})
         if code is not None:
             self.code = code
         self.message = message
         self.record = record
         self.field = field
         self.grpc_code = grpc_code
-        self.metadata: dict[str, str] = {}  # the ErrorInfo metadata, when the server sent one
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}" if self.code else self.message
@@ -129,8 +139,10 @@ class LeaseLostError(FencepostError):
         field: str | None = None,
         grpc_code: grpc.StatusCode | None = None,
         reason: LostReason | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message, code=code, record=record, field=field, grpc_code=grpc_code)
+        super().__init__(message, code=code, record=record, field=field, grpc_code=grpc_code,
+                         metadata=metadata)
         self.reason = reason
 
 
@@ -227,11 +239,24 @@ class StreamTooSlowError(FencepostError):
 
 
 class UnauthenticatedError(FencepostError):
+    """The server requires credentials and got none, or bad ones. Never retried."""
+
     code = "UNAUTHENTICATED"
 
 
 class PermissionDeniedError(FencepostError):
+    """The caller's role may not make this call (``.metadata["role"]`` names
+    the role needed). Never retried."""
+
     code = "PERMISSION_DENIED"
+
+
+class OwnerNotPermittedError(PermissionDeniedError):
+    """The call names a lease owner the caller's identity may not use: only
+    its principal, or names starting with ``principal/`` (``.metadata``:
+    ``owner``, ``principal``). Never retried."""
+
+    code = "OWNER_NOT_PERMITTED"
 
 
 class RpcError(FencepostError):
@@ -280,6 +305,7 @@ _BY_REASON: dict[str, type[FencepostError]] = {
         ShuttingDownError,
         UnauthenticatedError,
         PermissionDeniedError,
+        OwnerNotPermittedError,
     )
 }
 
@@ -353,13 +379,11 @@ def _from_status_parts(
 
     if reason is not None:
         cls = _BY_REASON.get(reason)
-        err = (
-            cls(message, record=record, field=field, grpc_code=grpc_code)
-            if cls is not None
-            else RpcError(message, code=reason, record=record, field=field, grpc_code=grpc_code)
-        )
-        err.metadata = metadata
-        return err
+        if cls is not None:
+            return cls(message, record=record, field=field, grpc_code=grpc_code,
+                       metadata=metadata)
+        return RpcError(message, code=reason, record=record, field=field, grpc_code=grpc_code,
+                        metadata=metadata)
     if grpc_code in _NO_ANSWER:
         no_answer = OutcomeUnknownError if mutation else UnavailableError
         return no_answer(message, code=grpc_code.name, grpc_code=grpc_code)

@@ -67,6 +67,7 @@ from ._errors import (
 from ._execute import attempt_of
 from ._ids import new_request_id
 from ._retry import RetryPolicy, call_with_retry
+from ._security import TLS, aio_channel
 from .v1 import engine_store_pb2 as pb
 from .v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 
@@ -460,9 +461,13 @@ class AsyncStore:
         *,
         retry: RetryPolicy | None = None,
         channel_options: Iterable[tuple[str, Any]] = (),
+        tls: TLS | None = None,
+        token: str | None = None,
     ) -> AsyncStore:
-        """A store with a channel of its own (insecure; closed by ``aclose``)."""
-        channel = grpc.aio.insecure_channel(address, options=builtins.list(channel_options))
+        """A store with a channel of its own (closed by ``aclose``); ``tls``
+        and ``token`` as for ``Client``."""
+        channel = aio_channel(address, tls=tls, token=token,
+                              options=builtins.list(channel_options))
         store = cls(channel, retry=retry)
         store._owned = channel
         return store

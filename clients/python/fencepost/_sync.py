@@ -48,6 +48,7 @@ from ._records import (
     parse_status,
 )
 from ._retry import RetryPolicy
+from ._security import TLS, sync_channel
 from ._store import SyncStore
 from .v1 import ledger_pb2_grpc, run_store_pb2_grpc
 
@@ -326,6 +327,8 @@ class SyncClient:
         renewal: Renewal = "stream",
         transport: Transport = "stream",
         command_window_ms: float = 0.0,
+        tls: TLS | None = None,
+        token: str | None = None,
     ) -> None:
         _refuse_running_loop()
         self._on_lost = on_lost
@@ -333,8 +336,9 @@ class SyncClient:
             address, owner=owner, default_ttl_ms=default_ttl_ms, retry=retry,
             channel_options=channel_options, interceptors=interceptors,
             on_lost=self._lost_on_loop if on_lost is not None else None, renewal=renewal,
-            transport=transport, command_window_ms=command_window_ms,
+            transport=transport, command_window_ms=command_window_ms, tls=tls, token=token,
         )
+        self._tls, self._token = tls, token
         self._channel_options = merge_channel_options(channel_options)
         self._sync_channel: grpc.Channel | None = None
         self._sync_stubs: SyncStubs | None = None
@@ -415,8 +419,9 @@ class SyncClient:
             if self._client.closed:
                 raise RuntimeError("the client is closed")
             if self._sync_stubs is None:
-                self._sync_channel = grpc.insecure_channel(
-                    self._client.address, options=self._channel_options
+                self._sync_channel = sync_channel(
+                    self._client.address, tls=self._tls, token=self._token,
+                    options=self._channel_options,
                 )
                 self._sync_stubs = SyncStubs(
                     ledger=ledger_pb2_grpc.LedgerStub(self._sync_channel),

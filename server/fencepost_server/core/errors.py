@@ -32,6 +32,12 @@ class Code(StrEnum):
     RUN_REVISION_COMPACTED = "RUN_REVISION_COMPACTED"
     # A stream (KeepAlive, WatchRuns) fell too far behind reading and was dropped.
     STREAM_TOO_SLOW = "STREAM_TOO_SLOW"
+    # Identity and authorization (docs/SECURITY.md).
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    OWNER_NOT_PERMITTED = "OWNER_NOT_PERMITTED"
+    # A per-connection limit (tracked leases per KeepAlive stream) was reached.
+    STREAM_LIMIT_EXCEEDED = "STREAM_LIMIT_EXCEEDED"
 
 
 class LedgerError(Exception):
@@ -50,8 +56,9 @@ class LedgerError(Exception):
         self.message = message
         self.record = record
         self.field = field
-        # More ErrorInfo metadata (a lock fence's lock, a transaction's
-        # command index); "field" and the record's keys are added from above.
+        # More ErrorInfo metadata (a lock fence's lock, a transaction's command
+        # index, owner, principal, role...); "field" and the record's keys are
+        # added from above.
         self.metadata = metadata
 
     def __repr__(self) -> str:

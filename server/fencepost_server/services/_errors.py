@@ -37,6 +37,10 @@ GRPC_CODE: dict[Code, grpc.StatusCode] = {
     Code.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     Code.RUN_REVISION_COMPACTED: grpc.StatusCode.OUT_OF_RANGE,
     Code.STREAM_TOO_SLOW: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Code.OWNER_NOT_PERMITTED: grpc.StatusCode.PERMISSION_DENIED,
+    Code.STREAM_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -47,9 +51,7 @@ def to_status(err: LedgerError) -> grpc.Status:
 def status_proto(err: LedgerError) -> status_pb2.Status:
     """The google.rpc.Status of a refusal: code, message, ErrorInfo, record."""
     code = GRPC_CODE[err.code]
-    metadata = {}
-    if err.metadata:
-        metadata.update(err.metadata)
+    metadata = dict(err.metadata) if err.metadata else {}
     if err.field is not None:
         metadata["field"] = err.field
     if err.record is not None:

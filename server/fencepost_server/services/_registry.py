@@ -8,7 +8,13 @@ without saying which field. To name it, the bytes are decoded a second time
 with a twin of the message type in which every string field is a bytes field
 (which takes any bytes), and the first value that is not UTF-8 gives the
 field's path (``owner``, ``commands[2].acquire.run_id``). Bytes that do not
-decode even so (a truncated message, a wrong wire type) name ``request``."""
+decode even so (a truncated message, a wrong wire type) name ``request``.
+
+A message over the server's size limit is ``Malformed`` too (not decoded at
+all, naming ``request``), so it is refused the same way and never tears down a
+KeepAlive or Execute stream; gRPC's own receive limit is set well above it
+(app.py). With an ``Authenticator`` every method is wrapped by ``auth.guard``
+(identity, role, owners)."""
 
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from google.protobuf.descriptor import (
 )
 from google.protobuf.message import DecodeError, Message
 
+from ..auth import Authenticator, guard
+
 _STRING = descriptor_pb2.FieldDescriptorProto.TYPE_STRING
 _BYTES = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
 
@@ -38,8 +46,14 @@ class Malformed:
     field: str = "request"  # the field holding invalid UTF-8, when it could be found
 
 
-def _decoder(cls: Any) -> Callable[[bytes], Any]:
+def _decoder(cls: Any, max_bytes: int | None) -> Callable[[bytes], Any]:
     def decode(data: bytes) -> Any:
+        if max_bytes is not None and len(data) > max_bytes:
+            return Malformed(
+                cls.DESCRIPTOR.full_name,
+                f"the message is {len(data)} bytes, over the server's limit of {max_bytes} "
+                "(--max-message-bytes)",
+            )
         try:
             return cls.FromString(data)
         except (DecodeError, ValueError) as exc:
@@ -111,12 +125,22 @@ def _strings_to_bytes(messages: Any) -> None:
         _strings_to_bytes(message.nested_type)
 
 
-def add_service(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor) -> None:
+def add_service(
+    server: grpc.aio.Server,
+    servicer: object,
+    service: ServiceDescriptor,
+    *,
+    authn: Authenticator | None = None,
+    max_message_bytes: int | None = None,
+) -> None:
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
         req_cls = message_factory.GetMessageClass(method.input_type)
         resp_cls = message_factory.GetMessageClass(method.output_type)
         fn = getattr(servicer, method.name)
+        if authn is not None:
+            fn = guard(authn, f"/{service.full_name}/{method.name}", fn,
+                       unary_request=not method.client_streaming)
         kind = {
             (False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
@@ -125,7 +149,7 @@ def add_service(server: grpc.aio.Server, servicer: object, service: ServiceDescr
         }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = kind(
             fn,
-            request_deserializer=_decoder(req_cls),
+            request_deserializer=_decoder(req_cls, max_message_bytes),
             response_serializer=resp_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers(

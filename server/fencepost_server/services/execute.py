@@ -26,7 +26,7 @@ import grpc
 
 from fencepost.v1 import ledger_pb2 as pb
 
-from .. import convert
+from .. import auth, convert
 from ..core import ledger as L
 from ..core import validate
 from ..core.errors import LedgerError, in_transaction, validation
@@ -133,6 +133,8 @@ class _Session:
         self.unanswered = 0
         self.all_answered = asyncio.Event()
         self.all_answered.set()
+        self.room = asyncio.Event()  # set when fewer than the in-flight limit are unanswered
+        self.room.set()
 
     def result(self, cid: int) -> pb.CommandResult:
         """A new result in the pending message (flushed this loop turn)."""
@@ -160,6 +162,7 @@ class ExecuteHandler:
 
     writer: Any
     hub: Any
+    max_inflight_per_stream: int
 
     async def _execute(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -183,6 +186,7 @@ class ExecuteHandler:
 
     async def _execute_reader(self, session: _Session, requests: AsyncIterator[Any]) -> None:
         writer = self.writer
+        limit = self.max_inflight_per_stream
         async for msg in requests:
             if isinstance(msg, Malformed):
                 session.error(
@@ -190,6 +194,9 @@ class ExecuteHandler:
                 )
                 continue
             for cmd in msg.commands:
+                while session.unanswered >= limit:  # --max-inflight-per-stream: stop reading
+                    session.room.clear()
+                    await session.room.wait()
                 queued = self._execute_one(session, cmd)
                 if queued is not None:  # the writer is full: stop reading until it has room
                     await writer.submit_with_answer_waiting(*queued)
@@ -210,6 +217,7 @@ class ExecuteHandler:
                 raise validation("kind", "empty command")
             to_command, fill = KINDS[kind]
             request = getattr(cmd, kind)
+            auth.check_command(kind, request)
             command = to_command(request)
             if kind == "transaction":
                 fill = functools.partial(fill_transaction, request=request)
@@ -223,10 +231,14 @@ class ExecuteHandler:
         session.unanswered += 1
         session.all_answered.clear()
 
+        limit = self.max_inflight_per_stream
+
         def answer(result: Any) -> None:
             session.unanswered -= 1
             if not session.unanswered:
                 session.all_answered.set()
+            if session.unanswered < limit:
+                session.room.set()
             if session.stop.reason is not None:
                 return
             if isinstance(result, LedgerError):

@@ -96,11 +96,16 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         hub: FenceHub,
         history: HistoryReader,
         history_executor: ThreadPoolExecutor,
+        *,
+        max_tracked_per_stream: int = 100_000,
+        max_inflight_per_stream: int = 4096,
     ) -> None:
         self.writer = writer
         self.hub = hub
         self.history = history
         self.history_executor = history_executor
+        self.max_tracked_per_stream = max_tracked_per_stream
+        self.max_inflight_per_stream = max_inflight_per_stream
 
     @handler
     async def KeepAlive(  # type: ignore[override]

@@ -7,7 +7,7 @@ import grpc
 from fencepost.v1 import run_store_pb2 as pb
 from fencepost.v1 import run_store_pb2_grpc
 
-from .. import convert
+from .. import auth, convert
 from ..core import ledger as L
 from ..core import validate
 from ..writer import Writer
@@ -51,6 +51,7 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
     async def CompareAndSet(
         self, request: pb.CompareAndSetRequest, context: grpc.aio.ServicerContext
     ) -> pb.CompareAndSetResponse:
+        auth.check_raw_lease_owner(auth.current(), self.writer.state.runs, request)
         result = await self.writer.submit(convert.raw_cas(request))
         assert isinstance(result, L.Swapped)
         resp = pb.CompareAndSetResponse(swapped=result.swapped)

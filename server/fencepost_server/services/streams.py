@@ -20,6 +20,7 @@ import grpc
 
 from fencepost.v1 import ledger_pb2 as pb
 
+from .. import auth
 from ..core import ledger as L
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
@@ -35,8 +36,13 @@ REPLAY_PAGE = 1000
 
 
 def _error(run_id: str, err: LedgerError) -> pb.KeepAliveResponse:
+    metadata = dict(err.metadata) if err.metadata else {}
+    if err.field is not None:
+        metadata["field"] = err.field
     return pb.KeepAliveResponse(
-        error=pb.KeepAliveError(run_id=run_id, code=err.code.value, message=err.message)
+        error=pb.KeepAliveError(
+            run_id=run_id, code=err.code.value, message=err.message, metadata=metadata
+        )
     )
 
 
@@ -76,6 +82,7 @@ class StreamHandlers:
     hub: FenceHub
     history: HistoryReader
     history_executor: ThreadPoolExecutor
+    max_tracked_per_stream: int
 
     # -- KeepAlive -------------------------------------------------------------------
 
@@ -89,6 +96,7 @@ class StreamHandlers:
         if isinstance(first, Malformed) or first.WhichOneof("kind") != "hello":
             raise validation("hello", "the first message must be hello{owner}")
         owner = validate.owner(first.hello.owner, "hello.owner")
+        auth.check_owner(auth.current(), owner, "hello.owner")
         session = Session(owner, limit=self.hub.queue_limit)
         self.hub.sessions.add(session)
         try:
@@ -126,6 +134,7 @@ class StreamHandlers:
                     run_id = msg.track.run_id
                     validate.run_id(run_id, "track.run_id")
                     token = validate.int_range("track.fencing_token", msg.track.fencing_token, 1)
+                    self._check_room(session, run_id)
                     self.hub.track(session, run_id, token)
                 elif kind == "untrack":
                     run_id = msg.untrack.run_id
@@ -154,12 +163,29 @@ class StreamHandlers:
         stops reading (back-pressure) instead of refusing a renewal."""
         ttl = r.lease_ttl_ms if r.HasField("lease_ttl_ms") else None
         cmd = validate.command(L.Renew(r.run_id, session.owner, r.fencing_token, ttl))
+        if r.run_id not in session.tracked:
+            self._check_room(session, r.run_id)
+            session.renewing.add(r.run_id)
         answer = functools.partial(self._renew_done, session, r.run_id, r.fencing_token)
         if self.writer.submit_with_answer(cmd, answer):
             return None
         return self.writer.submit_with_answer_waiting(cmd, answer)
 
+    def _check_room(self, session: Session, run_id: str) -> None:
+        """Refuse to track one more run past --max-tracked-per-stream."""
+        if run_id in session.tracked or run_id in session.renewing:
+            return
+        limit = self.max_tracked_per_stream
+        if len(session.tracked) + len(session.renewing) >= limit:
+            raise LedgerError(
+                Code.STREAM_LIMIT_EXCEEDED,
+                f"this stream already tracks {limit} leases (--max-tracked-per-stream); "
+                "untrack some or open another stream",
+                metadata={"limit": "max_tracked_per_stream", "value": str(limit)},
+            )
+
     def _renew_done(self, session: Session, run_id: str, token: int, result: Any) -> None:
+        session.renewing.discard(run_id)
         if session not in self.hub.sessions:
             return
         if not isinstance(result, BaseException):

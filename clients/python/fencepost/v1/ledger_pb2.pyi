@@ -20,6 +20,15 @@ detail with domain "fencepost" and reason one of:
   SHUTTING_DOWN          UNAVAILABLE          the server is stopping; nothing was done
   RUN_REVISION_COMPACTED OUT_OF_RANGE         WatchRuns: history no longer retained
   STREAM_TOO_SLOW        RESOURCE_EXHAUSTED   a stream reader fell too far behind
+  STREAM_LIMIT_EXCEEDED  RESOURCE_EXHAUSTED   a per-stream limit (leases tracked)
+  UNAUTHENTICATED        UNAUTHENTICATED      no or bad credentials
+  PERMISSION_DENIED      PERMISSION_DENIED    the caller's role may not; metadata
+                                              ["role"] names the role(s) needed
+  OWNER_NOT_PERMITTED    PERMISSION_DENIED    the owner is not the caller's
+                                              principal (or principal/...);
+                                              metadata["owner"], ["principal"]
+(docs/SECURITY.md.) A message over the server's size limit is
+RUN_VALIDATION_ERROR naming `request`.
 When the server read a record to decide, that record is attached as a
 second detail (a packed fencepost.v1.Run).
 
@@ -1153,23 +1162,52 @@ class KeepAliveError(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     RUN_ID_FIELD_NUMBER: _builtins.int
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     code: _builtins.str
     """An error reason of the file comment, e.g. RUN_VALIDATION_ERROR."""
     message: _builtins.str
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The ErrorInfo metadata a unary call's status would carry: "field" for a
+        validation error (e.g. "request" for a message over the size limit),
+        "limit" and "value" for STREAM_LIMIT_EXCEEDED.
+        """
+
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
         code: _builtins.str = ...,
         message: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "metadata", b"metadata", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -20,6 +20,15 @@ detail with domain "fencepost" and reason one of:
   SHUTTING_DOWN          UNAVAILABLE          the server is stopping; nothing was done
   RUN_REVISION_COMPACTED OUT_OF_RANGE         WatchRuns: history no longer retained
   STREAM_TOO_SLOW        RESOURCE_EXHAUSTED   a stream reader fell too far behind
+  STREAM_LIMIT_EXCEEDED  RESOURCE_EXHAUSTED   a per-stream limit (leases tracked)
+  UNAUTHENTICATED        UNAUTHENTICATED      no or bad credentials
+  PERMISSION_DENIED      PERMISSION_DENIED    the caller's role may not; metadata
+                                              ["role"] names the role(s) needed
+  OWNER_NOT_PERMITTED    PERMISSION_DENIED    the owner is not the caller's
+                                              principal (or principal/...);
+                                              metadata["owner"], ["principal"]
+(docs/SECURITY.md.) A message over the server's size limit is
+RUN_VALIDATION_ERROR naming `request`.
 When the server read a record to decide, that record is attached as a
 second detail (a packed fencepost.v1.Run).
 
