@@ -1,0 +1,411 @@
+// The engine store (SPEC §11) with plain JavaScript values: JSON values go
+// in and come out as parsed JSON (undefined = absent, null = a stored JSON
+// null), times as Dates, bytes as plain Uint8Arrays. Every call copies what
+// it is given (by serialising it) and returns values nobody else holds.
+// Mutations carry one request id for all their retries.
+import { create } from "@bufbuild/protobuf";
+import { timestampMs, type Timestamp } from "@bufbuild/protobuf/wkt";
+import type { Client } from "@connectrpc/connect";
+import {
+  EngineArtifactHeaderSchema,
+  EngineListRunsRequestSchema,
+  EnginePutArtifactRequestSchema,
+  EngineRunPatchSchema,
+  EngineRunSchema,
+  EngineStepSchema,
+  JsonValueSchema,
+  type EngineArtifact as PbArtifact,
+  type EngineDoc as PbDoc,
+  type EnginePutArtifactRequest,
+  type EngineRun as PbEngineRun,
+  type EngineStep as PbStep,
+  type EngineStore,
+  type JsonValue,
+} from "./gen/fencepost/v1/engine_store_pb.js";
+import { fromCallError, ValidationError } from "./errors.js";
+import { toBigInt, toNumber } from "./records.js";
+import { newRequestId, withRetry, type FullRetryPolicy } from "./retry.js";
+
+export interface EngineClaim { owner: string; expiresAt: Date }
+
+export interface EngineRun {
+  id: string;
+  agent: string;
+  status: string;
+  concurrencyKey?: string;
+  input?: unknown;
+  output?: unknown;
+  error?: unknown;
+  metadata?: unknown;
+  claim?: EngineClaim;
+  createdAt: Date;
+  updatedAt: Date;
+}
+
+export type EngineRunInput = Pick<EngineRun, "id" | "agent" | "status" | "concurrencyKey" | "input" | "output" | "error" | "metadata">;
+
+export interface EngineRunPatch {
+  status?: string;
+  concurrencyKey?: string;
+  input?: unknown;
+  output?: unknown;
+  error?: unknown;
+  metadata?: unknown;
+  /** Fields to make absent: "concurrency_key", "input", "output", "error", "metadata", "claim". */
+  clear?: string[];
+}
+
+export interface EngineStep {
+  runId: string;
+  seq: number;
+  name: string;
+  status?: string;
+  input?: unknown;
+  output?: unknown;
+  error?: unknown;
+  metadata?: unknown;
+  createdAt: Date;
+}
+
+export interface EngineCheckpoint { runId: string; stepIndex: number; state: unknown; savedAt: Date }
+
+export interface EngineDoc { id: string; doc: Record<string, unknown>; updatedAt: Date }
+
+export interface EngineArtifact {
+  id: string;
+  runId: string;
+  name: string;
+  contentType: string;
+  sizeBytes: number;
+  sha256: string;
+  metadata?: unknown;
+  createdAt: Date;
+}
+
+export interface ArtifactHeader {
+  id: string;
+  runId: string;
+  name?: string;
+  contentType?: string;
+  metadata?: unknown;
+  /** Required when the data is a stream; taken from the bytes otherwise. */
+  sizeBytes?: number;
+  sha256?: string;
+}
+
+export interface Lookup<T> { found: boolean; value: T | undefined; at: Date | undefined }
+
+/** Bytes per PutArtifact chunk message. */
+export const ARTIFACT_CHUNK_BYTES = 256 * 1024;
+
+/** A JSON value for the wire; undefined stays absent. Throws ValidationError naming `field` for non-JSON. */
+export function jsonIn(value: unknown, field: string): JsonValue | undefined {
+  if (value === undefined) return undefined;
+  let text: string | undefined;
+  try {
+    text = JSON.stringify(value);
+  } catch (e) {
+    throw new ValidationError(`${field}: not a JSON value (${(e as Error).message})`, { field });
+  }
+  if (text === undefined) throw new ValidationError(`${field}: not a JSON value`, { field });
+  return create(JsonValueSchema, { json: text });
+}
+
+export function jsonOut(v: JsonValue | undefined): unknown {
+  return v === undefined ? undefined : JSON.parse(v.json);
+}
+
+const date = (t: Timestamp | undefined) => new Date(t ? timestampMs(t) : 0);
+
+function setJson(target: Record<string, unknown>, key: string, value: unknown): void {
+  if (value !== undefined) target[key] = value;
+}
+
+export function engineRunFromPb(m: PbEngineRun): EngineRun {
+  const r: EngineRun = { id: m.id, agent: m.agent, status: m.status, createdAt: date(m.createdAt), updatedAt: date(m.updatedAt) };
+  if (m.concurrencyKey !== undefined) r.concurrencyKey = m.concurrencyKey;
+  const t = r as unknown as Record<string, unknown>;
+  setJson(t, "input", jsonOut(m.input));
+  setJson(t, "output", jsonOut(m.output));
+  setJson(t, "error", jsonOut(m.error));
+  setJson(t, "metadata", jsonOut(m.metadata));
+  if (m.claim) r.claim = { owner: m.claim.owner, expiresAt: date(m.claim.expiresAt) };
+  return r;
+}
+
+function stepFromPb(m: PbStep): EngineStep {
+  const s: EngineStep = { runId: m.runId, seq: toNumber(m.seq), name: m.name, createdAt: date(m.createdAt) };
+  if (m.status !== undefined) s.status = m.status;
+  const t = s as unknown as Record<string, unknown>;
+  setJson(t, "input", jsonOut(m.input));
+  setJson(t, "output", jsonOut(m.output));
+  setJson(t, "error", jsonOut(m.error));
+  setJson(t, "metadata", jsonOut(m.metadata));
+  return s;
+}
+
+function artifactFromPb(m: PbArtifact): EngineArtifact {
+  const a: EngineArtifact = {
+    id: m.id, runId: m.runId, name: m.name, contentType: m.contentType, sizeBytes: toNumber(m.sizeBytes),
+    sha256: m.sha256, createdAt: date(m.createdAt),
+  };
+  setJson(a as unknown as Record<string, unknown>, "metadata", jsonOut(m.metadata));
+  return a;
+}
+
+function docFromPb(m: PbDoc): EngineDoc {
+  return { id: m.id, doc: jsonOut(m.doc) as Record<string, unknown>, updatedAt: date(m.updatedAt) };
+}
+
+function opt<T>(key: string, v: T | undefined): Record<string, T> {
+  return v === undefined ? {} : { [key]: v };
+}
+
+function ttl(ms: number): bigint {
+  return toBigInt(ms, "ttl_ms");
+}
+
+export class EngineStoreClient {
+  constructor(readonly stub: Client<typeof EngineStore>, private readonly retry: FullRetryPolicy) {}
+
+  private mutate<T>(call: (requestId: string, o: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
+    const requestId = newRequestId();
+    return withRetry(this.retry, true, (timeoutMs) => call(requestId, { timeoutMs }));
+  }
+
+  private read<T>(call: (o: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
+    return withRetry(this.retry, false, (timeoutMs) => call({ timeoutMs }));
+  }
+
+  /** Insert-if-absent: `created` false returns the stored run, unchanged. */
+  async createRun(run: EngineRunInput): Promise<{ created: boolean; run: EngineRun }> {
+    const m = create(EngineRunSchema, {
+      id: run.id, agent: run.agent, status: run.status, ...opt("concurrencyKey", run.concurrencyKey),
+      ...opt("input", jsonIn(run.input, "run.input")), ...opt("output", jsonIn(run.output, "run.output")),
+      ...opt("error", jsonIn(run.error, "run.error")), ...opt("metadata", jsonIn(run.metadata, "run.metadata")),
+    });
+    const r = await this.mutate((requestId, o) => this.stub.createRun({ run: m, requestId }, o));
+    return { created: r.created, run: engineRunFromPb(r.run!) };
+  }
+
+  async getRun(id: string): Promise<EngineRun | undefined> {
+    const r = await this.read((o) => this.stub.getRun({ id }, o));
+    return r.found && r.run ? engineRunFromPb(r.run) : undefined;
+  }
+
+  /** Throws InvalidRunStateError when a guard fails, RunNotFoundError for an unknown id. */
+  async updateRun(id: string, patch: EngineRunPatch, guards: { expectStatus?: string[]; expectOwner?: string } = {}): Promise<EngineRun> {
+    const p = create(EngineRunPatchSchema, {
+      ...opt("status", patch.status), ...opt("concurrencyKey", patch.concurrencyKey),
+      ...opt("input", jsonIn(patch.input, "patch.input")), ...opt("output", jsonIn(patch.output, "patch.output")),
+      ...opt("error", jsonIn(patch.error, "patch.error")), ...opt("metadata", jsonIn(patch.metadata, "patch.metadata")),
+      clear: [...(patch.clear ?? [])],
+    });
+    const r = await this.mutate((requestId, o) => this.stub.updateRun({
+      id, patch: p, expectStatus: [...(guards.expectStatus ?? [])], ...opt("expectOwner", guards.expectOwner), requestId,
+    }, o));
+    return engineRunFromPb(r.run!);
+  }
+
+  /** Ordered by createdAt then id; `total` ignores limit and offset; no limit returns every match. */
+  async listRuns(q: { agent?: string; statuses?: string[]; concurrencyKey?: string; limit?: number; offset?: number } = {}): Promise<{ runs: EngineRun[]; total: number }> {
+    const req = create(EngineListRunsRequestSchema, {
+      ...opt("agent", q.agent), statuses: [...(q.statuses ?? [])], ...opt("concurrencyKey", q.concurrencyKey),
+      ...opt("limit", q.limit === undefined ? undefined : toBigInt(q.limit, "limit")),
+      offset: toBigInt(q.offset ?? 0, "offset"),
+    });
+    return this.read(async (o) => {
+      const runs: EngineRun[] = [];
+      let total = 0;
+      for await (const page of this.stub.listRuns(req, o)) {
+        total = toNumber(page.total);
+        for (const r of page.runs) runs.push(engineRunFromPb(r));
+      }
+      return { runs, total };
+    });
+  }
+
+  async claimRun(id: string, owner: string, ttlMs: number): Promise<{ claimed: boolean; run: EngineRun | undefined }> {
+    const r = await this.mutate((requestId, o) => this.stub.claimRun({ id, owner, ttlMs: ttl(ttlMs), requestId }, o));
+    return { claimed: r.claimed, run: r.run ? engineRunFromPb(r.run) : undefined };
+  }
+
+  async renewClaim(id: string, owner: string, ttlMs: number): Promise<{ renewed: boolean; run: EngineRun | undefined }> {
+    const r = await this.mutate((requestId, o) => this.stub.renewClaim({ id, owner, ttlMs: ttl(ttlMs), requestId }, o));
+    return { renewed: r.renewed, run: r.run ? engineRunFromPb(r.run) : undefined };
+  }
+
+  async appendStep(step: { runId: string; name: string; status?: string; input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }): Promise<EngineStep> {
+    const m = create(EngineStepSchema, {
+      runId: step.runId, name: step.name, ...opt("status", step.status),
+      ...opt("input", jsonIn(step.input, "step.input")), ...opt("output", jsonIn(step.output, "step.output")),
+      ...opt("error", jsonIn(step.error, "step.error")), ...opt("metadata", jsonIn(step.metadata, "step.metadata")),
+    });
+    const r = await this.mutate((requestId, o) => this.stub.appendStep({ step: m, requestId }, o));
+    return stepFromPb(r.step!);
+  }
+
+  async listSteps(runId: string): Promise<EngineStep[]> {
+    return this.read(async (o) => {
+      const out: EngineStep[] = [];
+      for await (const page of this.stub.listSteps({ runId }, o)) for (const s of page.steps) out.push(stepFromPb(s));
+      return out;
+    });
+  }
+
+  /** Keeps the highest stepIndex; an equal index replaces; a lower one is ignored (saved false). */
+  async saveCheckpoint(cp: { runId: string; stepIndex: number; state: unknown }): Promise<{ saved: boolean; checkpoint: EngineCheckpoint }> {
+    const state = jsonIn(cp.state === undefined ? null : cp.state, "checkpoint.state");
+    const r = await this.mutate((requestId, o) => this.stub.saveCheckpoint({
+      checkpoint: { runId: cp.runId, stepIndex: toBigInt(cp.stepIndex, "checkpoint.step_index"), ...opt("state", state) }, requestId,
+    }, o));
+    const c = r.checkpoint!;
+    return { saved: r.saved, checkpoint: { runId: c.runId, stepIndex: toNumber(c.stepIndex), state: jsonOut(c.state), savedAt: date(c.savedAt) } };
+  }
+
+  async latestCheckpoint(runId: string): Promise<EngineCheckpoint | undefined> {
+    const r = await this.read((o) => this.stub.latestCheckpoint({ runId }, o));
+    const c = r.checkpoint;
+    if (!r.found || !c) return undefined;
+    return { runId: c.runId, stepIndex: toNumber(c.stepIndex), state: jsonOut(c.state), savedAt: date(c.savedAt) };
+  }
+
+  /** The first caller per (scope, key) wins; the others get the winner's runId until the key expires. */
+  async claimKey(scope: string, key: string, runId: string, ttlMs: number): Promise<{ created: boolean; runId: string; expiresAt: Date }> {
+    const r = await this.mutate((requestId, o) => this.stub.claimKey({ scope, key, runId, ttlMs: ttl(ttlMs), requestId }, o));
+    return { created: r.created, runId: r.runId, expiresAt: date(r.expiresAt) };
+  }
+
+  async acquireLock(key: string, owner: string, ttlMs: number): Promise<{ acquired: boolean; fencingToken: number; owner: string; expiresAt: Date }> {
+    const r = await this.mutate((requestId, o) => this.stub.acquireLock({ key, owner, ttlMs: ttl(ttlMs), requestId }, o));
+    return { acquired: r.acquired, fencingToken: toNumber(r.fencingToken), owner: r.owner, expiresAt: date(r.expiresAt) };
+  }
+
+  async releaseLock(key: string, owner: string): Promise<boolean> {
+    const r = await this.mutate((requestId, o) => this.stub.releaseLock({ key, owner, requestId }, o));
+    return r.released;
+  }
+
+  async getEffect(key: string): Promise<Lookup<unknown>> {
+    const r = await this.read((o) => this.stub.getEffect({ key }, o));
+    return { found: r.found, value: r.found ? jsonOut(r.result) : undefined, at: r.recordedAt ? date(r.recordedAt) : undefined };
+  }
+
+  async putEffect(key: string, result: unknown): Promise<Date> {
+    const v = jsonIn(result === undefined ? null : result, "result");
+    const r = await this.mutate((requestId, o) => this.stub.putEffect({ key, ...opt("result", v), requestId }, o));
+    return date(r.recordedAt);
+  }
+
+  async kvGet(agent: string, key: string): Promise<Lookup<unknown>> {
+    const r = await this.read((o) => this.stub.kvGet({ agent, key }, o));
+    return { found: r.found, value: r.found ? jsonOut(r.value) : undefined, at: r.updatedAt ? date(r.updatedAt) : undefined };
+  }
+
+  async kvSet(agent: string, key: string, value: unknown): Promise<Date> {
+    const v = jsonIn(value === undefined ? null : value, "value");
+    const r = await this.mutate((requestId, o) => this.stub.kvSet({ agent, key, ...opt("value", v), requestId }, o));
+    return date(r.updatedAt);
+  }
+
+  /** Documents ordered by id whose top-level fields equal every field of `where`. */
+  async docList(agent: string, collection: string, q: { where?: Record<string, unknown>; limit?: number } = {}): Promise<EngineDoc[]> {
+    const where = jsonIn(q.where, "where");
+    const limit = q.limit === undefined ? undefined : toBigInt(q.limit, "limit");
+    return this.read(async (o) => {
+      const out: EngineDoc[] = [];
+      for await (const page of this.stub.docList({ agent, collection, ...opt("where", where), ...opt("limit", limit) }, o)) {
+        for (const d of page.docs) out.push(docFromPb(d));
+      }
+      return out;
+    });
+  }
+
+  async docUpsert(agent: string, collection: string, id: string, doc: Record<string, unknown>): Promise<{ created: boolean; doc: EngineDoc }> {
+    const d = jsonIn(doc, "doc");
+    const r = await this.mutate((requestId, o) => this.stub.docUpsert({ agent, collection, id, ...opt("doc", d), requestId }, o));
+    return { created: r.created, doc: docFromPb(r.doc!) };
+  }
+
+  async docDelete(agent: string, collection: string, id: string): Promise<boolean> {
+    const r = await this.mutate((requestId, o) => this.stub.docDelete({ agent, collection, id, requestId }, o));
+    return r.deleted;
+  }
+
+  /**
+   * Upload an artifact in chunks (insert-if-absent: `created` false keeps the
+   * stored one). `data` is a Uint8Array (retried on UNAVAILABLE with the same
+   * request id) or an (async) iterable of chunks (one attempt; needs
+   * header.sizeBytes).
+   */
+  async putArtifact(header: ArtifactHeader, data: Uint8Array | Iterable<Uint8Array> | AsyncIterable<Uint8Array>): Promise<{ created: boolean; artifact: EngineArtifact }> {
+    const whole = data instanceof Uint8Array ? data.slice() : undefined;
+    const size = whole ? whole.byteLength : header.sizeBytes;
+    if (size === undefined) throw new ValidationError("header.size_bytes: required when the data is a stream", { field: "header.size_bytes" });
+    if (whole && header.sizeBytes !== undefined && header.sizeBytes !== size) {
+      throw new ValidationError(`header.size_bytes: ${header.sizeBytes} but the data has ${size} bytes`, { field: "header.size_bytes" });
+    }
+    const requestId = newRequestId();
+    const h = create(EngineArtifactHeaderSchema, {
+      id: header.id, runId: header.runId, name: header.name ?? "", contentType: header.contentType ?? "",
+      sizeBytes: toBigInt(size, "header.size_bytes"), ...opt("sha256", header.sha256),
+      ...opt("metadata", jsonIn(header.metadata, "header.metadata")), requestId,
+    });
+    const messages = async function* (): AsyncGenerator<EnginePutArtifactRequest> {
+      yield create(EnginePutArtifactRequestSchema, { part: { case: "header", value: h } });
+      if (whole) {
+        for (let i = 0; i < whole.byteLength; i += ARTIFACT_CHUNK_BYTES) {
+          yield create(EnginePutArtifactRequestSchema, { part: { case: "chunk", value: whole.subarray(i, i + ARTIFACT_CHUNK_BYTES) } });
+        }
+      } else {
+        for await (const chunk of data as AsyncIterable<Uint8Array>) {
+          for (let i = 0; i < chunk.byteLength; i += ARTIFACT_CHUNK_BYTES) {
+            yield create(EnginePutArtifactRequestSchema, { part: { case: "chunk", value: chunk.slice(i, i + ARTIFACT_CHUNK_BYTES) } });
+          }
+        }
+      }
+    };
+    const policy = whole ? this.retry : { ...this.retry, maxAttempts: 1 };
+    const r = await withRetry(policy, true, (timeoutMs) => this.stub.putArtifact(messages(), { timeoutMs }));
+    return { created: r.created, artifact: artifactFromPb(r.artifact!) };
+  }
+
+  async getArtifact(id: string): Promise<EngineArtifact | undefined> {
+    const r = await this.read((o) => this.stub.getArtifact({ id }, o));
+    return r.found && r.artifact ? artifactFromPb(r.artifact) : undefined;
+  }
+
+  /** The artifact's bytes as they stream in, each chunk a plain Uint8Array. Throws RunNotFoundError. */
+  async *readArtifactChunks(id: string): AsyncGenerator<Uint8Array> {
+    try {
+      for await (const m of this.stub.readArtifact({ id })) {
+        if (m.chunk.byteLength) yield new Uint8Array(m.chunk);
+      }
+    } catch (e) {
+      throw fromCallError(e);
+    }
+  }
+
+  /** The whole artifact as one plain Uint8Array. Throws RunNotFoundError for an unknown id. */
+  async readArtifact(id: string): Promise<Uint8Array> {
+    return this.read(async () => {
+      const parts: Uint8Array[] = [];
+      let n = 0;
+      for await (const m of this.stub.readArtifact({ id })) {
+        if (m.chunk.byteLength) { parts.push(m.chunk); n += m.chunk.byteLength; }
+      }
+      const out = new Uint8Array(n);
+      let off = 0;
+      for (const p of parts) { out.set(p, off); off += p.byteLength; }
+      return out;
+    });
+  }
+
+  async listArtifacts(runId: string): Promise<EngineArtifact[]> {
+    return this.read(async (o) => {
+      const out: EngineArtifact[] = [];
+      for await (const page of this.stub.listArtifacts({ runId }, o)) for (const a of page.artifacts) out.push(artifactFromPb(a));
+      return out;
+    });
+  }
+}
