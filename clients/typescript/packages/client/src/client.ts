@@ -118,6 +118,9 @@ export class FencepostClient {
 
   get closed(): boolean { return this._closed; }
 
+  /** How many times the shared KeepAlive stream has been opened (1 while it stays up). */
+  get keepAliveConnects(): number { return this.keepAlive.connects; }
+
   /** Stop renewing, close the KeepAlive stream. Leases live on by their ttl. */
   async close(): Promise<void> {
     this._closed = true;
