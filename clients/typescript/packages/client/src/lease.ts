@@ -50,6 +50,12 @@ export class Lease {
       renewed: (sent, remaining) => this.renewedAt(sent, remaining),
       lost: (reason, rec) => this.markLost(reason, rec),
       expiring: () => { this._expiring = true; this.updateRisk(); },
+      // A renewal the server refuses because the run is gone or finished: the fence is gone too.
+      error: (code) => {
+        if (code === "RUN_LEASE_LOST" || code === "RUN_NOT_FOUND" || code === "RUN_ALREADY_TERMINAL") {
+          this.markLost(undefined, undefined);
+        }
+      },
     };
     this.armRiskTimer();
     host.startRenewing(this, this.listener);

@@ -84,7 +84,7 @@ function count(value: unknown, field: string, min: number, max = Number.MAX_SAFE
 const iso = (t: Timestamp | undefined) => new Date(t ? timestampMs(t) : 0).toISOString();
 
 /** An OMA record as the server's Run, at `epoch`. Throws RunStoreError RUN_VALIDATION_ERROR naming the field. */
-export function toServerRecord(r: RunRecord, epoch: bigint, prefix = "record"): PbRun {
+export function toServerRecord(r: RunRecord, epoch: bigint, prefix = "run"): PbRun {
   if (r === null || typeof r !== "object") throw invalid(prefix, "must be a run record");
   if (r.schema !== 1) throw invalid(`${prefix}.schema`, "must be 1");
   if (typeof r.runId !== "string" || r.runId.length === 0) throw invalid(`${prefix}.runId`, "must be a non-empty string");

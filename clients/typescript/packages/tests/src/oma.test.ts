@@ -122,10 +122,10 @@ describe("FencepostRunStore on fencepost", () => {
   it("refuses malformed records with RUN_VALIDATION_ERROR naming the field, storing nothing", async () => {
     const id = "oma-bad";
     const cases: Array<[Partial<RunRecord> | Record<string, unknown>, string]> = [
-      [{ createdAt: "yesterday" }, "record.createdAt"],
-      [{ fencingToken: 0 }, "record.fencingToken"],
-      [{ status: "paused" }, "record.status"],
-      [{ version: 1.5 }, "record.version"],
+      [{ createdAt: "yesterday" }, "run.createdAt"],
+      [{ fencingToken: 0 }, "run.fencingToken"],
+      [{ status: "paused" }, "run.status"],
+      [{ version: 1.5 }, "run.version"],
     ];
     for (const [extra, field] of cases) {
       await assert.rejects(store.create(rec(id, extra as Partial<RunRecord>)), (e: unknown) =>
