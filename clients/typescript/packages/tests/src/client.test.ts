@@ -41,10 +41,12 @@ describe("FencepostClient", () => {
 
   it("renews every lease over one shared KeepAlive stream", async () => {
     const a = client("owner-renew");
-    const leases = await Promise.all(["c-r1", "c-r2", "c-r3"].map((id) => a.acquire(id, { ttlMs: 300 })));
-    await sleep(1200); // four ttls: without renewals every lease would have expired
-    for (const l of leases) {
+    const leases = await Promise.all(["c-r1", "c-r2", "c-r3"].map((id) => a.acquire(id, { ttlMs: 1500 })));
+    const firstExpiry = leases.map((l) => l.record.lease!.expiresAt.getTime());
+    await sleep(4000); // over two ttls: without renewals every lease would have expired
+    for (const [i, l] of leases.entries()) {
       assert.equal(l.atRisk, false, `${l.runId} at risk`);
+      assert.ok((await a.get(l.runId)).lease!.expiresAt.getTime() > firstExpiry[i]! + 2000, "renewed on the server");
       assert.ok(l.safeUntil > performance.now());
       const rec = await a.get(l.runId);
       assert.equal(rec.lease?.owner, "owner-renew");
