@@ -33,13 +33,17 @@ const PATCHABLE: Record<string, string> = {
   concurrencyKey: "concurrency_key", input: "input", output: "output", error: "error", metadata: "metadata",
 };
 
+const VALUES = ["input", "output", "error", "metadata"] as const;
+
+/** Copy the JSON values that are present (absent ones stay absent). */
+function copyValues(to: Partial<Record<(typeof VALUES)[number], unknown>>, from: Partial<Record<(typeof VALUES)[number], unknown>>): void {
+  for (const k of VALUES) if (from[k] !== undefined) to[k] = from[k];
+}
+
 function runFromEngine(r: EngineRun): Run {
   const run: Run = { id: r.id, agent: r.agent, status: r.status, createdAt: r.createdAt, updatedAt: r.updatedAt };
   if (r.concurrencyKey !== undefined) run.concurrencyKey = r.concurrencyKey;
-  if (r.input !== undefined) run.input = r.input;
-  if (r.output !== undefined) run.output = r.output;
-  if (r.error !== undefined) run.error = r.error;
-  if (r.metadata !== undefined) run.metadata = r.metadata;
+  copyValues(run, r);
   if (r.claim) run.claim = { owner: r.claim.owner, expiresAt: r.claim.expiresAt };
   return run;
 }
@@ -47,10 +51,7 @@ function runFromEngine(r: EngineRun): Run {
 function stepFromEngine(s: EngineStep): Step {
   const step: Step = { runId: s.runId, name: s.name, seq: s.seq, createdAt: s.createdAt };
   if (s.status !== undefined) step.status = s.status;
-  if (s.input !== undefined) step.input = s.input;
-  if (s.output !== undefined) step.output = s.output;
-  if (s.error !== undefined) step.error = s.error;
-  if (s.metadata !== undefined) step.metadata = s.metadata;
+  copyValues(step, s);
   return step;
 }
 
@@ -101,10 +102,7 @@ export class FencepostStore implements IStore {
     }
     const input: Parameters<FencepostClient["store"]["createRun"]>[0] = { id: run.id, agent: run.agent, status: run.status };
     if (run.concurrencyKey !== undefined) input.concurrencyKey = run.concurrencyKey;
-    if (run.input !== undefined) input.input = run.input;
-    if (run.output !== undefined) input.output = run.output;
-    if (run.error !== undefined) input.error = run.error;
-    if (run.metadata !== undefined) input.metadata = run.metadata;
+    copyValues(input, run);
     return (await this.client.store.createRun(input)).created;
   }
 
@@ -176,10 +174,7 @@ export class FencepostStore implements IStore {
   async appendStep(step: Step): Promise<void> {
     const s: Parameters<FencepostClient["store"]["appendStep"]>[0] = { runId: step.runId, name: step.name };
     if (step.status !== undefined) s.status = step.status;
-    if (step.input !== undefined) s.input = step.input;
-    if (step.output !== undefined) s.output = step.output;
-    if (step.error !== undefined) s.error = step.error;
-    if (step.metadata !== undefined) s.metadata = step.metadata;
+    copyValues(s, step);
     await this.client.store.appendStep(s);
   }
 

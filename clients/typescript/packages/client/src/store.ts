@@ -121,14 +121,29 @@ function setJson(target: Record<string, unknown>, key: string, value: unknown): 
   if (value !== undefined) target[key] = value;
 }
 
-export function engineRunFromPb(m: PbEngineRun): EngineRun {
-  const r: EngineRun = { id: m.id, agent: m.agent, status: m.status, createdAt: date(m.createdAt), updatedAt: date(m.updatedAt) };
-  if (m.concurrencyKey !== undefined) r.concurrencyKey = m.concurrencyKey;
-  const t = r as unknown as Record<string, unknown>;
+type Values = { input?: JsonValue; output?: JsonValue; error?: JsonValue; metadata?: JsonValue };
+
+/** The four JSON values of a run or step, parsed; absent ones stay absent. */
+function valuesOut(target: object, m: Values): void {
+  const t = target as Record<string, unknown>;
   setJson(t, "input", jsonOut(m.input));
   setJson(t, "output", jsonOut(m.output));
   setJson(t, "error", jsonOut(m.error));
   setJson(t, "metadata", jsonOut(m.metadata));
+}
+
+/** The four JSON values of a run, patch or step for the wire, fields named `${prefix}.input`... */
+function valuesIn(v: { input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }, prefix: string): Values {
+  return {
+    ...opt("input", jsonIn(v.input, `${prefix}.input`)), ...opt("output", jsonIn(v.output, `${prefix}.output`)),
+    ...opt("error", jsonIn(v.error, `${prefix}.error`)), ...opt("metadata", jsonIn(v.metadata, `${prefix}.metadata`)),
+  };
+}
+
+export function engineRunFromPb(m: PbEngineRun): EngineRun {
+  const r: EngineRun = { id: m.id, agent: m.agent, status: m.status, createdAt: date(m.createdAt), updatedAt: date(m.updatedAt) };
+  if (m.concurrencyKey !== undefined) r.concurrencyKey = m.concurrencyKey;
+  valuesOut(r, m);
   if (m.claim) r.claim = { owner: m.claim.owner, expiresAt: date(m.claim.expiresAt) };
   return r;
 }
@@ -136,11 +151,7 @@ export function engineRunFromPb(m: PbEngineRun): EngineRun {
 function stepFromPb(m: PbStep): EngineStep {
   const s: EngineStep = { runId: m.runId, seq: toNumber(m.seq), name: m.name, createdAt: date(m.createdAt) };
   if (m.status !== undefined) s.status = m.status;
-  const t = s as unknown as Record<string, unknown>;
-  setJson(t, "input", jsonOut(m.input));
-  setJson(t, "output", jsonOut(m.output));
-  setJson(t, "error", jsonOut(m.error));
-  setJson(t, "metadata", jsonOut(m.metadata));
+  valuesOut(s, m);
   return s;
 }
 
@@ -181,8 +192,7 @@ export class EngineStoreClient {
   async createRun(run: EngineRunInput): Promise<{ created: boolean; run: EngineRun }> {
     const m = create(EngineRunSchema, {
       id: run.id, agent: run.agent, status: run.status, ...opt("concurrencyKey", run.concurrencyKey),
-      ...opt("input", jsonIn(run.input, "run.input")), ...opt("output", jsonIn(run.output, "run.output")),
-      ...opt("error", jsonIn(run.error, "run.error")), ...opt("metadata", jsonIn(run.metadata, "run.metadata")),
+      ...valuesIn(run, "run"),
     });
     const r = await this.mutate((requestId, o) => this.stub.createRun({ run: m, requestId }, o));
     return { created: r.created, run: engineRunFromPb(r.run!) };
@@ -197,8 +207,7 @@ export class EngineStoreClient {
   async updateRun(id: string, patch: EngineRunPatch, guards: { expectStatus?: string[]; expectOwner?: string } = {}): Promise<EngineRun> {
     const p = create(EngineRunPatchSchema, {
       ...opt("status", patch.status), ...opt("concurrencyKey", patch.concurrencyKey),
-      ...opt("input", jsonIn(patch.input, "patch.input")), ...opt("output", jsonIn(patch.output, "patch.output")),
-      ...opt("error", jsonIn(patch.error, "patch.error")), ...opt("metadata", jsonIn(patch.metadata, "patch.metadata")),
+      ...valuesIn(patch, "patch"),
       clear: [...(patch.clear ?? [])],
     });
     const r = await this.mutate((requestId, o) => this.stub.updateRun({
@@ -238,8 +247,7 @@ export class EngineStoreClient {
   async appendStep(step: { runId: string; name: string; status?: string; input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }): Promise<EngineStep> {
     const m = create(EngineStepSchema, {
       runId: step.runId, name: step.name, ...opt("status", step.status),
-      ...opt("input", jsonIn(step.input, "step.input")), ...opt("output", jsonIn(step.output, "step.output")),
-      ...opt("error", jsonIn(step.error, "step.error")), ...opt("metadata", jsonIn(step.metadata, "step.metadata")),
+      ...valuesIn(step, "step"),
     });
     const r = await this.mutate((requestId, o) => this.stub.appendStep({ step: m, requestId }, o));
     return stepFromPb(r.step!);
