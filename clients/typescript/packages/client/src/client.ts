@@ -5,8 +5,11 @@ import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { createClient, type Client, type Transport } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
-import { ChangeKind, Ledger, ListRunsRequestSchema } from "./gen/fencepost/v1/ledger_pb.js";
-import { OutcomeSchema } from "./gen/fencepost/v1/record_pb.js";
+import {
+  ChangeKind, Ledger, ListRunsRequestSchema,
+  type AcquireResponse, type CancelResponse, type DeleteRunResponse, type RequestResumeResponse,
+} from "./gen/fencepost/v1/ledger_pb.js";
+import { OutcomeSchema, type Run as PbRun } from "./gen/fencepost/v1/record_pb.js";
 import { RunStore } from "./gen/fencepost/v1/run_store_pb.js";
 import { EngineStore } from "./gen/fencepost/v1/engine_store_pb.js";
 import { TestHooks } from "./gen/fencepost/v1/testing_pb.js";
@@ -16,6 +19,7 @@ import { Lease, type LeaseHost } from "./lease.js";
 import { recordFromPb, statusToPb, toBigInt, toNumber, type RunRecord, type RunStatus } from "./records.js";
 import { backoffDelays, newRequestId, retryPolicy, sleep, withRetry, type FullRetryPolicy, type RetryPolicy } from "./retry.js";
 import { EngineStoreClient } from "./store.js";
+import { CommandChannel, type CommandKind, type Transport as CommandTransport } from "./execute.js";
 
 export interface ClientOptions {
   /** Worker identity for acquire and the KeepAlive stream (default: host-pid-random). */
@@ -24,8 +28,15 @@ export interface ClientOptions {
   defaultTtlMs?: number;
   /** How calls are retried while the server is unavailable. */
   retry?: RetryPolicy;
-  /** Use this transport instead of opening a gRPC connection to the address. */
-  transport?: Transport;
+  /**
+   * How mutations travel: "stream" (default) multiplexes them on one
+   * Ledger.Execute stream, those of one event-loop turn in one message, with
+   * unary calls while the stream is down; "unary" sends one call each.
+   * Answers, errors, request ids and retries are the same either way.
+   */
+  transport?: CommandTransport;
+  /** Use this Connect transport instead of opening a gRPC connection to the address. */
+  connectTransport?: Transport;
 }
 
 export interface AcquireOptions {
@@ -97,6 +108,7 @@ export class FencepostClient {
   readonly store: EngineStoreClient;
   readonly retry: FullRetryPolicy;
   private keepAlive: KeepAliveSession;
+  private channel: CommandChannel;
   private _closed = false;
 
   constructor(address: string, options: ClientOptions = {}) {
@@ -104,7 +116,7 @@ export class FencepostClient {
     this.owner = options.owner ?? defaultOwner();
     this.defaultTtlMs = options.defaultTtlMs ?? 60_000;
     this.retry = retryPolicy(options.retry);
-    const transport = options.transport ??
+    const transport = options.connectTransport ??
       createGrpcTransport({ baseUrl: address.includes("://") ? address : `http://${address}` });
     this.stubs = {
       ledger: createClient(Ledger, transport),
@@ -113,10 +125,17 @@ export class FencepostClient {
       testHooks: createClient(TestHooks, transport),
     };
     this.keepAlive = new KeepAliveSession(this.stubs.ledger, this.owner);
-    this.store = new EngineStoreClient(this.stubs.engineStore, this.retry);
+    this.channel = new CommandChannel(this.stubs.ledger, this.stubs.engineStore, options.transport ?? "stream");
+    this.store = new EngineStoreClient(this.stubs.engineStore, this.retry, (kind, req) => this.command(kind, req));
   }
 
   get closed(): boolean { return this._closed; }
+
+  /** "stream" or "unary": how mutations travel. */
+  get transport(): CommandTransport { return this.channel.transport; }
+
+  /** How many times the Execute command stream has been opened (1 while it stays up). */
+  get executeConnects(): number { return this.channel.connects; }
 
   /** How many times the shared KeepAlive stream has been opened (1 while it stays up). */
   get keepAliveConnects(): number { return this.keepAlive.connects; }
@@ -124,6 +143,7 @@ export class FencepostClient {
   /** Stop renewing, close the KeepAlive stream. Leases live on by their ttl. */
   async close(): Promise<void> {
     this._closed = true;
+    await this.channel.close();
     await this.keepAlive.close();
   }
 
@@ -133,6 +153,16 @@ export class FencepostClient {
   async mutate<T>(call: (requestId: string, opts: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
     const requestId = newRequestId();
     return withRetry(this.retry, true, (timeoutMs) => call(requestId, { timeoutMs }));
+  }
+
+  /**
+   * A ledger command or engine-store mutation (a unary request as an init
+   * object, without request id) over the client's transport: one request id
+   * for every attempt.
+   */
+  async command<T>(kind: CommandKind, request: Record<string, unknown>): Promise<T> {
+    const requestId = newRequestId();
+    return withRetry(this.retry, true, (timeoutMs) => this.channel.run<T>(kind, { ...request, requestId }, { timeoutMs }));
   }
 
   /** A read, retried while the server is unavailable. */
@@ -149,10 +179,10 @@ export class FencepostClient {
   async acquire(runId: string, options: AcquireOptions = {}): Promise<Lease> {
     const ttlMs = options.ttlMs ?? this.defaultTtlMs;
     const sentAt = performance.now();
-    const resp = await this.mutate((requestId, o) => this.stubs.ledger.acquire({
+    const resp = await this.command<AcquireResponse>("acquire", {
       runId, owner: this.owner, leaseTtlMs: toBigInt(ttlMs, "ttl_ms"),
-      lockDelayMs: toBigInt(options.lockDelayMs ?? 0, "lock_delay_ms"), requestId,
-    }, o));
+      lockDelayMs: toBigInt(options.lockDelayMs ?? 0, "lock_delay_ms"),
+    });
     const record = recordFromPb(resp.run!);
     const renew = options.renew ?? true;
     return new Lease(this.leaseHost(renew), record, ttlMs, sentAt);
@@ -170,24 +200,15 @@ export class FencepostClient {
     };
   }
 
-  private async fenced(kind: string, lease: Lease, extra: Mutable): Promise<RunRecord> {
-    const base = { runId: lease.runId, owner: lease.owner, fencingToken: BigInt(lease.fencingToken) };
-    const l = this.stubs.ledger;
-    const resp = await this.mutate<{ run?: import("./gen/fencepost/v1/record_pb.js").Run }>((requestId, o) => {
-      const req = { ...base, ...extra, requestId };
-      switch (kind) {
-        case "renew": return l.renew(req, o);
-        case "recordCheckpoint": return l.recordCheckpoint(req, o);
-        case "suspend": return l.suspend(req, o);
-        case "release": return l.release(req, o);
-        case "finish": {
-          const status = statusToPb((extra["status"] as RunStatus | undefined) ?? "completed");
-          const outcome = extra["outcome"] as { code: string; message?: string } | undefined;
-          return l.finish({ ...base, requestId, status, ...(outcome ? { outcome: create(OutcomeSchema, outcome) } : {}) }, o);
-        }
-        default: throw new TypeError(`unknown fenced command ${kind}`);
-      }
-    });
+  private async fenced(kind: "renew" | "recordCheckpoint" | "suspend" | "finish" | "release", lease: Lease, extra: Mutable): Promise<RunRecord> {
+    const req: Mutable = { runId: lease.runId, owner: lease.owner, fencingToken: BigInt(lease.fencingToken), ...extra };
+    if (kind === "finish") {
+      req["status"] = statusToPb((extra["status"] as RunStatus | undefined) ?? "completed");
+      const outcome = extra["outcome"] as { code: string; message?: string } | undefined;
+      if (outcome) req["outcome"] = create(OutcomeSchema, outcome);
+      else delete req["outcome"];
+    }
+    const resp = await this.command<{ run?: PbRun }>(kind, req);
     return recordFromPb(resp.run!);
   }
 
@@ -225,20 +246,19 @@ export class FencepostClient {
 
   /** Operator: cancel a run, fencing its worker. */
   async cancel(runId: string, message?: string): Promise<RunRecord> {
-    const resp = await this.mutate((requestId, o) =>
-      this.stubs.ledger.cancel({ runId, requestId, ...(message === undefined ? {} : { message }) }, o));
+    const resp = await this.command<CancelResponse>("cancel", { runId, ...(message === undefined ? {} : { message }) });
     return recordFromPb(resp.run!);
   }
 
   /** Operator: make a suspended run (or one whose lease expired) queued again. */
   async requestResume(runId: string): Promise<RunRecord> {
-    const resp = await this.mutate((requestId, o) => this.stubs.ledger.requestResume({ runId, requestId }, o));
+    const resp = await this.command<RequestResumeResponse>("requestResume", { runId });
     return recordFromPb(resp.run!);
   }
 
   /** Admin: hard-delete a run; its last token is kept so a later acquire continues above it. */
   async delete(runId: string): Promise<{ revision: number; fencingToken: number }> {
-    const resp = await this.mutate((requestId, o) => this.stubs.ledger.deleteRun({ runId, requestId }, o));
+    const resp = await this.command<DeleteRunResponse>("deleteRun", { runId });
     return { revision: toNumber(resp.revision), fencingToken: toNumber(resp.fencingToken) };
   }
 

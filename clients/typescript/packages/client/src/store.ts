@@ -25,6 +25,7 @@ import {
 import { fromCallError, ValidationError } from "./errors.js";
 import { toBigInt, toNumber } from "./records.js";
 import { newRequestId, withRetry, type FullRetryPolicy } from "./retry.js";
+import type { CommandKind } from "./execute.js";
 
 export interface EngineClaim { owner: string; expiresAt: Date }
 
@@ -176,13 +177,17 @@ function ttl(ms: number): bigint {
   return toBigInt(ms, "ttl_ms");
 }
 
-export class EngineStoreClient {
-  constructor(readonly stub: Client<typeof EngineStore>, private readonly retry: FullRetryPolicy) {}
+/** Runs a mutation (the unary request as an init object) with one request id for all its attempts. */
+export type CommandRunner = <T>(kind: CommandKind, request: Record<string, unknown>) => Promise<T>;
 
-  private mutate<T>(call: (requestId: string, o: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
-    const requestId = newRequestId();
-    return withRetry(this.retry, true, (timeoutMs) => call(requestId, { timeoutMs }));
-  }
+type Resp<K extends keyof Client<typeof EngineStore>> = Client<typeof EngineStore>[K] extends (...a: never[]) => Promise<infer R> ? R : never;
+
+export class EngineStoreClient {
+  constructor(
+    readonly stub: Client<typeof EngineStore>,
+    private readonly retry: FullRetryPolicy,
+    private readonly command: CommandRunner,
+  ) {}
 
   private read<T>(call: (o: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
     return withRetry(this.retry, false, (timeoutMs) => call({ timeoutMs }));
@@ -194,7 +199,7 @@ export class EngineStoreClient {
       id: run.id, agent: run.agent, status: run.status, ...opt("concurrencyKey", run.concurrencyKey),
       ...valuesIn(run, "run"),
     });
-    const r = await this.mutate((requestId, o) => this.stub.createRun({ run: m, requestId }, o));
+    const r = await this.command<Resp<"createRun">>("createRun", { run: m });
     return { created: r.created, run: engineRunFromPb(r.run!) };
   }
 
@@ -210,9 +215,8 @@ export class EngineStoreClient {
       ...valuesIn(patch, "patch"),
       clear: [...(patch.clear ?? [])],
     });
-    const r = await this.mutate((requestId, o) => this.stub.updateRun({
-      id, patch: p, expectStatus: [...(guards.expectStatus ?? [])], ...opt("expectOwner", guards.expectOwner), requestId,
-    }, o));
+    const r = await this.command<Resp<"updateRun">>("updateRun", {
+      id, patch: p, expectStatus: [...(guards.expectStatus ?? [])], ...opt("expectOwner", guards.expectOwner) });
     return engineRunFromPb(r.run!);
   }
 
@@ -235,12 +239,12 @@ export class EngineStoreClient {
   }
 
   async claimRun(id: string, owner: string, ttlMs: number): Promise<{ claimed: boolean; run: EngineRun | undefined }> {
-    const r = await this.mutate((requestId, o) => this.stub.claimRun({ id, owner, ttlMs: ttl(ttlMs), requestId }, o));
+    const r = await this.command<Resp<"claimRun">>("claimRun", { id, owner, ttlMs: ttl(ttlMs) });
     return { claimed: r.claimed, run: r.run ? engineRunFromPb(r.run) : undefined };
   }
 
   async renewClaim(id: string, owner: string, ttlMs: number): Promise<{ renewed: boolean; run: EngineRun | undefined }> {
-    const r = await this.mutate((requestId, o) => this.stub.renewClaim({ id, owner, ttlMs: ttl(ttlMs), requestId }, o));
+    const r = await this.command<Resp<"renewClaim">>("renewClaim", { id, owner, ttlMs: ttl(ttlMs) });
     return { renewed: r.renewed, run: r.run ? engineRunFromPb(r.run) : undefined };
   }
 
@@ -249,7 +253,7 @@ export class EngineStoreClient {
       runId: step.runId, name: step.name, ...opt("status", step.status),
       ...valuesIn(step, "step"),
     });
-    const r = await this.mutate((requestId, o) => this.stub.appendStep({ step: m, requestId }, o));
+    const r = await this.command<Resp<"appendStep">>("appendStep", { step: m });
     return stepFromPb(r.step!);
   }
 
@@ -264,9 +268,8 @@ export class EngineStoreClient {
   /** Keeps the highest stepIndex; an equal index replaces; a lower one is ignored (saved false). */
   async saveCheckpoint(cp: { runId: string; stepIndex: number; state: unknown }): Promise<{ saved: boolean; checkpoint: EngineCheckpoint }> {
     const state = jsonIn(cp.state === undefined ? null : cp.state, "checkpoint.state");
-    const r = await this.mutate((requestId, o) => this.stub.saveCheckpoint({
-      checkpoint: { runId: cp.runId, stepIndex: toBigInt(cp.stepIndex, "checkpoint.step_index"), ...opt("state", state) }, requestId,
-    }, o));
+    const r = await this.command<Resp<"saveCheckpoint">>("saveCheckpoint", {
+      checkpoint: { runId: cp.runId, stepIndex: toBigInt(cp.stepIndex, "checkpoint.step_index"), ...opt("state", state) } });
     const c = r.checkpoint!;
     return { saved: r.saved, checkpoint: { runId: c.runId, stepIndex: toNumber(c.stepIndex), state: jsonOut(c.state), savedAt: date(c.savedAt) } };
   }
@@ -280,17 +283,17 @@ export class EngineStoreClient {
 
   /** The first caller per (scope, key) wins; the others get the winner's runId until the key expires. */
   async claimKey(scope: string, key: string, runId: string, ttlMs: number): Promise<{ created: boolean; runId: string; expiresAt: Date }> {
-    const r = await this.mutate((requestId, o) => this.stub.claimKey({ scope, key, runId, ttlMs: ttl(ttlMs), requestId }, o));
+    const r = await this.command<Resp<"claimKey">>("claimKey", { scope, key, runId, ttlMs: ttl(ttlMs) });
     return { created: r.created, runId: r.runId, expiresAt: date(r.expiresAt) };
   }
 
   async acquireLock(key: string, owner: string, ttlMs: number): Promise<{ acquired: boolean; fencingToken: number; owner: string; expiresAt: Date }> {
-    const r = await this.mutate((requestId, o) => this.stub.acquireLock({ key, owner, ttlMs: ttl(ttlMs), requestId }, o));
+    const r = await this.command<Resp<"acquireLock">>("acquireLock", { key, owner, ttlMs: ttl(ttlMs) });
     return { acquired: r.acquired, fencingToken: toNumber(r.fencingToken), owner: r.owner, expiresAt: date(r.expiresAt) };
   }
 
   async releaseLock(key: string, owner: string): Promise<boolean> {
-    const r = await this.mutate((requestId, o) => this.stub.releaseLock({ key, owner, requestId }, o));
+    const r = await this.command<Resp<"releaseLock">>("releaseLock", { key, owner });
     return r.released;
   }
 
@@ -301,7 +304,7 @@ export class EngineStoreClient {
 
   async putEffect(key: string, result: unknown): Promise<Date> {
     const v = jsonIn(result === undefined ? null : result, "result");
-    const r = await this.mutate((requestId, o) => this.stub.putEffect({ key, ...opt("result", v), requestId }, o));
+    const r = await this.command<Resp<"putEffect">>("putEffect", { key, ...opt("result", v) });
     return date(r.recordedAt);
   }
 
@@ -312,7 +315,7 @@ export class EngineStoreClient {
 
   async kvSet(agent: string, key: string, value: unknown): Promise<Date> {
     const v = jsonIn(value === undefined ? null : value, "value");
-    const r = await this.mutate((requestId, o) => this.stub.kvSet({ agent, key, ...opt("value", v), requestId }, o));
+    const r = await this.command<Resp<"kvSet">>("kvSet", { agent, key, ...opt("value", v) });
     return date(r.updatedAt);
   }
 
@@ -331,12 +334,12 @@ export class EngineStoreClient {
 
   async docUpsert(agent: string, collection: string, id: string, doc: Record<string, unknown>): Promise<{ created: boolean; doc: EngineDoc }> {
     const d = jsonIn(doc, "doc");
-    const r = await this.mutate((requestId, o) => this.stub.docUpsert({ agent, collection, id, ...opt("doc", d), requestId }, o));
+    const r = await this.command<Resp<"docUpsert">>("docUpsert", { agent, collection, id, ...opt("doc", d) });
     return { created: r.created, doc: docFromPb(r.doc!) };
   }
 
   async docDelete(agent: string, collection: string, id: string): Promise<boolean> {
-    const r = await this.mutate((requestId, o) => this.stub.docDelete({ agent, collection, id, requestId }, o));
+    const r = await this.command<Resp<"docDelete">>("docDelete", { agent, collection, id });
     return r.deleted;
   }
 

@@ -163,7 +163,7 @@ describe("FencepostClient", () => {
       return next(req);
     };
     const transport = createGrpcTransport({ baseUrl: `http://${server.address}`, interceptors: [loseFirstAnswer] });
-    const a = client("owner-retry", { transport });
+    const a = client("owner-retry", { connectTransport: transport, transport: "unary" });
     const lease = await a.acquire("c-retry", { ttlMs: 5000 });
     assert.equal(seen.length, 2);
     assert.equal(seen[0], seen[1]);
@@ -205,5 +205,39 @@ describe("FencepostClient", () => {
       "c-w1:put:running", "c-w1:put:running", "c-w2:put:running", "c-w1:put:completed", "c-w2:delete:-", "c-w2:put:running",
     ]);
     assert.equal(l3.fencingToken, 2, "a re-acquired deleted id continues above its last token");
+  });
+
+  it("multiplexes mutations on one Execute stream, and retries a dropped stream's commands with their request ids", async () => {
+    const a = client("owner-exec");
+    assert.equal(a.transport, "stream");
+    const first = await Promise.all(Array.from({ length: 20 }, (_, i) => a.acquire(`c-exec-${i}`, { ttlMs: 60_000, renew: false })));
+    assert.equal(a.executeConnects, 1);
+    assert.ok(first.every((l) => l.fencingToken === 1));
+    // errors over the stream are the same typed errors, with the record
+    const held = await client("owner-exec-2").acquire("c-exec-0").catch((e: unknown) => e);
+    assert.ok(held instanceof LeaseHeldError);
+    assert.equal(held.record?.lease?.owner, "owner-exec");
+    // a burst in flight while the server restarts: every command lands exactly once
+    const burst = Array.from({ length: 40 }, (_, i) => a.acquire(`c-exec-burst-${i}`, { ttlMs: 60_000, renew: false }));
+    await server.restart();
+    const leases = await Promise.all(burst);
+    assert.ok(leases.every((l) => l.fencingToken === 1), "no command was applied twice");
+    for (const l of leases.slice(0, 10)) assert.equal((await a.get(l.runId)).version, 1);
+    await sleep(1200); // unary while the stream is down, then the stream again
+    await a.acquire("c-exec-after", { renew: false });
+    assert.ok(a.executeConnects >= 2, "the stream was opened again after the restart");
+  });
+
+  it("sends everything unary with transport: 'unary', with the same answers and errors", async () => {
+    const a = client("owner-unary", { transport: "unary" });
+    const lease = await a.acquire("c-unary", { ttlMs: 5000 });
+    await lease.recordCheckpoint("k", 1);
+    const held = await client("owner-unary-2", { transport: "unary" }).acquire("c-unary").catch((e: unknown) => e);
+    assert.ok(held instanceof LeaseHeldError);
+    assert.equal(held.record?.checkpointRef?.key, "k");
+    await assert.rejects(a.acquire("c-unary-bad", { ttlMs: 1 }), (e: unknown) => e instanceof ValidationError && e.field === "lease_ttl_ms");
+    assert.equal((await a.store.claimKey("s", "c-unary", "r1", 1000)).created, true);
+    await lease.finish();
+    assert.equal(a.executeConnects, 0);
   });
 });
