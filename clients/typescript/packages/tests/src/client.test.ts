@@ -240,4 +240,21 @@ describe("FencepostClient", () => {
     await lease.finish();
     assert.equal(a.executeConnects, 0);
   });
+
+  it("reconnects the KeepAlive stream after a server restart and keeps renewing", async () => {
+    const a = client("owner-reconnect");
+    const lease = await a.acquire("c-reconnect", { ttlMs: 3000 });
+    await sleep(100);
+    await server.restart();
+    await sleep(3500); // past the ttl: only renewals on the new stream keep the lease
+    assert.ok(a.keepAliveConnects >= 2, `connects ${a.keepAliveConnects}`);
+    assert.equal(lease.isLost, false);
+    assert.equal(lease.atRisk, false);
+    const rec = await a.get("c-reconnect");
+    assert.equal(rec.lease?.owner, "owner-reconnect");
+    assert.ok(rec.lease!.expiresAt.getTime() > Date.now());
+    // and a push still arrives on the new stream
+    await client("operator-2").cancel("c-reconnect");
+    assert.equal((await within(lease.lost, 3000, "lost after reconnect")).reason, "cancelled");
+  });
 });
