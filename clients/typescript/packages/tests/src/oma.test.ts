@@ -1,6 +1,8 @@
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
+import { createRouterTransport } from "@connectrpc/connect";
 import { FencepostClient } from "@fencepost/client";
+import { Atomicity, RunStore } from "@fencepost/client/gen/fencepost/v1/run_store_pb";
 import { startServer, type TestServer } from "@fencepost/client/testing";
 import { EPOCH_SPAN, FencepostRunStore, RunStoreError, type RunRecord } from "@fencepost/oma";
 import { ContractLedger, ManualClock, runRunStoreContractSuite } from "@fencepost/oma/contract";
@@ -31,6 +33,19 @@ describe("FencepostRunStore on fencepost", () => {
     assert.equal(store.atomicity, "cross-process");
     const d = await client.stubs.runStore.describe({});
     assert.equal(d.atomicity, 2);
+  });
+
+  it("takes its atomicity from Describe, not from itself", async () => {
+    // A stand-in server that declares in-process atomicity: the adapter must repeat it.
+    const declaring = (atomicity: Atomicity) => createRouterTransport(({ service }) => {
+      service(RunStore, { describe: () => ({ atomicity, backend: "test", schema: 1 }) } as never);
+    });
+    const weak = await FencepostRunStore.connect("unused", { connectTransport: declaring(Atomicity.IN_PROCESS) });
+    assert.equal(weak.atomicity, "process");
+    await weak.close();
+    const strong = await FencepostRunStore.connect("unused", { connectTransport: declaring(Atomicity.CROSS_PROCESS) });
+    assert.equal(strong.atomicity, "cross-process");
+    await strong.close();
   });
 
   it("re-creates a deleted id at OMA token 1 while the server's tokens keep rising", async () => {
