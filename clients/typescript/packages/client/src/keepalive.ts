@@ -86,7 +86,8 @@ export class KeepAliveSession {
   /** Stop renewing `runId` (its lease is finished or given up) but keep watchers. */
   stopRenewing(runId: string, listener: FenceListener): void {
     const e = this.entries.get(runId);
-    if (!e) return;
+    // The entry may already be a newer token's (a later lease of the run): leave it alone.
+    if (!e || !e.listeners.has(listener)) return;
     e.renewTtlMs = undefined;
     this.forget(runId, listener);
   }

@@ -104,9 +104,14 @@ export class Lease {
     if (this.atRisk) throw this.riskError();
   }
 
-  renew(ttlMs?: number): Promise<RunRecord> {
-    if (ttlMs !== undefined) this._ttlMs = ttlMs;
-    return this.call("renew", ttlMs === undefined ? {} : { leaseTtlMs: BigInt(ttlMs) }, true);
+  /** Renew now; a new ttl also becomes the one background renewals ask for. */
+  async renew(ttlMs?: number): Promise<RunRecord> {
+    const rec = await this.call("renew", ttlMs === undefined ? {} : { leaseTtlMs: BigInt(ttlMs) }, true);
+    if (ttlMs !== undefined && ttlMs !== this._ttlMs) {
+      this._ttlMs = ttlMs;
+      if (this.isActive) this.host.startRenewing(this, this.listener);
+    }
+    return rec;
   }
 
   recordCheckpoint(key: string, snapshotVersion: number): Promise<RunRecord> {
@@ -137,7 +142,10 @@ export class Lease {
     try {
       const rec = await this.host.fenced(kind, this, extra);
       this._record = rec;
-      if (renews && rec.lease) this.renewedAt(sentAt, this._ttlMs);
+      if (renews && rec.lease) {
+        const granted = typeof extra["leaseTtlMs"] === "bigint" ? Number(extra["leaseTtlMs"]) : rec.lease.ttlMs || this._ttlMs;
+        this.renewedAt(sentAt, granted);
+      }
       return rec;
     } catch (e) {
       const err: FencepostError = fromCallError(e);

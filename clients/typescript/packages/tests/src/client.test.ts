@@ -257,4 +257,15 @@ describe("FencepostClient", () => {
     await client("operator-2").cancel("c-reconnect");
     assert.equal((await within(lease.lost, 3000, "lost after reconnect")).reason, "cancelled");
   });
+
+  it("renew(ttl) changes the ttl background renewals ask for", async () => {
+    const a = client("owner-ttl");
+    const lease = await a.acquire("c-ttl", { ttlMs: 60_000 });
+    await lease.renew(1500);
+    assert.equal(lease.ttlMs, 1500);
+    await sleep(3500); // over two of the new ttls
+    assert.equal(lease.atRisk, false);
+    const left = (await a.get("c-ttl")).lease!.expiresAt.getTime() - Date.now();
+    assert.ok(left > 0 && left <= 1600, `the server's lease has ${left} ms left`);
+  });
 });
