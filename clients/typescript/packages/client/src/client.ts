@@ -3,7 +3,7 @@
 import { hostname } from "node:os";
 import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
-import { createClient, type Client, type Transport } from "@connectrpc/connect";
+import { Code, createClient, type Client, type Transport } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import {
   ChangeKind, Ledger, ListRunsRequestSchema,
@@ -13,10 +13,10 @@ import { OutcomeSchema, type Run as PbRun } from "./gen/fencepost/v1/record_pb.j
 import { RunStore } from "./gen/fencepost/v1/run_store_pb.js";
 import { EngineStore } from "./gen/fencepost/v1/engine_store_pb.js";
 import { TestHooks } from "./gen/fencepost/v1/testing_pb.js";
-import { fromCallError, RevisionCompactedError, ValidationError, type FencepostError } from "./errors.js";
+import { fromCallError, RevisionCompactedError, StreamTooSlowError, ValidationError, type FencepostError } from "./errors.js";
 import { KeepAliveSession, type FenceListener } from "./keepalive.js";
 import { Lease, type LeaseHost } from "./lease.js";
-import { recordFromPb, statusToPb, toBigInt, toNumber, type RunRecord, type RunStatus } from "./records.js";
+import { recordFromPb, statusFromPb, statusToPb, toBigInt, toNumber, type RunRecord, type RunStatus } from "./records.js";
 import { backoffDelays, newRequestId, retryPolicy, sleep, withRetry, type FullRetryPolicy, type RetryPolicy } from "./retry.js";
 import { EngineStoreClient } from "./store.js";
 import { CommandChannel, type CommandKind, type Transport as CommandTransport } from "./execute.js";
@@ -268,7 +268,7 @@ export class FencepostClient {
       this.stubs.ledger.validateFence({ runId, fencingToken: toBigInt(fencingToken, "fencing_token") }, o));
     return {
       current: resp.current, found: resp.found, fencingToken: toNumber(resp.fencingToken),
-      status: resp.found ? (recordStatus(resp.status)) : undefined, revision: toNumber(resp.revision),
+      status: resp.found ? statusFromPb(resp.status) : undefined, revision: toNumber(resp.revision),
     };
   }
 
@@ -312,7 +312,7 @@ export class FencepostClient {
       } catch (e) {
         if (options.signal?.aborted) return;
         const err: FencepostError = fromCallError(e);
-        if (err instanceof RevisionCompactedError || !(err.grpcCode === 14 || err.code === "STREAM_TOO_SLOW")) throw err;
+        if (err instanceof RevisionCompactedError || !(err.grpcCode === Code.Unavailable || err instanceof StreamTooSlowError)) throw err;
       }
       if (options.signal?.aborted) return;
       await sleep(delay()).catch(() => undefined);
@@ -325,9 +325,4 @@ export class FencepostClient {
     const resp = await this.stubs.testHooks.jumpClock({ ms: BigInt(ms) });
     return toNumber(resp.nowMs);
   }
-}
-
-function recordStatus(s: number): RunStatus | undefined {
-  const names: Record<number, RunStatus> = { 1: "queued", 2: "running", 3: "suspended", 4: "completed", 5: "failed", 6: "cancelled" };
-  return names[s];
 }

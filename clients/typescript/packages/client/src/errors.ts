@@ -143,9 +143,14 @@ export function fromCallError(err: unknown): FencepostError {
   if (info?.metadata["field"]) options.field = info.metadata["field"];
   if (info) return errorFor(info.reason, ce.rawMessage, options);
   if (ce.code === Code.Unavailable || ce.code === Code.DeadlineExceeded) {
-    return new UnavailableError(ce.rawMessage, options, Code[ce.code].replace(/([a-z])([A-Z])/g, "$1_$2").toUpperCase());
+    return new UnavailableError(ce.rawMessage, options, codeName(ce.code));
   }
-  return new RpcError(Code[ce.code].replace(/([a-z])([A-Z])/g, "$1_$2").toUpperCase(), ce.rawMessage, options);
+  return new RpcError(codeName(ce.code), ce.rawMessage, options);
+}
+
+/** A gRPC code's canonical name: DEADLINE_EXCEEDED, INTERNAL... */
+function codeName(code: Code): string {
+  return (Code[code] ?? "Unknown").replace(/([a-z])([A-Z])/g, "$1_$2").toUpperCase();
 }
 
 /** The typed error for a google.rpc.Status carried in a message (e.g. an Execute result). */
@@ -161,7 +166,7 @@ export function fromStatus(status: Status): FencepostError {
   const options: ErrorOptions = { grpcCode: status.code as Code };
   if (record) options.record = record;
   if (info?.metadata["field"]) options.field = info.metadata["field"];
-  return info ? errorFor(info.reason, status.message, options) : new RpcError(Code[status.code] ?? "UNKNOWN", status.message, options);
+  return info ? errorFor(info.reason, status.message, options) : new RpcError(codeName(status.code as Code), status.message, options);
 }
 
 /** Whether a failed attempt may be retried with the same request id. */
