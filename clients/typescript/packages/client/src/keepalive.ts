@@ -66,7 +66,7 @@ export class KeepAliveSession {
   /** Watch `runId`'s fence at `token` without renewing. */
   track(runId: string, token: bigint, listener: FenceListener): void {
     const known = this.entries.get(runId);
-    const e = this.entry(runId, token, listener);
+    this.entry(runId, token, listener);
     this.ensureRunning();
     if (!known || known.token !== token) {
       this.send({ kind: { case: "track", value: create(KeepAliveTrackSchema, { runId, fencingToken: token }) } });

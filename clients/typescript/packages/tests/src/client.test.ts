@@ -268,4 +268,18 @@ describe("FencepostClient", () => {
     const left = (await a.get("c-ttl")).lease!.expiresAt.getTime() - Date.now();
     assert.ok(left > 0 && left <= 1600, `the server's lease has ${left} ms left`);
   });
+
+  it("pushes a delete to the lease, and watchFence hears a fence it does not hold", async () => {
+    const a = client("owner-del");
+    const watcher = client("watcher");
+    const lease = await a.acquire("c-del", { ttlMs: 10_000 });
+    const heard = new Promise<string>((resolve) => { watcher.watchFence("c-del", lease.fencingToken, { lost: (reason) => resolve(reason) }); });
+    await sleep(100);
+    const gone = await a.delete("c-del");
+    assert.equal(gone.fencingToken, 1);
+    assert.equal((await within(lease.lost, 2000, "lost push")).reason, "deleted");
+    assert.equal(await within(heard, 2000, "watchFence"), "deleted");
+    const again = await a.acquire("c-del", { ttlMs: 10_000 });
+    assert.equal(again.fencingToken, 2, "the token continues above the deleted run's");
+  });
 });
