@@ -154,13 +154,18 @@ export function fromServerRecord(m: PbRun): RunRecord {
   return r;
 }
 
+/** The server's name of a record field (run.lease.expires_at) as OMA's (run.lease.expiresAt). */
+export function camelField(field: string): string {
+  return field.replace(/_([a-z])/g, (_, c: string) => c.toUpperCase());
+}
+
 /** A client error as a RunStoreError when OMA has a code for it; other failures (unavailable, storage) stay as they are. */
 function toStoreError(e: unknown): Error {
   if (e instanceof RunStoreError) return e;
   const err: FencepostError = fromCallError(e);
   if ((RUN_STORE_ERROR_CODES as readonly string[]).includes(err.code)) {
     const options: { field?: string; cause: unknown } = { cause: err };
-    if (err.field) options.field = err.field;
+    if (err.field) options.field = camelField(err.field);
     return new RunStoreError(err.code as RunStoreErrorCode, err.message, options);
   }
   return err;

@@ -148,6 +148,8 @@ describe("FencepostRunStore on fencepost", () => {
     }
     await assert.rejects(store.create(rec(id, { lease: { owner: "", acquiredAt: t0, expiresAt: t0 } })), (e: unknown) =>
       e instanceof RunStoreError && e.code === "RUN_VALIDATION_ERROR" && e.field === "run.lease.owner");
+    await assert.rejects(store.create(rec(id, { lease: { owner: "w", acquiredAt: "2030-01-02T00:00:00.000Z", expiresAt: t0 } })), (e: unknown) =>
+      e instanceof RunStoreError && e.code === "RUN_VALIDATION_ERROR" && e.field === "run.lease.expiresAt");
     assert.equal(await store.get(id), null);
     await store.create(rec(id));
     await assert.rejects(store.compareAndSet(id, 1, rec("other-id", { version: 2 })), (e: unknown) =>
