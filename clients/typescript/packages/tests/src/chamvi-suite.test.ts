@@ -1,24 +1,10 @@
 // The IStore contract suite itself: it passes a correct store and fails a
 // store with any one of these flaws.
 import assert from "node:assert/strict";
-import { execFile } from "node:child_process";
-import { fileURLToPath } from "node:url";
-import { promisify } from "node:util";
 import { it } from "node:test";
+import { runSuite } from "./suite-run.js";
 
-const run = promisify(execFile);
-const target = fileURLToPath(new URL("./chamvi-suite-target.js", import.meta.url));
-
-async function suite(flaw: string): Promise<{ ok: boolean; out: string }> {
-  const env: NodeJS.ProcessEnv = { ...process.env, STORE_FLAW: flaw };
-  delete env["NODE_TEST_CONTEXT"]; // a run of its own, not a child of this test runner
-  try {
-    const { stdout } = await run(process.execPath, ["--test", "--test-reporter=tap", target], { timeout: 60_000, env });
-    return { ok: true, out: stdout };
-  } catch (e) {
-    return { ok: false, out: String((e as { stdout?: string }).stdout) };
-  }
-}
+const suite = (flaw: string) => runSuite("chamvi-suite-target.js", { STORE_FLAW: flaw });
 
 it("passes a correct in-memory store", async () => {
   const r = await suite("none");
