@@ -15,7 +15,8 @@ TS_STAMP  := $(TS_DIR)/node_modules/.package-lock.json
 .PHONY: help all serve test lint proto bench clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}' \
+	  | sed -e 's|$$(ADDR)|$(ADDR)|g' -e 's|$$(DB)|$(DB)|g'
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,12 +49,17 @@ bench-peers: $(STAMP)  ## fencepost vs etcd, PostgreSQL, Redis, same load (insta
 	$(BIN)/python -c 'import asyncpg, redis, hiredis' 2>/dev/null || $(BIN)/python -m pip install --quiet asyncpg redis hiredis
 	$(BIN)/python bench/peers --install
 
+.PHONY: bench-scale
+bench-scale: $(STAMP)  ## costs as runs pile up: new-run cost, restart, RSS, filtered listing (1M runs; ~10 min)
+	$(BIN)/python bench/scale.py
+
 DURATION  ?= 60
 SEED      ?= 1
 TRANSPORT ?= mixed
+SNAPSHOTS ?= fenced
 .PHONY: torture
-torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed (docs/RELIABILITY.md)
-	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT)
+torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed SNAPSHOTS=fenced|unfenced|off (docs/RELIABILITY.md)
+	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT) --snapshots $(SNAPSHOTS)
 
 # TypeScript clients (clients/typescript, docs/TYPESCRIPT.md): Node >= 20 and npm,
 # installed from Debian when missing; dependencies exactly as package-lock.json.
@@ -66,7 +72,12 @@ $(TS_STAMP): $(TS_DIR)/package-lock.json $(TS_DIR)/package.json
 test-ts: $(STAMP) $(TS_STAMP)  ## TypeScript clients: build, then their tests against real servers
 	cd $(TS_DIR) && FENCEPOST_BIN=$(abspath $(BIN))/fencepost npm test
 
-clean:  ## remove the venv, caches and local databases
+clean:  ## remove the venv, caches and build output (never your data: see clean-data)
 	rm -rf $(TS_DIR)/node_modules $(TS_DIR)/packages/*/dist $(TS_DIR)/packages/*/tsconfig.tsbuildinfo
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info fencepost.db fencepost.db-*
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+.PHONY: clean-data
+clean-data:  ## DELETE the database $(DB) (with its -wal and -shm files): every run it holds
+	@echo "deleting $(DB), $(DB)-wal and $(DB)-shm: every run recorded in them is gone"
+	rm -f $(DB) $(DB)-wal $(DB)-shm

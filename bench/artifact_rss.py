@@ -1,4 +1,4 @@
-"""Artifact streaming with bounded server memory (SPEC §11): upload a large
+"""Artifact streaming with bounded server memory (docs/SPEC.md §11): upload a large
 artifact to a ``fencepost serve`` process, read it back, check it byte for
 byte, and report the server's resident memory and the throughput.
 

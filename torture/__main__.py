@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nemesis", default="default", help="fault mix: default, kills, none")
     p.add_argument("--fault", default="", help="TEST ONLY: run a deliberately broken server "
                    "(ack-before-commit, fence-ignores-owner); the run must then FAIL")
+    p.add_argument("--snapshots", choices=("fenced", "unfenced", "off"), default="fenced",
+                   help="every checkpoint also writes the run's snapshot, under the handle's "
+                   "fence or unfenced (the residual window left open: stale snapshots are "
+                   "then found and reported as violations); off: none (fenced)")
     p.add_argument("--check-only", type=Path, metavar="DIR",
                    help="re-run the checkers on a recorded run's directory")
     a = p.parse_args(argv)
@@ -37,10 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         outcome = check_dir(a.check_only)
         print(outcome.summary())
         return 0 if outcome.ok else 1
-    out = a.out or REPO / "build" / "torture" / f"seed-{a.seed}-{a.duration:g}s-{a.transport}"
+    out = a.out or REPO / "build" / "torture" / (
+        f"seed-{a.seed}-{a.duration:g}s-{a.transport}"
+        + ("" if a.snapshots == "fenced" else f"-{a.snapshots}"))
     cfg = Config(duration_s=a.duration, seed=a.seed, out=out, workers=a.workers,
                  threads=a.threads, runs=a.runs, profile=a.profile, nemesis=a.nemesis,
-                 fault=a.fault, transport=a.transport)
+                 fault=a.fault, transport=a.transport,
+                 snapshots="" if a.snapshots == "off" else a.snapshots)
     try:
         outcome = run(cfg)
     except Exception as exc:

@@ -2,7 +2,7 @@
 naming the operations involved; an empty list means the guarantee held.
 
 =====================  ==============================================================
-check                  what it proves (SPEC §9 and friends)
+check                  what it proves (docs/SPEC.md §9 and friends)
 =====================  ==============================================================
 linearizability        each run's record behaves as one atomic versioned register with
                        compare-and-set (linearizability.py)

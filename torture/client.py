@@ -2,7 +2,7 @@
 (torture/history.py), with its invocation and completion times and its
 result: ok, failed with a code, or unknown because the connection dropped.
 
-Mutations carry a request id (SPEC §5.5). When a call's outcome is unknown
+Mutations carry a request id (docs/SPEC.md §5.5). When a call's outcome is unknown
 (transport failure, timeout) the client either retries it with the *same*
 request id until it gets an answer (one operation spanning all attempts), or
 abandons it (the operation stays unknown), as a real worker would.
@@ -33,8 +33,9 @@ import grpc
 from _proc import CHANNEL_OPTIONS, call_status, status_reason, status_record
 from google.rpc import status_pb2
 
+from fencepost.v1 import engine_store_pb2 as epb
+from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2_grpc, run_store_pb2_grpc
 from fencepost.v1 import ledger_pb2 as lpb
-from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
 from fencepost.v1 import run_store_pb2 as spb
 
 from .history import LEDGER_WRITES, WRITES, dict_to_run, run_to_dict
@@ -47,6 +48,11 @@ COMMAND_KINDS = {"acquire": "acquire", "renew": "renew", "checkpoint": "record_c
                  "suspend": "suspend", "finish": "finish", "release": "release",
                  "cancel": "cancel", "resume": "request_resume", "delete_run": "delete_run"}
 assert set(COMMAND_KINDS) == set(LEDGER_WRITES)
+# Snapshot writes (the engine store's checkpoint, torture/snapshots.py) and
+# their Execute Command fields. Recorded in a history of their own (the
+# ledger's checkers never see them).
+SNAPSHOT_KINDS = {"snapshot": "save_checkpoint", "snapshot_tx": "transaction"}
+SNAPSHOT_FUNCS = (*SNAPSHOT_KINDS, "read_snapshot")
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
@@ -165,8 +171,10 @@ class Client:
         abandon_p: float = 0.3,
         lock: threading.Lock | None = None,
         transport: str = "unary",
+        snap_out: IO[str] | None = None,
     ) -> None:
         self.name = name
+        self.snap_out = snap_out  # where snapshot operations are recorded
         self.transport = pick_transport(transport, seed)
         self._stream: ExecuteStream | None = None
         self.streams_opened = 0
@@ -178,6 +186,7 @@ class Client:
         self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self.ledger = ledger_pb2_grpc.LedgerStub(self.channel)
         self.store = run_store_pb2_grpc.RunStoreStub(self.channel)
+        self.engine = engine_store_pb2_grpc.EngineStoreStub(self.channel)
         self.seq = 0
         self.counts: dict[str, int] = {}
 
@@ -208,7 +217,8 @@ class Client:
         if self._stream is None:
             self._stream = ExecuteStream(self.ledger, self.name)
             self.streams_opened += 1
-        return self._stream.execute(COMMAND_KINDS[f], req, CALL_TIMEOUT_S)
+        kind = COMMAND_KINDS.get(f) or SNAPSHOT_KINDS[f]
+        return self._stream.execute(kind, req, CALL_TIMEOUT_S)
 
     # -- the one call path ------------------------------------------------------
 
@@ -218,11 +228,11 @@ class Client:
     ) -> dict[str, Any]:
         """Make one logical call and record it. Returns the recorded entry."""
         self.seq += 1
-        write = f in WRITES
+        write = f in WRITES or f in SNAPSHOT_KINDS
         rid = uuid.uuid4().hex if write else ""
         if write:
             req.request_id = rid
-        streamed = self.transport == "stream" and f in COMMAND_KINDS
+        streamed = self.transport == "stream" and (f in COMMAND_KINDS or f in SNAPSHOT_KINDS)
         entry: dict[str, Any] = {"id": f"{self.name}:{self.seq}", "c": self.name, "run": run,
                                  "f": f, "a": args, "rid": rid, "rec": None, "x": {},
                                  "code": "", "tf": 0, "tp": "stream" if streamed else "unary"}
@@ -259,11 +269,13 @@ class Client:
         entry["cmp"] = None if entry["st"] == "unknown" else time.monotonic_ns()
         entry["tries"] = tries
         line = json.dumps(entry) + "\n"
+        out = self.out if f not in SNAPSHOT_FUNCS else self.snap_out
+        assert out is not None, "snapshot operations need a snap_out"
         if self.lock is not None:
             with self.lock:
-                self.out.write(line)
+                out.write(line)
         else:
-            self.out.write(line)
+            out.write(line)
         key = f"{f}:{entry['st']}:{entry['code']}"
         self.counts[key] = self.counts.get(key, 0) + 1
         return entry
@@ -271,6 +283,17 @@ class Client:
     @staticmethod
     def _result(f: str, resp: Any, entry: dict[str, Any]) -> None:
         x = entry["x"]
+        if f == "snapshot":
+            x["saved"] = resp.saved
+            return
+        if f == "snapshot_tx":
+            x["saved"] = resp.results[0].save_checkpoint.saved
+            return
+        if f == "read_snapshot":
+            x["found"] = resp.found
+            if resp.found:
+                x.update(json.loads(resp.checkpoint.state.json))
+            return
         if f == "list":
             x["runs"] = {r.run_id: run_to_dict(r) for r in resp.runs}
             x["revision"] = resp.revision
@@ -376,3 +399,35 @@ class Client:
 
     def raw_delete(self, run: str) -> dict[str, Any]:
         return self.call("raw_delete", run, self.store.Delete, spb.DeleteRequest(run_id=run), {})
+
+    # -- snapshots (the engine store's checkpoint of a run) ------------------------
+
+    def snapshot(self, run: str, owner: str, token: int, sid: str, *, fenced: bool,
+                 tx: bool) -> dict[str, Any]:
+        """Write the run's snapshot (one engine checkpoint per run, step 0: the
+        last write wins, as a plain snapshot key does) tagged with the writer's
+        handle. ``fenced``: under the handle's fence; ``tx``: as a transaction
+        with an effect result (``snapshot_tx``), else a single SaveCheckpoint."""
+        state = json.dumps({"sid": sid, "owner": owner, "token": token})
+        save = epb.EngineSaveCheckpointRequest(checkpoint=epb.EngineCheckpoint(
+            run_id=run, step_index=0, state=epb.JsonValue(json=state)))
+        fence = epb.Fence(run_id=run, fencing_token=token)
+        args = {"owner": owner, "token": token, "sid": sid, "fenced": fenced}
+        if tx:
+            req = lpb.TransactionRequest(commands=[
+                lpb.Command(id=1, save_checkpoint=save),
+                lpb.Command(id=2, put_effect=epb.EnginePutEffectRequest(
+                    key=f"snapshot/{sid}", result=epb.JsonValue(json=state))),
+            ])
+            if fenced:
+                req.fence.CopyFrom(fence)
+            return self.call("snapshot_tx", run, self.ledger.Transact, req, args,
+                             may_abandon=True)
+        if fenced:
+            save.fence.CopyFrom(fence)
+        return self.call("snapshot", run, self.engine.SaveCheckpoint, save, args,
+                         may_abandon=True)
+
+    def read_snapshot(self, run: str) -> dict[str, Any]:
+        return self.call("read_snapshot", run, self.engine.LatestCheckpoint,
+                         epb.EngineLatestCheckpointRequest(run_id=run), {})

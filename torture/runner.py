@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from . import REPO
-from .checkers import Checked, check_all
+from .checkers import MAX_PER_CHECK, Checked, check_all
 from .client import Client
 from .history import LEDGER_WRITES, SUSPENDED, TERMINAL, Op, read_ops
 from .nemesis import KINDS, Nemesis, Proxy, schedule
+from .snapshots import check_snapshots
 from .worker import LOCK_DELAY_MS, MAX_TTL_MS
 
 COMPLETED = 4
@@ -43,6 +44,10 @@ class Config:
     liveness_bound_s: float = 20.0
     drain_s: float = 20.0  # after the deadline: workers finish retries within this
     budget: int = 5_000_000  # linearizability search configurations per run
+    # every checkpoint also writes the run's snapshot (torture/snapshots.py):
+    # "fenced" (under the handle's fence), "unfenced" (the window left open:
+    # the run then finds stale snapshots), or "" (no snapshots)
+    snapshots: str = "fenced"
 
 
 @dataclass
@@ -60,6 +65,7 @@ class Outcome:
     violation_details: list[str]
     wall_seconds: float
     server_starts: int
+    snapshots: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -92,11 +98,21 @@ class Outcome:
             f"runs, {self.linearizability['configurations']} configurations searched",
             f"  liveness: {len(self.liveness)} runs acquired and finished, slowest "
             f"{max((r['seconds'] for r in self.liveness), default=0):.2f} s",
+            *([self._snapshot_line()] if self.snapshots else []),
             f"  violations: {sum(self.violations.values())} "
             + (str(self.violations) if self.violations else ""),
         ]
         lines += ["  " + d.replace("\n", "\n  ") for d in self.violation_details[:20]]
         return "\n".join(lines)
+
+
+    def _snapshot_line(self) -> str:
+        s = self.snapshots
+        return (f"  snapshots ({s['mode']}): {s['writes']} written ({s['accepted']} accepted, "
+                f"{s['refused']} refused RUN_LEASE_LOST, {s['refused_stale']} of them sent "
+                f"after the takeover); stale snapshots visible after a takeover: "
+                f"{s['stale_accepted']} ({s['stale_read']} read back by a holder); "
+                f"{s['reads']} snapshot reads")
 
 
 def run(cfg: Config) -> Outcome:
@@ -105,8 +121,9 @@ def run(cfg: Config) -> Outcome:
     started = time.monotonic()
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
-    for old in (*out.glob("ops-*.jsonl"), out / "faults.jsonl", out / "fencepost.db",
-                out / "fencepost.db-wal", out / "fencepost.db-shm", out / "server.log"):
+    for old in (*out.glob("ops-*.jsonl"), *out.glob("snapshots-*.jsonl"), out / "faults.jsonl",
+                out / "fencepost.db", out / "fencepost.db-wal", out / "fencepost.db-shm",
+                out / "server.log"):
         old.unlink(missing_ok=True)
     runs = [f"t{i}" for i in range(cfg.runs)]
     args: tuple[str, ...] = ("--test-hooks",)
@@ -133,7 +150,7 @@ def run(cfg: Config) -> Outcome:
             wcfg = {"index": i, "threads": cfg.threads, "addr": proxy.address,
                     "seed": cfg.seed * 100 + i, "runs": runs, "deadline_ns": deadline,
                     "hard_stop_ns": hard_stop, "out_dir": str(out), "profile": cfg.profile,
-                    "transport": cfg.transport}
+                    "transport": cfg.transport, "snapshots": cfg.snapshots}
             files.append(open(out / f"worker-{i}.log", "wb"))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torture.worker", json.dumps(wcfg)],
@@ -193,6 +210,16 @@ def run(cfg: Config) -> Outcome:
         files.append(live_out)
         liveness = drive_to_completion(srv.address, runs, cfg.liveness_bound_s, live_out,
                                        cfg.transport)
+        if cfg.snapshots:  # what a holder resuming now would read
+            snap_final = open(out / "snapshots-final.jsonl", "w", buffering=1)
+            files.append(snap_final)
+            reader = Client("final", srv.address, live_out, seed=0, snap_out=snap_final,
+                            hard_stop_ns=time.monotonic_ns() + int(30e9))
+            try:
+                for r in runs:
+                    reader.read_snapshot(r)
+            finally:
+                reader.close()
         stopped = srv.stop()
         if stopped != 0:
             worker_problems.append(f"graceful stop of the server exited {stopped}")
@@ -227,6 +254,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
         saved = json.loads((out / "config.json").read_text())
         saved["out"] = out
         saved.setdefault("transport", "unary")  # recorded before there was a choice
+        saved.setdefault("snapshots", "")  # recorded before snapshots
         cfg = Config(**saved)
     runs = [f"t{i}" for i in range(cfg.runs)]
     ops = read_ops(sorted(out.glob("ops-*.jsonl")))
@@ -239,7 +267,17 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
                         liveness_bound_s=cfg.liveness_bound_s,
                         server_log=(out / "server.log").read_text(errors="replace"),
                         budget=cfg.budget)
+    if cfg.snapshots:
+        snap_ops = read_ops(sorted(out.glob("snapshots-*.jsonl")))
+        t = time.perf_counter()
+        stale, stats = check_snapshots(ops, snap_ops)
+        checked.timings["stale-snapshot"] = time.perf_counter() - t
+        checked.violations.extend(stale[:MAX_PER_CHECK])
+        if stale:
+            checked.counts["stale-snapshot"] = len(stale)
     outcome = _outcome(cfg, ops, faults, checked, liveness, wall)
+    if cfg.snapshots:
+        outcome.snapshots = {"mode": cfg.snapshots, **stats.as_dict()}
     (out / "report.json").write_text(json.dumps(asdict(outcome), indent=1, default=str))
     (out / "report.txt").write_text(outcome.summary() + "\n")
     return outcome

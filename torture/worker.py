@@ -34,8 +34,12 @@ LOCK_DELAY_MS = 200
 class Actor:
     """One client thread's workload."""
 
-    def __init__(self, client: Client, runs: list[str], profile: str, deadline_ns: int) -> None:
+    def __init__(self, client: Client, runs: list[str], profile: str, deadline_ns: int,
+                 snapshots: str = "") -> None:
         self.c = client
+        # "fenced" / "unfenced": every checkpoint also writes the run's snapshot
+        # (torture/snapshots.py), under the handle's fence or without one
+        self.snapshots = snapshots
         self.rng = client.rng
         self.owner = client.name
         self.runs = runs
@@ -89,6 +93,8 @@ class Actor:
             elif e["code"] == "RUN_LEASE_HELD":
                 time.sleep(self.rng.uniform(0.01, 0.1))
             return
+        if self.snapshots:
+            self.c.read_snapshot(run)  # a new holder resumes from the run's snapshot
         self.hold(run, self.owner, rec["fencing_token"], rec["version"], ttl)
 
     def hold(self, run: str, owner: str, tok: int, since: int, ttl: int) -> None:
@@ -106,9 +112,7 @@ class Actor:
             if self.rng.random() < 0.5:
                 e = self.c.fenced("renew", run, owner, tok, since)
             else:
-                self.raw_n += 1
-                e = self.c.fenced("checkpoint", run, owner, tok, since,
-                                  key=f"{self.owner}/{self.raw_n}", snapshot_version=k)
+                e = self.checkpoint(run, owner, tok, since, k, ttl)
             if self.note(e) is None:
                 return  # lost (or unknown): give the handle up
         self.think(ttl)
@@ -125,6 +129,28 @@ class Actor:
         elif r < 0.78:
             self.note(self.c.fenced("suspend", run, owner, tok, since, approvals=["ok-1"]))
         # else: walk away; the lease runs out
+
+    def checkpoint(self, run: str, owner: str, tok: int, since: int, k: int,
+                   ttl: int) -> dict[str, Any]:
+        """A checkpoint boundary as the run-store design does it: point the
+        record at the snapshot (RecordCheckpoint, fenced by the handle), then
+        write the snapshot. A stall in between is the design's residual
+        window: a takeover can land there. With snapshots "fenced" the snapshot
+        write carries the handle's fence (alone, or in a transaction with an
+        effect result) and is refused once the handle is stale; "unfenced"
+        writes it regardless, as a store that knows nothing of the lease."""
+        self.raw_n += 1
+        key = f"{self.owner}/{self.raw_n}"
+        e = self.c.fenced("checkpoint", run, owner, tok, since, key=key, snapshot_version=k)
+        if not self.snapshots or e["st"] != "ok":
+            return e
+        if self.rng.random() < 0.2:  # stalled between the fence and the snapshot write
+            time.sleep(ttl / 1000 + self.rng.uniform(0.05, 0.3))
+        else:
+            time.sleep(self.rng.uniform(0, 0.01))
+        s = self.c.snapshot(run, owner, tok, f"{self.c.name}:{self.raw_n}",
+                            fenced=self.snapshots == "fenced", tx=self.rng.random() < 0.3)
+        return e if s["st"] == "ok" else s  # refused or unknown: give the handle up
 
     # -- the raw seam ----------------------------------------------------------------
 
@@ -153,7 +179,7 @@ class Actor:
         ttl = self.rng.choice(TTLS)
         r = self.rng.random()
         if cur["status"] == RUNNING and cur.get("lease"):
-            if r < 0.45:  # steal the lease: a new holder, so a new token (SPEC §1)
+            if r < 0.45:  # steal the lease: a new holder, so a new token (docs/SPEC.md §1)
                 nxt["lease"][0] = thief
                 nxt["fencing_token"] += 1
             elif r < 0.65:  # take over with a new token
@@ -213,11 +239,16 @@ def main(cfg: dict[str, Any]) -> int:
         name = f"w{cfg['index']}.{t}"
         f = open(out_dir / f"ops-{name}.jsonl", "w", buffering=1)
         files.append(f)
+        snapshots = cfg.get("snapshots", "")
+        snap_out = None
+        if snapshots:
+            snap_out = open(out_dir / f"snapshots-{name}.jsonl", "w", buffering=1)
+            files.append(snap_out)
         client = Client(name, cfg["addr"], f, seed=cfg["seed"] * 1000 + t,
                         hard_stop_ns=cfg["hard_stop_ns"],
-                        transport=cfg.get("transport", "unary"))
+                        transport=cfg.get("transport", "unary"), snap_out=snap_out)
         clients.append(client)
-        actor = Actor(client, cfg["runs"], cfg["profile"], cfg["deadline_ns"])
+        actor = Actor(client, cfg["runs"], cfg["profile"], cfg["deadline_ns"], snapshots)
 
         def body(a: Actor = actor) -> None:
             try:

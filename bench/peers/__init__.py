@@ -1,6 +1,6 @@
 """``make bench-peers``: fencepost against etcd, PostgreSQL and Redis.
 
-The same run-lease semantics (SPEC §5.1-§5.2: acquire creates or takes over a
+The same run-lease semantics (docs/SPEC.md §5.1-§5.2: acquire creates or takes over a
 free or expired lease with token + 1; renew, checkpoint, finish and release are
 fenced by (token, owner)) implemented on each peer the way a client of that
 peer would, and one load generator driving all of them in one invocation:

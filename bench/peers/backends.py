@@ -12,7 +12,15 @@ Round trips per command (no contention):
 backend            trips    how
 =================  =======  ========================================================
 fencepost-unary    1        one unary RPC (``LedgerStub``) per command
-fencepost-stream   1 / n    commands coalesced into ``Ledger.Execute`` messages
+fencepost-stream   1 / n    raw protocol: one hand-written Execute dispatcher per client
+                            process, so commands of *different owners* share messages
+                            (no SDK user can do this: an SDK Client has one owner)
+fencepost-fleet    1        the public SDK as a fleet uses it: one ``fencepost.Client``
+                            per worker (owner), so each Execute message carries that
+                            worker's one command; leases tracked on its KeepAlive stream
+fencepost-engine   1 / n    the public SDK as an engine process uses it: one
+                            ``fencepost.Client`` per process for all its runs, so the
+                            SDK coalesces the process's commands into shared messages
 etcd               2        Range, then Txn(compare mod_revision == read, put);
                             a lost compare returns the current value in the Txn's
                             failure branch and the command re-decides (1 more trip)
@@ -28,6 +36,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -44,11 +53,15 @@ from .semantics import Refused
 RPC_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 20.0
 
-BACKENDS = ("fencepost-unary", "fencepost-stream", "etcd", "postgres", "redis")
+BACKENDS = ("fencepost-unary", "fencepost-stream", "fencepost-fleet", "fencepost-engine",
+            "etcd", "postgres", "redis")
+SDK_BACKENDS = ("fencepost-fleet", "fencepost-engine")
 PEERS = ("etcd", "postgres", "redis")
 ROUND_TRIPS = {
     "fencepost-unary": "1",
-    "fencepost-stream": "1 shared",
+    "fencepost-stream": "1 shared (raw)",
+    "fencepost-fleet": "1 (SDK)",
+    "fencepost-engine": "1 shared (SDK)",
     "etcd": "2",
     "postgres": "1",
     "redis": "1",
@@ -325,6 +338,90 @@ class FencepostStream:
         }
 
 
+class FencepostSdk:
+    """The public Python SDK, in one of two shapes.
+
+    ``fleet``: one ``fencepost.Client`` per owner, created on the owner's first
+    acquire (during the warm-up) — every worker process of a fleet holds its
+    own client. ``engine``: one ``fencepost.Client`` for the whole process
+    (one engine process running many runs); its owner is the process's, so
+    this shape runs the throughput workload only (the contention run's
+    clients are distinct owners by design). Leases are the SDK's ``Lease``
+    objects; refusals are the SDK's typed errors, mapped to ``Refused``.
+    """
+
+    def __init__(self, address: str, shape: str) -> None:
+        if shape not in ("fleet", "engine"):
+            raise ValueError(shape)
+        self._address = address
+        self._shape = shape
+        self._clients: dict[str, Any] = {}
+        self._leases: dict[tuple[str, int], Any] = {}
+        self._stack = contextlib.AsyncExitStack()
+
+    async def connect(self) -> None:
+        import logging
+
+        # the contention run's paused holders lose leases on purpose: the SDK's
+        # warning for each is not news here
+        logging.getLogger("fencepost").setLevel(logging.ERROR)
+        if self._shape == "engine":
+            await self._client(f"engine-{os.getpid()}")
+
+    async def _client(self, owner: str) -> Any:
+        import fencepost
+
+        key = owner if self._shape == "fleet" else ""
+        client = self._clients.get(key)
+        if client is None:
+            client = fencepost.Client(self._address, owner=owner)
+            self._clients[key] = client
+            await self._stack.enter_async_context(client)
+        return client
+
+    @staticmethod
+    async def _refusing(call: Any) -> Any:
+        import fencepost
+
+        try:
+            return await call
+        except (fencepost.LeaseHeldError, fencepost.LeaseLostError,
+                fencepost.AlreadyTerminalError, fencepost.RunSuspendedError,
+                fencepost.RunNotFoundError, fencepost.ConflictError) as exc:
+            raise Refused(_REASONS.get(exc.code, exc.code.lower())) from None
+
+    async def acquire(self, run_id: str, owner: str, ttl_ms: int) -> int:
+        client = await self._client(owner)
+        lease = await self._refusing(client.acquire(run_id, ttl_ms=ttl_ms))
+        self._leases[(run_id, lease.fencing_token)] = lease
+        return int(lease.fencing_token)
+
+    def _lease(self, run_id: str, token: int) -> Any:
+        return self._leases[(run_id, token)]
+
+    async def renew(self, run_id: str, owner: str, token: int) -> None:
+        await self._refusing(self._lease(run_id, token).renew())
+
+    async def checkpoint(
+        self, run_id: str, owner: str, token: int, key: str, snapshot: int
+    ) -> None:
+        await self._refusing(self._lease(run_id, token).record_checkpoint(key, snapshot))
+
+    async def finish(self, run_id: str, owner: str, token: int) -> None:
+        lease = self._leases.pop((run_id, token))
+        await self._refusing(lease.finish("completed"))
+
+    async def release(self, run_id: str, owner: str, token: int) -> None:
+        lease = self._leases.pop((run_id, token))
+        await self._refusing(lease.release())
+
+    async def close(self) -> None:
+        await self._stack.aclose()
+
+    def stats(self) -> dict[str, float]:
+        return {"clients": float(len(self._clients))}
+
+
 # -- etcd: Range, then Txn(compare mod_revision, put) -----------------------------
 
 
@@ -542,6 +639,8 @@ async def open_backend(name: str, address: str, clients: int, options: dict[str,
         b = FencepostUnary(address, channels=int(options.get("channels", 1)))
     elif name == "fencepost-stream":
         b = FencepostStream(address, streams=int(options.get("streams", 1)))
+    elif name in SDK_BACKENDS:
+        b = FencepostSdk(address, shape=name.removeprefix("fencepost-"))
     elif name == "etcd":
         b = Etcd(address)
     elif name == "postgres":

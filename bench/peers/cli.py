@@ -1,5 +1,11 @@
-"""fencepost (unary and stream) against etcd, PostgreSQL and Redis: one load
-generator, the same run-lease semantics, durable acknowledgements everywhere.
+"""fencepost against etcd, PostgreSQL and Redis: one load generator, the same
+run-lease semantics, durable acknowledgements everywhere.
+
+fencepost is measured four ways (backends.py): through the public SDK as a
+fleet connects (``fencepost-fleet``: one Client per worker) and as an engine
+process does (``fencepost-engine``: one Client per process), and over the raw
+protocol (``fencepost-unary``; ``fencepost-stream``, one Execute stream shared
+by all of a process's owners, which no SDK user can do).
 
 For each of ``--rounds`` rounds (default 3), every backend in a rotated order
 gets a fresh server on fresh data, a warm-up (default 2 s) and a measured
@@ -39,6 +45,7 @@ from .history import check
 from .load import ContentionResult, RaceConfig, RunResult, drive
 
 STREAM_CPU_TARGET_US = 100.0
+SDK_FLEET_RATIO = 1.5
 
 
 def _git(*args: str) -> str:
@@ -118,9 +125,20 @@ def verdicts(s: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                     else "not measured"))
     r = ops("redis")
     ok = None if fs is None or r is None else fs >= r
-    out.append(("fencepost stream >= redis", ok,
+    out.append(("fencepost stream (raw protocol) >= redis", ok,
                 f"{fmt_rate(fs or 0)} vs {fmt_rate(r or 0)} ops/s" if ok is not None
                 else "not measured"))
+    fleet, engine = ops("fencepost-fleet"), ops("fencepost-engine")
+    for peer in ("etcd", "postgres"):
+        p = ops(peer)
+        ok = None if fleet is None or p is None else fleet >= SDK_FLEET_RATIO * p
+        out.append((f"SDK fleet >= {SDK_FLEET_RATIO:g}x {peer}", ok,
+                    f"{fmt_rate(fleet or 0)} vs {fmt_rate(p or 0)} ops/s "
+                    f"({(fleet or 0) / p:.2f}x)" if ok is not None and p else "not measured"))
+    ok = None if engine is None or r is None else engine >= r
+    out.append(("SDK engine >= redis", ok,
+                f"{fmt_rate(engine or 0)} vs {fmt_rate(r or 0)} ops/s "
+                f"({(engine or 0) / r:.2f}x)" if ok is not None and r else "not measured"))
     if "fencepost-stream" in s:
         us = s["fencepost-stream"]["server_us_per_op"]
         out.append((f"fencepost stream <= {STREAM_CPU_TARGET_US:.0f} us server CPU/command",
@@ -235,8 +253,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tries: list[RunResult] = []
                 for attempt in range(1 + args.retry_noisy):
                     tag = f"r{rnd}" + (f"-{attempt}" if attempt else "")
-                    got = _one_run(b, rnd, tag, workdir, args, opts, race if last else None,
-                                   failures)
+                    # the engine shape has one owner per process: no contention run
+                    contend = race if last and b != "fencepost-engine" else None
+                    got = _one_run(b, rnd, tag, workdir, args, opts, contend, failures)
                     if got is None:
                         break
                     r, c = got

@@ -1,4 +1,4 @@
-"""The run-lease rules of SPEC §5.1-§5.2, once per peer.
+"""The run-lease rules of docs/SPEC.md §5.1-§5.2, once per peer.
 
 A record holds: status, fencing token, lease (owner, expiry, ttl), attempt,
 version, checkpoint and outcome. The rules:

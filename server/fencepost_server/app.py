@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
 from .clock import Clock, OffsetClock, SystemClock
+from .retention import Retention, parse_duration_ms
 from .services._registry import add_service
 from .services.engine_store import EngineStoreService, start_engine_store
 from .services.ledger import LedgerService
@@ -69,6 +70,9 @@ class Settings:
     prune_every_s: float = 30.0
     stream_queue_limit: int = 65_536  # messages a stream may lag before it is dropped
     metrics_port: int = 0  # 0: no metrics endpoint
+    # Delete runs finished longer ago than this (retention.py): "90s", "30m",
+    # "12h", "7d" or seconds; "" keeps every finished run.
+    retain_terminal: str = ""
     # TEST-ONLY (torture harness): OffsetClock + the TestHooks service; never by default.
     test_hooks: bool = False
     test_clock_offset_ms: int = 0  # with test_hooks: start the clock this far ahead
@@ -89,6 +93,7 @@ class Settings:
             "FENCEPOST_COMMIT_DELAY_MS": ("commit_delay_ms", float),
             "FENCEPOST_HISTORY_REVISIONS": ("history_revisions", int),
             "FENCEPOST_HISTORY_MAX_AGE_S": ("history_max_age_s", int),
+            "FENCEPOST_RETAIN_TERMINAL": ("retain_terminal", str),
             "FENCEPOST_TEST_HOOKS": ("test_hooks", _flag),
             "FENCEPOST_TEST_CLOCK_OFFSET_MS": ("test_clock_offset_ms", int),
             "FENCEPOST_FAULT": ("fault", str),
@@ -115,11 +120,14 @@ class App:
     _history_executor: ThreadPoolExecutor | None = None
     engine_store: EngineStoreService | None = None
     _engine_reader: EngineReader | None = None
+    retention: Retention | None = None
 
     async def start(self) -> App:
         s = self.settings
         if s.fault and s.fault not in FAULTS:
             raise RuntimeError(f"unknown --fault {s.fault!r}; known: {', '.join(FAULTS)}")
+        retain_ms = parse_duration_ms(s.retain_terminal, "--retain-terminal") \
+            if s.retain_terminal else 0
         storage = SqliteStorage(s.db_path, s.durability)
         self.writer = Writer(
             storage,
@@ -170,6 +178,9 @@ class App:
         if self.port == 0:
             raise RuntimeError(f"could not listen on {s.listen}")
         await self.server.start()
+        if retain_ms:
+            self.retention = Retention(self.writer, self.clock, retain_ms)
+            self.retention.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if s.metrics_port:
             from .metrics import start_metrics
@@ -181,7 +192,7 @@ class App:
             Path(s.db_path),
             s.durability.value,
             self.writer.state.revision,
-            len(self.writer.state.runs),
+            len(self.writer.state.index),
         )
         return self
 
@@ -236,6 +247,8 @@ class App:
             core_ledger.UNSAFE_SKIP_OWNER_CHECK = False  # process-global: undo for in-process use
         if self.health is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.retention is not None:
+            await self.retention.stop()
         if self.hub is not None:
             self.hub.shutdown()  # streams end with UNAVAILABLE
         if self.server is not None:

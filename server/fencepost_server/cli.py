@@ -73,6 +73,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="seconds in-flight calls get on SIGTERM (default 5)",
     )
     p.add_argument(
+        "--retain-terminal",
+        dest="retain_terminal",
+        metavar="DURATION",
+        help="delete runs finished longer ago than this (e.g. 90s, 30m, 12h, 7d; their "
+        "tombstones keep the token guarantee), through the ordinary write path "
+        "(env FENCEPOST_RETAIN_TERMINAL; default off: finished runs are kept)",
+    )
+    p.add_argument(
         "--test-hooks",
         action="store_true",
         default=None,
@@ -99,6 +107,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace_s,
         commit_delay_ms=args.commit_delay_ms,
+        retain_terminal=args.retain_terminal,
         test_hooks=args.test_hooks,
         fault=args.fault,
     )

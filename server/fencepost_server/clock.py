@@ -1,4 +1,4 @@
-"""The server's clock. Only the server's clock decides expiry (SPEC §4).
+"""The server's clock. Only the server's clock decides expiry (docs/SPEC.md §4).
 
 ``SystemClock`` reads the system wall clock (never the database's). Tests inject
 ``ManualClock`` and move it explicitly; they never sleep waiting for an expiry.

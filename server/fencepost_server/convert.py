@@ -3,12 +3,15 @@ core validates (core/validate.py) and decides (core/ledger.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from fencepost.v1 import ledger_pb2 as lpb
 from fencepost.v1 import record_pb2 as rpb
 from fencepost.v1 import run_store_pb2 as spb
 
+from .core import fence as F
 from .core import ledger as L
 from .core import validate
 from .core.errors import validation
@@ -138,10 +141,24 @@ def renew(req: lpb.RenewRequest) -> L.Renew:
     )
 
 
+def fence_from_pb(msg: Any, field: str = "fence") -> F.Fence | None:
+    """The validated ``fence`` of a request message; None when absent."""
+    if not msg.HasField("fence"):
+        return None
+    f = msg.fence
+    return F.make(f.run_id, f.fencing_token, f.lock_key, field)
+
+
 def record_checkpoint(req: lpb.RecordCheckpointRequest) -> L.RecordCheckpoint:
     return validate.command(  # type: ignore[return-value]
         L.RecordCheckpoint(
-            req.run_id, req.owner, req.fencing_token, req.key, req.snapshot_version, req.request_id
+            req.run_id,
+            req.owner,
+            req.fencing_token,
+            req.key,
+            req.snapshot_version,
+            req.request_id,
+            fence_from_pb(req),
         )
     )
 

@@ -33,7 +33,7 @@ class WriterCollector(Collector):
             "fencepost_writer_commit_seconds", "Time spent in batches", value=w.stats.commit_seconds
         )
         yield GaugeMetricFamily("fencepost_revision", "Server revision", value=w.state.revision)
-        yield GaugeMetricFamily("fencepost_runs", "Runs stored", value=len(w.state.runs))
+        yield GaugeMetricFamily("fencepost_runs", "Runs stored", value=len(w.state.index))
 
 
 def start_metrics(port: int, writer: Writer, host: str = "127.0.0.1") -> None:

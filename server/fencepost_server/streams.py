@@ -32,7 +32,7 @@ SESSION_QUEUE_LIMIT = 65_536
 
 def lost_reason(record: Record | None, token: int, cause: type | None = None) -> int:
     """Why the fence of a tracked (run, token) is gone, given the record now."""
-    if record is None or cause in (L.DeleteRun, L.RawDelete):
+    if record is None or cause in (L.DeleteRun, L.RawDelete, L.Retire):
         return pb.LOST_REASON_DELETED
     if cause is L.Cancel:
         return pb.LOST_REASON_CANCELLED
@@ -54,7 +54,7 @@ def lost_reason(record: Record | None, token: int, cause: type | None = None) ->
 
 def holds(record: Record | None, token: int, owner: str | None = None) -> bool:
     """Whether (token[, owner]) is still the fence of the record: exactly the
-    ledger's fence check (SPEC §5.2: same token, a lease with that owner), so
+    ledger's fence check (docs/SPEC.md §5.2: same token, a lease with that owner), so
     the stream never calls lost a handle whose fenced writes would pass."""
     return (
         record is not None
@@ -132,6 +132,7 @@ class FenceHub:
         self._unsubscribe: Callable[[], None] | None = None
         self.sessions: set[Session] = set()
         self.watchers: set[Watch] = set()
+        self._cold_reads: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self._unsubscribe = self.writer.subscribe(self.on_changes)
@@ -163,10 +164,29 @@ class FenceHub:
         rec = self.writer.state.runs.get(run_id)
         if not holds(rec, token):
             self.untrack(session, run_id)
+            if rec is None and self.writer.is_cold(run_id):
+                # a finished run memory no longer holds: say why once it is read
+                task = asyncio.get_running_loop().create_task(
+                    self._lost_cold(session, run_id, token)
+                )
+                self._cold_reads.add(task)
+                task.add_done_callback(self._cold_reads.discard)
+                return
             session.send(lost_message(run_id, token, lost_reason(rec, token), rec))
             return
         assert rec is not None and rec.lease is not None
         self._arm(session, run_id, token, rec.lease.owner, rec.lease.expires_at)
+
+    async def _lost_cold(self, session: Session, run_id: str, token: int) -> None:
+        try:
+            rec = await self.writer.read_run(run_id)
+        except Exception:  # the read failed: the fence is gone all the same
+            log.exception("could not read run %r", run_id)
+            rec = None
+        if holds(rec, token):  # changed back meanwhile (cannot hold a token it had lost)
+            self.track(session, run_id, token)
+            return
+        session.send(lost_message(run_id, token, lost_reason(rec, token), rec))
 
     def _arm(self, session: Session, run_id: str, token: int, owner: str, expires_at: int) -> None:
         entry = session.tracked.get(run_id)

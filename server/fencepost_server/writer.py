@@ -16,7 +16,6 @@ Only this module (through ``SqliteStorage.open``) opens a write connection.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
 import logging
 import time
@@ -27,10 +26,20 @@ from typing import Any
 
 from .clock import Clock
 from .core import codec
+from .core import fence as F
 from .core import ledger as L
-from .core.errors import Code, LedgerError
-from .core.records import Record
-from .storage.sqlite import KIND_DELETE, KIND_PUT, Batch, SqliteStorage
+from .core.errors import Code, LedgerError, in_transaction, validation
+from .core.records import TERMINAL, Record
+from .index import RunIndex
+from .storage.sqlite import (
+    KIND_DELETE,
+    KIND_PUT,
+    Batch,
+    SqliteStorage,
+    finished_before,
+    open_read_only,
+    read_runs,
+)
 
 log = logging.getLogger("fencepost.writer")
 
@@ -70,10 +79,13 @@ class LedgerState:
     """The committed state, read by handlers on the event loop. Only the writer
     task moves it, and only after a commit."""
 
+    # The runs held in memory ("hot"): every unfinished run, and finished ones
+    # until the runs table reflects them; then they are read from there on
+    # demand (``Writer.read_runs``). ``index`` knows every run, hot or not.
     runs: dict[str, Record] = field(default_factory=dict)
     tombstones: dict[str, int] = field(default_factory=dict)
     revision: int = 0
-    sorted_ids: list[str] = field(default_factory=list)
+    index: RunIndex = field(default_factory=RunIndex)  # ListRuns: by id, status, owner
     # Changes at or below this revision are no longer retained (watch floor).
     compacted: int = 0
 
@@ -120,6 +132,52 @@ MATERIALIZE_CHUNK = 4096  # runs copied into the runs table per batch, at most
 MAX_PENDING = 65_536  # past this many unwritten runs, copy without waiting
 
 Executor = Callable[[Any, Any, int], Any]  # (sqlite3.Connection, command, now) -> result
+
+
+class _Step:
+    """The batch being decided: the committed state it starts from, the
+    changes its commands made so far (overlay, tombstones, rows, events) and
+    the last revision given out. Writer thread only."""
+
+    __slots__ = ("changed", "cold", "committed", "events", "out", "overlay", "rev", "tombs")
+
+    def __init__(self, committed: LedgerState, out: Batch, rev: int) -> None:
+        self.committed = committed
+        self.out = out
+        self.rev = rev
+        self.overlay: dict[str, Record | None] = {}
+        self.tombs: dict[str, int] = {}
+        self.events: list[ChangeEvent] = []
+        self.changed: dict[str, int] = {}  # run_id -> its first change in this batch
+        # finished runs read from the runs table (committed state: never undone)
+        self.cold: dict[str, Record | None] = {}
+
+    def mark(self) -> tuple[Any, ...]:
+        """What ``undo`` needs to forget every change made after this call."""
+        out = self.out
+        return (
+            self.rev,
+            len(out.changes),
+            len(self.events),
+            dict(self.overlay),
+            dict(self.tombs),
+            dict(out.deletes),
+            dict(self.changed),
+        )
+
+    def undo(self, mark: tuple[Any, ...]) -> None:
+        rev, n_changes, n_events, overlay, tombs, deletes, changed = mark
+        self.rev = rev
+        del self.out.changes[n_changes:]
+        del self.events[n_events:]
+        self.overlay.clear()
+        self.overlay.update(overlay)
+        self.tombs.clear()
+        self.tombs.update(tombs)
+        self.out.deletes.clear()
+        self.out.deletes.update(deletes)
+        self.changed.clear()
+        self.changed.update(changed)
 
 
 class Writer:
@@ -176,8 +234,17 @@ class Writer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_prune = 0
+        self._prune_more = False  # writer thread only
         self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
         self._executors: dict[type, Executor] = {}
+        # Finished runs leave memory once the runs table reflects them (not
+        # for an in-memory database, which has no second connection to read).
+        self.evict_finished = str(storage.path) != ":memory:"
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-reader")
+        self._reader_db: Any = None
+        # Checks a lock fence against its row (registered with the engine
+        # store's executors): (sqlite3.Connection, Fence) -> None or raise.
+        self.lock_fence: Callable[[Any, F.Fence], None] | None = None
         # TEST-ONLY broken build (``--test-hooks --fault ack-before-commit``, set by
         # app.py): seconds between answering a batch and committing it. 0: never.
         self.unsafe_ack_before_commit_s = 0.0
@@ -192,7 +259,7 @@ class Writer:
             runs=loaded.runs,
             tombstones=loaded.tombstones,
             revision=loaded.revision,
-            sorted_ids=sorted(loaded.runs),
+            index=RunIndex(loaded.runs.values(), cold=loaded.cold),
             compacted=loaded.compacted,
         )
         self._loop = asyncio.get_running_loop()
@@ -216,6 +283,13 @@ class Writer:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._close_storage)
         self._executor.shutdown(wait=True)
+        await loop.run_in_executor(self._reader, self._close_reader)
+        self._reader.shutdown(wait=True)
+
+    def _close_reader(self) -> None:
+        if self._reader_db is not None:
+            self._reader_db.close()
+            self._reader_db = None
 
     def _close_storage(self) -> None:
         """Copy every pending run into the runs table (a clean shutdown leaves
@@ -236,6 +310,66 @@ class Writer:
             self.storage.close()
 
     # -- the API -----------------------------------------------------------------
+
+    def get_hot(self, run_id: str) -> Record | None:
+        """The run's record if memory holds it (every unfinished run)."""
+        return self.state.runs.get(run_id)
+
+    def is_cold(self, run_id: str) -> bool:
+        """A finished run that memory no longer holds (``read_runs`` reads it)."""
+        return run_id not in self.state.runs and run_id in self.state.index
+
+    async def read_run(self, run_id: str) -> Record | None:
+        """The run's committed record (None: no such run), as ``read_runs``."""
+        rec = self.state.runs.get(run_id)
+        if rec is not None or run_id not in self.state.index:
+            return rec
+        return (await self.read_runs([run_id])).get(run_id)
+
+    async def read_runs(self, run_ids: list[str]) -> dict[str, Record]:
+        """Committed records by id: from memory, and for finished runs memory
+        no longer holds, from the runs table on a read-only connection in a
+        thread of its own (the event loop never waits on SQLite). A run
+        leaves memory only once the table reflects its last change, and any
+        later change brings it back before it is published, so a record read
+        there is never older than the state when this call began."""
+        st = self.state
+        out: dict[str, Record] = {}
+        missing: list[str] = []
+        for run_id in run_ids:
+            rec = st.runs.get(run_id)
+            if rec is not None:
+                out[run_id] = rec
+            elif run_id in st.index:
+                missing.append(run_id)
+        if missing:
+            loop = asyncio.get_running_loop()
+            got = await loop.run_in_executor(self._reader, self._read_cold, missing)
+            for run_id in missing:
+                # the writer may have changed it meanwhile: memory is newer
+                rec = st.runs.get(run_id) or got.get(run_id)
+                if rec is not None:
+                    out[run_id] = rec
+        return out
+
+    def _read_cold(self, run_ids: list[str]) -> dict[str, Record]:
+        return read_runs(self._read_only(), run_ids)
+
+    def _read_only(self) -> Any:
+        if self._reader_db is None:
+            self._reader_db = open_read_only(self.storage.path)
+        return self._reader_db
+
+    async def finished_before(
+        self, cutoff_ms: int, limit: int, after: tuple[int, str] | None = None
+    ) -> list[tuple[str, int, int]]:
+        """(run id, version, finished at) of finished runs the runs table holds,
+        last changed before ``cutoff_ms``, oldest first from ``after`` (for
+        retention), read off the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._reader, lambda: finished_before(self._read_only(), cutoff_ms, limit, after)
+        )
 
     async def submit(self, cmd: L.Command) -> L.Result:
         """Queue a command; return its result once its commit is durable, or
@@ -392,12 +526,12 @@ class Writer:
                     LedgerError(Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}")
                 )
             return
-        answers, overlay, tombs, revision, events, compacted = outcome
+        answers, overlay, tombs, revision, events, compacted, cold, evict = outcome
         self.stats.batches += 1
         self.stats.commands += len(batch)
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
         self.stats.commit_seconds += time.perf_counter() - started
-        self._publish_state(overlay, tombs, revision)
+        self._publish_state(overlay, tombs, revision, cold, evict)
         if compacted is not None:
             self.state.compacted = compacted
         for item, answer in zip(batch, answers, strict=True):
@@ -410,19 +544,30 @@ class Writer:
                     log.exception("change-feed listener failed")
 
     def _publish_state(
-        self, overlay: dict[str, Record | None], tombs: dict[str, int], revision: int
+        self,
+        overlay: dict[str, Record | None],
+        tombs: dict[str, int],
+        revision: int,
+        cold: dict[str, Record | None] | None = None,
+        evict: list[str] | None = None,
     ) -> None:
+        """Move the committed state after a commit. ``cold``: the records this
+        batch read from the runs table (their previous state, for the index);
+        ``evict``: finished runs the runs table now reflects, no longer held."""
         st = self.state
+        runs, index = st.runs, st.index
         for run_id, rec in overlay.items():
-            if rec is None:
-                if st.runs.pop(run_id, None) is not None:
-                    i = bisect.bisect_left(st.sorted_ids, run_id)
-                    if i < len(st.sorted_ids) and st.sorted_ids[i] == run_id:
-                        del st.sorted_ids[i]
-            else:
-                if run_id not in st.runs:
-                    bisect.insort(st.sorted_ids, run_id)
-                st.runs[run_id] = rec
+            old = runs.pop(run_id, None) if rec is None else runs.get(run_id)
+            if old is None and cold:
+                old = cold.get(run_id)
+            if old is not None or rec is not None:
+                index.update(old, rec)
+            if rec is not None:
+                runs[run_id] = rec
+        for run_id in evict or ():
+            rec = runs.get(run_id)
+            if rec is not None and rec.status in TERMINAL:
+                del runs[run_id]
         st.tombstones.update(tombs)
         st.revision = revision
 
@@ -432,15 +577,12 @@ class Writer:
         """Decide every command of the batch in order and commit once.
         Runs in the writer thread; reads the committed state, never moves it."""
         committed = self.state
-        overlay: dict[str, Record | None] = {}
-        tombs: dict[str, int] = {}
         answered: dict[str, tuple[str, Any]] = {}
         out = Batch(now=now)
+        st = _Step(committed, out, committed.revision)
+        cold = st.cold
         answers: list[Any] = []
-        events: list[ChangeEvent] = []
-        changed: dict[str, int] = {}  # run_id -> its first change in this batch
         with self.storage.transaction():
-            rev = committed.revision
             rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
             stored_answers = self.storage.lookup_requests(rids) if rids else {}
             for item in batch:
@@ -467,45 +609,27 @@ class Writer:
                 answer: Any
                 executor = self._executors.get(type(cmd))
                 if executor is not None:
-                    answer = self.storage.run_isolated(executor, cmd, now)
-                    if rid:
-                        answered[rid] = (fp, answer)
-                        out.requests.append((rid, fp, answer, now))
-                    answers.append(answer)
-                    continue
-                run_id = cmd.run_id
-                cur = overlay[run_id] if run_id in overlay else committed.runs.get(run_id)
-                tomb = tombs.get(run_id, committed.tombstones.get(run_id, 0))
-                try:
-                    decision = L.decide(cmd, cur, tomb, now, rev + 1)
-                except LedgerError as exc:
-                    answer = exc
+                    fence = getattr(cmd, "fence", None)
+                    try:
+                        if fence is not None:
+                            self._check_fence(fence, st)
+                    except LedgerError as exc:
+                        answer = exc
+                    else:
+                        answer = self.storage.run_isolated(executor, cmd, now)
+                elif type(cmd) is L.Transaction:
+                    answer = self._transaction(cmd, st, now)  # type: ignore[arg-type]
                 else:
-                    answer = decision.result
-                    change = decision.change
-                    if change is not None:
-                        rev += 1
-                        if run_id not in changed:
-                            changed[run_id] = rev
-                        if isinstance(change, L.Put):
-                            overlay[run_id] = change.record
-                            out.deletes.pop(run_id, None)
-                            out.changes.append((rev, run_id, KIND_PUT, change.record))
-                            events.append(
-                                ChangeEvent(rev, KIND_PUT, run_id, change.record, cur, type(cmd))
-                            )
-                        else:
-                            overlay[run_id] = None
-                            tombs[run_id] = max(tomb, change.fencing_token)
-                            out.deletes[run_id] = (tombs[run_id], now)
-                            out.changes.append((rev, run_id, KIND_DELETE, None))
-                            events.append(
-                                ChangeEvent(rev, KIND_DELETE, run_id, None, cur, type(cmd))
-                            )
+                    try:
+                        answer = self._decide(cmd, st, now)
+                    except LedgerError as exc:
+                        answer = exc
                 if rid:
                     answered[rid] = (fp, answer)
                     out.requests.append((rid, fp, answer, now))
                 answers.append(answer)
+            overlay, tombs, events, changed = st.overlay, st.tombs, st.events, st.changed
+            rev = st.rev
             out.revision = rev
             taken, mark = self._plan_materialization(now, rev, changed)
             if taken or mark != self._materialized:
@@ -513,7 +637,7 @@ class Writer:
                     (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
                 ]
                 out.materialized = mark
-            if now - self._last_prune >= self.prune_every_ms:
+            if self._prune_more or now - self._last_prune >= self.prune_every_ms:
                 age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
                 out.prune = (
                     now - self.request_retention_ms,
@@ -523,7 +647,7 @@ class Writer:
                 )
             self.storage.write(out)
             if self.unsafe_ack_before_commit_s:  # TEST-ONLY broken build
-                self._unsafe_ack_early(batch, answers, overlay, tombs, rev, events)
+                self._unsafe_ack_early(batch, answers, overlay, tombs, rev, events, cold)
         # committed: move the materialization bookkeeping (a failed commit
         # raised above and moved nothing)
         pending = self._pending
@@ -536,8 +660,118 @@ class Writer:
         compacted = None
         if out.prune is not None:
             self._last_prune = now
+            self._prune_more = out.prune_more  # a backlog: again in the next batch
             compacted = out.compacted
-        return answers, overlay, tombs, rev, events, compacted
+        # finished runs that the runs table now reflects leave memory
+        evict = [
+            k for k, rec in out.materialize
+            if rec is not None and rec.status in TERMINAL and k not in pending
+        ] if self.evict_finished else []
+        return answers, overlay, tombs, rev, events, compacted, cold, evict
+
+    def _committed(self, run_id: str, cold: dict[str, Record | None]) -> Record | None:
+        """A run's committed record: held in memory, or — a finished run the
+        index knows but memory no longer holds — read from the runs table,
+        once per batch. Writer thread (the loop moves the state only between
+        batches)."""
+        rec = self.state.runs.get(run_id)
+        if rec is not None:
+            return rec
+        if run_id in cold:
+            return cold[run_id]
+        if run_id not in self.state.index:
+            return None
+        got = self.storage.read_runs([run_id]).get(run_id)
+        cold[run_id] = got
+        return got
+
+    def _decide(self, cmd: Any, st: _Step, now: int) -> Any:
+        """Decide one ledger command against the committed state plus the
+        batch's earlier changes and add its change to the batch; returns its
+        result or raises its LedgerError (nothing added then)."""
+        run_id = cmd.run_id
+        overlay = st.overlay
+        committed = st.committed
+        cur = overlay[run_id] if run_id in overlay else self._committed(run_id, st.cold)
+        tomb = st.tombs.get(run_id, committed.tombstones.get(run_id, 0))
+        if type(cmd) is L.RecordCheckpoint and cmd.fence is not None:
+            self._check_fence(cmd.fence, st)
+        decision = L.decide(cmd, cur, tomb, now, st.rev + 1)
+        change = decision.change
+        if change is not None:
+            rev = st.rev = st.rev + 1
+            if run_id not in st.changed:
+                st.changed[run_id] = rev
+            out = st.out
+            if isinstance(change, L.Put):
+                overlay[run_id] = change.record
+                out.deletes.pop(run_id, None)
+                out.changes.append((rev, run_id, KIND_PUT, change.record))
+                st.events.append(ChangeEvent(rev, KIND_PUT, run_id, change.record, cur, type(cmd)))
+            else:
+                overlay[run_id] = None
+                st.tombs[run_id] = max(tomb, change.fencing_token)
+                out.deletes[run_id] = (st.tombs[run_id], now)
+                out.changes.append((rev, run_id, KIND_DELETE, None))
+                st.events.append(ChangeEvent(rev, KIND_DELETE, run_id, None, cur, type(cmd)))
+        return decision.result
+
+    def _check_fence(self, fence: F.Fence, st: _Step) -> None:
+        """Raise unless ``fence`` holds right now: a run fence against the
+        writer's authoritative records (committed plus this batch's earlier
+        changes), a lock fence against the lock's row as this transaction
+        sees it. Writer thread, in the step that applies the fenced write."""
+        if fence.run_id:
+            run_id = fence.run_id
+            cur = st.overlay[run_id] if run_id in st.overlay else self._committed(run_id, st.cold)
+            tomb = st.tombs.get(run_id, st.committed.tombstones.get(run_id, 0))
+            F.check_run_fence(fence, cur, tomb)
+            return
+        if self.lock_fence is None:
+            raise LedgerError(
+                Code.RUN_VALIDATION_ERROR,
+                "fence.lock_key: this server has no engine store (no keyed locks)",
+                field="fence.lock_key",
+            )
+        self.lock_fence(self.storage.db, fence)
+
+    def _transaction(self, tx: L.Transaction, st: _Step, now: int) -> Any:
+        """Apply every command of ``tx`` in order, the shared fence checked
+        before each, in one savepoint: all of them, or (the first refusal,
+        naming its command) none. Writer thread."""
+        mark = st.mark()
+        db = self.storage.db
+        db.execute("SAVEPOINT tx")
+        results: list[Any] = []
+        try:
+            for i, cmd in enumerate(tx.commands):
+                try:
+                    if tx.fence is not None:
+                        self._check_fence(tx.fence, st)
+                    executor = self._executors.get(type(cmd))
+                    if type(cmd) is L.Transaction:
+                        raise validation("commands", "a transaction cannot contain a transaction")
+                    if executor is None:
+                        results.append(self._decide(cmd, st, now))
+                        continue
+                    fence = getattr(cmd, "fence", None)
+                    if fence is not None:
+                        self._check_fence(fence, st)
+                    results.append(executor(db, cmd, now))
+                except LedgerError as exc:
+                    raise in_transaction(exc, i) from None
+        except LedgerError as exc:
+            db.execute("ROLLBACK TO tx")
+            db.execute("RELEASE tx")
+            st.undo(mark)
+            return exc
+        except BaseException:
+            db.execute("ROLLBACK TO tx")
+            db.execute("RELEASE tx")
+            st.undo(mark)
+            raise
+        db.execute("RELEASE tx")
+        return L.TransactionDone(tuple(results))
 
     def _plan_materialization(
         self, now: int, rev: int, changed: dict[str, int]
@@ -578,6 +812,7 @@ class Writer:
         tombs: dict[str, int],
         rev: int,
         events: list[ChangeEvent],
+        cold: dict[str, Record | None],
     ) -> None:
         """TEST-ONLY (``--fault ack-before-commit``): answer the batch's callers
         and publish its state *before* its COMMIT, then hold the COMMIT back, so
@@ -589,7 +824,7 @@ class Writer:
         events.clear()
 
         def deliver() -> None:
-            self._publish_state(overlay, tombs, rev)
+            self._publish_state(overlay, tombs, rev, cold)
             for item, answer in zip(batch, answers, strict=True):
                 item.deliver(answer)
             for listener in list(self._listeners) if published else []:

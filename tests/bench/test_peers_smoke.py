@@ -118,10 +118,14 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, log
     result = json.loads(out.read_text())
     summary = result["summary"]
-    assert {"fencepost-unary", "fencepost-stream"} <= set(summary), log
+    assert {"fencepost-unary", "fencepost-stream", "fencepost-fleet",
+            "fencepost-engine"} <= set(summary), log
     for backend in result["backends"]:
         assert summary[backend]["ops_per_s"] > 0, (backend, log)
         assert summary[backend]["errors"] == 0, (backend, log)
+        if backend == "fencepost-engine":  # one owner per process: no contention run
+            assert backend not in result["contention"], log
+            continue
         race = result["contention"][backend]
         assert race["grants"] > 0, (backend, log)
         assert (race["double_grants"], race["double_finishes"], race["stale_writes"]) == (0, 0, 0)

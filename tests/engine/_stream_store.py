@@ -1,4 +1,4 @@
-"""Run the engine-store tests over Ledger.Execute too (issue 6): an adapter
+"""Run the engine-store tests over Ledger.Execute too: an adapter
 with the EngineStore stub's method names that sends each unary mutation as a
 command on one real Execute stream (and turns an error result back into a
 grpc.RpcError with the same rich status), while reads and PutArtifact, which

@@ -2,7 +2,7 @@
 against the embedded server: once with a test clock (the exact instant of
 expiry is checked) and once in real time (as a deployment without a test clock
 would run it). With the test clock it runs twice: with the unary RPCs and with
-every mutation sent over Ledger.Execute instead (issue 6), so the stream cannot
+every mutation sent over Ledger.Execute instead, so the stream cannot
 drift from the unary calls. (The transport does not touch the clock: real time
 over the stream would only repeat the real-time run, and slowly.)"""
 

@@ -4,7 +4,7 @@ copies, ABSENT vs None, datetimes, typed errors, artifacts from bytes and
 
 The store is a client's (``Client.store``, ``SyncClient.store``), and every
 test runs over both of the client's transports: "stream", where the store's
-mutations ride the client's ``Ledger.Execute`` stream (issue #6), and
+mutations ride the client's ``Ledger.Execute`` stream, and
 "unary". Over "stream" the stream is opened before the test, and after it no
 store mutation may have gone unary: the tests really ran on the stream."""
 

@@ -246,14 +246,17 @@ def test_undecodable_requests_are_invalid_argument(channel: grpc.Channel) -> Non
     with pytest.raises(grpc.RpcError) as ei:
         raw(b"\x0a\x02\xff\xfe")  # field 1 (string) holding invalid UTF-8
     assert error_of(ei.value)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR")
+    assert error_of(ei.value)[3] == pb.EngineKvGetRequest.DESCRIPTOR.fields_by_number[1].name
     put = channel.stream_unary(
         "/fencepost.v1.EngineStore/PutArtifact",
         request_serializer=lambda b: b,
         response_deserializer=lambda b: b,
     )
     with pytest.raises(grpc.RpcError) as ei:
-        put(iter([b"\x0a\x03\x0a\x01\xff"]))
-    assert error_of(ei.value)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR")
+        put(iter([b"\x0a\x03\x0a\x01\xff"]))  # header (1) { id (1): invalid UTF-8 }
+    assert error_of(ei.value) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR", "fencepost", "header.id"
+    )
 
 
 # -- request ids ---------------------------------------------------------------------------------
@@ -385,7 +388,7 @@ def test_a_schema_1_database_is_migrated_and_keeps_its_runs(tmp_path: Path) -> N
             pb.EngineCreateRunRequest(run=pb.EngineRun(id="e", agent="a", status="q"))
         ).created
     ro = open_read_only(path)
-    assert ro.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert ro.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     ro.close()
 
 

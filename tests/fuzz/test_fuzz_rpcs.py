@@ -1,5 +1,5 @@
 """Protocol fuzzing of every RPC of every fencepost service against a real
-server process over loopback (SPEC §8, §10: no input crashes the server or a
+server process over loopback (docs/SPEC.md §8, §10: no input crashes the server or a
 stream; every failure is a gRPC status with a fencepost ErrorInfo).
 
 Services are discovered from the generated ``fencepost.v1`` modules, so a new

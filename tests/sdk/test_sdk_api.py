@@ -30,6 +30,7 @@ PUBLIC_API = {
     "Stubs", "Suspension", "SyncClient", "SyncLease", "SyncStubs", "UnauthenticatedError",
     "UnavailableError", "ValidationError", "WatchEvent",
     "__version__", "can_transition", "is_terminal",
+    "LockLostError", "StoreTransaction", "SyncStoreTransaction",
 }
 
 CLIENT_API = {
@@ -39,13 +40,14 @@ CLIENT_API = {
 }
 
 LEASE_API = {
-    "at_risk", "at_risk_event", "check", "finish", "fencing_token", "guard", "is_active",
+    "at_risk", "at_risk_event", "check", "fenced", "finish", "fencing_token", "guard",
+    "is_active", "transaction",
     "is_lost", "lost", "lost_reason", "owner", "record", "record_checkpoint", "release",
     "renew", "run_id", "safe_until", "suspend", "ttl_ms",
 }
 
 # Methods that are plain (not coroutine) functions on the async side too.
-SYNC_ON_BOTH_SIDES = {"acquire", "check", "guard"}
+SYNC_ON_BOTH_SIDES = {"acquire", "check", "fenced", "guard", "transaction"}
 
 
 def public(cls: type) -> set[str]:

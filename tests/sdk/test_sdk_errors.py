@@ -40,6 +40,7 @@ EXPECTED_CLASS = {
     "RUN_INTEGRITY_ERROR": fencepost.IntegrityError,
     "RUN_STORE_ATOMIC_REQUIRED": fencepost.AtomicStoreRequiredError,
     "INVALID_RUN_STATE": fencepost.InvalidRunStateError,
+    "LOCK_LOST": fencepost.LockLostError,
     "STORAGE_FULL": fencepost.StorageFullError,
     "STORAGE_UNAVAILABLE": fencepost.StorageUnavailableError,
     "RUN_REVISION_COMPACTED": fencepost.RevisionCompactedError,
@@ -270,9 +271,12 @@ async def test_unavailable_is_retried_across_a_restart(
     assert rec.fencing_token == lease.fencing_token == 1
 
 
-async def test_no_answer_is_unavailable_for_reads_and_outcome_unknown_for_writes(
+async def test_no_answer_from_a_stopped_server_is_unavailable_for_reads_and_writes(
     server: ServerThread, transport: str
 ) -> None:
+    """With the server gone the channel cannot connect, so no write can have
+    left: UnavailableError, not OutcomeUnknownError (which needs a call that
+    was sent; tests/sdk/test_sdk_edges.py)."""
     async with fencepost.Client(server.address, owner="worker-a", retry=FAST_RETRY,
                                 transport=transport) as client:  # type: ignore[arg-type]
         lease = await client.acquire("run-1")
@@ -283,10 +287,10 @@ async def test_no_answer_is_unavailable_for_reads_and_outcome_unknown_for_writes
                 await client.get("run-1")
             assert type(read.value) is fencepost.UnavailableError
             assert time.monotonic() - started < 3  # bounded by the policy
-            with pytest.raises(fencepost.OutcomeUnknownError):
-                await client.cancel("run-1")
-            with pytest.raises(fencepost.OutcomeUnknownError):
-                await lease.finish()
+            for write in (client.cancel("run-1"), lease.finish()):
+                with pytest.raises(fencepost.UnavailableError) as info:
+                    await write
+                assert type(info.value) is fencepost.UnavailableError
             assert not lease.is_lost
         finally:
             await asyncio.to_thread(server.start)
@@ -296,6 +300,6 @@ async def test_no_answer_is_unavailable_for_reads_and_outcome_unknown_for_writes
             try:
                 rec = await lease.finish()
                 break
-            except fencepost.OutcomeUnknownError:
+            except fencepost.UnavailableError:
                 await asyncio.sleep(0.1)
         assert rec.status is RunStatus.COMPLETED and not lease.is_lost

@@ -1,4 +1,4 @@
-"""The SDK's Execute transport (issue #6): ledger mutations of a Client over one
+"""The SDK's Execute transport: ledger mutations of a Client over one
 Ledger.Execute stream, coalesced per event-loop turn, with unary fallback,
 retries with the same request id across a broken stream, and a clean close.
 

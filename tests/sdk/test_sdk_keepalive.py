@@ -206,7 +206,7 @@ async def test_safe_until_follows_a_write_that_shortens_the_lease(
     holder: fencepost.Client, clock: ManualClock
 ) -> None:
     """A renew may ask for a longer ttl, but a checkpoint extends by the ttl
-    of the acquire (SPEC §5.2): safe-until must come down with it, not keep
+    of the acquire (docs/SPEC.md §5.2): safe-until must come down with it, not keep
     the longer deadline."""
     lease = await holder.acquire("run-1", ttl_ms=10_000)
     await lease.renew(ttl_ms=120_000)

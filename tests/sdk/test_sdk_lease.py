@@ -276,19 +276,6 @@ async def test_list_pages_and_filters(client: fencepost.Client, rival: fencepost
     assert both == ["run-9"]
 
 
-async def test_readme_example(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
-    async def main() -> None:
-        async with fencepost.Client(server.address, owner="worker-7") as client:
-            async with client.acquire("run-42", ttl_ms=10_000) as lease:
-                await lease.record_checkpoint("ckpt/run-42/1", snapshot_version=1)
-                print("holding", lease.run_id, "token", lease.fencing_token)
-                await lease.finish("completed")
-            print((await client.get("run-42")).status)
-
-    await main()
-    assert capsys.readouterr().out == "holding run-42 token 1\ncompleted\n"
-
-
 async def test_closing_the_client_stops_renewals(server: ServerThread, transport: str) -> None:
     client = fencepost.Client(server.address, owner="worker-a",
                               transport=transport)  # type: ignore[arg-type]

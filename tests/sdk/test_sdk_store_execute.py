@@ -1,4 +1,4 @@
-"""client.store over the client's Execute stream (issue #6): the engine store's
+"""client.store over the client's Execute stream: the engine store's
 13 mutations ride the same dispatcher as the client's ledger mutations —
 coalesced per event-loop turn (a ledger command may share their message),
 raising exactly the unary call's exception, retried with the same request id
@@ -58,7 +58,7 @@ def test_the_dispatcher_carries_exactly_the_store_mutations_with_their_answers()
         assert not method.client_streaming and not method.server_streaming
         assert result_fields[kind].message_type is method.output_type, method.name
     assert carried == STORE_MUTATIONS
-    assert len(KIND_OF_REQUEST) == 9 + 13  # and the ledger's nine
+    assert len(KIND_OF_REQUEST) == 9 + 13 + 1  # and the ledger's nine, and Transact
 
 
 # -- coalescing --------------------------------------------------------------------------

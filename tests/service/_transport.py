@@ -1,4 +1,4 @@
-"""Run the unary ledger tests over the Execute stream too (issue 6): an
+"""Run the unary ledger tests over the Execute stream too: an
 adapter with the unary stub's method names that sends each command over one
 real Execute stream and turns a result's error back into a grpc.RpcError
 carrying the same rich status, so the same assertions apply."""
@@ -27,6 +27,7 @@ KIND_OF = {
     "Cancel": "cancel",
     "RequestResume": "request_resume",
     "DeleteRun": "delete_run",
+    "Transact": "transaction",
 }
 
 # EngineStore RPC -> its field in ledger.proto's Command / CommandResult oneofs

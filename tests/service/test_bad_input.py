@@ -1,4 +1,4 @@
-"""SPEC §10: bad input gets INVALID_ARGUMENT naming the field and changes nothing."""
+"""docs/SPEC.md §10: bad input gets INVALID_ARGUMENT naming the field and changes nothing."""
 
 from __future__ import annotations
 
@@ -238,14 +238,18 @@ def test_invalid_utf8_on_the_wire_does_not_crash_the_server(server, channel, led
         request_serializer=lambda b: b,
         response_deserializer=lambda b: b,
     )
-    # field 1 (run_id), length 2, bytes that are not UTF-8
-    for payload in (b"\x0a\x02\xff\xfe\x12\x01w", b"\x0a\x7f", b"\xff\xff\xff"):
+    for payload, field in (
+        (b"\x0a\x02\xff\xfe\x12\x01w", "run_id"),  # field 1 (run_id): 2 bytes, not UTF-8
+        (b"\x0a\x01r\x12\x02\xc3\x28", "owner"),  # field 2 (owner): a broken 2-byte sequence
+        (b"\x0a\x7f", "request"),  # truncated: no field to name
+        (b"\xff\xff\xff", "request"),
+    ):
         with pytest.raises(grpc.RpcError) as ei:
             raw(payload)
         e = wire_error(ei.value)
         assert (e.code, e.reason, e.metadata["field"]) == (
             grpc.StatusCode.INVALID_ARGUMENT,
             "RUN_VALIDATION_ERROR",
-            "request",
+            field,
         )
     assert ledger.Acquire(pb.AcquireRequest(run_id="ok", owner="w")).run.fencing_token == 1

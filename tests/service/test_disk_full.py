@@ -1,4 +1,4 @@
-"""SPEC §9: a write that cannot be made durable fails with a clear error and
+"""docs/SPEC.md §9: a write that cannot be made durable fails with a clear error and
 changes nothing; reads keep working; writing recovers when the cause clears."""
 
 from __future__ import annotations

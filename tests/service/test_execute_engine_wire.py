@@ -1,4 +1,4 @@
-"""Ledger.Execute carries the engine store's unary mutations too (issue 6):
+"""Ledger.Execute carries the engine store's unary mutations too:
 mixed with ledger commands and answered by id, refused with exactly the unary
 call's status without ending the stream, and retried through the same
 request-id table. (The engine-store behaviour tests run over both transports
@@ -31,6 +31,7 @@ LEDGER_KINDS = {
     "cancel",
     "request_resume",
     "delete_run",
+    "transaction",
 }
 ENGINE_KINDS = {
     "create_run",

@@ -106,3 +106,22 @@ async def test_a_full_writer_queue_pushes_back_instead_of_refusing(aio_ledger, s
     assert len(results) == n
     kinds = {r.WhichOneof("kind") for r in results.values()}
     assert kinds == {"acquire"}, [r.error for r in results.values() if r.HasField("error")][:3]
+
+
+async def test_invalid_utf8_in_a_command_names_its_field(server) -> None:  # type: ignore[no-untyped-def]
+    """The decoder refuses the whole message; the error names the field."""
+    msg = pb.ExecuteRequest(commands=[
+        pb.Command(id=1, acquire=pb.AcquireRequest(run_id="a", owner="w")),
+        pb.Command(id=2, acquire=pb.AcquireRequest(run_id="b", owner="QQ")),
+    ])
+    raw = msg.SerializeToString().replace(b"QQ", b"\xff\xfe")
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        call = ch.stream_stream("/fencepost.v1.Ledger/Execute",
+                                request_serializer=lambda b: b,
+                                response_deserializer=pb.ExecuteResponse.FromString)(iter([raw]))
+        results = [r async for resp in call for r in resp.results]
+    assert [r.id for r in results] == [0]
+    info = error_details_pb2.ErrorInfo()
+    assert results[0].error.details[0].Unpack(info)
+    assert (info.reason, info.metadata["field"]) == (
+        "RUN_VALIDATION_ERROR", "commands[1].acquire.owner")

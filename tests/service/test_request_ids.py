@@ -1,4 +1,4 @@
-"""SPEC §5.5: a repeated request id gets the original answer, also after a restart."""
+"""docs/SPEC.md §5.5: a repeated request id gets the original answer, also after a restart."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The raw seam (SPEC §7) on the wire."""
+"""The raw seam (docs/SPEC.md §7) on the wire."""
 
 from __future__ import annotations
 

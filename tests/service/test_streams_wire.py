@@ -1,4 +1,4 @@
-"""KeepAlive and WatchRuns on the wire (SPEC §6), with generated async stubs."""
+"""KeepAlive and WatchRuns on the wire (docs/SPEC.md §6), with generated async stubs."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Audit the server's committed history (the ``changes`` table) and the current
-``runs`` table of a fencepost SQLite file against SPEC §5 and §9, and match the
+``runs`` table of a fencepost SQLite file against docs/SPEC.md §5 and §9, and match the
 writes clients saw acknowledged against it.
 
 Every check returns a list of human-readable violations; the tests assert the
@@ -257,7 +257,7 @@ def _check_acquisition(where: str, prev: dict[str, Any], rec: dict[str, Any]) ->
     if plea is None:
         if rec["attempt"] != prev["attempt"]:
             bad.append(f"{where}: attempt {prev['attempt']} -> {rec['attempt']} acquiring a "
-                       "run without a lease (SPEC 5.1: unchanged)")
+                       "run without a lease (docs/SPEC.md §5.1: unchanged)")
         return bad
     powner, p_expires, p_delay = plea[0], plea[2], plea[4]
     if powner != owner and acquired_at < p_expires + p_delay:

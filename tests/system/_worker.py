@@ -132,7 +132,7 @@ class Worker:
         token = got.fencing_token
         if self.rng.random() < 0.2:
             # Re-acquire our own live lease: a new token that fences our old
-            # handle, whose next write must be refused (SPEC 5.1).
+            # handle, whose next write must be refused (docs/SPEC.md §5.1).
             again = self.acquire(run_id, ttl)
             if isinstance(again, str):
                 return

@@ -1,4 +1,4 @@
-"""SIGKILL the server under load and restart it on the same file (SPEC §5.5, §9).
+"""SIGKILL the server under load and restart it on the same file (docs/SPEC.md §5.5, §9).
 
 * ``test_crash_under_load``: ten client threads (each its own channel and
   owner) run Acquire / Renew / RecordCheckpoint / Finish / Release loops on
@@ -58,7 +58,7 @@ class Client(threading.Thread):
 
     def call(self, op: str, run_id: str, sent: int | None, method: str, req: Any) -> Any:
         """Call with a request id; retry transport failures with the same id
-        (SPEC 5.5) until answered. Returns the Run, or the refusal reason."""
+        (docs/SPEC.md §5.5) until answered. Returns the Run, or the refusal reason."""
         req.request_id = uuid.uuid4().hex
         fn = getattr(self.stub, method)
         give_up = None

@@ -1,4 +1,4 @@
-"""Disk faults at the process level (SPEC §9): a ``fencepost serve`` process
+"""Disk faults at the process level (docs/SPEC.md §9): a ``fencepost serve`` process
 whose database hits a file-size limit mid-load, and database files damaged
 before start-up.
 

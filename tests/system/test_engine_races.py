@@ -1,4 +1,4 @@
-"""The engine store's atomic operations hold across processes (SPEC §11): 8
+"""The engine store's atomic operations hold across processes (docs/SPEC.md §11): 8
 real processes race ClaimKey, ClaimRun and AcquireLock against one
 ``fencepost serve`` process. Every process connects first, then all start on
 one signal (a file appearing), so their calls land together."""

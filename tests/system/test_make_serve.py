@@ -50,3 +50,34 @@ def test_make_serve_answers_health_serving_and_stops_on_sigterm(tmp_path: Path) 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def _make(*args: str) -> str:
+    out = subprocess.run(["make", "-s", *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, check=True)
+    return out.stdout
+
+
+def test_make_help_prints_the_real_defaults() -> None:
+    text = _make("help")
+    assert "$(" not in text
+    assert "127.0.0.1:50051" in text and "./fencepost.db" in text
+    assert "/x/y.db" in _make("help", "DB=/x/y.db")
+    names = {line.split()[0] for line in text.splitlines() if line.strip()}
+    assert {"serve", "test", "clean", "clean-data"} <= names
+
+
+def test_make_clean_leaves_the_database_alone_and_clean_data_removes_it(
+    tmp_path: Path,
+) -> None:
+    plan = _make("-n", "clean")  # only print: running it would delete this .venv
+    assert "fencepost.db" not in plan and ".db" not in plan
+    db = tmp_path / "data.db"
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{db}{suffix}").write_bytes(b"x")
+    keep = tmp_path / "other.db"
+    keep.write_bytes(b"x")
+    said = _make("clean-data", f"DB={db}")
+    assert str(db) in said and "gone" in said
+    assert not any(Path(f"{db}{s}").exists() for s in ("", "-wal", "-shm"))
+    assert keep.exists()

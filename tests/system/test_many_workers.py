@@ -1,4 +1,4 @@
-"""Many worker processes against one server process (SPEC §5.1-5.2, §9).
+"""Many worker processes against one server process (docs/SPEC.md §5.1-5.2, §9).
 
 Eight worker processes, each with its own owner, loop for ~8 s over 120 run ids
 (a few of them hot) with 300-500 ms ttls, make fenced writes, and randomly

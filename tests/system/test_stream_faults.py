@@ -1,4 +1,4 @@
-"""KeepAlive under process faults (SPEC §6.1, §9; docs/STREAMS.md), with a real
+"""KeepAlive under process faults (docs/SPEC.md §6.1, §9; docs/STREAMS.md), with a real
 ``fencepost serve`` process and SDK worker processes (tests/system/_stream_worker.py):
 
 - a: the server is SIGKILLed and restarted on the same file and port mid-stream:

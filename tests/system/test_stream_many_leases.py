@@ -1,5 +1,5 @@
 """1 000 leases held by 4 worker processes over one KeepAlive stream each
-(SPEC §6.1, docs/STREAMS.md): ttl 2 s, held for 10 s, none lost, none at risk
+(docs/SPEC.md §6.1, docs/STREAMS.md): ttl 2 s, held for 10 s, none lost, none at risk
 (so no ``expiring`` ever reached a worker), and the server agrees afterwards:
 every lease still held by its worker with its original token and an expiry in
 the future. Real processes: one ``fencepost serve``, four SDK workers.

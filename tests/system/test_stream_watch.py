@@ -1,4 +1,4 @@
-"""WatchRuns against a real server process (SPEC §6.2, docs/STREAMS.md).
+"""WatchRuns against a real server process (docs/SPEC.md §6.2, docs/STREAMS.md).
 
 - Under three concurrent writer processes producing > 10 000 changes over
   Ledger.Execute, a raw watcher that disconnects itself twice and also rides

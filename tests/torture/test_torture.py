@@ -1,7 +1,8 @@
 """The torture harness end to end: a short fixed-seed run (both transports,
-mixed) must find zero violations, and deliberately broken server builds must
-be caught (the harness can fail) over the unary calls and over the Execute
-stream. Longer runs: ``make torture DURATION=900`` (docs/RELIABILITY.md)."""
+mixed, fenced snapshot writes) must find zero violations, the same run with
+unfenced snapshot writes must find stale snapshots, and deliberately broken
+server builds must be caught (the harness can fail) over the unary calls and
+over the Execute stream. Longer runs: ``make torture DURATION=900`` (docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,24 @@ def test_torture_fixed_seed_has_zero_violations(tmp_path: Path) -> None:
     fails = {k for v in outcome.ops_by_function.values() for k in v if k.startswith("fail:")}
     assert {"fail:RUN_LEASE_HELD", "fail:RUN_LEASE_LOST"} <= fails, fails
     assert len(outcome.liveness) == 6 and all(r["ok"] for r in outcome.liveness)
+    # fenced snapshot writes: the residual window was exercised (stale writes
+    # sent after a takeover) and every one was refused
+    snaps = outcome.snapshots
+    assert snaps["mode"] == "fenced" and snaps["writes"] >= 200, snaps
+    assert snaps["refused_stale"] >= 5 and snaps["stale_accepted"] == 0, snaps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_unfenced_snapshots_leave_stale_snapshots_behind(tmp_path: Path) -> None:
+    """The same harness with the snapshot write unfenced (as a store that knows
+    nothing of the lease): the checker finds stale snapshots visible after a
+    takeover, so the window the fenced run closes is real, not assumed."""
+    outcome = _run(tmp_path, duration_s=15.0, snapshots="unfenced")
+    snaps = outcome.snapshots
+    assert snaps["stale_accepted"] >= 1 and snaps["refused"] == 0, snaps
+    assert set(outcome.violations) == {"stale-snapshot"}, outcome.summary()
+    assert outcome.violations["stale-snapshot"] == snaps["stale_accepted"]
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Table tests for the pure decisions (SPEC §5.1-§5.3, §5.6, §7)."""
+"""Table tests for the pure decisions (docs/SPEC.md §5.1-§5.3, §5.6, §7)."""
 
 from __future__ import annotations
 

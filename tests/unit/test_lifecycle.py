@@ -1,4 +1,4 @@
-"""SPEC §3: every row of the lifecycle table, and nothing else."""
+"""docs/SPEC.md §3: every row of the lifecycle table, and nothing else."""
 
 from __future__ import annotations
 

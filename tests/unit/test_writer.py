@@ -243,7 +243,10 @@ async def test_a_crash_before_materializing_loses_nothing(tmp_path: Path) -> Non
     w2 = Writer(SqliteStorage(path), clock)
     await w2.start()
     try:
-        assert w2.state.runs == before and w2.state.revision == 5
+        # the finished run is reflected in runs again, so memory no longer holds it
+        assert w2.state.runs == {"e": before["e"]} and w2.state.revision == 5
+        assert await w2.read_runs(["a", "e", "b"]) == {"a": before["a"], "e": before["e"]}
+        assert set(w2.state.index) == {"a", "e"}
         assert w2.state.tombstones == {"b": b.fencing_token}
         assert _runs_table(path) == ({"a": 2, "e": 1}, 5)  # replayed, then written
         again = await w2.submit(L.Acquire("b", "w"))
@@ -297,5 +300,70 @@ async def test_a_schema_2_database_keeps_its_runs(tmp_path: Path) -> None:
         assert _runs_table(path) == ({"old": 3}, 7)
         r = await w.submit(L.Renew("old", "w", 4))
         assert r.version == 4 and r.revision == 8
+    finally:
+        await w.close()
+
+
+async def test_a_pruning_backlog_goes_in_bounded_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch prunes at most PRUNE_CHUNK changes; a backlog is pruned in the
+    batches that follow (not one stall every prune_every_ms), oldest first,
+    leaving one contiguous history."""
+    from fencepost_server.storage import sqlite as storage_sqlite
+
+    monkeypatch.setattr(storage_sqlite, "PRUNE_CHUNK", 4)
+    path = tmp_path / "chunks.db"
+    clock = ManualClock()
+    w = Writer(SqliteStorage(path), clock, history_revisions=10, prune_every_ms=3_600_000,
+               materialize_after_ms=0)
+    await w.start()
+
+    def history() -> tuple[int, int, int]:
+        db = storage_sqlite.open_read_only(path)
+        try:
+            return db.execute("SELECT min(revision), max(revision), count(*) FROM changes"
+                              ).fetchone()
+        finally:
+            db.close()
+
+    try:
+        for i in range(40):
+            await w.submit(L.Acquire(f"r{i}", "w"))
+        low, high, count = history()
+        assert count == high - low + 1 == 40  # the timer has not come round again
+        clock.advance(3_600_000)
+        counts = []
+        for i in range(40, 52):
+            await w.submit(L.Acquire(f"r{i}", "w"))
+            low, high, count = history()
+            assert count == high - low + 1, "the history has a hole"
+            counts.append(count)
+        # each batch added one change and pruned at most 4, down to the limit;
+        # then the backlog is gone and pruning waits for its timer again
+        assert counts == [37, 34, 31, 28, 25, 22, 19, 16, 13, 10, 11, 12], counts
+    finally:
+        await w.close()
+
+
+async def test_the_age_limit_prunes_old_changes_and_keeps_young_ones(tmp_path: Path) -> None:
+    from fencepost_server.storage import sqlite as storage_sqlite
+
+    path = tmp_path / "age.db"
+    clock = ManualClock()
+    w = Writer(SqliteStorage(path), clock, history_max_age_ms=1_000, prune_every_ms=0,
+               materialize_after_ms=0)
+    await w.start()
+    try:
+        for i in range(5):
+            await w.submit(L.Acquire(f"old{i}", "w"))
+        clock.advance(5_000)
+        for i in range(3):
+            await w.submit(L.Acquire(f"young{i}", "w"))
+        db = storage_sqlite.open_read_only(path)
+        rows = [r for (r,) in db.execute("SELECT run_id FROM changes ORDER BY revision")]
+        db.close()
+        assert rows == ["young0", "young1", "young2"], rows
+        assert w.state.compacted >= 5
     finally:
         await w.close()

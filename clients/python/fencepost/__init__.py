@@ -2,7 +2,7 @@
 
     import fencepost
 
-    async with fencepost.Client("127.0.0.1:50051", owner="worker-7") as client:
+    async with fencepost.Client("127.0.0.1:50051") as client:  # owner: unique per process
         async with client.acquire("run-42", ttl_ms=10_000) as lease:
             await lease.record_checkpoint("ckpt/run-42/1", snapshot_version=1)
             await lease.finish("completed")
@@ -29,6 +29,7 @@ from ._errors import (
     LeaseAtRiskError,
     LeaseHeldError,
     LeaseLostError,
+    LockLostError,
     OutcomeUnknownError,
     PermissionDeniedError,
     RevisionCompactedError,
@@ -62,6 +63,7 @@ from ._records import (
 from ._retry import RetryPolicy
 from ._store import ABSENT, AsyncStore, InvalidRunState, Lookup, RunNotFound, SyncStore
 from ._sync import SyncClient, SyncLease, SyncStubs
+from ._transaction import StoreTransaction, SyncStoreTransaction
 
 __version__ = "0.1.0"
 
@@ -87,6 +89,7 @@ __all__ = [
     "LeaseHeldError",
     "LeaseInfo",
     "LeaseLostError",
+    "LockLostError",
     "Lookup",
     "LostReason",
     "Outcome",
@@ -104,12 +107,14 @@ __all__ = [
     "ShuttingDownError",
     "StorageFullError",
     "StorageUnavailableError",
+    "StoreTransaction",
     "StreamTooSlowError",
     "Stubs",
     "Suspension",
     "SyncClient",
     "SyncLease",
     "SyncStore",
+    "SyncStoreTransaction",
     "SyncStubs",
     "UnauthenticatedError",
     "UnavailableError",

@@ -2,7 +2,7 @@
 ``Client.acquire`` returns (awaitable and an async context manager) and the
 guard that cancels work when a lease is lost.
 
-How a lease's state is kept (SPEC §6.1, docs/STREAMS.md):
+How a lease's state is kept (docs/SPEC.md §6.1, docs/STREAMS.md):
 
 - *safe-until*: every answered renewal (the Acquire itself, a stream
   ``renewed``, a unary Renew or RecordCheckpoint) gives a deadline on this
@@ -66,6 +66,7 @@ from ._store import AsyncStore
 from .v1 import ledger_pb2, ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 
 if TYPE_CHECKING:
+    from ._transaction import StoreTransaction
     from .v1.ledger_pb2_grpc import LedgerAsyncStub
     from .v1.run_store_pb2_grpc import RunStoreAsyncStub
 
@@ -76,6 +77,12 @@ DEFAULT_TTL_MS = 60_000
 DEFAULT_RETRY = RetryPolicy()
 # Time a lease release gets when it runs as cleanup (block exit, cancellation).
 CLEANUP_TIMEOUT_S = 5.0
+# The retries of that release: they end (and say why) within the bound above;
+# when the lease is at risk (this process is cut off from the coordinator) the
+# release gets one second, since the lease will expire on the server anyway.
+_CLEANUP_RETRY = RetryPolicy(total_timeout_s=CLEANUP_TIMEOUT_S - 1, attempt_timeout_s=2.0)
+_AT_RISK_CLEANUP_RETRY = RetryPolicy(max_backoff_s=0.25, total_timeout_s=1.0,
+                                     attempt_timeout_s=1.0)
 
 # Reconnect quickly after a coordinator restart, so retries (bounded at ~10 s
 # by default) land on the new process. The caller's channel_options win.
@@ -265,6 +272,40 @@ class Lease:
         cancellation from outside still propagates as ``CancelledError``. The
         block runs in the current task, which is the one cancelled."""
         return _Guard(self)
+
+    # -- fenced writes to the engine store -----------------------------------------
+
+    def fenced(self) -> AsyncStore:
+        """The client's engine store with every write fenced by this lease:
+        each commits only while this lease's token is the run's current one,
+        checked by the server in the same step as the write. After a takeover
+        (or cancel, delete, finish) a write raises ``LeaseLostError``, writes
+        nothing, and marks this lease lost. Reads are unchanged."""
+        view = self._client.store.fenced(run_id=self._run_id, fencing_token=self._token)
+        view._on_fence_refused = self._fence_refused
+        return view
+
+    def transaction(self) -> StoreTransaction:
+        """``async with lease.transaction() as tx:`` -- the store writes made on
+        ``tx`` (and ``tx.renew()``, ``tx.record_checkpoint()``) commit together,
+        under this lease's fence, or not at all: a stale fence raises
+        ``LeaseLostError`` and nothing of the block is written (see
+        ``fencepost.StoreTransaction``)."""
+        from ._transaction import StoreTransaction
+
+        view = self.fenced()
+        return StoreTransaction(view, view._fence, lease=self)
+
+    def _fence_refused(self, exc: FencepostError) -> None:
+        """A fenced write was refused RUN_LEASE_LOST: the lease is lost unless the
+        refusal was about another run, or this handle gave the lease up itself."""
+        if not isinstance(exc, LeaseLostError) or not self.is_active:
+            return
+        rec = exc.record
+        if rec is not None and rec.run_id != self._run_id:
+            return
+        exc.reason = derive_lost_reason(rec, self._token)
+        self._mark_lost(rec, exc.reason)
 
     # -- fenced calls --------------------------------------------------------------
 
@@ -515,15 +556,23 @@ class Lease:
         if not self.is_active or self._client.closed:
             await self._client._renewer.stop(self)
             return
+        policy = _AT_RISK_CLEANUP_RETRY if self.at_risk else _CLEANUP_RETRY
+        req = ledger_pb2.ReleaseRequest(run_id=self._run_id, owner=self._owner,
+                                        fencing_token=self._token)
+        release = self._fenced(self._client._ledger.Release, req, drops_lease=True,
+                               policy=policy)
         try:
-            await self._client._cleanup(self.release(), CLEANUP_TIMEOUT_S)
+            await self._client._cleanup(release, CLEANUP_TIMEOUT_S)
         except LeaseLostError:
             pass  # nothing of ours to release; ``lost`` is set
         except (FencepostError, TimeoutError) as exc:
             if not failed:
                 raise
-            log.warning("could not release %r while leaving a failed block: %s",
-                        self._run_id, exc)
+            why = str(exc) or f"no answer within {CLEANUP_TIMEOUT_S:g} s"
+            log.warning(
+                "could not release %r while leaving a failed block (%s): the lease stays "
+                "with owner %r until it expires on the server (ttl %d ms); another worker "
+                "can take the run over then", self._run_id, why, self._owner, self._ttl_ms)
         finally:
             await self._client._renewer.stop(self)
 
@@ -640,6 +689,11 @@ class Client:
     stream is not (yet) open or is down, mutations go unary and it reconnects
     in the background; behaviour, errors and retries are the same either way.
     ``transport="unary"`` never opens the stream. Reads are always unary.
+
+    ``owner`` names one live process: the server takes two processes with the
+    same owner for one holder, so the second one's acquire takes over (and
+    fences) the first one's lease. Left out, it is ``{hostname}-{pid}-{random}``,
+    unique to this client; pass one only if no other live process uses it.
     """
 
     def __init__(
@@ -749,7 +803,7 @@ class Client:
 
     @property
     def store(self) -> AsyncStore:
-        """The engine store (SPEC §11) on this client's channel. Its mutations
+        """The engine store (docs/SPEC.md §11) on this client's channel. Its mutations
         share this client's Execute stream (``transport``); the rest is unary."""
         if self._store is None:
             store = AsyncStore(self._store_channel, retry=self._retry)
@@ -1008,7 +1062,8 @@ class Client:
             raise RuntimeError("the client is closed")
         if mutation and not request.request_id:
             request.request_id = new_request_id()
-        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation)
+        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation,
+                             channel=self._channel)
         return await call_with_retry(attempt, policy or self._retry, mutation=mutation)
 
     async def _cleanup(self, coro: Any, limit_s: float) -> Any:

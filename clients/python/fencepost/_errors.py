@@ -22,6 +22,8 @@ The tree::
     ├── IntegrityError              RUN_INTEGRITY_ERROR
     ├── AtomicStoreRequiredError    RUN_STORE_ATOMIC_REQUIRED
     ├── InvalidRunStateError        INVALID_RUN_STATE
+    ├── LockLostError               LOCK_LOST                  (a write's lock fence no longer
+    │                                                          holds: the lock moved on)
     ├── StorageFullError            STORAGE_FULL               (nothing was written)
     ├── StorageUnavailableError     STORAGE_UNAVAILABLE        (nothing was written)
     ├── RevisionCompactedError      RUN_REVISION_COMPACTED     (watch: that revision is no
@@ -35,7 +37,9 @@ The tree::
     │                               (.code is the gRPC status name, e.g. "INTERNAL")
     └── UnavailableError            no answer: UNAVAILABLE after every retry, or a
         │                           read's deadline passed (.code "UNAVAILABLE" or
-        │                           "DEADLINE_EXCEEDED")
+        │                           "DEADLINE_EXCEEDED"); for a mutation, raised only
+        │                           when no attempt can have left this process (the
+        │                           channel never connected): nothing was applied
         ├── ShuttingDownError       SHUTTING_DOWN: the server is stopping and did
         │                           nothing with this call; retried like UNAVAILABLE
         └── OutcomeUnknownError     a mutation got no answer: it may or may not have
@@ -45,7 +49,9 @@ The tree::
                                     the current state for the others.
 
 ``.record`` is the run record the server observed when it refused (for
-example the record that shows who holds the lease), or None.
+example the record that shows who holds the lease), or None. ``.metadata``
+is the refusal's ErrorInfo metadata (``field``, a lock fence's
+``lock_key``/``fencing_token``/``owner``, a transaction's ``command_index``).
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class FencepostError(Exception):
         self.record = record
         self.field = field
         self.grpc_code = grpc_code
+        self.metadata: dict[str, str] = {}  # the ErrorInfo metadata, when the server sent one
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}" if self.code else self.message
@@ -137,6 +144,28 @@ class LeaseAtRiskError(LeaseLostError):
     False); a fenced call tells for sure."""
 
     code = "LEASE_AT_RISK"
+
+
+class LockLostError(FencepostError):
+    """A write fenced on a keyed lock was refused: the lock was taken over
+    (its token moved) or released. Nothing was written. ``lock_key``,
+    ``fencing_token`` and ``owner`` (None when released) describe the lock as
+    the server saw it."""
+
+    code = "LOCK_LOST"
+
+    @property
+    def lock_key(self) -> str:
+        return self.metadata.get("lock_key", "")
+
+    @property
+    def fencing_token(self) -> int | None:
+        token = self.metadata.get("fencing_token")
+        return int(token) if token else None
+
+    @property
+    def owner(self) -> str | None:
+        return self.metadata.get("owner") or None
 
 
 class AlreadyTerminalError(FencepostError):
@@ -212,7 +241,9 @@ class RpcError(FencepostError):
 
 class UnavailableError(FencepostError):
     """The server gave no answer: unreachable after every retry, or a read's
-    deadline passed."""
+    deadline passed. A mutation raises exactly this class (not
+    ``OutcomeUnknownError``) only when none of its attempts was sent, because
+    the client never had a connection to the server: nothing was applied."""
 
     code = "UNAVAILABLE"
 
@@ -241,6 +272,7 @@ _BY_REASON: dict[str, type[FencepostError]] = {
         IntegrityError,
         AtomicStoreRequiredError,
         InvalidRunStateError,
+        LockLostError,
         StorageFullError,
         StorageUnavailableError,
         RevisionCompactedError,
@@ -301,6 +333,7 @@ def _from_status_parts(
     reason: str | None = None
     field: str | None = None
     record: RunRecord | None = None
+    metadata: dict[str, str] = {}
     if rich is not None:
         for detail in rich.details:
             if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
@@ -309,6 +342,7 @@ def _from_status_parts(
                 if info.domain == DOMAIN:
                     reason = info.reason
                     field = info.metadata.get("field") or None
+                    metadata = dict(info.metadata)
             elif detail.Is(record_pb2.Run.DESCRIPTOR):
                 run = record_pb2.Run()
                 detail.Unpack(run)
@@ -319,9 +353,13 @@ def _from_status_parts(
 
     if reason is not None:
         cls = _BY_REASON.get(reason)
-        if cls is not None:
-            return cls(message, record=record, field=field, grpc_code=grpc_code)
-        return RpcError(message, code=reason, record=record, field=field, grpc_code=grpc_code)
+        err = (
+            cls(message, record=record, field=field, grpc_code=grpc_code)
+            if cls is not None
+            else RpcError(message, code=reason, record=record, field=field, grpc_code=grpc_code)
+        )
+        err.metadata = metadata
+        return err
     if grpc_code in _NO_ANSWER:
         no_answer = OutcomeUnknownError if mutation else UnavailableError
         return no_answer(message, code=grpc_code.name, grpc_code=grpc_code)

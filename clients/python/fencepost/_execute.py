@@ -52,6 +52,7 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
+from ._connect import until_connected
 from ._errors import from_status
 from ._retry import RetryPolicy
 from .v1 import ledger_pb2 as pb
@@ -71,7 +72,7 @@ def _kinds() -> dict[type[Any], str]:
 
 
 # The request messages the stream carries (the ledger's commands, fields 2-10,
-# and the engine store's mutations, fields 20-32), and the Command /
+# the engine store's mutations, fields 20-32, and transactions, 40), and the Command /
 # CommandResult field of each (exactly the unary request and response messages).
 KIND_OF_REQUEST: dict[type[Any], str] = _kinds()
 
@@ -110,14 +111,33 @@ def attempt_of(
     request: Any,
     *,
     mutation: bool,
+    channel: grpc.aio.Channel | None = None,
 ) -> Callable[[float | None], Awaitable[Any]]:
     """One attempt of a call, for ``call_with_retry``: a mutation the
     ``dispatcher`` carries goes over its Execute stream (unary while the stream
     is down), anything else is the unary ``rpc`` with the attempt's timeout.
-    The ledger client and the engine store both call through here."""
+    Given the ``channel``, a mutation is sent only once it is connected, so
+    one that cannot have left fails as ``UnavailableError``, not as an unknown
+    outcome (``_connect``). The ledger client and the engine store both call
+    through here."""
+    send: Callable[[float | None], Awaitable[Any]]
     if mutation and dispatcher is not None and dispatcher.carries(request):
-        return lambda deadline_s: dispatcher.execute(rpc, request, deadline_s)
-    return lambda deadline_s: rpc(request, timeout=deadline_s)
+        send = lambda deadline_s: dispatcher.execute(rpc, request, deadline_s)  # noqa: E731
+    else:
+        send = lambda deadline_s: rpc(request, timeout=deadline_s)  # noqa: E731
+    if not mutation or channel is None:
+        return send
+    on = channel
+
+    async def connected_then_send(deadline_s: float | None) -> Any:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await until_connected(on, deadline_s)
+        if deadline_s is not None:
+            deadline_s = max(deadline_s - (loop.time() - started), 0.001)
+        return await send(deadline_s)
+
+    return connected_then_send
 
 
 def _status(code: grpc.StatusCode, message: str) -> status_pb2.Status:

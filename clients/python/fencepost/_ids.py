@@ -1,4 +1,4 @@
-"""Request ids (SPEC §5.5): unique, and time-ordered.
+"""Request ids (docs/SPEC.md §5.5): unique, and time-ordered.
 
 The server keeps every answered request id in a B-tree for at least ten
 minutes. Random ids (uuid4) land on a random page each, so under load nearly

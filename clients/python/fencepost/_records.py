@@ -1,4 +1,4 @@
-"""The run record as Python values, the lifecycle table (SPEC §2-§3) and the
+"""The run record as Python values, the lifecycle table (docs/SPEC.md §2-§3) and the
 conversions from the wire. I/O-free: shared by the async and the sync client.
 
 Times are timezone-aware ``datetime`` objects in UTC with millisecond
@@ -82,7 +82,7 @@ def is_terminal(status: RunStatus | str) -> bool:
 
 
 def can_transition(src: RunStatus | str, dst: RunStatus | str) -> bool:
-    """True when ``src -> dst`` is a legal lifecycle move (SPEC §3).
+    """True when ``src -> dst`` is a legal lifecycle move (docs/SPEC.md §3).
     Same status to same status is not a transition (False)."""
     return parse_status(dst) in _TRANSITIONS[parse_status(src)]
 
@@ -139,7 +139,7 @@ class Suspension:
 
 @dataclass(frozen=True, slots=True)
 class RunRecord:
-    """The authoritative record of one run (SPEC §2), as the server last wrote it."""
+    """The authoritative record of one run (docs/SPEC.md §2), as the server last wrote it."""
 
     run_id: str
     version: int
@@ -289,7 +289,7 @@ def record_from_pb(m: record_pb2.Run) -> RunRecord:
 class LostReason(StrEnum):
     """Why a lease was lost (``Lease.lost_reason``; ``LeaseLostError.reason``).
 
-    The first five are the server's ``LostReason`` (SPEC §6.1). ``AT_RISK`` is
+    The first five are the server's ``LostReason`` (docs/SPEC.md §6.1). ``AT_RISK`` is
     never a lease's ``lost_reason``: it is the reason of the
     ``LeaseAtRiskError`` that ``guard()`` and ``check()`` raise when the lease
     may be gone but nobody has said so (safe-until passed, or ``expiring``).

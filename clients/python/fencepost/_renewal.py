@@ -5,7 +5,7 @@ The client talks to a ``Renewer`` only through ``start(lease)``,
 
 - ``StreamRenewer`` (the default): one KeepAlive stream per client carries
   the renewals of all its leases, each at a third of its ttl, and brings back
-  ``renewed`` (safe-until), ``lost`` and ``expiring`` pushes (SPEC §6.1,
+  ``renewed`` (safe-until), ``lost`` and ``expiring`` pushes (docs/SPEC.md §6.1,
   docs/STREAMS.md). When the stream drops it reconnects with jittered
   exponential backoff, sends ``hello`` and renews (or tracks) every lease it
   keeps: the answers tell which are still held, and ``lost`` what was missed.

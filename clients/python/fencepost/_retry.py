@@ -1,6 +1,6 @@
 """Retries (AIP-194): only UNAVAILABLE is retried, with jittered exponential
 backoff, bounded in total time. A mutation carries one request id for all its
-attempts (SPEC §5.5), so a retry after a lost answer gets the original answer
+attempts (docs/SPEC.md §5.5), so a retry after a lost answer gets the original answer
 instead of applying the command twice.
 """
 

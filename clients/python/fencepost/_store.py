@@ -1,4 +1,4 @@
-"""The engine store (SPEC §11) from Python: ``AsyncStore`` and ``SyncStore``.
+"""The engine store (docs/SPEC.md §11) from Python: ``AsyncStore`` and ``SyncStore``.
 
 Python values in and out: JSON values are plain Python data (dict, list,
 str, int of any size, float, bool, None), sent as JSON text and parsed back,
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import copy
 import json
 from collections.abc import (
     AsyncIterable,
@@ -47,13 +48,18 @@ from collections.abc import (
 )
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import grpc
 
+from ._connect import until_connected
 from ._errors import (
+    FencepostError,
     InvalidRunStateError,
+    LeaseLostError,
+    LockLostError,
     RunNotFoundError,
     ValidationError,
     from_rpc_error,
@@ -62,12 +68,13 @@ from ._execute import attempt_of
 from ._ids import new_request_id
 from ._retry import RetryPolicy, call_with_retry
 from .v1 import engine_store_pb2 as pb
-from .v1 import engine_store_pb2_grpc
+from .v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp
 
     from ._execute import ExecuteDispatcher
+    from ._transaction import StoreTransaction, SyncStoreTransaction
     from .v1.engine_store_pb2_grpc import EngineStoreAsyncStub
 
 __all__ = [
@@ -239,11 +246,50 @@ class PutArtifactResult:
 # -- conversions -----------------------------------------------------------------------------
 
 
+# Python refuses to convert an int of more than 4300 digits to or from text
+# (sys.get_int_max_str_digits), which json.dumps and json.loads do; Decimal
+# converts any length exactly, so integers longer than this go through it.
+_INT_DIGITS = 4000
+_INT_BITS = 13_000  # fewer decimal digits than _INT_DIGITS (13 000 * log10(2) < 3 914)
+
+
 def _dumps(field: str, value: Any) -> str:
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        try:
+            return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except ValueError:
+            return _dumps_long_ints(value)  # integers of any length; NaN still refused
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValidationError(f"{field}: not a JSON value ({exc})", field=field) from None
+
+
+def _dumps_long_ints(value: Any) -> str:
+    """``json.dumps`` (same output) for values holding integers too long for it."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _INT_BITS:
+        return str(Decimal(int(value)))
+    if isinstance(value, dict):
+        return "{" + ",".join(
+            _dumps_key(key) + ":" + _dumps_long_ints(item) for key, item in value.items()
+        ) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_dumps_long_ints(item) for item in value) + "]"
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def _dumps_key(key: Any) -> str:
+    if isinstance(key, str):
+        return json.dumps(key, ensure_ascii=False)
+    # an int, float, bool or None key, coerced to a string as json.dumps does
+    return json.dumps({key: 0}, ensure_ascii=False, allow_nan=False)[1:-4]
+
+
+def _exact_int(text: str) -> int:
+    return int(text) if len(text) <= _INT_DIGITS else int(Decimal(text))
+
+
+def _json(text: str) -> Any:
+    """A stored JSON text as Python data, integers of any length exactly."""
+    return json.loads(text, parse_int=_exact_int)
 
 
 def _json_value(field: str, value: Any) -> pb.JsonValue:
@@ -256,7 +302,7 @@ def _set_json(msg: Any, name: str, value: Any, field: str | None = None) -> None
 
 
 def _loads(msg: Any, name: str) -> Any:
-    return json.loads(getattr(msg, name).json) if msg.HasField(name) else ABSENT
+    return _json(getattr(msg, name).json) if msg.HasField(name) else ABSENT
 
 
 def _dt(ts: Timestamp) -> datetime:
@@ -299,11 +345,11 @@ def _step(m: pb.EngineStep) -> EngineStep:
 
 
 def _checkpoint(m: pb.EngineCheckpoint) -> EngineCheckpoint:
-    return EngineCheckpoint(m.run_id, m.step_index, json.loads(m.state.json), _dt(m.saved_at))
+    return EngineCheckpoint(m.run_id, m.step_index, _json(m.state.json), _dt(m.saved_at))
 
 
 def _doc(m: pb.EngineDoc) -> EngineDoc:
-    return EngineDoc(m.id, json.loads(m.doc.json), _dt(m.updated_at))
+    return EngineDoc(m.id, _json(m.doc.json), _dt(m.updated_at))
 
 
 def _artifact(m: pb.EngineArtifact) -> EngineArtifact:
@@ -317,6 +363,22 @@ def _artifact(m: pb.EngineArtifact) -> EngineArtifact:
         metadata=_loads(m, "metadata"),
         created_at=_dt(m.created_at),
     )
+
+
+def make_fence(
+    fencing_token: int | None, run_id: str | None, lock_key: str | None
+) -> pb.Fence:
+    """The wire form of a fence: exactly one of ``run_id`` and ``lock_key``."""
+    if (run_id is None) == (lock_key is None):
+        raise ValidationError(
+            "fence.run_id: give exactly one of run_id and lock_key", field="fence.run_id"
+        )
+    if isinstance(fencing_token, bool) or not isinstance(fencing_token, int):
+        raise ValidationError(
+            f"fence.fencing_token: must be an int (got {fencing_token!r})",
+            field="fence.fencing_token",
+        )
+    return pb.Fence(run_id=run_id or "", lock_key=lock_key or "", fencing_token=fencing_token)
 
 
 def _statuses(value: str | Iterable[str] | None) -> builtins.list[str]:
@@ -386,6 +448,10 @@ class AsyncStore:
         # Set by Client.store: the client's Execute dispatcher, which then
         # carries the mutations (None: every call is unary).
         self._dispatcher: ExecuteDispatcher | None = None
+        # A fenced view's precondition, sent with every write (``fenced``),
+        # and who to tell when the server refuses it (a Lease marks itself lost).
+        self._fence: pb.Fence | None = None
+        self._on_fence_refused: Callable[[FencepostError], None] | None = None
 
     @classmethod
     def connect(
@@ -435,9 +501,79 @@ class AsyncStore:
         through the same function."""
         if mutation and not request.request_id:
             request.request_id = new_request_id()
+        if mutation and self._fence is not None and not request.HasField("fence"):
+            request.fence.CopyFrom(self._fence)
         rpc = getattr(self.stub, method)
-        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation)
-        return await call_with_retry(attempt, self._retry, mutation=mutation)
+        channel = self._stub_cache[0] if self._stub_cache is not None else None
+        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation, channel=channel)
+        return await self._fenced_call(attempt, mutation=mutation)
+
+    async def _fenced_call(
+        self, attempt: Any, *, mutation: bool, policy: RetryPolicy | None = None
+    ) -> Any:
+        """``call_with_retry``; a refused fence is also reported to the view's owner."""
+        try:
+            return await call_with_retry(attempt, policy or self._retry, mutation=mutation)
+        except (LeaseLostError, LockLostError) as exc:
+            if self._on_fence_refused is not None:
+                self._on_fence_refused(exc)
+            raise
+
+    # -- fenced writes ------------------------------------------------------------------
+
+    def fenced(
+        self,
+        *,
+        fencing_token: int,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> AsyncStore:
+        """A view of this store whose every write carries a fence: it commits
+        only while the ledger run ``run_id`` is still at ``fencing_token``
+        (a lease's token), or the keyed lock ``lock_key`` still at its token
+        (``acquire_lock(...).fencing_token``), checked by the server in the
+        same step as the write. A stale fence raises ``LeaseLostError``
+        (``LockLostError`` for a lock) and writes nothing. Reads are
+        unchanged. The view shares this store's channel and transport
+        (``lease.fenced()`` makes one for a lease)."""
+        view = copy.copy(self)
+        view._owned = None  # closing the view closes nothing
+        view._fence = make_fence(fencing_token, run_id, lock_key)
+        view._on_fence_refused = None
+        return view
+
+    def transaction(
+        self,
+        *,
+        fencing_token: int | None = None,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> StoreTransaction:
+        """``async with store.transaction(...) as tx:`` -- the writes made on
+        ``tx`` inside the block are sent together when it ends and commit
+        all together or not at all (``Ledger.Transact``), under the fence
+        given here (or this view's, for a ``fenced`` view; none without
+        either). A refusal of any write or of the fence raises, and nothing
+        of the block was written; an exception inside the block sends
+        nothing. ``tx.results`` then holds each write's answer, in order."""
+        from ._transaction import StoreTransaction
+
+        fence = (
+            self._fence
+            if fencing_token is None and run_id is None and lock_key is None
+            else make_fence(fencing_token, run_id, lock_key)
+        )
+        return StoreTransaction(self, fence)
+
+    async def _transact(self, request: Any) -> Any:
+        """One Ledger.Transact (over the Execute stream when the client's is up)."""
+        if not request.request_id:
+            request.request_id = new_request_id()
+        src = self._channel_source
+        channel = src if isinstance(src, grpc.aio.Channel) else src()
+        rpc: Any = ledger_pb2_grpc.LedgerStub(channel).Transact  # type: ignore[arg-type]
+        attempt = attempt_of(self._dispatcher, rpc, request, mutation=True, channel=channel)
+        return await self._fenced_call(attempt, mutation=True)
 
     async def _collect(self, method: str, request: Any) -> builtins.list[Any]:
         """Every message of a paged listing (retried from the start when the
@@ -617,7 +753,7 @@ class AsyncStore:
         resp = await self._unary("GetEffect", pb.EngineGetEffectRequest(key=key), mutation=False)
         if not resp.found:
             return Lookup(False)
-        return Lookup(True, json.loads(resp.result.json), _opt_dt(resp, "recorded_at"))
+        return Lookup(True, _json(resp.result.json), _opt_dt(resp, "recorded_at"))
 
     async def put_effect(self, key: str, result: Any) -> None:
         req = pb.EnginePutEffectRequest(key=key, result=_json_value("result", result))
@@ -628,7 +764,7 @@ class AsyncStore:
         resp = await self._unary("KvGet", req, mutation=False)
         if not resp.found:
             return Lookup(False)
-        return Lookup(True, json.loads(resp.value.json), _opt_dt(resp, "updated_at"))
+        return Lookup(True, _json(resp.value.json), _opt_dt(resp, "updated_at"))
 
     async def kv_set(self, agent: str, key: str, value: Any) -> None:
         req = pb.EngineKvSetRequest(agent=agent, key=key, value=_json_value("value", value))
@@ -707,6 +843,8 @@ class AsyncStore:
         )
         if sha256 is not None:
             header.sha256 = sha256
+        if self._fence is not None:
+            header.fence.CopyFrom(self._fence)
         _set_json(header, "metadata", metadata, "header.metadata")
 
         async def messages() -> AsyncIterator[pb.EnginePutArtifactRequest]:
@@ -715,9 +853,12 @@ class AsyncStore:
                 yield pb.EnginePutArtifactRequest(chunk=piece)
 
         async def attempt(deadline_s: float | None) -> Any:
-            return await self.stub.PutArtifact(messages())
+            stub = self.stub
+            assert self._stub_cache is not None
+            await until_connected(self._stub_cache[0], deadline_s)  # else: nothing was sent
+            return await stub.PutArtifact(messages())
 
-        resp = await call_with_retry(attempt, policy, mutation=True)
+        resp = await self._fenced_call(attempt, mutation=True, policy=policy)
         return PutArtifactResult(resp.created, _artifact(resp.artifact))
 
     async def get_artifact(self, id: str) -> EngineArtifact | None:
@@ -777,6 +918,31 @@ class SyncStore:
     @property
     def async_store(self) -> AsyncStore:
         return self._store
+
+    def fenced(
+        self,
+        *,
+        fencing_token: int,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> SyncStore:
+        """``AsyncStore.fenced``: a view whose every write carries the fence."""
+        view = self._store.fenced(fencing_token=fencing_token, run_id=run_id, lock_key=lock_key)
+        return SyncStore(view, self._run_coro)
+
+    def transaction(
+        self,
+        *,
+        fencing_token: int | None = None,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> SyncStoreTransaction:
+        """``with store.transaction(...) as tx:`` (see ``AsyncStore.transaction``)."""
+        from ._transaction import SyncStoreTransaction
+
+        tx = self._store.transaction(fencing_token=fencing_token, run_id=run_id,
+                                     lock_key=lock_key)
+        return SyncStoreTransaction(tx, self._run_coro)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._run_coro(coro)  # type: ignore[no-any-return]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -50,6 +50,9 @@ from ._records import (
 from ._retry import RetryPolicy
 from ._store import SyncStore
 from .v1 import ledger_pb2_grpc, run_store_pb2_grpc
+
+if TYPE_CHECKING:
+    from ._transaction import SyncStoreTransaction
 
 T = TypeVar("T")
 log = logging.getLogger("fencepost")
@@ -174,6 +177,16 @@ class SyncLease:
         tb: TracebackType | None,
     ) -> None:
         self._portal.run(self._lease._exit_block(failed=exc_type is not None))
+
+    def fenced(self) -> SyncStore:
+        """``Lease.fenced``: the engine store with every write fenced by this lease."""
+        return SyncStore(self._lease.fenced(), self._portal.run)
+
+    def transaction(self) -> SyncStoreTransaction:
+        """``with lease.transaction() as tx:`` (see ``Lease.transaction``)."""
+        from ._transaction import SyncStoreTransaction
+
+        return SyncStoreTransaction(self._lease.transaction(), self._portal.run)
 
     @property
     def run_id(self) -> str:
@@ -336,7 +349,7 @@ class SyncClient:
 
     @property
     def store(self) -> SyncStore:
-        """The engine store (SPEC §11), blocking."""
+        """The engine store (docs/SPEC.md §11), blocking."""
         if self._store is None:
             self._store = SyncStore(self._client.store, self._portal.run)
         return self._store

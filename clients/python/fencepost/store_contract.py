@@ -1,7 +1,7 @@
 """A reusable contract suite for any ``fencepost.v1.EngineStore`` endpoint.
 
 It checks an endpoint, over the wire with the generated stubs, against every
-rule of SPEC §11 (the engine store) and the expiry rule of SPEC §4. Run it
+rule of docs/SPEC.md §11 (the engine store) and the expiry rule of docs/SPEC.md §4. Run it
 against fencepost behind a proxy, a new storage backend, or another
 implementation of the API. Each test works in a namespace of its own (fresh
 ids, agents, scopes and keys), so a shared deployment is fine.
@@ -81,6 +81,7 @@ __all__ = [
     "test_effects_a_recorded_null_is_found",
     "test_idempotency_first_caller_wins_until_expiry",
     "test_idempotency_takeover_after_ttl",
+    "test_integers_longer_than_pythons_conversion_limit_are_stored_exactly",
     "test_json_values_round_trip_exactly",
     "test_kv_state_null_is_distinct_from_absent",
     "test_list_runs_filters",
@@ -594,7 +595,7 @@ def test_renew_claim_only_for_the_live_owner(
 def test_claims_keys_and_locks_expire_at_exactly_t_plus_ttl(
     engine_store: Any, store_ns: str, store_clock: StoreClock
 ) -> None:
-    """SPEC §4: granted at T with ttl D -> live at T + D - 1 ms, taken over at T + D."""
+    """docs/SPEC.md §4: granted at T with ttl D -> live at T + D - 1 ms, taken over at T + D."""
     store_clock.require_manual()
     d = 5_000
     rid, scope, lock = f"{store_ns}-run", f"{store_ns}-scope", f"{store_ns}-lock"
@@ -770,6 +771,29 @@ def test_kv_state_null_is_distinct_from_absent(engine_store: Any, store_ns: str)
         engine_store.KvGet(pb.EngineKvGetRequest(agent=a1, key="k")).value, {"n": [1, 2]}
     )
     assert not engine_store.KvGet(pb.EngineKvGetRequest(agent=a2, key="k")).found
+
+
+def test_integers_longer_than_pythons_conversion_limit_are_stored_exactly(
+    engine_store: Any, store_ns: str
+) -> None:
+    """Integers of any length: 5 000 digits is past the 4 300 that Python (a
+    likely server language) converts to int by default."""
+    digits = "7" * 5000
+    text = f'{{"n":{digits},"neg":-{digits},"list":[{digits},1]}}'
+    rid = f"{store_ns}-long"
+    run = new_run(engine_store, rid, input=pb.JsonValue(json=text))
+    assert run.input.json == text and get_run(engine_store, rid).input.json == text
+    engine_store.KvSet(pb.EngineKvSetRequest(agent=store_ns, key="long",
+                                             value=pb.JsonValue(json=text)))
+    assert engine_store.KvGet(pb.EngineKvGetRequest(agent=store_ns, key="long")).value.json == text
+    engine_store.DocUpsert(pb.EngineDocUpsertRequest(agent=store_ns, collection="long", id="d",
+                                                     doc=pb.JsonValue(json=text)))
+    where = pb.EngineDocListRequest(agent=store_ns, collection="long",
+                                    where=pb.JsonValue(json=f'{{"n":{digits}}}'))
+    assert [d.doc.json for page in engine_store.DocList(where) for d in page.docs] == [text]
+    other = pb.EngineDocListRequest(agent=store_ns, collection="long",
+                                    where=pb.JsonValue(json=f'{{"n":{digits}8}}'))
+    assert [d.id for page in engine_store.DocList(other) for d in page.docs] == []
 
 
 def _docs(store: Any, agent: str, coll: str, where: Any = None, **kw: Any) -> list[str]:

@@ -1,4 +1,4 @@
-"""Results and refusals as plain data, for the durable request-id cache (SPEC §5.5).
+"""Results and refusals as plain data, for the durable request-id cache (docs/SPEC.md §5.5).
 
 A repeated request id is answered with exactly the original answer, also after
 a restart, so answers are stored as JSON-able dicts. Pure.
@@ -21,8 +21,9 @@ def fingerprint(cmd: L.Command) -> str:
     different request is refused rather than answered with a stale answer.
 
     The digest is of the command's dataclass ``repr`` with ``request_id=''``
-    — stable across releases, since stored fingerprints must still match after
-    an upgrade — built field by field (``_repr_without_request_id``): the
+    (and, for a command without a fence, without its ``fence=None``) — stable
+    across releases, since stored fingerprints must still match after an
+    upgrade — built field by field (``_repr_without_request_id``): the
     generated ``__repr__`` behind ``dataclasses.replace`` cost 10 us a command."""
     text = _repr_without_request_id(cmd)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
@@ -39,9 +40,12 @@ def _repr_without_request_id(cmd: Any) -> str:
         names = tuple(f.name for f in fields(cls) if f.repr)
         spec = _REPR_FIELDS[cls] = (cls.__qualname__, names)
     qualname, names = spec
+    # An absent fence is left out, so that an unfenced command's fingerprint
+    # is the one it had before commands could carry a fence.
     parts = [
-        "request_id=''" if name == "request_id" else f"{name}={getattr(cmd, name)!r}"
+        "request_id=''" if name == "request_id" else f"{name}={value!r}"
         for name in names
+        if (value := getattr(cmd, name)) is not None or name != "fence"
     ]
     return f"{qualname}({', '.join(parts)})"
 
@@ -70,6 +74,8 @@ def encode(answer: Any) -> dict[str, Any]:
             d: dict[str, Any] = {"t": "error", "code": answer.code.value, "msg": answer.message}
             if answer.field is not None:
                 d["field"] = answer.field
+            if answer.metadata:
+                d["meta"] = answer.metadata
             if answer.record is not None:
                 d["r"] = record_to_dict(answer.record)
             return d
@@ -97,7 +103,7 @@ def decode(d: dict[str, Any]) -> Any:
     rec = record_from_dict(d["r"]) if "r" in d else None
     match d["t"]:
         case "error":
-            return LedgerError(Code(d["code"]), d["msg"], rec, d.get("field"))
+            return LedgerError(Code(d["code"]), d["msg"], rec, d.get("field"), d.get("meta"))
         case "created":
             assert rec is not None
             return L.Created(d["ok"], rec)
@@ -108,3 +114,11 @@ def decode(d: dict[str, Any]) -> Any:
         case _:
             assert rec is not None
             return rec
+
+
+register(
+    "ledger.transaction",
+    L.TransactionDone,
+    lambda done: {"results": [encode(r) for r in done.results]},
+    lambda d: L.TransactionDone(tuple(decode(r) for r in d["results"])),
+)

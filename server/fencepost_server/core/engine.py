@@ -1,4 +1,4 @@
-"""Pure decisions for the engine store (SPEC §11), and its input rules.
+"""Pure decisions for the engine store (docs/SPEC.md §11), and its input rules.
 
 Eight parts — runs (with claims), steps, checkpoints, idempotency keys,
 locks, effects, state (key/value and documents), artifacts. For every
@@ -12,7 +12,7 @@ JSON values are carried as their text: validated here, stored and returned
 byte for byte (``None`` in a field of this module means "absent"; the text
 ``"null"`` is a stored JSON null).
 
-One expiry rule (SPEC §4): a thing granted at T with ttl D is live while
+One expiry rule (docs/SPEC.md §4): a thing granted at T with ttl D is live while
 ``now < T + D`` and expired at exactly ``T + D`` (``is_live``).
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 
 from . import codec, validate
 from .errors import Code, LedgerError, validation
+from .fence import Fence
 
 MAX_ID_BYTES = 512  # run, document and artifact ids
 MAX_NAME_BYTES = 256  # agents, collections, owners, step names
@@ -42,7 +43,7 @@ _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def is_live(expires_at: int, now: int) -> bool:
-    """SPEC §4: live while now < T + D, expired at exactly T + D."""
+    """docs/SPEC.md §4: live while now < T + D, expired at exactly T + D."""
     return now < expires_at
 
 
@@ -74,11 +75,22 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# Python refuses to turn more than 4300 digits into an int (CVE-2020-10735's
+# limit, sys.get_int_max_str_digits); Decimal parses any length exactly and
+# compares equal to the int it denotes, so longer integers are read as one.
+_INT_DIGITS = 4000
+
+
+def _exact_int(text: str) -> int | Decimal:
+    return int(text) if len(text) <= _INT_DIGITS else Decimal(text)
+
+
 def parse_json(field: str, text: str) -> Any:
     """Parse a JSON text exactly (integers of any size, decimals as Decimal);
     RUN_VALIDATION_ERROR naming ``field`` when it is not RFC 8259 JSON."""
     try:
-        return json.loads(text, parse_float=Decimal, parse_constant=_no_constants)
+        return json.loads(text, parse_float=Decimal, parse_int=_exact_int,
+                          parse_constant=_no_constants)
     except RecursionError:
         raise validation(field, "JSON is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, NaN/Infinity
@@ -146,7 +158,7 @@ def doc_matches(doc_text: str, where: dict[str, Any]) -> bool:
     """Whether a stored document's top-level fields equal every field of where."""
     if not where:
         return True
-    doc = json.loads(doc_text, parse_float=Decimal)
+    doc = json.loads(doc_text, parse_float=Decimal, parse_int=_exact_int)
     if not isinstance(doc, dict):
         return False
     return all(k in doc and json_equal(doc[k], v) for k, v in where.items())
@@ -238,7 +250,7 @@ class Artifact:
     created_at: int
 
 
-# -- commands (frozen; `request_id` for SPEC §5.5) --------------------------------------
+# -- commands (frozen; `request_id` for docs/SPEC.md §5.5) --------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +264,7 @@ class CreateRun:
     error: str | None = None
     metadata: str | None = None
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +285,7 @@ class UpdateRun:
     expect_status: tuple[str, ...] = ()
     expect_owner: str | None = None
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +294,7 @@ class ClaimRun:
     owner: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +303,7 @@ class RenewClaim:
     owner: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +316,7 @@ class AppendStep:
     error: str | None = None
     metadata: str | None = None
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +325,7 @@ class SaveCheckpoint:
     step_index: int
     state: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +335,7 @@ class ClaimKey:
     run_id: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +344,7 @@ class AcquireLock:
     owner: str
     ttl_ms: int
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +352,7 @@ class ReleaseLock:
     key: str
     owner: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +360,7 @@ class PutEffect:
     key: str
     result: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +369,7 @@ class KvSet:
     key: str
     value: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +379,7 @@ class DocUpsert:
     id: str
     doc: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,6 +388,7 @@ class DocDelete:
     collection: str
     id: str
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,6 +419,7 @@ class CommitArtifact:
     upload_id: str = field(default="", repr=False, compare=False)
     staged_bytes: int = field(default=0, repr=False, compare=False)
     request_id: str = ""
+    fence: Fence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,7 +592,7 @@ def _with_claim(run: Run, owner: str, expires_at: int, now: int) -> Run:
 
 
 def decide_claim_run(current: Run | None, cmd: ClaimRun, now: int) -> tuple[Run | None, RunClaimed]:
-    """Succeeds only when unclaimed or the claim expired (SPEC §11, §4)."""
+    """Succeeds only when unclaimed or the claim expired (docs/SPEC.md §11, §4)."""
     if current is None:
         return None, RunClaimed(False, None)
     if current.claim is not None and is_live(current.claim.expires_at, now):
@@ -657,6 +683,31 @@ def decide_release_lock(
     return Lock(cmd.key, None, current.fencing_token, now), Done(True)
 
 
+def check_lock_fence(fence: Fence, current: Lock | None) -> None:
+    """A lock fence holds while the lock is held (live or expired, not taken
+    over nor released) under the fence's token: a new grant moves the token
+    and a release clears the owner, and either refuses the write (LOCK_LOST;
+    RUN_NOT_FOUND naming ``fence.lock_key`` for a lock never acquired)."""
+    if current is None:
+        raise LedgerError(
+            Code.RUN_NOT_FOUND,
+            f"fence.lock_key: lock {fence.lock_key!r} was never acquired",
+            field="fence.lock_key",
+        )
+    if current.fencing_token != fence.fencing_token or current.owner is None:
+        held = f"held by {current.owner!r}" if current.owner is not None else "released"
+        raise LedgerError(
+            Code.LOCK_LOST,
+            f"fence: lock {fence.lock_key!r} is at token {current.fencing_token} ({held}); "
+            f"token {fence.fencing_token} no longer fences writes",
+            metadata={
+                "lock_key": current.key,
+                "fencing_token": str(current.fencing_token),
+                "owner": current.owner or "",
+            },
+        )
+
+
 # -- decisions: state --------------------------------------------------------------------
 
 
@@ -694,7 +745,7 @@ def decide_commit_artifact(
     return art, ArtifactCommitted(True, art, cmd.upload_id)
 
 
-# -- request-id cache codecs (SPEC §5.5) ----------------------------------------------------
+# -- request-id cache codecs (docs/SPEC.md §5.5) -------------------------------------------
 
 
 def _claimed(d: dict[str, Any]) -> dict[str, Any]:

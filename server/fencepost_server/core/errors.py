@@ -1,4 +1,4 @@
-"""Domain errors (SPEC §8). Pure: the gRPC mapping lives in services/_errors.py."""
+"""Domain errors (docs/SPEC.md §8). Pure: the gRPC mapping lives in services/_errors.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ class Code(StrEnum):
     RUN_INTEGRITY_ERROR = "RUN_INTEGRITY_ERROR"
     RUN_STORE_ATOMIC_REQUIRED = "RUN_STORE_ATOMIC_REQUIRED"
     INVALID_RUN_STATE = "INVALID_RUN_STATE"
-    # The write could not be made durable (SPEC §9); nothing changed.
+    # A write's fence on a keyed lock no longer holds (the lock moved on).
+    LOCK_LOST = "LOCK_LOST"
+    # The write could not be made durable (docs/SPEC.md §9); nothing changed.
     STORAGE_FULL = "STORAGE_FULL"
     STORAGE_UNAVAILABLE = "STORAGE_UNAVAILABLE"
     # The server is stopping: nothing was done; retry (elsewhere, or after restart).
@@ -41,12 +43,16 @@ class LedgerError(Exception):
         message: str,
         record: Record | None = None,
         field: str | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.record = record
         self.field = field
+        # More ErrorInfo metadata (a lock fence's lock, a transaction's
+        # command index); "field" and the record's keys are added from above.
+        self.metadata = metadata
 
     def __repr__(self) -> str:
         return f"LedgerError({self.code.value}, {self.message!r})"
@@ -55,3 +61,17 @@ class LedgerError(Exception):
 def validation(field: str, message: str) -> LedgerError:
     """A RUN_VALIDATION_ERROR whose message starts with the field it names."""
     return LedgerError(Code.RUN_VALIDATION_ERROR, f"{field}: {message}", field=field)
+
+
+def in_transaction(exc: LedgerError, index: int) -> LedgerError:
+    """A transaction command's refusal as the transaction's: its message
+    names the command, a field is prefixed ``commands[i].``."""
+    prefix = f"commands[{index}]"
+    field = f"{prefix}.{exc.field}" if exc.field is not None else None
+    message = exc.message
+    if exc.field is not None and message.startswith(f"{exc.field}:"):
+        message = f"{field}:{message[len(exc.field) + 1 :]}"
+    else:
+        message = f"{field or prefix}: {message}"
+    meta = {**(exc.metadata or {}), "command_index": str(index)}
+    return LedgerError(exc.code, message, exc.record, field, meta)

@@ -1,4 +1,4 @@
-"""Pure decisions for the ledger and the raw seam (SPEC §3-§5, §7).
+"""Pure decisions for the ledger and the raw seam (docs/SPEC.md §3-§5, §7).
 
 ``decide(cmd, current, tombstone, now, revision)`` returns a ``Decision``: the
 change to write (a new record, a delete, or nothing) and the caller's result,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import Code, LedgerError, validation
 from .records import (
@@ -23,6 +23,9 @@ from .records import (
     can_transition,
     is_terminal,
 )
+
+if TYPE_CHECKING:
+    from .fence import Fence
 
 DEFAULT_TTL_MS = 60_000
 MIN_TTL_MS = 100
@@ -63,6 +66,7 @@ class RecordCheckpoint:
     key: str
     snapshot_version: int
     request_id: str = ""
+    fence: Fence | None = None  # a second precondition, checked by the writer
 
 
 @dataclass(slots=True)
@@ -112,6 +116,17 @@ class DeleteRun:
 
 
 @dataclass(slots=True)
+class Retire:
+    """Retention: delete a finished run, but only while it is still finished
+    and unchanged since the retention pass read it (``version``). Its
+    tombstone keeps the token guarantee, as for DeleteRun."""
+
+    run_id: str
+    version: int
+    request_id: str = ""
+
+
+@dataclass(slots=True)
 class RawCreate:
     record: Record
     request_id: str = ""
@@ -135,6 +150,25 @@ class RawDelete:
     request_id: str = ""
 
 
+@dataclass(slots=True)
+class Transaction:
+    """Several commands (ledger and engine store) applied as one all-or-nothing
+    step of the writer, each after the shared ``fence`` is checked against the
+    state the earlier ones left. Its result is a ``TransactionDone``."""
+
+    commands: tuple[Any, ...]
+    fence: Fence | None = None
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class TransactionDone:
+    results: tuple[Any, ...]
+
+
+MAX_TRANSACTION_COMMANDS = 100
+
+
 Command = (
     Acquire
     | Renew
@@ -145,9 +179,11 @@ Command = (
     | Cancel
     | RequestResume
     | DeleteRun
+    | Retire
     | RawCreate
     | RawCompareAndSet
     | RawDelete
+    | Transaction
 )
 HandleCommand = Renew | RecordCheckpoint | Suspend | Finish | Release
 
@@ -276,7 +312,7 @@ def _check_transition(cur: Record, dst: Status) -> None:
 
 
 def _fence(cmd: HandleCommand, cur: Record | None) -> Record:
-    """SPEC §5.2 fence check: exists, same token, same lease owner."""
+    """docs/SPEC.md §5.2 fence check: exists, same token, same lease owner."""
     if cur is None:
         raise LedgerError(Code.RUN_LEASE_LOST, f"run {cmd.run_id!r} no longer exists")
     if cur.fencing_token != cmd.fencing_token:
@@ -471,6 +507,14 @@ def _delete_run(cmd: DeleteRun, cur: Record | None, tombstone: int, now: int, re
     )
 
 
+def _retire(cmd: Retire, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
+    if cur is None or cur.version != cmd.version or not is_terminal(cur.status):
+        return Decision(None, Deleted(False))  # gone, changed or reopened: keep it
+    return Decision(
+        Delete(cmd.run_id, cur.fencing_token, rev), Deleted(True, rev, cur.fencing_token)
+    )
+
+
 # -- raw seam -----------------------------------------------------------------------
 
 
@@ -510,7 +554,7 @@ def _raw_cas(
         and (cur.lease is None or cur.lease.owner != new_lease.owner)
         and cmd.next.fencing_token == cur.fencing_token
     ):
-        # SPEC §1: the token moves whenever ownership changes hands. A lease
+        # docs/SPEC.md §1: the token moves whenever ownership changes hands. A lease
         # granted to a new holder under the same token would let two handles
         # share it (and make a stale handle's converging retry look done).
         raise LedgerError(
@@ -542,6 +586,7 @@ _DECIDERS: dict[type, Callable[[Any, Record | None, int, int, int], Decision]] =
     Cancel: _cancel,
     RequestResume: _request_resume,
     DeleteRun: _delete_run,
+    Retire: _retire,
     RawCreate: _raw_create,
     RawCompareAndSet: _raw_cas,
     RawDelete: _raw_delete,

@@ -1,4 +1,4 @@
-"""The run record (SPEC §2) and its lifecycle (SPEC §3), as plain immutable values.
+"""The run record (docs/SPEC.md §2) and its lifecycle (docs/SPEC.md §3), as plain immutable values.
 
 Times are integers: milliseconds since the Unix epoch, read from the server's
 clock. This module is pure: no I/O, no asyncio, no grpc, no sqlite3.
@@ -62,12 +62,12 @@ class Lease:
     lock_delay_ms: int = 0
 
     def live(self, now: int) -> bool:
-        """Live while now < expires_at; expired at exactly expires_at (SPEC §4)."""
+        """Live while now < expires_at; expired at exactly expires_at (docs/SPEC.md §4)."""
         return now < self.expires_at
 
     def blocks_others(self, now: int) -> bool:
         """Whether another owner (or RequestResume) must still treat it as live:
-        until expires_at + lock_delay_ms (SPEC §5.6)."""
+        until expires_at + lock_delay_ms (docs/SPEC.md §5.6)."""
         return now < self.expires_at + self.lock_delay_ms
 
 

@@ -1,4 +1,4 @@
-"""Input rules (SPEC §10), pure. Every failure names the field it refers to."""
+"""Input rules (docs/SPEC.md §10), pure. Every failure names the field it refers to."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one place a domain error becomes a gRPC status (SPEC §8)."""
+"""The one place a domain error becomes a gRPC status (docs/SPEC.md §8)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ GRPC_CODE: dict[Code, grpc.StatusCode] = {
     Code.RUN_INTEGRITY_ERROR: grpc.StatusCode.DATA_LOSS,
     Code.RUN_STORE_ATOMIC_REQUIRED: grpc.StatusCode.FAILED_PRECONDITION,
     Code.INVALID_RUN_STATE: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.LOCK_LOST: grpc.StatusCode.FAILED_PRECONDITION,
     Code.STORAGE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.STORAGE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Code.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
@@ -47,6 +48,8 @@ def status_proto(err: LedgerError) -> status_pb2.Status:
     """The google.rpc.Status of a refusal: code, message, ErrorInfo, record."""
     code = GRPC_CODE[err.code]
     metadata = {}
+    if err.metadata:
+        metadata.update(err.metadata)
     if err.field is not None:
         metadata["field"] = err.field
     if err.record is not None:
@@ -84,7 +87,7 @@ def handler(fn: H) -> H:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             if isinstance(request, Malformed):
-                raise validation("request", f"undecodable {request.type_name}: {request.error}")
+                raise validation(request.field, f"undecodable {request.type_name}: {request.error}")
             return await fn(self, request, context)
         except LedgerError as err:
             await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]

@@ -1,24 +1,41 @@
 """Register servicers from their proto descriptors, with a request decoder that
 never raises: undecodable bytes (bad UTF-8, truncated fields) reach the handler
-as ``Malformed`` and are answered RUN_VALIDATION_ERROR naming ``request``,
-instead of gRPC's generic UNKNOWN with a parser traceback."""
+as ``Malformed`` and are answered RUN_VALIDATION_ERROR, instead of gRPC's
+generic UNKNOWN with a parser traceback.
+
+The protobuf decoder refuses a message whose string field holds invalid UTF-8
+without saying which field. To name it, the bytes are decoded a second time
+with a twin of the message type in which every string field is a bytes field
+(which takes any bytes), and the first value that is not UTF-8 gives the
+field's path (``owner``, ``commands[2].acquire.run_id``). Bytes that do not
+decode even so (a truncated message, a wrong wire type) name ``request``."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf import message_factory
-from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.message import DecodeError
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import (
+    Descriptor,
+    FieldDescriptor,
+    FileDescriptor,
+    ServiceDescriptor,
+)
+from google.protobuf.message import DecodeError, Message
+
+_STRING = descriptor_pb2.FieldDescriptorProto.TYPE_STRING
+_BYTES = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
 class Malformed:
     type_name: str
     error: str
+    field: str = "request"  # the field holding invalid UTF-8, when it could be found
 
 
 def _decoder(cls: Any) -> Callable[[bytes], Any]:
@@ -26,9 +43,72 @@ def _decoder(cls: Any) -> Callable[[bytes], Any]:
         try:
             return cls.FromString(data)
         except (DecodeError, ValueError) as exc:
-            return Malformed(cls.DESCRIPTOR.full_name, str(exc).split(":")[-1].strip())
+            error = str(exc).split(":")[-1].strip()
+            field = _bad_utf8_field(cls.DESCRIPTOR, data)
+            if field is None:
+                return Malformed(cls.DESCRIPTOR.full_name, error)
+            return Malformed(cls.DESCRIPTOR.full_name, f"{field} is not valid UTF-8", field)
 
     return decode
+
+
+def _bad_utf8_field(desc: Descriptor, data: bytes) -> str | None:
+    """The path of the first string field in ``data`` that is not UTF-8."""
+    try:
+        twin = _bytes_twin(desc.file).FindMessageTypeByName(desc.full_name)
+        parsed = message_factory.GetMessageClass(twin).FromString(data)
+    except (DecodeError, ValueError, KeyError, TypeError):
+        return None
+    return _first_bad(parsed, desc, "")
+
+
+def _first_bad(msg: Message, desc: Descriptor, prefix: str) -> str | None:
+    for twin_field, value in msg.ListFields():
+        field = desc.fields_by_name[twin_field.name]
+        path = prefix + field.name
+        items = list(enumerate(value)) if field.is_repeated else [(None, value)]
+        for index, item in items:
+            at = path if index is None else f"{path}[{index}]"
+            if field.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    item.decode("utf-8")
+                except UnicodeDecodeError:
+                    return at
+            elif field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type is not None:
+                found = _first_bad(item, field.message_type, at + ".")
+                if found is not None:
+                    return found
+    return None
+
+
+@functools.cache
+def _bytes_twin(file: FileDescriptor) -> descriptor_pool.DescriptorPool:
+    """A pool holding ``file`` and its imports with every string field made bytes."""
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(fd: FileDescriptor) -> None:
+        if fd.name in added:
+            return
+        for dep in fd.dependencies:
+            add(dep)
+        proto = descriptor_pb2.FileDescriptorProto()
+        fd.CopyToProto(proto)
+        _strings_to_bytes(proto.message_type)
+        pool.Add(proto)
+        added.add(fd.name)
+
+    add(file)
+    return pool
+
+
+def _strings_to_bytes(messages: Any) -> None:
+    for message in messages:
+        if not message.options.map_entry:  # a map's key may not be bytes
+            for field in message.field:
+                if field.type == _STRING:
+                    field.type = _BYTES
+        _strings_to_bytes(message.nested_type)
 
 
 def add_service(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor) -> None:

@@ -1,4 +1,4 @@
-"""fencepost.v1.EngineStore (SPEC §11): thin handlers.
+"""fencepost.v1.EngineStore (docs/SPEC.md §11): thin handlers.
 
 Each handler validates its request with the input rules of ``core.engine``
 (naming the field), builds a command and awaits the writer, or reads through
@@ -33,6 +33,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from fencepost.v1 import engine_store_pb2 as pb
 from fencepost.v1 import engine_store_pb2_grpc
 
+from ..convert import fence_from_pb
 from ..core import engine as E
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
@@ -187,6 +188,7 @@ def create_run_cmd(req: pb.EngineCreateRunRequest) -> E.CreateRun:
         error=_json(r, "error", "run.error"),
         metadata=_json(r, "metadata", "run.metadata"),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -215,6 +217,7 @@ def update_run_cmd(req: pb.EngineUpdateRunRequest) -> E.UpdateRun:
         expect_status=_statuses(req.expect_status, "expect_status"),
         expect_owner=_opt_text(req, "expect_owner", "expect_owner", E.MAX_NAME_BYTES),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -234,6 +237,7 @@ def append_step_cmd(req: pb.EngineAppendStepRequest) -> E.AppendStep:
         error=_json(s, "error", "step.error"),
         metadata=_json(s, "metadata", "step.metadata"),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -247,6 +251,7 @@ def save_checkpoint_cmd(req: pb.EngineSaveCheckpointRequest) -> E.SaveCheckpoint
         step_index=E.non_negative("checkpoint.step_index", c.step_index),
         state=_required_json(c, "state", "checkpoint.state"),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -260,6 +265,7 @@ def _claim_cmd(cls: type[_C], req: Any) -> _C:
         owner=E.ident("owner", req.owner, E.MAX_NAME_BYTES),
         ttl_ms=E.ttl(req.ttl_ms),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -278,6 +284,7 @@ def claim_key_cmd(req: pb.EngineClaimKeyRequest) -> E.ClaimKey:
         run_id=E.ident("run_id", req.run_id),
         ttl_ms=E.ttl(req.ttl_ms),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -287,6 +294,7 @@ def acquire_lock_cmd(req: pb.EngineAcquireLockRequest) -> E.AcquireLock:
         owner=E.ident("owner", req.owner, E.MAX_NAME_BYTES),
         ttl_ms=E.ttl(req.ttl_ms),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -295,6 +303,7 @@ def release_lock_cmd(req: pb.EngineReleaseLockRequest) -> E.ReleaseLock:
         key=E.ident("key", req.key, E.MAX_KEY_BYTES),
         owner=E.ident("owner", req.owner, E.MAX_NAME_BYTES),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -303,6 +312,7 @@ def put_effect_cmd(req: pb.EnginePutEffectRequest) -> E.PutEffect:
         key=E.ident("key", req.key, E.MAX_KEY_BYTES),
         result=_required_json(req, "result", "result"),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -312,6 +322,7 @@ def kv_set_cmd(req: pb.EngineKvSetRequest) -> E.KvSet:
         key=E.ident("key", req.key, E.MAX_KEY_BYTES),
         value=_required_json(req, "value", "value"),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -324,6 +335,7 @@ def doc_upsert_cmd(req: pb.EngineDocUpsertRequest) -> E.DocUpsert:
         id=E.ident("id", req.id),
         doc=E.json_object("doc", req.doc.json),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -333,6 +345,7 @@ def doc_delete_cmd(req: pb.EngineDocDeleteRequest) -> E.DocDelete:
         collection=E.ident("collection", req.collection, E.MAX_NAME_BYTES),
         id=E.ident("id", req.id),
         request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
     )
 
 
@@ -439,6 +452,7 @@ class _Header:
         self.sha256 = E.sha256_hex("header.sha256", h.sha256) if h.HasField("sha256") else None
         self.metadata = _json(h, "metadata", "header.metadata")
         self.request_id = validate.request_id(h.request_id)
+        self.fence = fence_from_pb(h, "header.fence")
 
 
 # -- the servicer ----------------------------------------------------------------------
@@ -641,7 +655,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         if first is None:
             raise validation("header", "the stream ended before its header")
         if isinstance(first, Malformed):
-            raise validation("request", f"undecodable {first.type_name}: {first.error}")
+            raise validation(first.field, f"undecodable {first.type_name}: {first.error}")
         if first.WhichOneof("part") != "header":
             raise validation("header", "the first message must be the header (bytes came first)")
         hdr = _Header(first.header)
@@ -655,20 +669,27 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
                 raise validation(
                     "header.sha256", f"the bytes received hash to {digest}, not {hdr.sha256}"
                 )
-            res: E.ArtifactCommitted = await self._submit(
-                E.CommitArtifact(
-                    id=hdr.id,
-                    run_id=hdr.run_id,
-                    name=hdr.name,
-                    content_type=hdr.content_type,
-                    size_bytes=hdr.size_bytes,
-                    sha256=digest,
-                    metadata=hdr.metadata,
-                    upload_id=upload_id,
-                    staged_bytes=received,
-                    request_id=hdr.request_id,
+            try:
+                res: E.ArtifactCommitted = await self._submit(
+                    E.CommitArtifact(
+                        id=hdr.id,
+                        run_id=hdr.run_id,
+                        name=hdr.name,
+                        content_type=hdr.content_type,
+                        size_bytes=hdr.size_bytes,
+                        sha256=digest,
+                        metadata=hdr.metadata,
+                        upload_id=upload_id,
+                        staged_bytes=received,
+                        request_id=hdr.request_id,
+                        fence=hdr.fence,
+                    )
                 )
-            )
+            except LedgerError as exc:
+                if exc.field is not None and exc.field.startswith("fence."):
+                    exc.field = f"header.{exc.field}"  # the fence is the header's
+                    exc.message = exc.message.replace("fence.", "header.fence.", 1)
+                raise
             adopted = bool(upload_id) and res.created and res.upload_id == upload_id
             return pb.EnginePutArtifactResponse(
                 created=res.created, artifact=artifact_to_pb(res.artifact)
@@ -689,7 +710,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         try:
             async for msg in messages:
                 if isinstance(msg, Malformed):
-                    raise validation("request", f"undecodable {msg.type_name}: {msg.error}")
+                    raise validation(msg.field, f"undecodable {msg.type_name}: {msg.error}")
                 part = msg.WhichOneof("part")
                 if part == "header":
                     raise validation("header", "a stream carries exactly one header")

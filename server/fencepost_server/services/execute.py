@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -27,7 +28,8 @@ from fencepost.v1 import ledger_pb2 as pb
 
 from .. import convert
 from ..core import ledger as L
-from ..core.errors import LedgerError, validation
+from ..core import validate
+from ..core.errors import LedgerError, in_transaction, validation
 from ..streams import Stop
 from ._errors import internal_status_proto, status_proto
 from ._registry import Malformed
@@ -68,6 +70,53 @@ KINDS: dict[str, tuple[Callable[[Any], L.Command], Fill]] = {
     # the engine store's: create_run, update_run, ... doc_delete
     **{kind: (to_cmd, _fill_from(to_resp)) for kind, (to_cmd, to_resp) in MUTATIONS.items()},
 }
+
+
+def transaction_cmd(req: pb.TransactionRequest) -> L.Transaction:
+    """A TransactionRequest as one writer command: each of its commands
+    converted and validated as on its own (errors name ``commands[i]``)."""
+    if not req.commands:
+        raise validation("commands", "a transaction needs at least one command")
+    if len(req.commands) > L.MAX_TRANSACTION_COMMANDS:
+        raise validation(
+            "commands",
+            f"at most {L.MAX_TRANSACTION_COMMANDS} commands (got {len(req.commands)})",
+        )
+    commands = []
+    for i, sub in enumerate(req.commands):
+        try:
+            kind = sub.WhichOneof("kind")
+            if kind is None:
+                raise validation("kind", "empty command")
+            if kind == "transaction":
+                raise validation("transaction", "a transaction cannot contain a transaction")
+            inner = getattr(sub, kind)
+            if inner.request_id:
+                raise validation(
+                    "request_id", "commands of a transaction take the transaction's request_id"
+                )
+            commands.append(KINDS[kind][0](inner))
+        except LedgerError as exc:
+            raise in_transaction(exc, i) from None
+    return L.Transaction(
+        tuple(commands), convert.fence_from_pb(req), validate.request_id(req.request_id)
+    )
+
+
+def fill_transaction(
+    response: pb.TransactionResponse, done: L.TransactionDone, request: pb.TransactionRequest
+) -> None:
+    """Each command's answer into a CommandResult with the command's id."""
+    for sub, result in zip(request.commands, done.results, strict=True):
+        kind = str(sub.WhichOneof("kind"))
+        KINDS[kind][1](getattr(response.results.add(id=sub.id), kind), result)
+
+
+def _no_fill(response: Any, result: Any) -> None:
+    raise AssertionError("a transaction's answer is filled by fill_transaction")
+
+
+KINDS["transaction"] = (transaction_cmd, _no_fill)
 
 
 class _Session:
@@ -137,7 +186,7 @@ class ExecuteHandler:
         async for msg in requests:
             if isinstance(msg, Malformed):
                 session.error(
-                    0, validation("request", f"undecodable {msg.type_name}: {msg.error}")
+                    0, validation(msg.field, f"undecodable {msg.type_name}: {msg.error}")
                 )
                 continue
             for cmd in msg.commands:
@@ -160,7 +209,10 @@ class ExecuteHandler:
             if kind is None:
                 raise validation("kind", "empty command")
             to_command, fill = KINDS[kind]
-            command = to_command(getattr(cmd, kind))
+            request = getattr(cmd, kind)
+            command = to_command(request)
+            if kind == "transaction":
+                fill = functools.partial(fill_transaction, request=request)
         except LedgerError as err:
             session.error(cid, err)
             return None

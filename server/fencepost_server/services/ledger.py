@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import bisect
 import hashlib
 import itertools
 import json
@@ -23,7 +22,7 @@ from ..storage.sqlite import HistoryReader
 from ..streams import FenceHub
 from ..writer import Writer
 from ._errors import handler
-from .execute import ExecuteHandler
+from .execute import ExecuteHandler, fill_transaction, transaction_cmd
 from .streams import StreamHandlers
 
 DEFAULT_PAGE_SIZE = 100
@@ -54,28 +53,40 @@ def decode_page_token(token: str, fkey: str) -> str:
     return after
 
 
-def list_page(
+async def list_page(
     writer: Writer, statuses: frozenset[Status], owner: str, page_size: int, page_token: str
 ) -> tuple[list[Record], str]:
-    """One page of runs ordered by run_id from the committed state. Scans from
-    the token's position and stops at the first match past a full page, so a
-    page costs what it skips, not the size of the table."""
+    """One page of runs ordered by run_id from the committed state. Walks the
+    narrowest index the filters allow (all ids, one status's, or one owner's;
+    index.py) from the token's position and stops at the first match past a
+    full page, so a page costs the matches it returns plus what the chosen
+    index holds that the other filter refuses, not the size of the table.
+    Finished runs that memory no longer holds are read in bulk, a chunk of
+    candidates at a time."""
     fkey = _filter_key(statuses, owner)
     after = decode_page_token(page_token, fkey) if page_token else None
-    st = writer.state
-    ids = st.sorted_ids
-    i = bisect.bisect_right(ids, after) if after is not None else 0
+    index = writer.state.index
     out: list[Record] = []
-    for k in itertools.islice(ids, i, None):
-        rec = st.runs[k]
-        if statuses and rec.status not in statuses:
-            continue
-        if owner and (rec.lease is None or rec.lease.owner != owner):
-            continue
-        if len(out) == page_size:  # one more match exists: there is a next page
-            return out, encode_page_token(out[-1].run_id, fkey)
-        out.append(rec)
-    return out, ""
+    while True:
+        # a fresh walk from the last id seen each time: the index may move
+        # while this awaits a read
+        walk = index.candidates(after, statuses, owner)
+        chunk = list(itertools.islice(walk, page_size + 1 - len(out)))
+        if not chunk:
+            return out, ""
+        after = chunk[-1]
+        records = await writer.read_runs(chunk)
+        for k in chunk:
+            rec = records.get(k)
+            if rec is None:  # deleted meanwhile
+                continue
+            if statuses and rec.status not in statuses:
+                continue
+            if owner and (rec.lease is None or rec.lease.owner != owner):
+                continue
+            if len(out) == page_size:  # one more match exists: there is a next page
+                return out, encode_page_token(out[-1].run_id, fkey)
+            out.append(rec)
 
 
 class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServicer):
@@ -136,6 +147,15 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         return await self._answer(convert.record_checkpoint(request), pb.RecordCheckpointResponse())
 
     @handler
+    async def Transact(
+        self, request: pb.TransactionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TransactionResponse:
+        done = await self.writer.submit(transaction_cmd(request))
+        response = pb.TransactionResponse()
+        fill_transaction(response, done, request)  # type: ignore[arg-type]
+        return response
+
+    @handler
     async def Suspend(
         self, request: pb.SuspendRequest, context: grpc.aio.ServicerContext
     ) -> pb.SuspendResponse:
@@ -171,10 +191,13 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
     ) -> pb.GetRunResponse:
         validate.run_id(request.run_id)
         st = self.writer.state
-        rec = st.runs.get(request.run_id)
+        revision = st.revision
+        rec = self.writer.get_hot(request.run_id) or await self.writer.read_run(request.run_id)
         if rec is None:
             raise LedgerError(Code.RUN_NOT_FOUND, f"run {request.run_id!r} not found")
-        return pb.GetRunResponse(run=convert.record_to_pb(rec), revision=st.revision)
+        return pb.GetRunResponse(
+            run=convert.record_to_pb(rec), revision=max(revision, rec.revision)
+        )
 
     @handler
     async def ListRuns(
@@ -190,7 +213,9 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
             or DEFAULT_PAGE_SIZE
         )
         revision = self.writer.state.revision
-        runs, token = list_page(self.writer, statuses, request.owner, size, request.page_token)
+        runs, token = await list_page(
+            self.writer, statuses, request.owner, size, request.page_token
+        )
         return pb.ListRunsResponse(
             runs=[convert.record_to_pb(r) for r in runs], next_page_token=token, revision=revision
         )
@@ -212,9 +237,11 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         validate.run_id(request.run_id)
         validate.fencing_token(request.fencing_token)
         st = self.writer.state
-        rec = st.runs.get(request.run_id)
+        revision = st.revision
+        rec = self.writer.get_hot(request.run_id) or await self.writer.read_run(request.run_id)
         if rec is None:
-            return pb.ValidateFenceResponse(current=False, found=False, revision=st.revision)
+            return pb.ValidateFenceResponse(current=False, found=False, revision=revision)
+        revision = max(revision, rec.revision)
         current = (
             rec.fencing_token == request.fencing_token
             and rec.status is Status.RUNNING
@@ -225,5 +252,5 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
             found=True,
             fencing_token=rec.fencing_token,
             status=int(rec.status),  # type: ignore[arg-type]
-            revision=st.revision,
+            revision=revision,
         )

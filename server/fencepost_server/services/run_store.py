@@ -1,4 +1,4 @@
-"""fencepost.v1.RunStore: the raw three-method seam plus a declaration (SPEC §7)."""
+"""fencepost.v1.RunStore: the raw three-method seam plus a declaration (docs/SPEC.md §7)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,13 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:
         validate.run_id(request.run_id)
-        st = self.writer.state
-        rec = st.runs.get(request.run_id)
+        revision = self.writer.state.revision
+        rec = self.writer.get_hot(request.run_id) or await self.writer.read_run(request.run_id)
         if rec is None:
-            return pb.GetResponse(found=False, revision=st.revision)
-        return pb.GetResponse(found=True, run=convert.record_to_pb(rec), revision=st.revision)
+            return pb.GetResponse(found=False, revision=revision)
+        return pb.GetResponse(
+            found=True, run=convert.record_to_pb(rec), revision=max(revision, rec.revision)
+        )
 
     @handler
     async def Create(

@@ -1,4 +1,4 @@
-"""The streaming Ledger RPCs: KeepAlive and WatchRuns (SPEC §6).
+"""The streaming Ledger RPCs: KeepAlive and WatchRuns (docs/SPEC.md §6).
 
 Each stream's handler runs a *pump* task (messages out) and, for KeepAlive, a
 *reader* task (messages in), and waits for the first of: the pump ending, the
@@ -115,7 +115,7 @@ class StreamHandlers:
             run_id = ""
             try:
                 if isinstance(msg, Malformed):
-                    raise validation("request", f"undecodable {msg.type_name}: {msg.error}")
+                    raise validation(msg.field, f"undecodable {msg.type_name}: {msg.error}")
                 kind = msg.WhichOneof("kind")
                 if kind == "renew":
                     run_id = msg.renew.run_id

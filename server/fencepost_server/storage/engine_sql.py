@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..core import engine as E
+from ..core import fence as F
 from .sqlite import open_read_only
 
 T = TypeVar("T")
@@ -335,10 +336,17 @@ EXECUTORS: dict[type, Callable[[sqlite3.Connection, Any, int], Any]] = {
 }
 
 
+def check_lock_fence(db: sqlite3.Connection, fence: F.Fence) -> None:
+    """A lock fence against the lock's row as the writer's transaction sees it."""
+    E.check_lock_fence(fence, _get_lock(db, fence.lock_key))
+
+
 def register(writer: Any) -> None:
-    """Route every engine-store command to its executor."""
+    """Route every engine-store command to its executor, and lock fences to
+    their check."""
     for cmd_type, executor in EXECUTORS.items():
         writer.register(cmd_type, executor)
+    writer.lock_fence = check_lock_fence
 
 
 # -- reads (reader threads, read-only connections) -------------------------------------------

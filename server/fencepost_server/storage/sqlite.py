@@ -19,6 +19,8 @@ commit time and its fsync.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ from ..core import codec
 from ..core.errors import Code, LedgerError
 from ..core.records import Record, record_from_dict, record_to_dict
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Each entry migrates user_version i -> i + 1. Append; never edit a shipped one.
 MIGRATIONS: list[list[str]] = [
@@ -67,7 +69,7 @@ MIGRATIONS: list[list[str]] = [
                record       TEXT,
                committed_at INTEGER NOT NULL
            )""",
-        # Answers to recent request ids (SPEC §5.5).
+        # Answers to recent request ids (docs/SPEC.md §5.5).
         """CREATE TABLE requests (
                request_id  TEXT PRIMARY KEY,
                fingerprint TEXT NOT NULL,
@@ -76,7 +78,7 @@ MIGRATIONS: list[list[str]] = [
            ) WITHOUT ROWID""",
         "CREATE INDEX requests_by_age ON requests (created_at)",
     ],
-    # 1 -> 2: the engine store (SPEC §11; storage/engine_sql.py reads and writes it).
+    # 1 -> 2: the engine store (docs/SPEC.md §11; storage/engine_sql.py reads and writes it).
     [
         """CREATE TABLE engine_runs (
                id               TEXT PRIMARY KEY,
@@ -182,7 +184,21 @@ MIGRATIONS: list[list[str]] = [
         "INSERT INTO meta (key, value) SELECT 'materialized', value FROM meta "
         "WHERE key = 'revision'",
     ],
+    # 3 -> 4: finished runs are no longer held in memory (they are read from
+    # `runs` on demand); start-up loads the unfinished ones by status, and the
+    # ids, statuses and owners of the rest from this index alone.
+    [
+        "CREATE INDEX runs_by_status ON runs (status, owner)",
+        # retention (--retain-terminal): finished runs by the time they finished
+        "CREATE INDEX runs_finished_at ON runs (json_extract(record, '$.updated_at')) "
+        "WHERE status IN (4, 5, 6)",
+    ],
 ]
+
+# Statuses whose runs are held in memory ("hot"); the terminal ones are read
+# from the runs table on demand once it reflects them.
+HOT_STATUSES = (1, 2, 3)  # queued, running, suspended
+COLD_STATUSES = (4, 5, 6)  # completed, failed, cancelled
 
 KIND_PUT = 1
 KIND_DELETE = 2
@@ -198,7 +214,10 @@ class Durability(StrEnum):
 
 @dataclass
 class LoadedState:
+    # the runs held in memory: unfinished ones, and any the change log
+    # replayed; ``cold`` names the rest (id, status, lease owner)
     runs: dict[str, Record] = field(default_factory=dict)
+    cold: list[tuple[str, int, str | None]] = field(default_factory=list)
     tombstones: dict[str, int] = field(default_factory=dict)
     revision: int = 0
     compacted: int = 0
@@ -223,6 +242,16 @@ class Batch:
     # the materialized mark): no change above the mark is ever dropped.
     prune: tuple[int, int, int | None, int] | None = None
     compacted: int | None = None  # set by write() when it pruned
+    # set by write(): the prune stopped at PRUNE_CHUNK rows of a table and more
+    # is due (the writer prunes again in its next batch, not in prune_every_ms)
+    prune_more: bool = False
+
+
+# Rows one batch prunes from each of changes and requests, at most. Pruning
+# everything due in one statement every prune_every_ms (150 000 rows at 5 000
+# renewals/s and 30 s) stalled that batch and every caller queued behind it;
+# in chunks the backlog goes in a few batches of a few milliseconds each.
+PRUNE_CHUNK = 8192
 
 
 def _dumps(obj: Any) -> str:
@@ -245,6 +274,31 @@ def _answer_text(answer: Any, encoded: dict[int, str]) -> str:
     return _dumps(codec.encode(answer))
 
 
+def _lock_exclusively(path: str) -> int:
+    """Hold an exclusive ``flock`` on the database file for the server's lifetime.
+
+    Two servers on one file would each keep their own in-memory state (stale
+    reads, and revisions that collide on the next write), so the second one is
+    refused before it reads anything. ``flock`` is independent of the POSIX
+    record locks SQLite takes, so it never blocks SQLite itself or read-only
+    inspection; the kernel drops it when the process dies, ``kill -9`` included.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(
+            f"{path} is in use by another fencepost server (it holds the file's lock); "
+            "one server per database file: stop the other one, or give this one its "
+            "own --db"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _storage_error(exc: sqlite3.Error) -> LedgerError:
     code = getattr(exc, "sqlite_errorcode", None)
     if code == sqlite3.SQLITE_FULL:
@@ -261,6 +315,7 @@ class SqliteStorage:
         self.path = str(path)
         self.durability = Durability(durability)
         self._db: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -269,7 +324,12 @@ class SqliteStorage:
         not fencepost databases or were written by a newer release."""
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._lock_fd = _lock_exclusively(self.path)
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except BaseException:
+            self._unlock()
+            raise
         try:
             mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if self.path != ":memory:" and mode.lower() != "wal":
@@ -290,13 +350,20 @@ class SqliteStorage:
             self._migrate(db)
         except sqlite3.DatabaseError as exc:
             db.close()
+            self._unlock()
             raise RuntimeError(
                 f"{self.path} is not a usable fencepost database ({exc}); refusing to start"
             ) from exc
         except BaseException:
             db.close()
+            self._unlock()
             raise
         self._db = db
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
 
     def _migrate(self, db: sqlite3.Connection) -> None:
         version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -330,6 +397,7 @@ class SqliteStorage:
                 pass
             self._db.close()
             self._db = None
+        self._unlock()
 
     @property
     def is_open(self) -> bool:
@@ -344,12 +412,17 @@ class SqliteStorage:
     # -- reads (writer thread) --------------------------------------------------
 
     def load(self) -> LoadedState:
-        """The committed ledger: the runs table, plus the changes above its
-        materialized mark replayed in order — which are then written to runs
-        (one transaction), so the writer starts with nothing pending."""
+        """The committed ledger: the unfinished runs of the runs table, plus the
+        changes above its materialized mark replayed in order — which are then
+        written to runs (one transaction), so the writer starts with nothing
+        pending. Finished runs are not read: ``cold`` lists their ids (from
+        the status index alone); ``read_runs`` reads them when asked."""
         db = self.db
         state = LoadedState()
-        for run_id, text in db.execute("SELECT run_id, record FROM runs"):
+        marks = ",".join("?" * len(HOT_STATUSES))
+        for run_id, text in db.execute(
+            f"SELECT run_id, record FROM runs WHERE status IN ({marks})", HOT_STATUSES
+        ):
             state.runs[run_id] = self._readable(text, f"the stored record of run {run_id!r}")
         state.tombstones = dict(db.execute("SELECT run_id, fencing_token FROM tombstones"))
         state.revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0]
@@ -370,11 +443,28 @@ class SqliteStorage:
                 state.runs.pop(run_id, None)
             else:
                 state.runs[run_id] = rec
+        marks = ",".join("?" * len(COLD_STATUSES))
+        state.cold = [
+            row for row in db.execute(
+                f"SELECT run_id, status, owner FROM runs INDEXED BY runs_by_status "
+                f"WHERE status IN ({marks})", COLD_STATUSES,
+            )
+            if row[0] not in replay
+        ]
         if mark != state.revision:
             with self.transaction():
                 self._materialize(db, list(replay.items()), state.revision, state.revision)
+        for run_id, rec in replay.items():  # now reflected in runs: finished ones go cold
+            if rec is not None and rec.status in COLD_STATUSES:
+                del state.runs[run_id]
+                state.cold.append((run_id, int(rec.status), rec.lease.owner if rec.lease else None))
         state.compacted = self._compacted(db, state.revision)
         return state
+
+    def read_runs(self, run_ids: list[str]) -> dict[str, Record]:
+        """The runs table's records of those ids that have one (writer thread:
+        inside a batch it sees what earlier batches committed)."""
+        return read_runs(self.db, run_ids)
 
     def _readable(self, text: Any, what: str) -> Record:
         try:
@@ -531,14 +621,65 @@ class SqliteStorage:
             )
         if batch.prune is not None:
             request_cutoff, keep_from, age_cutoff, mark = batch.prune
-            db.execute("DELETE FROM requests WHERE created_at < ?", (request_cutoff,))
-            db.execute("DELETE FROM changes WHERE revision < ?", (min(keep_from, mark + 1),))
-            if age_cutoff is not None:
-                db.execute(
-                    "DELETE FROM changes WHERE committed_at < ? AND revision <= ?",
-                    (age_cutoff, mark),
-                )
+            more = db.execute(
+                "DELETE FROM requests WHERE request_id IN (SELECT request_id FROM requests "
+                "WHERE created_at < ? ORDER BY created_at LIMIT ?)",
+                (request_cutoff, PRUNE_CHUNK),
+            ).rowcount >= PRUNE_CHUNK
+            # changes are deleted oldest first and never above the mark: the
+            # history stays one contiguous range of revisions
+            floor = db.execute("SELECT min(revision) FROM changes").fetchone()[0]
+            if floor is not None:
+                ceiling = mark + 1  # never a change above the mark
+                limit = min(floor + PRUNE_CHUNK, ceiling)
+                below = min(keep_from, ceiling)  # what the count limit prunes
+                old_window = False
+                if age_cutoff is not None:
+                    # the age limit prunes up to the first change (within this
+                    # chunk) committed at or after the cutoff
+                    young = db.execute(
+                        "SELECT min(revision) FROM changes WHERE revision >= ? AND "
+                        "revision < ? AND committed_at >= ?",
+                        (floor, limit, age_cutoff),
+                    ).fetchone()[0]
+                    old_window = young is None
+                    below = max(below, limit if young is None else young)
+                stop = min(below, limit)
+                if stop > floor:
+                    db.execute("DELETE FROM changes WHERE revision < ?", (stop,))
+                more = more or (stop == limit < ceiling and (stop < below or old_window))
+            batch.prune_more = more
             batch.compacted = self._compacted(db, batch.revision)
+
+
+def read_runs(db: sqlite3.Connection, run_ids: list[str]) -> dict[str, Record]:
+    """Records of the runs table by id, in chunks the statement can bind."""
+    out: dict[str, Record] = {}
+    for i in range(0, len(run_ids), 500):
+        chunk = run_ids[i:i + 500]
+        for run_id, text in db.execute(
+            f"SELECT run_id, record FROM runs WHERE run_id IN ({','.join('?' * len(chunk))})",
+            chunk,
+        ):
+            out[run_id] = record_from_dict(_loads(text))
+    return out
+
+
+def finished_before(
+    db: sqlite3.Connection, cutoff_ms: int, limit: int, after: tuple[int, str] | None = None
+) -> list[tuple[str, int, int]]:
+    """(run id, version, finished at) of finished runs of the runs table last
+    changed before ``cutoff_ms``, oldest first, past ``after`` (the last
+    (finished at, run id) a previous call returned): the runs_finished_at index."""
+    at, run_id = after if after is not None else (-(2**62), "")
+    return db.execute(
+        "SELECT run_id, version, json_extract(record, '$.updated_at') FROM runs "
+        "INDEXED BY runs_finished_at "
+        "WHERE status IN (4, 5, 6) AND json_extract(record, '$.updated_at') < ? "
+        "AND (json_extract(record, '$.updated_at'), run_id) > (?, ?) "
+        "ORDER BY json_extract(record, '$.updated_at'), run_id LIMIT ?",
+        (cutoff_ms, at, run_id, limit),
+    ).fetchall()
 
 
 def open_read_only(path: str | Path) -> sqlite3.Connection:

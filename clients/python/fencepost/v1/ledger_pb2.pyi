@@ -9,6 +9,7 @@ detail with domain "fencepost" and reason one of:
   RUN_NOT_FOUND          NOT_FOUND
   RUN_LEASE_HELD         FAILED_PRECONDITION  another owner holds a live lease
   RUN_LEASE_LOST         FAILED_PRECONDITION  the handle's fence moved
+  LOCK_LOST              FAILED_PRECONDITION  a lock `fence` no longer holds
   RUN_ALREADY_TERMINAL   FAILED_PRECONDITION
   RUN_SUSPENDED          FAILED_PRECONDITION
   RUN_INVALID_TRANSITION FAILED_PRECONDITION
@@ -130,7 +131,7 @@ class AcquireRequest(_message.Message):
     lease_ttl_ms: _builtins.int
     """Lease ttl in ms, 100 - 86 400 000. Absent means 60 000."""
     lock_delay_ms: _builtins.int
-    """Lock-delay in ms, 0 - 86 400 000; 0 (default) means none (SPEC §5.6)."""
+    """Lock-delay in ms, 0 - 86 400 000; 0 (default) means none (docs/SPEC.md §5.6)."""
     request_id: _builtins.str
     """Retry token; see the file comment."""
     def __init__(
@@ -242,6 +243,7 @@ class RecordCheckpointRequest(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     SNAPSHOT_VERSION_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     owner: _builtins.str
     fencing_token: _builtins.int
@@ -250,6 +252,14 @@ class RecordCheckpointRequest(_message.Message):
     snapshot_version: _builtins.int
     """Snapshot version, >= 0."""
     request_id: _builtins.str
+    @_builtins.property
+    def fence(self) -> _engine_store_pb2.Fence:
+        """Optional second precondition (engine_store.proto's Fence), checked in
+        the same writer step as the handle's own fence: record the checkpoint
+        only while, say, a keyed lock is still held. Absent: only the handle's
+        fence is checked.
+        """
+
     def __init__(
         self,
         *,
@@ -259,10 +269,11 @@ class RecordCheckpointRequest(_message.Message):
         key: _builtins.str = ...,
         snapshot_version: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        fence: _engine_store_pb2.Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "key", b"key", "owner", b"owner", "request_id", b"request_id", "run_id", b"run_id", "snapshot_version", b"snapshot_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "fencing_token", b"fencing_token", "key", b"key", "owner", b"owner", "request_id", b"request_id", "run_id", b"run_id", "snapshot_version", b"snapshot_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -706,6 +717,74 @@ class DeleteRunResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteRunResponse: _TypeAlias = DeleteRunResponse  # noqa: Y015
+
+@_typing.final
+class TransactionRequest(_message.Message):
+    """Ledger.Transact, and Execute's `transaction` command."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Retry token; see the file comment. A retry is answered with the
+    original answer, committed or refused.
+    """
+    @_builtins.property
+    def fence(self) -> _engine_store_pb2.Fence:
+        """The precondition every command shares (see engine_store.proto's Fence),
+        checked before each command. Absent: no shared precondition (the
+        transaction is still all or nothing).
+        """
+
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___Command]:
+        """The commands, applied in order: 1-100 of them, any Command kind except
+        `transaction`. A command's `id` is echoed on its result. Commands carry
+        no request_id of their own (the transaction's covers them all;
+        RUN_VALIDATION_ERROR naming `commands[i].request_id` otherwise); a
+        command may carry its own `fence`, checked as well.
+        """
+
+    def __init__(
+        self,
+        *,
+        fence: _engine_store_pb2.Fence | None = ...,
+        commands: _abc.Iterable[Global___Command] | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands", "fence", b"fence", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransactionRequest: _TypeAlias = TransactionRequest  # noqa: Y015
+
+@_typing.final
+class TransactionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommandResult]:
+        """One result per command, in order, each its unary RPC's response (never
+        `error`: a refused command fails the whole transaction).
+        """
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CommandResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransactionResponse: _TypeAlias = TransactionResponse  # noqa: Y015
 
 @_typing.final
 class ValidateFenceRequest(_message.Message):
@@ -1217,6 +1296,7 @@ class Command(_message.Message):
     KV_SET_FIELD_NUMBER: _builtins.int
     DOC_UPSERT_FIELD_NUMBER: _builtins.int
     DOC_DELETE_FIELD_NUMBER: _builtins.int
+    TRANSACTION_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Client-chosen correlation id, echoed on the result. Must be unique among
     the stream's commands that are still unanswered.
@@ -1295,7 +1375,13 @@ class Command(_message.Message):
 
     @_builtins.property
     def doc_delete(self) -> _engine_store_pb2.EngineDocDeleteRequest:
-        """EngineStore.DocDelete: delete a document."""
+        """EngineStore.DocDelete: delete a document.
+        33-39 are kept free for future EngineStore mutations.
+        """
+
+    @_builtins.property
+    def transaction(self) -> Global___TransactionRequest:
+        """Ledger.Transact: several commands, all or nothing, under one fence."""
 
     def __init__(
         self,
@@ -1323,12 +1409,13 @@ class Command(_message.Message):
         kv_set: _engine_store_pb2.EngineKvSetRequest | None = ...,
         doc_upsert: _engine_store_pb2.EngineDocUpsertRequest | None = ...,
         doc_delete: _engine_store_pb2.EngineDocDeleteRequest | None = ...,
+        transaction: Global___TransactionRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "finish", b"finish", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "update_run", b"update_run"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "finish", b"finish", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "transaction", b"transaction", "update_run", b"update_run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "finish", b"finish", "id", b"id", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "update_run", b"update_run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "finish", b"finish", "id", b"id", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "transaction", b"transaction", "update_run", b"update_run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run", "create_run", "update_run", "claim_run", "renew_claim", "append_step", "save_checkpoint", "claim_key", "acquire_lock", "release_lock", "put_effect", "kv_set", "doc_upsert", "doc_delete"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run", "create_run", "update_run", "claim_run", "renew_claim", "append_step", "save_checkpoint", "claim_key", "acquire_lock", "release_lock", "put_effect", "kv_set", "doc_upsert", "doc_delete", "transaction"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -1384,6 +1471,7 @@ class CommandResult(_message.Message):
     KV_SET_FIELD_NUMBER: _builtins.int
     DOC_UPSERT_FIELD_NUMBER: _builtins.int
     DOC_DELETE_FIELD_NUMBER: _builtins.int
+    TRANSACTION_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The command's id."""
     @_builtins.property
@@ -1467,6 +1555,10 @@ class CommandResult(_message.Message):
     def doc_delete(self) -> _engine_store_pb2.EngineDocDeleteResponse:
         """Answers `doc_delete`."""
 
+    @_builtins.property
+    def transaction(self) -> Global___TransactionResponse:
+        """Answers `transaction`."""
+
     def __init__(
         self,
         *,
@@ -1494,12 +1586,13 @@ class CommandResult(_message.Message):
         kv_set: _engine_store_pb2.EngineKvSetResponse | None = ...,
         doc_upsert: _engine_store_pb2.EngineDocUpsertResponse | None = ...,
         doc_delete: _engine_store_pb2.EngineDocDeleteResponse | None = ...,
+        transaction: Global___TransactionResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "error", b"error", "finish", b"finish", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "update_run", b"update_run"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "error", b"error", "finish", b"finish", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "transaction", b"transaction", "update_run", b"update_run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "error", b"error", "finish", b"finish", "id", b"id", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "update_run", b"update_run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "acquire_lock", b"acquire_lock", "append_step", b"append_step", "cancel", b"cancel", "claim_key", b"claim_key", "claim_run", b"claim_run", "create_run", b"create_run", "delete_run", b"delete_run", "doc_delete", b"doc_delete", "doc_upsert", b"doc_upsert", "error", b"error", "finish", b"finish", "id", b"id", "kind", b"kind", "kv_set", b"kv_set", "put_effect", b"put_effect", "record_checkpoint", b"record_checkpoint", "release", b"release", "release_lock", b"release_lock", "renew", b"renew", "renew_claim", b"renew_claim", "request_resume", b"request_resume", "save_checkpoint", b"save_checkpoint", "suspend", b"suspend", "transaction", b"transaction", "update_run", b"update_run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run", "error", "create_run", "update_run", "claim_run", "renew_claim", "append_step", "save_checkpoint", "claim_key", "acquire_lock", "release_lock", "put_effect", "kv_set", "doc_upsert", "doc_delete"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["acquire", "renew", "record_checkpoint", "suspend", "finish", "release", "cancel", "request_resume", "delete_run", "error", "create_run", "update_run", "claim_run", "renew_claim", "append_step", "save_checkpoint", "claim_key", "acquire_lock", "release_lock", "put_effect", "kv_set", "doc_upsert", "doc_delete", "transaction"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -49,6 +49,11 @@ class LedgerStub:
                 request_serializer=fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointRequest.SerializeToString,
                 response_deserializer=fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointResponse.FromString,
                 _registered_method=True)
+        self.Transact = channel.unary_unary(
+                '/fencepost.v1.Ledger/Transact',
+                request_serializer=fencepost_dot_v1_dot_ledger__pb2.TransactionRequest.SerializeToString,
+                response_deserializer=fencepost_dot_v1_dot_ledger__pb2.TransactionResponse.FromString,
+                _registered_method=True)
         self.Suspend = channel.unary_unary(
                 '/fencepost.v1.Ledger/Suspend',
                 request_serializer=fencepost_dot_v1_dot_ledger__pb2.SuspendRequest.SerializeToString,
@@ -115,7 +120,7 @@ class LedgerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Acquire(self, request, context):
-        """Become the single active owner of a run, creating it if new (SPEC §5.1).
+        """Become the single active owner of a run, creating it if new (docs/SPEC.md §5.1).
         Returns the record with the new lease and fencing token.
         Errors: RUN_VALIDATION_ERROR, RUN_ALREADY_TERMINAL, RUN_SUSPENDED,
         RUN_LEASE_HELD.
@@ -135,7 +140,24 @@ class LedgerServicer:
 
     def RecordCheckpoint(self, request, context):
         """Record a checkpoint pointer and renew the lease in the same write.
-        Errors: as Renew.
+        Errors: as Renew; with a `fence`, also LOCK_LOST and RUN_NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Transact(self, request, context):
+        """Apply several mutations (ledger commands and EngineStore mutations) as
+        one all-or-nothing step of the writer, optionally under one shared
+        `fence` (engine_store.proto). The fence is checked before every command,
+        against the state the transaction's earlier commands left, and every
+        command is applied in order; if the fence fails or any command is
+        refused, nothing of the transaction is written and the call fails with
+        that refusal (its message names `commands[i]`; a validation error's
+        field is prefixed `commands[i].`). Answers only once the commit holding
+        every command is durable.
+        Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND, RUN_LEASE_LOST, LOCK_LOST,
+        and any refusal of a command in it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,7 +237,7 @@ class LedgerServicer:
 
     def ValidateFence(self, request, context):
         """Ask whether a fencing token is still the run's current one, for
-        downstream resources that must refuse stale writers (SPEC §5.4).
+        downstream resources that must refuse stale writers (docs/SPEC.md §5.4).
         Errors: RUN_VALIDATION_ERROR.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -224,7 +246,7 @@ class LedgerServicer:
 
     def KeepAlive(self, request_iterator, context):
         """One bidirectional stream per worker process: renews any number of its
-        leases and brings back revocations (SPEC §6.1; protocol in
+        leases and brings back revocations (docs/SPEC.md §6.1; protocol in
         docs/STREAMS.md). The first client message must be `hello`. Per-run
         failures come back as `error` and never close the stream. A stream that
         drops revokes nothing: leases live by their ttl.
@@ -235,7 +257,7 @@ class LedgerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchRuns(self, request, context):
-        """Stream every committed change, in revision order (SPEC §6.2). With
+        """Stream every committed change, in revision order (docs/SPEC.md §6.2). With
         from_revision > 0, first replays the retained history from that revision,
         then goes live, with no gap and no duplicate.
         Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
@@ -248,9 +270,9 @@ class LedgerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request_iterator, context):
-        """Many ledger commands, and the EngineStore's unary mutations
-        (engine_store.proto), multiplexed on one stream, many per message in both
-        directions: the fast path past the per-call cost of unary RPCs. Each
+        """Many ledger commands, the EngineStore's unary mutations
+        (engine_store.proto) and transactions (Transact), multiplexed on one
+        stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
         command carries a client-chosen id echoed on its result. Semantics,
         validation, errors and request-id retries are exactly those of the
         unary RPCs; a command's failure is its result's `error` (the same
@@ -259,8 +281,9 @@ class LedgerServicer:
         (a client stream) stay separate RPCs. Results may come in any order and in
         any grouping; the server answers every command it accepted.
         An undecodable message is answered by a result with id 0 whose error is
-        RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
-        stream goes on. While the writer's queue is full the server stops reading
+        RUN_VALIDATION_ERROR naming the field that holds invalid UTF-8
+        (`commands[1].acquire.owner`), or `request` when the bytes do not parse
+        at all (none of its commands ran); the stream goes on. While the writer's queue is full the server stops reading
         (flow control holds the sender back). Stream-level errors:
         STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
         (shutdown). A dropped stream's unanswered commands have unknown outcome:
@@ -287,6 +310,11 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.RecordCheckpoint,
                     request_deserializer=fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointRequest.FromString,
                     response_serializer=fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointResponse.SerializeToString,
+            ),
+            'Transact': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transact,
+                    request_deserializer=fencepost_dot_v1_dot_ledger__pb2.TransactionRequest.FromString,
+                    response_serializer=fencepost_dot_v1_dot_ledger__pb2.TransactionResponse.SerializeToString,
             ),
             'Suspend': grpc.unary_unary_rpc_method_handler(
                     servicer.Suspend,
@@ -430,6 +458,33 @@ class Ledger:
             '/fencepost.v1.Ledger/RecordCheckpoint',
             fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointRequest.SerializeToString,
             fencepost_dot_v1_dot_ledger__pb2.RecordCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencepost.v1.Ledger/Transact',
+            fencepost_dot_v1_dot_ledger__pb2.TransactionRequest.SerializeToString,
+            fencepost_dot_v1_dot_ledger__pb2.TransactionResponse.FromString,
             options,
             channel_credentials,
             insecure,

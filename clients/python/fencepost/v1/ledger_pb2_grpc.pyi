@@ -9,6 +9,7 @@ detail with domain "fencepost" and reason one of:
   RUN_NOT_FOUND          NOT_FOUND
   RUN_LEASE_HELD         FAILED_PRECONDITION  another owner holds a live lease
   RUN_LEASE_LOST         FAILED_PRECONDITION  the handle's fence moved
+  LOCK_LOST              FAILED_PRECONDITION  a lock `fence` no longer holds
   RUN_ALREADY_TERMINAL   FAILED_PRECONDITION
   RUN_SUSPENDED          FAILED_PRECONDITION
   RUN_INVALID_TRANSITION FAILED_PRECONDITION
@@ -63,7 +64,7 @@ class LedgerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> LedgerAsyncStub: ...
     Acquire: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.AcquireRequest, _ledger_pb2.AcquireResponse]
-    """Become the single active owner of a run, creating it if new (SPEC §5.1).
+    """Become the single active owner of a run, creating it if new (docs/SPEC.md §5.1).
     Returns the record with the new lease and fencing token.
     Errors: RUN_VALIDATION_ERROR, RUN_ALREADY_TERMINAL, RUN_SUSPENDED,
     RUN_LEASE_HELD.
@@ -75,7 +76,20 @@ class LedgerStub:
     """
     RecordCheckpoint: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.RecordCheckpointRequest, _ledger_pb2.RecordCheckpointResponse]
     """Record a checkpoint pointer and renew the lease in the same write.
-    Errors: as Renew.
+    Errors: as Renew; with a `fence`, also LOCK_LOST and RUN_NOT_FOUND.
+    """
+    Transact: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.TransactionRequest, _ledger_pb2.TransactionResponse]
+    """Apply several mutations (ledger commands and EngineStore mutations) as
+    one all-or-nothing step of the writer, optionally under one shared
+    `fence` (engine_store.proto). The fence is checked before every command,
+    against the state the transaction's earlier commands left, and every
+    command is applied in order; if the fence fails or any command is
+    refused, nothing of the transaction is written and the call fails with
+    that refusal (its message names `commands[i]`; a validation error's
+    field is prefixed `commands[i].`). Answers only once the commit holding
+    every command is durable.
+    Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND, RUN_LEASE_LOST, LOCK_LOST,
+    and any refusal of a command in it.
     """
     Suspend: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.SuspendRequest, _ledger_pb2.SuspendResponse]
     """Park the run (-> SUSPENDED) and drop the lease. A retry by the same
@@ -118,19 +132,19 @@ class LedgerStub:
     """
     ValidateFence: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.ValidateFenceRequest, _ledger_pb2.ValidateFenceResponse]
     """Ask whether a fencing token is still the run's current one, for
-    downstream resources that must refuse stale writers (SPEC §5.4).
+    downstream resources that must refuse stale writers (docs/SPEC.md §5.4).
     Errors: RUN_VALIDATION_ERROR.
     """
     KeepAlive: _grpc.StreamStreamMultiCallable[_ledger_pb2.KeepAliveRequest, _ledger_pb2.KeepAliveResponse]
     """One bidirectional stream per worker process: renews any number of its
-    leases and brings back revocations (SPEC §6.1; protocol in
+    leases and brings back revocations (docs/SPEC.md §6.1; protocol in
     docs/STREAMS.md). The first client message must be `hello`. Per-run
     failures come back as `error` and never close the stream. A stream that
     drops revokes nothing: leases live by their ttl.
     Stream-level errors: RUN_VALIDATION_ERROR (no or bad hello).
     """
     WatchRuns: _grpc.UnaryStreamMultiCallable[_ledger_pb2.WatchRunsRequest, _ledger_pb2.WatchRunsResponse]
-    """Stream every committed change, in revision order (SPEC §6.2). With
+    """Stream every committed change, in revision order (docs/SPEC.md §6.2). With
     from_revision > 0, first replays the retained history from that revision,
     then goes live, with no gap and no duplicate.
     Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
@@ -139,9 +153,9 @@ class LedgerStub:
     from the last revision received + 1.
     """
     Execute: _grpc.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]
-    """Many ledger commands, and the EngineStore's unary mutations
-    (engine_store.proto), multiplexed on one stream, many per message in both
-    directions: the fast path past the per-call cost of unary RPCs. Each
+    """Many ledger commands, the EngineStore's unary mutations
+    (engine_store.proto) and transactions (Transact), multiplexed on one
+    stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
     command carries a client-chosen id echoed on its result. Semantics,
     validation, errors and request-id retries are exactly those of the
     unary RPCs; a command's failure is its result's `error` (the same
@@ -150,8 +164,9 @@ class LedgerStub:
     (a client stream) stay separate RPCs. Results may come in any order and in
     any grouping; the server answers every command it accepted.
     An undecodable message is answered by a result with id 0 whose error is
-    RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
-    stream goes on. While the writer's queue is full the server stops reading
+    RUN_VALIDATION_ERROR naming the field that holds invalid UTF-8
+    (`commands[1].acquire.owner`), or `request` when the bytes do not parse
+    at all (none of its commands ran); the stream goes on. While the writer's queue is full the server stops reading
     (flow control holds the sender back). Stream-level errors:
     STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
     (shutdown). A dropped stream's unanswered commands have unknown outcome:
@@ -162,7 +177,7 @@ class LedgerStub:
 class LedgerAsyncStub(LedgerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Acquire: _aio.UnaryUnaryMultiCallable[_ledger_pb2.AcquireRequest, _ledger_pb2.AcquireResponse]  # type: ignore[assignment]
-    """Become the single active owner of a run, creating it if new (SPEC §5.1).
+    """Become the single active owner of a run, creating it if new (docs/SPEC.md §5.1).
     Returns the record with the new lease and fencing token.
     Errors: RUN_VALIDATION_ERROR, RUN_ALREADY_TERMINAL, RUN_SUSPENDED,
     RUN_LEASE_HELD.
@@ -174,7 +189,20 @@ class LedgerAsyncStub(LedgerStub):
     """
     RecordCheckpoint: _aio.UnaryUnaryMultiCallable[_ledger_pb2.RecordCheckpointRequest, _ledger_pb2.RecordCheckpointResponse]  # type: ignore[assignment]
     """Record a checkpoint pointer and renew the lease in the same write.
-    Errors: as Renew.
+    Errors: as Renew; with a `fence`, also LOCK_LOST and RUN_NOT_FOUND.
+    """
+    Transact: _aio.UnaryUnaryMultiCallable[_ledger_pb2.TransactionRequest, _ledger_pb2.TransactionResponse]  # type: ignore[assignment]
+    """Apply several mutations (ledger commands and EngineStore mutations) as
+    one all-or-nothing step of the writer, optionally under one shared
+    `fence` (engine_store.proto). The fence is checked before every command,
+    against the state the transaction's earlier commands left, and every
+    command is applied in order; if the fence fails or any command is
+    refused, nothing of the transaction is written and the call fails with
+    that refusal (its message names `commands[i]`; a validation error's
+    field is prefixed `commands[i].`). Answers only once the commit holding
+    every command is durable.
+    Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND, RUN_LEASE_LOST, LOCK_LOST,
+    and any refusal of a command in it.
     """
     Suspend: _aio.UnaryUnaryMultiCallable[_ledger_pb2.SuspendRequest, _ledger_pb2.SuspendResponse]  # type: ignore[assignment]
     """Park the run (-> SUSPENDED) and drop the lease. A retry by the same
@@ -217,19 +245,19 @@ class LedgerAsyncStub(LedgerStub):
     """
     ValidateFence: _aio.UnaryUnaryMultiCallable[_ledger_pb2.ValidateFenceRequest, _ledger_pb2.ValidateFenceResponse]  # type: ignore[assignment]
     """Ask whether a fencing token is still the run's current one, for
-    downstream resources that must refuse stale writers (SPEC §5.4).
+    downstream resources that must refuse stale writers (docs/SPEC.md §5.4).
     Errors: RUN_VALIDATION_ERROR.
     """
     KeepAlive: _aio.StreamStreamMultiCallable[_ledger_pb2.KeepAliveRequest, _ledger_pb2.KeepAliveResponse]  # type: ignore[assignment]
     """One bidirectional stream per worker process: renews any number of its
-    leases and brings back revocations (SPEC §6.1; protocol in
+    leases and brings back revocations (docs/SPEC.md §6.1; protocol in
     docs/STREAMS.md). The first client message must be `hello`. Per-run
     failures come back as `error` and never close the stream. A stream that
     drops revokes nothing: leases live by their ttl.
     Stream-level errors: RUN_VALIDATION_ERROR (no or bad hello).
     """
     WatchRuns: _aio.UnaryStreamMultiCallable[_ledger_pb2.WatchRunsRequest, _ledger_pb2.WatchRunsResponse]  # type: ignore[assignment]
-    """Stream every committed change, in revision order (SPEC §6.2). With
+    """Stream every committed change, in revision order (docs/SPEC.md §6.2). With
     from_revision > 0, first replays the retained history from that revision,
     then goes live, with no gap and no duplicate.
     Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
@@ -238,9 +266,9 @@ class LedgerAsyncStub(LedgerStub):
     from the last revision received + 1.
     """
     Execute: _aio.StreamStreamMultiCallable[_ledger_pb2.ExecuteRequest, _ledger_pb2.ExecuteResponse]  # type: ignore[assignment]
-    """Many ledger commands, and the EngineStore's unary mutations
-    (engine_store.proto), multiplexed on one stream, many per message in both
-    directions: the fast path past the per-call cost of unary RPCs. Each
+    """Many ledger commands, the EngineStore's unary mutations
+    (engine_store.proto) and transactions (Transact), multiplexed on one
+    stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
     command carries a client-chosen id echoed on its result. Semantics,
     validation, errors and request-id retries are exactly those of the
     unary RPCs; a command's failure is its result's `error` (the same
@@ -249,8 +277,9 @@ class LedgerAsyncStub(LedgerStub):
     (a client stream) stay separate RPCs. Results may come in any order and in
     any grouping; the server answers every command it accepted.
     An undecodable message is answered by a result with id 0 whose error is
-    RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
-    stream goes on. While the writer's queue is full the server stops reading
+    RUN_VALIDATION_ERROR naming the field that holds invalid UTF-8
+    (`commands[1].acquire.owner`), or `request` when the bytes do not parse
+    at all (none of its commands ran); the stream goes on. While the writer's queue is full the server stops reading
     (flow control holds the sender back). Stream-level errors:
     STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
     (shutdown). A dropped stream's unanswered commands have unknown outcome:
@@ -264,7 +293,7 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         request: _ledger_pb2.AcquireRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.AcquireResponse, _abc.Awaitable[_ledger_pb2.AcquireResponse]]:
-        """Become the single active owner of a run, creating it if new (SPEC §5.1).
+        """Become the single active owner of a run, creating it if new (docs/SPEC.md §5.1).
         Returns the record with the new lease and fencing token.
         Errors: RUN_VALIDATION_ERROR, RUN_ALREADY_TERMINAL, RUN_SUSPENDED,
         RUN_LEASE_HELD.
@@ -288,7 +317,26 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.RecordCheckpointResponse, _abc.Awaitable[_ledger_pb2.RecordCheckpointResponse]]:
         """Record a checkpoint pointer and renew the lease in the same write.
-        Errors: as Renew.
+        Errors: as Renew; with a `fence`, also LOCK_LOST and RUN_NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def Transact(
+        self,
+        request: _ledger_pb2.TransactionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.TransactionResponse, _abc.Awaitable[_ledger_pb2.TransactionResponse]]:
+        """Apply several mutations (ledger commands and EngineStore mutations) as
+        one all-or-nothing step of the writer, optionally under one shared
+        `fence` (engine_store.proto). The fence is checked before every command,
+        against the state the transaction's earlier commands left, and every
+        command is applied in order; if the fence fails or any command is
+        refused, nothing of the transaction is written and the call fails with
+        that refusal (its message names `commands[i]`; a validation error's
+        field is prefixed `commands[i].`). Answers only once the commit holding
+        every command is durable.
+        Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND, RUN_LEASE_LOST, LOCK_LOST,
+        and any refusal of a command in it.
         """
 
     @_abc_1.abstractmethod
@@ -385,7 +433,7 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.ValidateFenceResponse, _abc.Awaitable[_ledger_pb2.ValidateFenceResponse]]:
         """Ask whether a fencing token is still the run's current one, for
-        downstream resources that must refuse stale writers (SPEC §5.4).
+        downstream resources that must refuse stale writers (docs/SPEC.md §5.4).
         Errors: RUN_VALIDATION_ERROR.
         """
 
@@ -396,7 +444,7 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ledger_pb2.KeepAliveResponse], _abc.AsyncIterator[_ledger_pb2.KeepAliveResponse]]:
         """One bidirectional stream per worker process: renews any number of its
-        leases and brings back revocations (SPEC §6.1; protocol in
+        leases and brings back revocations (docs/SPEC.md §6.1; protocol in
         docs/STREAMS.md). The first client message must be `hello`. Per-run
         failures come back as `error` and never close the stream. A stream that
         drops revokes nothing: leases live by their ttl.
@@ -409,7 +457,7 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         request: _ledger_pb2.WatchRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ledger_pb2.WatchRunsResponse], _abc.AsyncIterator[_ledger_pb2.WatchRunsResponse]]:
-        """Stream every committed change, in revision order (SPEC §6.2). With
+        """Stream every committed change, in revision order (docs/SPEC.md §6.2). With
         from_revision > 0, first replays the retained history from that revision,
         then goes live, with no gap and no duplicate.
         Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
@@ -424,9 +472,9 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_ledger_pb2.ExecuteRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ledger_pb2.ExecuteResponse], _abc.AsyncIterator[_ledger_pb2.ExecuteResponse]]:
-        """Many ledger commands, and the EngineStore's unary mutations
-        (engine_store.proto), multiplexed on one stream, many per message in both
-        directions: the fast path past the per-call cost of unary RPCs. Each
+        """Many ledger commands, the EngineStore's unary mutations
+        (engine_store.proto) and transactions (Transact), multiplexed on one
+        stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
         command carries a client-chosen id echoed on its result. Semantics,
         validation, errors and request-id retries are exactly those of the
         unary RPCs; a command's failure is its result's `error` (the same
@@ -435,8 +483,9 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         (a client stream) stay separate RPCs. Results may come in any order and in
         any grouping; the server answers every command it accepted.
         An undecodable message is answered by a result with id 0 whose error is
-        RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
-        stream goes on. While the writer's queue is full the server stops reading
+        RUN_VALIDATION_ERROR naming the field that holds invalid UTF-8
+        (`commands[1].acquire.owner`), or `request` when the bytes do not parse
+        at all (none of its commands ran); the stream goes on. While the writer's queue is full the server stops reading
         (flow control holds the sender back). Stream-level errors:
         STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
         (shutdown). A dropped stream's unanswered commands have unknown outcome:

@@ -50,7 +50,7 @@ class _RunStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunStatus.V
     """Terminal: cancelled by its holder or by an operator."""
 
 class RunStatus(_RunStatus, metaclass=_RunStatusEnumTypeWrapper):
-    """Lifecycle status of a run (SPEC §3). The zero value is never stored.
+    """Lifecycle status of a run (docs/SPEC.md §3). The zero value is never stored.
 
       QUEUED    -> RUNNING, CANCELLED, FAILED
       RUNNING   -> SUSPENDED, COMPLETED, FAILED, CANCELLED, QUEUED (released)
@@ -92,7 +92,7 @@ class Lease(_message.Message):
     extends by this much.
     """
     lock_delay_ms: _builtins.int
-    """Lock-delay in ms (SPEC §5.6); 0 means none. When the lease expires
+    """Lock-delay in ms (docs/SPEC.md §5.6); 0 means none. When the lease expires
     without a clean Release or Finish, no other owner may take the run until
     expires_at + lock_delay_ms.
     """
@@ -103,7 +103,7 @@ class Lease(_message.Message):
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp:
         """The lease is live while the server's now < expires_at and expired at
-        exactly expires_at (SPEC §4).
+        exactly expires_at (docs/SPEC.md §4).
         """
 
     def __init__(
@@ -217,7 +217,7 @@ Global___Suspension: _TypeAlias = Suspension  # noqa: Y015
 
 @_typing.final
 class Run(_message.Message):
-    """The run record (SPEC §2)."""
+    """The run record (docs/SPEC.md §2)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -1,4 +1,4 @@
-// The engine store (SPEC §11): every other durable primitive a workflow
+// The engine store (docs/SPEC.md §11): every other durable primitive a workflow
 // engine needs, behind the same single writer as the ledger. Eight parts:
 // runs (with claims), steps, checkpoints, idempotency keys, keyed locks,
 // effect results, per-agent state (key/value and documents) and artifacts.
@@ -8,7 +8,7 @@
 // across every client process, and is acknowledged only once the commit
 // holding it is durable.
 //
-// Time. Only the server's clock decides expiry (SPEC §4). A claim, an
+// Time. Only the server's clock decides expiry (docs/SPEC.md §4). A claim, an
 // idempotency key or a lock granted at T with ttl D is live while the
 // server's now < T + D, and expired at exactly T + D, when it can be taken
 // over. Every `ttl_ms` is in milliseconds, 1 - 31 536 000 000 (365 days);
@@ -45,9 +45,23 @@
 //   RUN_NOT_FOUND         NOT_FOUND            UpdateRun of an unknown run id;
 //                                              ReadArtifact of an unknown id
 //   INVALID_RUN_STATE     FAILED_PRECONDITION  an UpdateRun guard failed
+//   RUN_LEASE_LOST        FAILED_PRECONDITION  a `fence` on a ledger run no longer
+//                                              holds; the run record is attached
+//   LOCK_LOST             FAILED_PRECONDITION  a `fence` on a keyed lock no longer
+//                                              holds; metadata["lock_key"],
+//                                              ["fencing_token"], ["owner"]
 //   STORAGE_FULL          RESOURCE_EXHAUSTED   the write could not be made durable
 //   STORAGE_UNAVAILABLE   UNAVAILABLE          the write could not be made
 //                                              durable, or the server is stopping
+//
+// Fenced writes. Every mutation takes an optional `fence`: a precondition
+// on a ledger run's fencing token or on a keyed lock's token (see `Fence`).
+// The writer checks it in the same serialized step that applies the write,
+// against its authoritative state, so a write is never committed under a
+// token that is no longer current at its commit; a fence that does not hold
+// refuses the write (RUN_LEASE_LOST or LOCK_LOST) and nothing is written.
+// Ledger.Transact (and Execute's `transaction` command) applies several
+// mutations under one shared fence, all or nothing.
 //
 // Retries. Every mutating request has a `request_id` (optional, at most 128
 // bytes). The server remembers request ids (at least 10 minutes, across
@@ -69,7 +83,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file fencepost/v1/engine_store.proto.
  */
 export const file_fencepost_v1_engine_store: GenFile = /*@__PURE__*/
-  fileDesc("Ch9mZW5jZXBvc3QvdjEvZW5naW5lX3N0b3JlLnByb3RvEgxmZW5jZXBvc3QudjEiGQoJSnNvblZhbHVlEgwKBGpzb24YASABKAkiTwoORW5naW5lUnVuQ2xhaW0SDQoFb3duZXIYASABKAkSLgoKZXhwaXJlc19hdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAimQMKCUVuZ2luZVJ1bhIKCgJpZBgBIAEoCRINCgVhZ2VudBgCIAEoCRIOCgZzdGF0dXMYAyABKAkSHAoPY29uY3VycmVuY3lfa2V5GAQgASgJSACIAQESJgoFaW5wdXQYBSABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEicKBm91dHB1dBgGIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSJgoFZXJyb3IYByABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEikKCG1ldGFkYXRhGAggASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRIrCgVjbGFpbRgJIAEoCzIcLmZlbmNlcG9zdC52MS5FbmdpbmVSdW5DbGFpbRIuCgpjcmVhdGVkX2F0GAogASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgp1cGRhdGVkX2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcEISChBfY29uY3VycmVuY3lfa2V5IpUCCg5FbmdpbmVSdW5QYXRjaBITCgZzdGF0dXMYASABKAlIAIgBARIcCg9jb25jdXJyZW5jeV9rZXkYAiABKAlIAYgBARImCgVpbnB1dBgDIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSJwoGb3V0cHV0GAQgASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRImCgVlcnJvchgFIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSKQoIbWV0YWRhdGEYBiABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEg0KBWNsZWFyGAcgAygJQgkKB19zdGF0dXNCEgoQX2NvbmN1cnJlbmN5X2tleSKrAgoKRW5naW5lU3RlcBIOCgZydW5faWQYASABKAkSCwoDc2VxGAIgASgDEgwKBG5hbWUYAyABKAkSEwoGc3RhdHVzGAQgASgJSACIAQESJgoFaW5wdXQYBSABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEicKBm91dHB1dBgGIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSJgoFZXJyb3IYByABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEikKCG1ldGFkYXRhGAggASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRIuCgpjcmVhdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcEIJCgdfc3RhdHVzIowBChBFbmdpbmVDaGVja3BvaW50Eg4KBnJ1bl9pZBgBIAEoCRISCgpzdGVwX2luZGV4GAIgASgDEiYKBXN0YXRlGAMgASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRIsCghzYXZlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAibQoJRW5naW5lRG9jEgoKAmlkGAEgASgJEiQKA2RvYxgCIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSLgoKdXBkYXRlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAizwEKDkVuZ2luZUFydGlmYWN0EgoKAmlkGAEgASgJEg4KBnJ1bl9pZBgCIAEoCRIMCgRuYW1lGAMgASgJEhQKDGNvbnRlbnRfdHlwZRgEIAEoCRISCgpzaXplX2J5dGVzGAUgASgDEg4KBnNoYTI1NhgGIAEoCRIpCghtZXRhZGF0YRgHIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSLgoKY3JlYXRlZF9hdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiUgoWRW5naW5lQ3JlYXRlUnVuUmVxdWVzdBIkCgNydW4YASABKAsyFy5mZW5jZXBvc3QudjEuRW5naW5lUnVuEhIKCnJlcXVlc3RfaWQYAiABKAkiUAoXRW5naW5lQ3JlYXRlUnVuUmVzcG9uc2USDwoHY3JlYXRlZBgBIAEoCBIkCgNydW4YAiABKAsyFy5mZW5jZXBvc3QudjEuRW5naW5lUnVuIiEKE0VuZ2luZUdldFJ1blJlcXVlc3QSCgoCaWQYASABKAkiSwoURW5naW5lR2V0UnVuUmVzcG9uc2USDQoFZm91bmQYASABKAgSJAoDcnVuGAIgASgLMhcuZmVuY2Vwb3N0LnYxLkVuZ2luZVJ1biKoAQoWRW5naW5lVXBkYXRlUnVuUmVxdWVzdBIKCgJpZBgBIAEoCRIrCgVwYXRjaBgCIAEoCzIcLmZlbmNlcG9zdC52MS5FbmdpbmVSdW5QYXRjaBIVCg1leHBlY3Rfc3RhdHVzGAMgAygJEhkKDGV4cGVjdF9vd25lchgEIAEoCUgAiAEBEhIKCnJlcXVlc3RfaWQYBSABKAlCDwoNX2V4cGVjdF9vd25lciI/ChdFbmdpbmVVcGRhdGVSdW5SZXNwb25zZRIkCgNydW4YASABKAsyFy5mZW5jZXBvc3QudjEuRW5naW5lUnVuIqcBChVFbmdpbmVMaXN0UnVuc1JlcXVlc3QSEgoFYWdlbnQYASABKAlIAIgBARIQCghzdGF0dXNlcxgCIAMoCRIcCg9jb25jdXJyZW5jeV9rZXkYAyABKAlIAYgBARISCgVsaW1pdBgEIAEoA0gCiAEBEg4KBm9mZnNldBgFIAEoA0IICgZfYWdlbnRCEgoQX2NvbmN1cnJlbmN5X2tleUIICgZfbGltaXQiTgoWRW5naW5lTGlzdFJ1bnNSZXNwb25zZRIlCgRydW5zGAEgAygLMhcuZmVuY2Vwb3N0LnYxLkVuZ2luZVJ1bhINCgV0b3RhbBgCIAEoAyJWChVFbmdpbmVDbGFpbVJ1blJlcXVlc3QSCgoCaWQYASABKAkSDQoFb3duZXIYAiABKAkSDgoGdHRsX21zGAMgASgDEhIKCnJlcXVlc3RfaWQYBCABKAkiTwoWRW5naW5lQ2xhaW1SdW5SZXNwb25zZRIPCgdjbGFpbWVkGAEgASgIEiQKA3J1bhgCIAEoCzIXLmZlbmNlcG9zdC52MS5FbmdpbmVSdW4iWAoXRW5naW5lUmVuZXdDbGFpbVJlcXVlc3QSCgoCaWQYASABKAkSDQoFb3duZXIYAiABKAkSDgoGdHRsX21zGAMgASgDEhIKCnJlcXVlc3RfaWQYBCABKAkiUQoYRW5naW5lUmVuZXdDbGFpbVJlc3BvbnNlEg8KB3JlbmV3ZWQYASABKAgSJAoDcnVuGAIgASgLMhcuZmVuY2Vwb3N0LnYxLkVuZ2luZVJ1biJVChdFbmdpbmVBcHBlbmRTdGVwUmVxdWVzdBImCgRzdGVwGAEgASgLMhguZmVuY2Vwb3N0LnYxLkVuZ2luZVN0ZXASEgoKcmVxdWVzdF9pZBgCIAEoCSJCChhFbmdpbmVBcHBlbmRTdGVwUmVzcG9uc2USJgoEc3RlcBgBIAEoCzIYLmZlbmNlcG9zdC52MS5FbmdpbmVTdGVwIigKFkVuZ2luZUxpc3RTdGVwc1JlcXVlc3QSDgoGcnVuX2lkGAEgASgJIkIKF0VuZ2luZUxpc3RTdGVwc1Jlc3BvbnNlEicKBXN0ZXBzGAEgAygLMhguZmVuY2Vwb3N0LnYxLkVuZ2luZVN0ZXAiZQobRW5naW5lU2F2ZUNoZWNrcG9pbnRSZXF1ZXN0EjIKCmNoZWNrcG9pbnQYASABKAsyHi5mZW5jZXBvc3QudjEuRW5naW5lQ2hlY2twb2ludBISCgpyZXF1ZXN0X2lkGAIgASgJImEKHEVuZ2luZVNhdmVDaGVja3BvaW50UmVzcG9uc2USDQoFc2F2ZWQYASABKAgSMgoKY2hlY2twb2ludBgCIAEoCzIeLmZlbmNlcG9zdC52MS5FbmdpbmVDaGVja3BvaW50Ii8KHUVuZ2luZUxhdGVzdENoZWNrcG9pbnRSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCSJjCh5FbmdpbmVMYXRlc3RDaGVja3BvaW50UmVzcG9uc2USDQoFZm91bmQYASABKAgSMgoKY2hlY2twb2ludBgCIAEoCzIeLmZlbmNlcG9zdC52MS5FbmdpbmVDaGVja3BvaW50ImcKFUVuZ2luZUNsYWltS2V5UmVxdWVzdBINCgVzY29wZRgBIAEoCRILCgNrZXkYAiABKAkSDgoGcnVuX2lkGAMgASgJEg4KBnR0bF9tcxgEIAEoAxISCgpyZXF1ZXN0X2lkGAUgASgJImkKFkVuZ2luZUNsYWltS2V5UmVzcG9uc2USDwoHY3JlYXRlZBgBIAEoCBIOCgZydW5faWQYAiABKAkSLgoKZXhwaXJlc19hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiWgoYRW5naW5lQWNxdWlyZUxvY2tSZXF1ZXN0EgsKA2tleRgBIAEoCRINCgVvd25lchgCIAEoCRIOCgZ0dGxfbXMYAyABKAMSEgoKcmVxdWVzdF9pZBgEIAEoCSKDAQoZRW5naW5lQWNxdWlyZUxvY2tSZXNwb25zZRIQCghhY3F1aXJlZBgBIAEoCBIVCg1mZW5jaW5nX3Rva2VuGAIgASgDEg0KBW93bmVyGAMgASgJEi4KCmV4cGlyZXNfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIkoKGEVuZ2luZVJlbGVhc2VMb2NrUmVxdWVzdBILCgNrZXkYASABKAkSDQoFb3duZXIYAiABKAkSEgoKcmVxdWVzdF9pZBgDIAEoCSItChlFbmdpbmVSZWxlYXNlTG9ja1Jlc3BvbnNlEhAKCHJlbGVhc2VkGAEgASgIIiUKFkVuZ2luZUdldEVmZmVjdFJlcXVlc3QSCwoDa2V5GAEgASgJIoIBChdFbmdpbmVHZXRFZmZlY3RSZXNwb25zZRINCgVmb3VuZBgBIAEoCBInCgZyZXN1bHQYAiABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEi8KC3JlY29yZGVkX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCJiChZFbmdpbmVQdXRFZmZlY3RSZXF1ZXN0EgsKA2tleRgBIAEoCRInCgZyZXN1bHQYAiABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEhIKCnJlcXVlc3RfaWQYAyABKAkiSgoXRW5naW5lUHV0RWZmZWN0UmVzcG9uc2USLwoLcmVjb3JkZWRfYXQYASABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIjAKEkVuZ2luZUt2R2V0UmVxdWVzdBINCgVhZ2VudBgBIAEoCRILCgNrZXkYAiABKAkifAoTRW5naW5lS3ZHZXRSZXNwb25zZRINCgVmb3VuZBgBIAEoCBImCgV2YWx1ZRgCIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSLgoKdXBkYXRlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAibAoSRW5naW5lS3ZTZXRSZXF1ZXN0Eg0KBWFnZW50GAEgASgJEgsKA2tleRgCIAEoCRImCgV2YWx1ZRgDIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSEgoKcmVxdWVzdF9pZBgEIAEoCSJFChNFbmdpbmVLdlNldFJlc3BvbnNlEi4KCnVwZGF0ZWRfYXQYASABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIn8KFEVuZ2luZURvY0xpc3RSZXF1ZXN0Eg0KBWFnZW50GAEgASgJEhIKCmNvbGxlY3Rpb24YAiABKAkSJgoFd2hlcmUYAyABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEhIKBWxpbWl0GAQgASgDSACIAQFCCAoGX2xpbWl0Ij4KFUVuZ2luZURvY0xpc3RSZXNwb25zZRIlCgRkb2NzGAEgAygLMhcuZmVuY2Vwb3N0LnYxLkVuZ2luZURvYyKBAQoWRW5naW5lRG9jVXBzZXJ0UmVxdWVzdBINCgVhZ2VudBgBIAEoCRISCgpjb2xsZWN0aW9uGAIgASgJEgoKAmlkGAMgASgJEiQKA2RvYxgEIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSEgoKcmVxdWVzdF9pZBgFIAEoCSJQChdFbmdpbmVEb2NVcHNlcnRSZXNwb25zZRIPCgdjcmVhdGVkGAEgASgIEiQKA2RvYxgCIAEoCzIXLmZlbmNlcG9zdC52MS5FbmdpbmVEb2MiWwoWRW5naW5lRG9jRGVsZXRlUmVxdWVzdBINCgVhZ2VudBgBIAEoCRISCgpjb2xsZWN0aW9uGAIgASgJEgoKAmlkGAMgASgJEhIKCnJlcXVlc3RfaWQYBCABKAkiKgoXRW5naW5lRG9jRGVsZXRlUmVzcG9uc2USDwoHZGVsZXRlZBgBIAEoCCLJAQoURW5naW5lQXJ0aWZhY3RIZWFkZXISCgoCaWQYASABKAkSDgoGcnVuX2lkGAIgASgJEgwKBG5hbWUYAyABKAkSFAoMY29udGVudF90eXBlGAQgASgJEhIKCnNpemVfYnl0ZXMYBSABKAMSEwoGc2hhMjU2GAYgASgJSACIAQESKQoIbWV0YWRhdGEYByABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEhIKCnJlcXVlc3RfaWQYCCABKAlCCQoHX3NoYTI1NiJpChhFbmdpbmVQdXRBcnRpZmFjdFJlcXVlc3QSNAoGaGVhZGVyGAEgASgLMiIuZmVuY2Vwb3N0LnYxLkVuZ2luZUFydGlmYWN0SGVhZGVySAASDwoFY2h1bmsYAiABKAxIAEIGCgRwYXJ0IlwKGUVuZ2luZVB1dEFydGlmYWN0UmVzcG9uc2USDwoHY3JlYXRlZBgBIAEoCBIuCghhcnRpZmFjdBgCIAEoCzIcLmZlbmNlcG9zdC52MS5FbmdpbmVBcnRpZmFjdCImChhFbmdpbmVHZXRBcnRpZmFjdFJlcXVlc3QSCgoCaWQYASABKAkiWgoZRW5naW5lR2V0QXJ0aWZhY3RSZXNwb25zZRINCgVmb3VuZBgBIAEoCBIuCghhcnRpZmFjdBgCIAEoCzIcLmZlbmNlcG9zdC52MS5FbmdpbmVBcnRpZmFjdCInChlFbmdpbmVSZWFkQXJ0aWZhY3RSZXF1ZXN0EgoKAmlkGAEgASgJIlsKGkVuZ2luZVJlYWRBcnRpZmFjdFJlc3BvbnNlEi4KCGFydGlmYWN0GAEgASgLMhwuZmVuY2Vwb3N0LnYxLkVuZ2luZUFydGlmYWN0Eg0KBWNodW5rGAIgASgMIiwKGkVuZ2luZUxpc3RBcnRpZmFjdHNSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCSJOChtFbmdpbmVMaXN0QXJ0aWZhY3RzUmVzcG9uc2USLwoJYXJ0aWZhY3RzGAEgAygLMhwuZmVuY2Vwb3N0LnYxLkVuZ2luZUFydGlmYWN0MrARCgtFbmdpbmVTdG9yZRJYCglDcmVhdGVSdW4SJC5mZW5jZXBvc3QudjEuRW5naW5lQ3JlYXRlUnVuUmVxdWVzdBolLmZlbmNlcG9zdC52MS5FbmdpbmVDcmVhdGVSdW5SZXNwb25zZRJPCgZHZXRSdW4SIS5mZW5jZXBvc3QudjEuRW5naW5lR2V0UnVuUmVxdWVzdBoiLmZlbmNlcG9zdC52MS5FbmdpbmVHZXRSdW5SZXNwb25zZRJYCglVcGRhdGVSdW4SJC5mZW5jZXBvc3QudjEuRW5naW5lVXBkYXRlUnVuUmVxdWVzdBolLmZlbmNlcG9zdC52MS5FbmdpbmVVcGRhdGVSdW5SZXNwb25zZRJXCghMaXN0UnVucxIjLmZlbmNlcG9zdC52MS5FbmdpbmVMaXN0UnVuc1JlcXVlc3QaJC5mZW5jZXBvc3QudjEuRW5naW5lTGlzdFJ1bnNSZXNwb25zZTABElUKCENsYWltUnVuEiMuZmVuY2Vwb3N0LnYxLkVuZ2luZUNsYWltUnVuUmVxdWVzdBokLmZlbmNlcG9zdC52MS5FbmdpbmVDbGFpbVJ1blJlc3BvbnNlElsKClJlbmV3Q2xhaW0SJS5mZW5jZXBvc3QudjEuRW5naW5lUmVuZXdDbGFpbVJlcXVlc3QaJi5mZW5jZXBvc3QudjEuRW5naW5lUmVuZXdDbGFpbVJlc3BvbnNlElsKCkFwcGVuZFN0ZXASJS5mZW5jZXBvc3QudjEuRW5naW5lQXBwZW5kU3RlcFJlcXVlc3QaJi5mZW5jZXBvc3QudjEuRW5naW5lQXBwZW5kU3RlcFJlc3BvbnNlEloKCUxpc3RTdGVwcxIkLmZlbmNlcG9zdC52MS5FbmdpbmVMaXN0U3RlcHNSZXF1ZXN0GiUuZmVuY2Vwb3N0LnYxLkVuZ2luZUxpc3RTdGVwc1Jlc3BvbnNlMAESZwoOU2F2ZUNoZWNrcG9pbnQSKS5mZW5jZXBvc3QudjEuRW5naW5lU2F2ZUNoZWNrcG9pbnRSZXF1ZXN0GiouZmVuY2Vwb3N0LnYxLkVuZ2luZVNhdmVDaGVja3BvaW50UmVzcG9uc2USbQoQTGF0ZXN0Q2hlY2twb2ludBIrLmZlbmNlcG9zdC52MS5FbmdpbmVMYXRlc3RDaGVja3BvaW50UmVxdWVzdBosLmZlbmNlcG9zdC52MS5FbmdpbmVMYXRlc3RDaGVja3BvaW50UmVzcG9uc2USVQoIQ2xhaW1LZXkSIy5mZW5jZXBvc3QudjEuRW5naW5lQ2xhaW1LZXlSZXF1ZXN0GiQuZmVuY2Vwb3N0LnYxLkVuZ2luZUNsYWltS2V5UmVzcG9uc2USXgoLQWNxdWlyZUxvY2sSJi5mZW5jZXBvc3QudjEuRW5naW5lQWNxdWlyZUxvY2tSZXF1ZXN0GicuZmVuY2Vwb3N0LnYxLkVuZ2luZUFjcXVpcmVMb2NrUmVzcG9uc2USXgoLUmVsZWFzZUxvY2sSJi5mZW5jZXBvc3QudjEuRW5naW5lUmVsZWFzZUxvY2tSZXF1ZXN0GicuZmVuY2Vwb3N0LnYxLkVuZ2luZVJlbGVhc2VMb2NrUmVzcG9uc2USWAoJR2V0RWZmZWN0EiQuZmVuY2Vwb3N0LnYxLkVuZ2luZUdldEVmZmVjdFJlcXVlc3QaJS5mZW5jZXBvc3QudjEuRW5naW5lR2V0RWZmZWN0UmVzcG9uc2USWAoJUHV0RWZmZWN0EiQuZmVuY2Vwb3N0LnYxLkVuZ2luZVB1dEVmZmVjdFJlcXVlc3QaJS5mZW5jZXBvc3QudjEuRW5naW5lUHV0RWZmZWN0UmVzcG9uc2USTAoFS3ZHZXQSIC5mZW5jZXBvc3QudjEuRW5naW5lS3ZHZXRSZXF1ZXN0GiEuZmVuY2Vwb3N0LnYxLkVuZ2luZUt2R2V0UmVzcG9uc2USTAoFS3ZTZXQSIC5mZW5jZXBvc3QudjEuRW5naW5lS3ZTZXRSZXF1ZXN0GiEuZmVuY2Vwb3N0LnYxLkVuZ2luZUt2U2V0UmVzcG9uc2USVAoHRG9jTGlzdBIiLmZlbmNlcG9zdC52MS5FbmdpbmVEb2NMaXN0UmVxdWVzdBojLmZlbmNlcG9zdC52MS5FbmdpbmVEb2NMaXN0UmVzcG9uc2UwARJYCglEb2NVcHNlcnQSJC5mZW5jZXBvc3QudjEuRW5naW5lRG9jVXBzZXJ0UmVxdWVzdBolLmZlbmNlcG9zdC52MS5FbmdpbmVEb2NVcHNlcnRSZXNwb25zZRJYCglEb2NEZWxldGUSJC5mZW5jZXBvc3QudjEuRW5naW5lRG9jRGVsZXRlUmVxdWVzdBolLmZlbmNlcG9zdC52MS5FbmdpbmVEb2NEZWxldGVSZXNwb25zZRJgCgtQdXRBcnRpZmFjdBImLmZlbmNlcG9zdC52MS5FbmdpbmVQdXRBcnRpZmFjdFJlcXVlc3QaJy5mZW5jZXBvc3QudjEuRW5naW5lUHV0QXJ0aWZhY3RSZXNwb25zZSgBEl4KC0dldEFydGlmYWN0EiYuZmVuY2Vwb3N0LnYxLkVuZ2luZUdldEFydGlmYWN0UmVxdWVzdBonLmZlbmNlcG9zdC52MS5FbmdpbmVHZXRBcnRpZmFjdFJlc3BvbnNlEmMKDFJlYWRBcnRpZmFjdBInLmZlbmNlcG9zdC52MS5FbmdpbmVSZWFkQXJ0aWZhY3RSZXF1ZXN0GiguZmVuY2Vwb3N0LnYxLkVuZ2luZVJlYWRBcnRpZmFjdFJlc3BvbnNlMAESZgoNTGlzdEFydGlmYWN0cxIoLmZlbmNlcG9zdC52MS5FbmdpbmVMaXN0QXJ0aWZhY3RzUmVxdWVzdBopLmZlbmNlcG9zdC52MS5FbmdpbmVMaXN0QXJ0aWZhY3RzUmVzcG9uc2UwAUIUChBkZXYuZmVuY2Vwb3N0LnYxUAFiBnByb3RvMw", [file_google_protobuf_timestamp]);
+  fileDesc("Ch9mZW5jZXBvc3QvdjEvZW5naW5lX3N0b3JlLnByb3RvEgxmZW5jZXBvc3QudjEiGQoJSnNvblZhbHVlEgwKBGpzb24YASABKAkiQAoFRmVuY2USDgoGcnVuX2lkGAEgASgJEhUKDWZlbmNpbmdfdG9rZW4YAiABKAMSEAoIbG9ja19rZXkYAyABKAkiTwoORW5naW5lUnVuQ2xhaW0SDQoFb3duZXIYASABKAkSLgoKZXhwaXJlc19hdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAimQMKCUVuZ2luZVJ1bhIKCgJpZBgBIAEoCRINCgVhZ2VudBgCIAEoCRIOCgZzdGF0dXMYAyABKAkSHAoPY29uY3VycmVuY3lfa2V5GAQgASgJSACIAQESJgoFaW5wdXQYBSABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEicKBm91dHB1dBgGIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSJgoFZXJyb3IYByABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEikKCG1ldGFkYXRhGAggASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRIrCgVjbGFpbRgJIAEoCzIcLmZlbmNlcG9zdC52MS5FbmdpbmVSdW5DbGFpbRIuCgpjcmVhdGVkX2F0GAogASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgp1cGRhdGVkX2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcEISChBfY29uY3VycmVuY3lfa2V5IpUCCg5FbmdpbmVSdW5QYXRjaBITCgZzdGF0dXMYASABKAlIAIgBARIcCg9jb25jdXJyZW5jeV9rZXkYAiABKAlIAYgBARImCgVpbnB1dBgDIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSJwoGb3V0cHV0GAQgASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRImCgVlcnJvchgFIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSKQoIbWV0YWRhdGEYBiABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEg0KBWNsZWFyGAcgAygJQgkKB19zdGF0dXNCEgoQX2NvbmN1cnJlbmN5X2tleSKrAgoKRW5naW5lU3RlcBIOCgZydW5faWQYASABKAkSCwoDc2VxGAIgASgDEgwKBG5hbWUYAyABKAkSEwoGc3RhdHVzGAQgASgJSACIAQESJgoFaW5wdXQYBSABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEicKBm91dHB1dBgGIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSJgoFZXJyb3IYByABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEikKCG1ldGFkYXRhGAggASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRIuCgpjcmVhdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcEIJCgdfc3RhdHVzIowBChBFbmdpbmVDaGVja3BvaW50Eg4KBnJ1bl9pZBgBIAEoCRISCgpzdGVwX2luZGV4GAIgASgDEiYKBXN0YXRlGAMgASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRIsCghzYXZlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAibQoJRW5naW5lRG9jEgoKAmlkGAEgASgJEiQKA2RvYxgCIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSLgoKdXBkYXRlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAizwEKDkVuZ2luZUFydGlmYWN0EgoKAmlkGAEgASgJEg4KBnJ1bl9pZBgCIAEoCRIMCgRuYW1lGAMgASgJEhQKDGNvbnRlbnRfdHlwZRgEIAEoCRISCgpzaXplX2J5dGVzGAUgASgDEg4KBnNoYTI1NhgGIAEoCRIpCghtZXRhZGF0YRgHIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSLgoKY3JlYXRlZF9hdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAidgoWRW5naW5lQ3JlYXRlUnVuUmVxdWVzdBIkCgNydW4YASABKAsyFy5mZW5jZXBvc3QudjEuRW5naW5lUnVuEhIKCnJlcXVlc3RfaWQYAiABKAkSIgoFZmVuY2UYAyABKAsyEy5mZW5jZXBvc3QudjEuRmVuY2UiUAoXRW5naW5lQ3JlYXRlUnVuUmVzcG9uc2USDwoHY3JlYXRlZBgBIAEoCBIkCgNydW4YAiABKAsyFy5mZW5jZXBvc3QudjEuRW5naW5lUnVuIiEKE0VuZ2luZUdldFJ1blJlcXVlc3QSCgoCaWQYASABKAkiSwoURW5naW5lR2V0UnVuUmVzcG9uc2USDQoFZm91bmQYASABKAgSJAoDcnVuGAIgASgLMhcuZmVuY2Vwb3N0LnYxLkVuZ2luZVJ1biLMAQoWRW5naW5lVXBkYXRlUnVuUmVxdWVzdBIKCgJpZBgBIAEoCRIrCgVwYXRjaBgCIAEoCzIcLmZlbmNlcG9zdC52MS5FbmdpbmVSdW5QYXRjaBIVCg1leHBlY3Rfc3RhdHVzGAMgAygJEhkKDGV4cGVjdF9vd25lchgEIAEoCUgAiAEBEhIKCnJlcXVlc3RfaWQYBSABKAkSIgoFZmVuY2UYBiABKAsyEy5mZW5jZXBvc3QudjEuRmVuY2VCDwoNX2V4cGVjdF9vd25lciI/ChdFbmdpbmVVcGRhdGVSdW5SZXNwb25zZRIkCgNydW4YASABKAsyFy5mZW5jZXBvc3QudjEuRW5naW5lUnVuIqcBChVFbmdpbmVMaXN0UnVuc1JlcXVlc3QSEgoFYWdlbnQYASABKAlIAIgBARIQCghzdGF0dXNlcxgCIAMoCRIcCg9jb25jdXJyZW5jeV9rZXkYAyABKAlIAYgBARISCgVsaW1pdBgEIAEoA0gCiAEBEg4KBm9mZnNldBgFIAEoA0IICgZfYWdlbnRCEgoQX2NvbmN1cnJlbmN5X2tleUIICgZfbGltaXQiTgoWRW5naW5lTGlzdFJ1bnNSZXNwb25zZRIlCgRydW5zGAEgAygLMhcuZmVuY2Vwb3N0LnYxLkVuZ2luZVJ1bhINCgV0b3RhbBgCIAEoAyJ6ChVFbmdpbmVDbGFpbVJ1blJlcXVlc3QSCgoCaWQYASABKAkSDQoFb3duZXIYAiABKAkSDgoGdHRsX21zGAMgASgDEhIKCnJlcXVlc3RfaWQYBCABKAkSIgoFZmVuY2UYBSABKAsyEy5mZW5jZXBvc3QudjEuRmVuY2UiTwoWRW5naW5lQ2xhaW1SdW5SZXNwb25zZRIPCgdjbGFpbWVkGAEgASgIEiQKA3J1bhgCIAEoCzIXLmZlbmNlcG9zdC52MS5FbmdpbmVSdW4ifAoXRW5naW5lUmVuZXdDbGFpbVJlcXVlc3QSCgoCaWQYASABKAkSDQoFb3duZXIYAiABKAkSDgoGdHRsX21zGAMgASgDEhIKCnJlcXVlc3RfaWQYBCABKAkSIgoFZmVuY2UYBSABKAsyEy5mZW5jZXBvc3QudjEuRmVuY2UiUQoYRW5naW5lUmVuZXdDbGFpbVJlc3BvbnNlEg8KB3JlbmV3ZWQYASABKAgSJAoDcnVuGAIgASgLMhcuZmVuY2Vwb3N0LnYxLkVuZ2luZVJ1biJ5ChdFbmdpbmVBcHBlbmRTdGVwUmVxdWVzdBImCgRzdGVwGAEgASgLMhguZmVuY2Vwb3N0LnYxLkVuZ2luZVN0ZXASEgoKcmVxdWVzdF9pZBgCIAEoCRIiCgVmZW5jZRgDIAEoCzITLmZlbmNlcG9zdC52MS5GZW5jZSJCChhFbmdpbmVBcHBlbmRTdGVwUmVzcG9uc2USJgoEc3RlcBgBIAEoCzIYLmZlbmNlcG9zdC52MS5FbmdpbmVTdGVwIigKFkVuZ2luZUxpc3RTdGVwc1JlcXVlc3QSDgoGcnVuX2lkGAEgASgJIkIKF0VuZ2luZUxpc3RTdGVwc1Jlc3BvbnNlEicKBXN0ZXBzGAEgAygLMhguZmVuY2Vwb3N0LnYxLkVuZ2luZVN0ZXAiiQEKG0VuZ2luZVNhdmVDaGVja3BvaW50UmVxdWVzdBIyCgpjaGVja3BvaW50GAEgASgLMh4uZmVuY2Vwb3N0LnYxLkVuZ2luZUNoZWNrcG9pbnQSEgoKcmVxdWVzdF9pZBgCIAEoCRIiCgVmZW5jZRgDIAEoCzITLmZlbmNlcG9zdC52MS5GZW5jZSJhChxFbmdpbmVTYXZlQ2hlY2twb2ludFJlc3BvbnNlEg0KBXNhdmVkGAEgASgIEjIKCmNoZWNrcG9pbnQYAiABKAsyHi5mZW5jZXBvc3QudjEuRW5naW5lQ2hlY2twb2ludCIvCh1FbmdpbmVMYXRlc3RDaGVja3BvaW50UmVxdWVzdBIOCgZydW5faWQYASABKAkiYwoeRW5naW5lTGF0ZXN0Q2hlY2twb2ludFJlc3BvbnNlEg0KBWZvdW5kGAEgASgIEjIKCmNoZWNrcG9pbnQYAiABKAsyHi5mZW5jZXBvc3QudjEuRW5naW5lQ2hlY2twb2ludCKLAQoVRW5naW5lQ2xhaW1LZXlSZXF1ZXN0Eg0KBXNjb3BlGAEgASgJEgsKA2tleRgCIAEoCRIOCgZydW5faWQYAyABKAkSDgoGdHRsX21zGAQgASgDEhIKCnJlcXVlc3RfaWQYBSABKAkSIgoFZmVuY2UYBiABKAsyEy5mZW5jZXBvc3QudjEuRmVuY2UiaQoWRW5naW5lQ2xhaW1LZXlSZXNwb25zZRIPCgdjcmVhdGVkGAEgASgIEg4KBnJ1bl9pZBgCIAEoCRIuCgpleHBpcmVzX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCJ+ChhFbmdpbmVBY3F1aXJlTG9ja1JlcXVlc3QSCwoDa2V5GAEgASgJEg0KBW93bmVyGAIgASgJEg4KBnR0bF9tcxgDIAEoAxISCgpyZXF1ZXN0X2lkGAQgASgJEiIKBWZlbmNlGAUgASgLMhMuZmVuY2Vwb3N0LnYxLkZlbmNlIoMBChlFbmdpbmVBY3F1aXJlTG9ja1Jlc3BvbnNlEhAKCGFjcXVpcmVkGAEgASgIEhUKDWZlbmNpbmdfdG9rZW4YAiABKAMSDQoFb3duZXIYAyABKAkSLgoKZXhwaXJlc19hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAibgoYRW5naW5lUmVsZWFzZUxvY2tSZXF1ZXN0EgsKA2tleRgBIAEoCRINCgVvd25lchgCIAEoCRISCgpyZXF1ZXN0X2lkGAMgASgJEiIKBWZlbmNlGAQgASgLMhMuZmVuY2Vwb3N0LnYxLkZlbmNlIi0KGUVuZ2luZVJlbGVhc2VMb2NrUmVzcG9uc2USEAoIcmVsZWFzZWQYASABKAgiJQoWRW5naW5lR2V0RWZmZWN0UmVxdWVzdBILCgNrZXkYASABKAkiggEKF0VuZ2luZUdldEVmZmVjdFJlc3BvbnNlEg0KBWZvdW5kGAEgASgIEicKBnJlc3VsdBgCIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSLwoLcmVjb3JkZWRfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIoYBChZFbmdpbmVQdXRFZmZlY3RSZXF1ZXN0EgsKA2tleRgBIAEoCRInCgZyZXN1bHQYAiABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEhIKCnJlcXVlc3RfaWQYAyABKAkSIgoFZmVuY2UYBCABKAsyEy5mZW5jZXBvc3QudjEuRmVuY2UiSgoXRW5naW5lUHV0RWZmZWN0UmVzcG9uc2USLwoLcmVjb3JkZWRfYXQYASABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIjAKEkVuZ2luZUt2R2V0UmVxdWVzdBINCgVhZ2VudBgBIAEoCRILCgNrZXkYAiABKAkifAoTRW5naW5lS3ZHZXRSZXNwb25zZRINCgVmb3VuZBgBIAEoCBImCgV2YWx1ZRgCIAEoCzIXLmZlbmNlcG9zdC52MS5Kc29uVmFsdWUSLgoKdXBkYXRlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAikAEKEkVuZ2luZUt2U2V0UmVxdWVzdBINCgVhZ2VudBgBIAEoCRILCgNrZXkYAiABKAkSJgoFdmFsdWUYAyABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEhIKCnJlcXVlc3RfaWQYBCABKAkSIgoFZmVuY2UYBSABKAsyEy5mZW5jZXBvc3QudjEuRmVuY2UiRQoTRW5naW5lS3ZTZXRSZXNwb25zZRIuCgp1cGRhdGVkX2F0GAEgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCJ/ChRFbmdpbmVEb2NMaXN0UmVxdWVzdBINCgVhZ2VudBgBIAEoCRISCgpjb2xsZWN0aW9uGAIgASgJEiYKBXdoZXJlGAMgASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRISCgVsaW1pdBgEIAEoA0gAiAEBQggKBl9saW1pdCI+ChVFbmdpbmVEb2NMaXN0UmVzcG9uc2USJQoEZG9jcxgBIAMoCzIXLmZlbmNlcG9zdC52MS5FbmdpbmVEb2MipQEKFkVuZ2luZURvY1Vwc2VydFJlcXVlc3QSDQoFYWdlbnQYASABKAkSEgoKY29sbGVjdGlvbhgCIAEoCRIKCgJpZBgDIAEoCRIkCgNkb2MYBCABKAsyFy5mZW5jZXBvc3QudjEuSnNvblZhbHVlEhIKCnJlcXVlc3RfaWQYBSABKAkSIgoFZmVuY2UYBiABKAsyEy5mZW5jZXBvc3QudjEuRmVuY2UiUAoXRW5naW5lRG9jVXBzZXJ0UmVzcG9uc2USDwoHY3JlYXRlZBgBIAEoCBIkCgNkb2MYAiABKAsyFy5mZW5jZXBvc3QudjEuRW5naW5lRG9jIn8KFkVuZ2luZURvY0RlbGV0ZVJlcXVlc3QSDQoFYWdlbnQYASABKAkSEgoKY29sbGVjdGlvbhgCIAEoCRIKCgJpZBgDIAEoCRISCgpyZXF1ZXN0X2lkGAQgASgJEiIKBWZlbmNlGAUgASgLMhMuZmVuY2Vwb3N0LnYxLkZlbmNlIioKF0VuZ2luZURvY0RlbGV0ZVJlc3BvbnNlEg8KB2RlbGV0ZWQYASABKAgi7QEKFEVuZ2luZUFydGlmYWN0SGVhZGVyEgoKAmlkGAEgASgJEg4KBnJ1bl9pZBgCIAEoCRIMCgRuYW1lGAMgASgJEhQKDGNvbnRlbnRfdHlwZRgEIAEoCRISCgpzaXplX2J5dGVzGAUgASgDEhMKBnNoYTI1NhgGIAEoCUgAiAEBEikKCG1ldGFkYXRhGAcgASgLMhcuZmVuY2Vwb3N0LnYxLkpzb25WYWx1ZRISCgpyZXF1ZXN0X2lkGAggASgJEiIKBWZlbmNlGAkgASgLMhMuZmVuY2Vwb3N0LnYxLkZlbmNlQgkKB19zaGEyNTYiaQoYRW5naW5lUHV0QXJ0aWZhY3RSZXF1ZXN0EjQKBmhlYWRlchgBIAEoCzIiLmZlbmNlcG9zdC52MS5FbmdpbmVBcnRpZmFjdEhlYWRlckgAEg8KBWNodW5rGAIgASgMSABCBgoEcGFydCJcChlFbmdpbmVQdXRBcnRpZmFjdFJlc3BvbnNlEg8KB2NyZWF0ZWQYASABKAgSLgoIYXJ0aWZhY3QYAiABKAsyHC5mZW5jZXBvc3QudjEuRW5naW5lQXJ0aWZhY3QiJgoYRW5naW5lR2V0QXJ0aWZhY3RSZXF1ZXN0EgoKAmlkGAEgASgJIloKGUVuZ2luZUdldEFydGlmYWN0UmVzcG9uc2USDQoFZm91bmQYASABKAgSLgoIYXJ0aWZhY3QYAiABKAsyHC5mZW5jZXBvc3QudjEuRW5naW5lQXJ0aWZhY3QiJwoZRW5naW5lUmVhZEFydGlmYWN0UmVxdWVzdBIKCgJpZBgBIAEoCSJbChpFbmdpbmVSZWFkQXJ0aWZhY3RSZXNwb25zZRIuCghhcnRpZmFjdBgBIAEoCzIcLmZlbmNlcG9zdC52MS5FbmdpbmVBcnRpZmFjdBINCgVjaHVuaxgCIAEoDCIsChpFbmdpbmVMaXN0QXJ0aWZhY3RzUmVxdWVzdBIOCgZydW5faWQYASABKAkiTgobRW5naW5lTGlzdEFydGlmYWN0c1Jlc3BvbnNlEi8KCWFydGlmYWN0cxgBIAMoCzIcLmZlbmNlcG9zdC52MS5FbmdpbmVBcnRpZmFjdDKwEQoLRW5naW5lU3RvcmUSWAoJQ3JlYXRlUnVuEiQuZmVuY2Vwb3N0LnYxLkVuZ2luZUNyZWF0ZVJ1blJlcXVlc3QaJS5mZW5jZXBvc3QudjEuRW5naW5lQ3JlYXRlUnVuUmVzcG9uc2USTwoGR2V0UnVuEiEuZmVuY2Vwb3N0LnYxLkVuZ2luZUdldFJ1blJlcXVlc3QaIi5mZW5jZXBvc3QudjEuRW5naW5lR2V0UnVuUmVzcG9uc2USWAoJVXBkYXRlUnVuEiQuZmVuY2Vwb3N0LnYxLkVuZ2luZVVwZGF0ZVJ1blJlcXVlc3QaJS5mZW5jZXBvc3QudjEuRW5naW5lVXBkYXRlUnVuUmVzcG9uc2USVwoITGlzdFJ1bnMSIy5mZW5jZXBvc3QudjEuRW5naW5lTGlzdFJ1bnNSZXF1ZXN0GiQuZmVuY2Vwb3N0LnYxLkVuZ2luZUxpc3RSdW5zUmVzcG9uc2UwARJVCghDbGFpbVJ1bhIjLmZlbmNlcG9zdC52MS5FbmdpbmVDbGFpbVJ1blJlcXVlc3QaJC5mZW5jZXBvc3QudjEuRW5naW5lQ2xhaW1SdW5SZXNwb25zZRJbCgpSZW5ld0NsYWltEiUuZmVuY2Vwb3N0LnYxLkVuZ2luZVJlbmV3Q2xhaW1SZXF1ZXN0GiYuZmVuY2Vwb3N0LnYxLkVuZ2luZVJlbmV3Q2xhaW1SZXNwb25zZRJbCgpBcHBlbmRTdGVwEiUuZmVuY2Vwb3N0LnYxLkVuZ2luZUFwcGVuZFN0ZXBSZXF1ZXN0GiYuZmVuY2Vwb3N0LnYxLkVuZ2luZUFwcGVuZFN0ZXBSZXNwb25zZRJaCglMaXN0U3RlcHMSJC5mZW5jZXBvc3QudjEuRW5naW5lTGlzdFN0ZXBzUmVxdWVzdBolLmZlbmNlcG9zdC52MS5FbmdpbmVMaXN0U3RlcHNSZXNwb25zZTABEmcKDlNhdmVDaGVja3BvaW50EikuZmVuY2Vwb3N0LnYxLkVuZ2luZVNhdmVDaGVja3BvaW50UmVxdWVzdBoqLmZlbmNlcG9zdC52MS5FbmdpbmVTYXZlQ2hlY2twb2ludFJlc3BvbnNlEm0KEExhdGVzdENoZWNrcG9pbnQSKy5mZW5jZXBvc3QudjEuRW5naW5lTGF0ZXN0Q2hlY2twb2ludFJlcXVlc3QaLC5mZW5jZXBvc3QudjEuRW5naW5lTGF0ZXN0Q2hlY2twb2ludFJlc3BvbnNlElUKCENsYWltS2V5EiMuZmVuY2Vwb3N0LnYxLkVuZ2luZUNsYWltS2V5UmVxdWVzdBokLmZlbmNlcG9zdC52MS5FbmdpbmVDbGFpbUtleVJlc3BvbnNlEl4KC0FjcXVpcmVMb2NrEiYuZmVuY2Vwb3N0LnYxLkVuZ2luZUFjcXVpcmVMb2NrUmVxdWVzdBonLmZlbmNlcG9zdC52MS5FbmdpbmVBY3F1aXJlTG9ja1Jlc3BvbnNlEl4KC1JlbGVhc2VMb2NrEiYuZmVuY2Vwb3N0LnYxLkVuZ2luZVJlbGVhc2VMb2NrUmVxdWVzdBonLmZlbmNlcG9zdC52MS5FbmdpbmVSZWxlYXNlTG9ja1Jlc3BvbnNlElgKCUdldEVmZmVjdBIkLmZlbmNlcG9zdC52MS5FbmdpbmVHZXRFZmZlY3RSZXF1ZXN0GiUuZmVuY2Vwb3N0LnYxLkVuZ2luZUdldEVmZmVjdFJlc3BvbnNlElgKCVB1dEVmZmVjdBIkLmZlbmNlcG9zdC52MS5FbmdpbmVQdXRFZmZlY3RSZXF1ZXN0GiUuZmVuY2Vwb3N0LnYxLkVuZ2luZVB1dEVmZmVjdFJlc3BvbnNlEkwKBUt2R2V0EiAuZmVuY2Vwb3N0LnYxLkVuZ2luZUt2R2V0UmVxdWVzdBohLmZlbmNlcG9zdC52MS5FbmdpbmVLdkdldFJlc3BvbnNlEkwKBUt2U2V0EiAuZmVuY2Vwb3N0LnYxLkVuZ2luZUt2U2V0UmVxdWVzdBohLmZlbmNlcG9zdC52MS5FbmdpbmVLdlNldFJlc3BvbnNlElQKB0RvY0xpc3QSIi5mZW5jZXBvc3QudjEuRW5naW5lRG9jTGlzdFJlcXVlc3QaIy5mZW5jZXBvc3QudjEuRW5naW5lRG9jTGlzdFJlc3BvbnNlMAESWAoJRG9jVXBzZXJ0EiQuZmVuY2Vwb3N0LnYxLkVuZ2luZURvY1Vwc2VydFJlcXVlc3QaJS5mZW5jZXBvc3QudjEuRW5naW5lRG9jVXBzZXJ0UmVzcG9uc2USWAoJRG9jRGVsZXRlEiQuZmVuY2Vwb3N0LnYxLkVuZ2luZURvY0RlbGV0ZVJlcXVlc3QaJS5mZW5jZXBvc3QudjEuRW5naW5lRG9jRGVsZXRlUmVzcG9uc2USYAoLUHV0QXJ0aWZhY3QSJi5mZW5jZXBvc3QudjEuRW5naW5lUHV0QXJ0aWZhY3RSZXF1ZXN0GicuZmVuY2Vwb3N0LnYxLkVuZ2luZVB1dEFydGlmYWN0UmVzcG9uc2UoARJeCgtHZXRBcnRpZmFjdBImLmZlbmNlcG9zdC52MS5FbmdpbmVHZXRBcnRpZmFjdFJlcXVlc3QaJy5mZW5jZXBvc3QudjEuRW5naW5lR2V0QXJ0aWZhY3RSZXNwb25zZRJjCgxSZWFkQXJ0aWZhY3QSJy5mZW5jZXBvc3QudjEuRW5naW5lUmVhZEFydGlmYWN0UmVxdWVzdBooLmZlbmNlcG9zdC52MS5FbmdpbmVSZWFkQXJ0aWZhY3RSZXNwb25zZTABEmYKDUxpc3RBcnRpZmFjdHMSKC5mZW5jZXBvc3QudjEuRW5naW5lTGlzdEFydGlmYWN0c1JlcXVlc3QaKS5mZW5jZXBvc3QudjEuRW5naW5lTGlzdEFydGlmYWN0c1Jlc3BvbnNlMAFCFAoQZGV2LmZlbmNlcG9zdC52MVABYgZwcm90bzM", [file_google_protobuf_timestamp]);
 
 /**
  * A JSON value carried as its text (RFC 8259), stored and returned exactly.
@@ -95,6 +109,64 @@ export const JsonValueSchema: GenMessage<JsonValue> = /*@__PURE__*/
   messageDesc(file_fencepost_v1_engine_store, 0);
 
 /**
+ * A precondition on a write: the write commits only if, at the moment the
+ * writer applies it, the fence named here is still current. Set exactly one
+ * of `run_id` and `lock_key`, and `fencing_token`.
+ *
+ * A run fence holds while the ledger run `run_id` exists, is RUNNING under a
+ * lease, and its fencing token equals `fencing_token` (Ledger.ValidateFence's
+ * `current`). Its lease's expiry alone does not break it: the token moves
+ * when another owner takes the run over, and that is what refuses the write.
+ * A stale token, a run that was finished, suspended, released, cancelled or
+ * deleted is RUN_LEASE_LOST with the observed record; a run that never
+ * existed is RUN_NOT_FOUND naming `fence.run_id`.
+ *
+ * A lock fence holds while the keyed lock `lock_key` (EngineStore.AcquireLock)
+ * is held and its token equals `fencing_token`; as for runs, expiry alone
+ * does not break it, a new grant (which moves the token) or a release does.
+ * Otherwise LOCK_LOST (metadata: lock_key, the lock's fencing_token and
+ * owner, empty when released); a lock never acquired is RUN_NOT_FOUND naming
+ * `fence.lock_key`.
+ *
+ * Bad fences (both or neither target set, a token < 1) are
+ * RUN_VALIDATION_ERROR naming the field (`fence.run_id`,
+ * `fence.fencing_token`). A request id retried after a refusal is answered
+ * with the same refusal.
+ *
+ * @generated from message fencepost.v1.Fence
+ */
+export type Fence = Message<"fencepost.v1.Fence"> & {
+  /**
+   * The ledger run whose fence must hold, 1-512 bytes (Acquire's run_id).
+   *
+   * @generated from field: string run_id = 1;
+   */
+  runId: string;
+
+  /**
+   * The token the writer holds (>= 1): the lease's fencing token for a run
+   * fence, AcquireLock's fencing_token for a lock fence.
+   *
+   * @generated from field: int64 fencing_token = 2;
+   */
+  fencingToken: bigint;
+
+  /**
+   * The keyed lock whose fence must hold, 1-1024 bytes (AcquireLock's key).
+   *
+   * @generated from field: string lock_key = 3;
+   */
+  lockKey: string;
+};
+
+/**
+ * Describes the message fencepost.v1.Fence.
+ * Use `create(FenceSchema)` to create a new message.
+ */
+export const FenceSchema: GenMessage<Fence> = /*@__PURE__*/
+  messageDesc(file_fencepost_v1_engine_store, 1);
+
+/**
  * A run's claim: which worker is executing it, and until when.
  *
  * @generated from message fencepost.v1.EngineRunClaim
@@ -109,7 +181,7 @@ export type EngineRunClaim = Message<"fencepost.v1.EngineRunClaim"> & {
 
   /**
    * The claim is live while the server's now < expires_at and expired at
-   * exactly expires_at (SPEC §4).
+   * exactly expires_at (docs/SPEC.md §4).
    *
    * @generated from field: google.protobuf.Timestamp expires_at = 2;
    */
@@ -121,7 +193,7 @@ export type EngineRunClaim = Message<"fencepost.v1.EngineRunClaim"> & {
  * Use `create(EngineRunClaimSchema)` to create a new message.
  */
 export const EngineRunClaimSchema: GenMessage<EngineRunClaim> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 1);
+  messageDesc(file_fencepost_v1_engine_store, 2);
 
 /**
  * A workflow run as the engine sees it (distinct from the ledger's Run).
@@ -215,7 +287,7 @@ export type EngineRun = Message<"fencepost.v1.EngineRun"> & {
  * Use `create(EngineRunSchema)` to create a new message.
  */
 export const EngineRunSchema: GenMessage<EngineRun> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 2);
+  messageDesc(file_fencepost_v1_engine_store, 3);
 
 /**
  * What UpdateRun changes. Fields left absent are unchanged.
@@ -280,7 +352,7 @@ export type EngineRunPatch = Message<"fencepost.v1.EngineRunPatch"> & {
  * Use `create(EngineRunPatchSchema)` to create a new message.
  */
 export const EngineRunPatchSchema: GenMessage<EngineRunPatch> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 3);
+  messageDesc(file_fencepost_v1_engine_store, 4);
 
 /**
  * One entry of a run's append-only step log.
@@ -358,7 +430,7 @@ export type EngineStep = Message<"fencepost.v1.EngineStep"> & {
  * Use `create(EngineStepSchema)` to create a new message.
  */
 export const EngineStepSchema: GenMessage<EngineStep> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 4);
+  messageDesc(file_fencepost_v1_engine_store, 5);
 
 /**
  * A run's checkpoint: the engine state after step `step_index`.
@@ -400,7 +472,7 @@ export type EngineCheckpoint = Message<"fencepost.v1.EngineCheckpoint"> & {
  * Use `create(EngineCheckpointSchema)` to create a new message.
  */
 export const EngineCheckpointSchema: GenMessage<EngineCheckpoint> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 5);
+  messageDesc(file_fencepost_v1_engine_store, 6);
 
 /**
  * One document of an agent's collection.
@@ -435,7 +507,7 @@ export type EngineDoc = Message<"fencepost.v1.EngineDoc"> & {
  * Use `create(EngineDocSchema)` to create a new message.
  */
 export const EngineDocSchema: GenMessage<EngineDoc> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 6);
+  messageDesc(file_fencepost_v1_engine_store, 7);
 
 /**
  * An artifact's metadata.
@@ -505,7 +577,7 @@ export type EngineArtifact = Message<"fencepost.v1.EngineArtifact"> & {
  * Use `create(EngineArtifactSchema)` to create a new message.
  */
 export const EngineArtifactSchema: GenMessage<EngineArtifact> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 7);
+  messageDesc(file_fencepost_v1_engine_store, 8);
 
 /**
  * @generated from message fencepost.v1.EngineCreateRunRequest
@@ -525,6 +597,14 @@ export type EngineCreateRunRequest = Message<"fencepost.v1.EngineCreateRunReques
    * @generated from field: string request_id = 2;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 3;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -532,7 +612,7 @@ export type EngineCreateRunRequest = Message<"fencepost.v1.EngineCreateRunReques
  * Use `create(EngineCreateRunRequestSchema)` to create a new message.
  */
 export const EngineCreateRunRequestSchema: GenMessage<EngineCreateRunRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 8);
+  messageDesc(file_fencepost_v1_engine_store, 9);
 
 /**
  * @generated from message fencepost.v1.EngineCreateRunResponse
@@ -558,7 +638,7 @@ export type EngineCreateRunResponse = Message<"fencepost.v1.EngineCreateRunRespo
  * Use `create(EngineCreateRunResponseSchema)` to create a new message.
  */
 export const EngineCreateRunResponseSchema: GenMessage<EngineCreateRunResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 9);
+  messageDesc(file_fencepost_v1_engine_store, 10);
 
 /**
  * @generated from message fencepost.v1.EngineGetRunRequest
@@ -577,7 +657,7 @@ export type EngineGetRunRequest = Message<"fencepost.v1.EngineGetRunRequest"> & 
  * Use `create(EngineGetRunRequestSchema)` to create a new message.
  */
 export const EngineGetRunRequestSchema: GenMessage<EngineGetRunRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 10);
+  messageDesc(file_fencepost_v1_engine_store, 11);
 
 /**
  * @generated from message fencepost.v1.EngineGetRunResponse
@@ -603,7 +683,7 @@ export type EngineGetRunResponse = Message<"fencepost.v1.EngineGetRunResponse"> 
  * Use `create(EngineGetRunResponseSchema)` to create a new message.
  */
 export const EngineGetRunResponseSchema: GenMessage<EngineGetRunResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 11);
+  messageDesc(file_fencepost_v1_engine_store, 12);
 
 /**
  * @generated from message fencepost.v1.EngineUpdateRunRequest
@@ -645,6 +725,14 @@ export type EngineUpdateRunRequest = Message<"fencepost.v1.EngineUpdateRunReques
    * @generated from field: string request_id = 5;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 6;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -652,7 +740,7 @@ export type EngineUpdateRunRequest = Message<"fencepost.v1.EngineUpdateRunReques
  * Use `create(EngineUpdateRunRequestSchema)` to create a new message.
  */
 export const EngineUpdateRunRequestSchema: GenMessage<EngineUpdateRunRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 12);
+  messageDesc(file_fencepost_v1_engine_store, 13);
 
 /**
  * @generated from message fencepost.v1.EngineUpdateRunResponse
@@ -671,7 +759,7 @@ export type EngineUpdateRunResponse = Message<"fencepost.v1.EngineUpdateRunRespo
  * Use `create(EngineUpdateRunResponseSchema)` to create a new message.
  */
 export const EngineUpdateRunResponseSchema: GenMessage<EngineUpdateRunResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 13);
+  messageDesc(file_fencepost_v1_engine_store, 14);
 
 /**
  * @generated from message fencepost.v1.EngineListRunsRequest
@@ -718,7 +806,7 @@ export type EngineListRunsRequest = Message<"fencepost.v1.EngineListRunsRequest"
  * Use `create(EngineListRunsRequestSchema)` to create a new message.
  */
 export const EngineListRunsRequestSchema: GenMessage<EngineListRunsRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 14);
+  messageDesc(file_fencepost_v1_engine_store, 15);
 
 /**
  * @generated from message fencepost.v1.EngineListRunsResponse
@@ -744,7 +832,7 @@ export type EngineListRunsResponse = Message<"fencepost.v1.EngineListRunsRespons
  * Use `create(EngineListRunsResponseSchema)` to create a new message.
  */
 export const EngineListRunsResponseSchema: GenMessage<EngineListRunsResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 15);
+  messageDesc(file_fencepost_v1_engine_store, 16);
 
 /**
  * @generated from message fencepost.v1.EngineClaimRunRequest
@@ -777,6 +865,14 @@ export type EngineClaimRunRequest = Message<"fencepost.v1.EngineClaimRunRequest"
    * @generated from field: string request_id = 4;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 5;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -784,7 +880,7 @@ export type EngineClaimRunRequest = Message<"fencepost.v1.EngineClaimRunRequest"
  * Use `create(EngineClaimRunRequestSchema)` to create a new message.
  */
 export const EngineClaimRunRequestSchema: GenMessage<EngineClaimRunRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 16);
+  messageDesc(file_fencepost_v1_engine_store, 17);
 
 /**
  * @generated from message fencepost.v1.EngineClaimRunResponse
@@ -811,7 +907,7 @@ export type EngineClaimRunResponse = Message<"fencepost.v1.EngineClaimRunRespons
  * Use `create(EngineClaimRunResponseSchema)` to create a new message.
  */
 export const EngineClaimRunResponseSchema: GenMessage<EngineClaimRunResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 17);
+  messageDesc(file_fencepost_v1_engine_store, 18);
 
 /**
  * @generated from message fencepost.v1.EngineRenewClaimRequest
@@ -844,6 +940,14 @@ export type EngineRenewClaimRequest = Message<"fencepost.v1.EngineRenewClaimRequ
    * @generated from field: string request_id = 4;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 5;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -851,7 +955,7 @@ export type EngineRenewClaimRequest = Message<"fencepost.v1.EngineRenewClaimRequ
  * Use `create(EngineRenewClaimRequestSchema)` to create a new message.
  */
 export const EngineRenewClaimRequestSchema: GenMessage<EngineRenewClaimRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 18);
+  messageDesc(file_fencepost_v1_engine_store, 19);
 
 /**
  * @generated from message fencepost.v1.EngineRenewClaimResponse
@@ -877,7 +981,7 @@ export type EngineRenewClaimResponse = Message<"fencepost.v1.EngineRenewClaimRes
  * Use `create(EngineRenewClaimResponseSchema)` to create a new message.
  */
 export const EngineRenewClaimResponseSchema: GenMessage<EngineRenewClaimResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 19);
+  messageDesc(file_fencepost_v1_engine_store, 20);
 
 /**
  * @generated from message fencepost.v1.EngineAppendStepRequest
@@ -897,6 +1001,14 @@ export type EngineAppendStepRequest = Message<"fencepost.v1.EngineAppendStepRequ
    * @generated from field: string request_id = 2;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 3;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -904,7 +1016,7 @@ export type EngineAppendStepRequest = Message<"fencepost.v1.EngineAppendStepRequ
  * Use `create(EngineAppendStepRequestSchema)` to create a new message.
  */
 export const EngineAppendStepRequestSchema: GenMessage<EngineAppendStepRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 20);
+  messageDesc(file_fencepost_v1_engine_store, 21);
 
 /**
  * @generated from message fencepost.v1.EngineAppendStepResponse
@@ -923,7 +1035,7 @@ export type EngineAppendStepResponse = Message<"fencepost.v1.EngineAppendStepRes
  * Use `create(EngineAppendStepResponseSchema)` to create a new message.
  */
 export const EngineAppendStepResponseSchema: GenMessage<EngineAppendStepResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 21);
+  messageDesc(file_fencepost_v1_engine_store, 22);
 
 /**
  * @generated from message fencepost.v1.EngineListStepsRequest
@@ -942,7 +1054,7 @@ export type EngineListStepsRequest = Message<"fencepost.v1.EngineListStepsReques
  * Use `create(EngineListStepsRequestSchema)` to create a new message.
  */
 export const EngineListStepsRequestSchema: GenMessage<EngineListStepsRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 22);
+  messageDesc(file_fencepost_v1_engine_store, 23);
 
 /**
  * @generated from message fencepost.v1.EngineListStepsResponse
@@ -961,7 +1073,7 @@ export type EngineListStepsResponse = Message<"fencepost.v1.EngineListStepsRespo
  * Use `create(EngineListStepsResponseSchema)` to create a new message.
  */
 export const EngineListStepsResponseSchema: GenMessage<EngineListStepsResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 23);
+  messageDesc(file_fencepost_v1_engine_store, 24);
 
 /**
  * @generated from message fencepost.v1.EngineSaveCheckpointRequest
@@ -981,6 +1093,14 @@ export type EngineSaveCheckpointRequest = Message<"fencepost.v1.EngineSaveCheckp
    * @generated from field: string request_id = 2;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 3;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -988,7 +1108,7 @@ export type EngineSaveCheckpointRequest = Message<"fencepost.v1.EngineSaveCheckp
  * Use `create(EngineSaveCheckpointRequestSchema)` to create a new message.
  */
 export const EngineSaveCheckpointRequestSchema: GenMessage<EngineSaveCheckpointRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 24);
+  messageDesc(file_fencepost_v1_engine_store, 25);
 
 /**
  * @generated from message fencepost.v1.EngineSaveCheckpointResponse
@@ -1015,7 +1135,7 @@ export type EngineSaveCheckpointResponse = Message<"fencepost.v1.EngineSaveCheck
  * Use `create(EngineSaveCheckpointResponseSchema)` to create a new message.
  */
 export const EngineSaveCheckpointResponseSchema: GenMessage<EngineSaveCheckpointResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 25);
+  messageDesc(file_fencepost_v1_engine_store, 26);
 
 /**
  * @generated from message fencepost.v1.EngineLatestCheckpointRequest
@@ -1034,7 +1154,7 @@ export type EngineLatestCheckpointRequest = Message<"fencepost.v1.EngineLatestCh
  * Use `create(EngineLatestCheckpointRequestSchema)` to create a new message.
  */
 export const EngineLatestCheckpointRequestSchema: GenMessage<EngineLatestCheckpointRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 26);
+  messageDesc(file_fencepost_v1_engine_store, 27);
 
 /**
  * @generated from message fencepost.v1.EngineLatestCheckpointResponse
@@ -1060,7 +1180,7 @@ export type EngineLatestCheckpointResponse = Message<"fencepost.v1.EngineLatestC
  * Use `create(EngineLatestCheckpointResponseSchema)` to create a new message.
  */
 export const EngineLatestCheckpointResponseSchema: GenMessage<EngineLatestCheckpointResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 27);
+  messageDesc(file_fencepost_v1_engine_store, 28);
 
 /**
  * @generated from message fencepost.v1.EngineClaimKeyRequest
@@ -1100,6 +1220,14 @@ export type EngineClaimKeyRequest = Message<"fencepost.v1.EngineClaimKeyRequest"
    * @generated from field: string request_id = 5;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 6;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -1107,7 +1235,7 @@ export type EngineClaimKeyRequest = Message<"fencepost.v1.EngineClaimKeyRequest"
  * Use `create(EngineClaimKeyRequestSchema)` to create a new message.
  */
 export const EngineClaimKeyRequestSchema: GenMessage<EngineClaimKeyRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 28);
+  messageDesc(file_fencepost_v1_engine_store, 29);
 
 /**
  * @generated from message fencepost.v1.EngineClaimKeyResponse
@@ -1140,7 +1268,7 @@ export type EngineClaimKeyResponse = Message<"fencepost.v1.EngineClaimKeyRespons
  * Use `create(EngineClaimKeyResponseSchema)` to create a new message.
  */
 export const EngineClaimKeyResponseSchema: GenMessage<EngineClaimKeyResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 29);
+  messageDesc(file_fencepost_v1_engine_store, 30);
 
 /**
  * @generated from message fencepost.v1.EngineAcquireLockRequest
@@ -1173,6 +1301,14 @@ export type EngineAcquireLockRequest = Message<"fencepost.v1.EngineAcquireLockRe
    * @generated from field: string request_id = 4;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 5;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -1180,7 +1316,7 @@ export type EngineAcquireLockRequest = Message<"fencepost.v1.EngineAcquireLockRe
  * Use `create(EngineAcquireLockRequestSchema)` to create a new message.
  */
 export const EngineAcquireLockRequestSchema: GenMessage<EngineAcquireLockRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 30);
+  messageDesc(file_fencepost_v1_engine_store, 31);
 
 /**
  * @generated from message fencepost.v1.EngineAcquireLockResponse
@@ -1222,7 +1358,7 @@ export type EngineAcquireLockResponse = Message<"fencepost.v1.EngineAcquireLockR
  * Use `create(EngineAcquireLockResponseSchema)` to create a new message.
  */
 export const EngineAcquireLockResponseSchema: GenMessage<EngineAcquireLockResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 31);
+  messageDesc(file_fencepost_v1_engine_store, 32);
 
 /**
  * @generated from message fencepost.v1.EngineReleaseLockRequest
@@ -1248,6 +1384,14 @@ export type EngineReleaseLockRequest = Message<"fencepost.v1.EngineReleaseLockRe
    * @generated from field: string request_id = 3;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 4;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -1255,7 +1399,7 @@ export type EngineReleaseLockRequest = Message<"fencepost.v1.EngineReleaseLockRe
  * Use `create(EngineReleaseLockRequestSchema)` to create a new message.
  */
 export const EngineReleaseLockRequestSchema: GenMessage<EngineReleaseLockRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 32);
+  messageDesc(file_fencepost_v1_engine_store, 33);
 
 /**
  * @generated from message fencepost.v1.EngineReleaseLockResponse
@@ -1275,7 +1419,7 @@ export type EngineReleaseLockResponse = Message<"fencepost.v1.EngineReleaseLockR
  * Use `create(EngineReleaseLockResponseSchema)` to create a new message.
  */
 export const EngineReleaseLockResponseSchema: GenMessage<EngineReleaseLockResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 33);
+  messageDesc(file_fencepost_v1_engine_store, 34);
 
 /**
  * @generated from message fencepost.v1.EngineGetEffectRequest
@@ -1294,7 +1438,7 @@ export type EngineGetEffectRequest = Message<"fencepost.v1.EngineGetEffectReques
  * Use `create(EngineGetEffectRequestSchema)` to create a new message.
  */
 export const EngineGetEffectRequestSchema: GenMessage<EngineGetEffectRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 34);
+  messageDesc(file_fencepost_v1_engine_store, 35);
 
 /**
  * @generated from message fencepost.v1.EngineGetEffectResponse
@@ -1327,7 +1471,7 @@ export type EngineGetEffectResponse = Message<"fencepost.v1.EngineGetEffectRespo
  * Use `create(EngineGetEffectResponseSchema)` to create a new message.
  */
 export const EngineGetEffectResponseSchema: GenMessage<EngineGetEffectResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 35);
+  messageDesc(file_fencepost_v1_engine_store, 36);
 
 /**
  * @generated from message fencepost.v1.EnginePutEffectRequest
@@ -1353,6 +1497,14 @@ export type EnginePutEffectRequest = Message<"fencepost.v1.EnginePutEffectReques
    * @generated from field: string request_id = 3;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 4;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -1360,7 +1512,7 @@ export type EnginePutEffectRequest = Message<"fencepost.v1.EnginePutEffectReques
  * Use `create(EnginePutEffectRequestSchema)` to create a new message.
  */
 export const EnginePutEffectRequestSchema: GenMessage<EnginePutEffectRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 36);
+  messageDesc(file_fencepost_v1_engine_store, 37);
 
 /**
  * @generated from message fencepost.v1.EnginePutEffectResponse
@@ -1379,7 +1531,7 @@ export type EnginePutEffectResponse = Message<"fencepost.v1.EnginePutEffectRespo
  * Use `create(EnginePutEffectResponseSchema)` to create a new message.
  */
 export const EnginePutEffectResponseSchema: GenMessage<EnginePutEffectResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 37);
+  messageDesc(file_fencepost_v1_engine_store, 38);
 
 /**
  * @generated from message fencepost.v1.EngineKvGetRequest
@@ -1405,7 +1557,7 @@ export type EngineKvGetRequest = Message<"fencepost.v1.EngineKvGetRequest"> & {
  * Use `create(EngineKvGetRequestSchema)` to create a new message.
  */
 export const EngineKvGetRequestSchema: GenMessage<EngineKvGetRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 38);
+  messageDesc(file_fencepost_v1_engine_store, 39);
 
 /**
  * @generated from message fencepost.v1.EngineKvGetResponse
@@ -1438,7 +1590,7 @@ export type EngineKvGetResponse = Message<"fencepost.v1.EngineKvGetResponse"> & 
  * Use `create(EngineKvGetResponseSchema)` to create a new message.
  */
 export const EngineKvGetResponseSchema: GenMessage<EngineKvGetResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 39);
+  messageDesc(file_fencepost_v1_engine_store, 40);
 
 /**
  * @generated from message fencepost.v1.EngineKvSetRequest
@@ -1471,6 +1623,14 @@ export type EngineKvSetRequest = Message<"fencepost.v1.EngineKvSetRequest"> & {
    * @generated from field: string request_id = 4;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 5;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -1478,7 +1638,7 @@ export type EngineKvSetRequest = Message<"fencepost.v1.EngineKvSetRequest"> & {
  * Use `create(EngineKvSetRequestSchema)` to create a new message.
  */
 export const EngineKvSetRequestSchema: GenMessage<EngineKvSetRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 40);
+  messageDesc(file_fencepost_v1_engine_store, 41);
 
 /**
  * @generated from message fencepost.v1.EngineKvSetResponse
@@ -1497,7 +1657,7 @@ export type EngineKvSetResponse = Message<"fencepost.v1.EngineKvSetResponse"> & 
  * Use `create(EngineKvSetResponseSchema)` to create a new message.
  */
 export const EngineKvSetResponseSchema: GenMessage<EngineKvSetResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 41);
+  messageDesc(file_fencepost_v1_engine_store, 42);
 
 /**
  * @generated from message fencepost.v1.EngineDocListRequest
@@ -1538,7 +1698,7 @@ export type EngineDocListRequest = Message<"fencepost.v1.EngineDocListRequest"> 
  * Use `create(EngineDocListRequestSchema)` to create a new message.
  */
 export const EngineDocListRequestSchema: GenMessage<EngineDocListRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 42);
+  messageDesc(file_fencepost_v1_engine_store, 43);
 
 /**
  * @generated from message fencepost.v1.EngineDocListResponse
@@ -1557,7 +1717,7 @@ export type EngineDocListResponse = Message<"fencepost.v1.EngineDocListResponse"
  * Use `create(EngineDocListResponseSchema)` to create a new message.
  */
 export const EngineDocListResponseSchema: GenMessage<EngineDocListResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 43);
+  messageDesc(file_fencepost_v1_engine_store, 44);
 
 /**
  * @generated from message fencepost.v1.EngineDocUpsertRequest
@@ -1597,6 +1757,14 @@ export type EngineDocUpsertRequest = Message<"fencepost.v1.EngineDocUpsertReques
    * @generated from field: string request_id = 5;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 6;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -1604,7 +1772,7 @@ export type EngineDocUpsertRequest = Message<"fencepost.v1.EngineDocUpsertReques
  * Use `create(EngineDocUpsertRequestSchema)` to create a new message.
  */
 export const EngineDocUpsertRequestSchema: GenMessage<EngineDocUpsertRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 44);
+  messageDesc(file_fencepost_v1_engine_store, 45);
 
 /**
  * @generated from message fencepost.v1.EngineDocUpsertResponse
@@ -1630,7 +1798,7 @@ export type EngineDocUpsertResponse = Message<"fencepost.v1.EngineDocUpsertRespo
  * Use `create(EngineDocUpsertResponseSchema)` to create a new message.
  */
 export const EngineDocUpsertResponseSchema: GenMessage<EngineDocUpsertResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 45);
+  messageDesc(file_fencepost_v1_engine_store, 46);
 
 /**
  * @generated from message fencepost.v1.EngineDocDeleteRequest
@@ -1663,6 +1831,14 @@ export type EngineDocDeleteRequest = Message<"fencepost.v1.EngineDocDeleteReques
    * @generated from field: string request_id = 4;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 5;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -1670,7 +1846,7 @@ export type EngineDocDeleteRequest = Message<"fencepost.v1.EngineDocDeleteReques
  * Use `create(EngineDocDeleteRequestSchema)` to create a new message.
  */
 export const EngineDocDeleteRequestSchema: GenMessage<EngineDocDeleteRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 46);
+  messageDesc(file_fencepost_v1_engine_store, 47);
 
 /**
  * @generated from message fencepost.v1.EngineDocDeleteResponse
@@ -1689,7 +1865,7 @@ export type EngineDocDeleteResponse = Message<"fencepost.v1.EngineDocDeleteRespo
  * Use `create(EngineDocDeleteResponseSchema)` to create a new message.
  */
 export const EngineDocDeleteResponseSchema: GenMessage<EngineDocDeleteResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 47);
+  messageDesc(file_fencepost_v1_engine_store, 48);
 
 /**
  * The first message of a PutArtifact stream.
@@ -1754,6 +1930,14 @@ export type EngineArtifactHeader = Message<"fencepost.v1.EngineArtifactHeader"> 
    * @generated from field: string request_id = 8;
    */
   requestId: string;
+
+  /**
+   * Optional precondition: write only while this fence holds, checked by the
+   * writer in the same step as the write (see `Fence`). Absent: unfenced.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 9;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -1761,7 +1945,7 @@ export type EngineArtifactHeader = Message<"fencepost.v1.EngineArtifactHeader"> 
  * Use `create(EngineArtifactHeaderSchema)` to create a new message.
  */
 export const EngineArtifactHeaderSchema: GenMessage<EngineArtifactHeader> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 48);
+  messageDesc(file_fencepost_v1_engine_store, 49);
 
 /**
  * @generated from message fencepost.v1.EnginePutArtifactRequest
@@ -1794,7 +1978,7 @@ export type EnginePutArtifactRequest = Message<"fencepost.v1.EnginePutArtifactRe
  * Use `create(EnginePutArtifactRequestSchema)` to create a new message.
  */
 export const EnginePutArtifactRequestSchema: GenMessage<EnginePutArtifactRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 49);
+  messageDesc(file_fencepost_v1_engine_store, 50);
 
 /**
  * @generated from message fencepost.v1.EnginePutArtifactResponse
@@ -1821,7 +2005,7 @@ export type EnginePutArtifactResponse = Message<"fencepost.v1.EnginePutArtifactR
  * Use `create(EnginePutArtifactResponseSchema)` to create a new message.
  */
 export const EnginePutArtifactResponseSchema: GenMessage<EnginePutArtifactResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 50);
+  messageDesc(file_fencepost_v1_engine_store, 51);
 
 /**
  * @generated from message fencepost.v1.EngineGetArtifactRequest
@@ -1840,7 +2024,7 @@ export type EngineGetArtifactRequest = Message<"fencepost.v1.EngineGetArtifactRe
  * Use `create(EngineGetArtifactRequestSchema)` to create a new message.
  */
 export const EngineGetArtifactRequestSchema: GenMessage<EngineGetArtifactRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 51);
+  messageDesc(file_fencepost_v1_engine_store, 52);
 
 /**
  * @generated from message fencepost.v1.EngineGetArtifactResponse
@@ -1866,7 +2050,7 @@ export type EngineGetArtifactResponse = Message<"fencepost.v1.EngineGetArtifactR
  * Use `create(EngineGetArtifactResponseSchema)` to create a new message.
  */
 export const EngineGetArtifactResponseSchema: GenMessage<EngineGetArtifactResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 52);
+  messageDesc(file_fencepost_v1_engine_store, 53);
 
 /**
  * @generated from message fencepost.v1.EngineReadArtifactRequest
@@ -1885,7 +2069,7 @@ export type EngineReadArtifactRequest = Message<"fencepost.v1.EngineReadArtifact
  * Use `create(EngineReadArtifactRequestSchema)` to create a new message.
  */
 export const EngineReadArtifactRequestSchema: GenMessage<EngineReadArtifactRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 53);
+  messageDesc(file_fencepost_v1_engine_store, 54);
 
 /**
  * @generated from message fencepost.v1.EngineReadArtifactResponse
@@ -1912,7 +2096,7 @@ export type EngineReadArtifactResponse = Message<"fencepost.v1.EngineReadArtifac
  * Use `create(EngineReadArtifactResponseSchema)` to create a new message.
  */
 export const EngineReadArtifactResponseSchema: GenMessage<EngineReadArtifactResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 54);
+  messageDesc(file_fencepost_v1_engine_store, 55);
 
 /**
  * @generated from message fencepost.v1.EngineListArtifactsRequest
@@ -1931,7 +2115,7 @@ export type EngineListArtifactsRequest = Message<"fencepost.v1.EngineListArtifac
  * Use `create(EngineListArtifactsRequestSchema)` to create a new message.
  */
 export const EngineListArtifactsRequestSchema: GenMessage<EngineListArtifactsRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 55);
+  messageDesc(file_fencepost_v1_engine_store, 56);
 
 /**
  * @generated from message fencepost.v1.EngineListArtifactsResponse
@@ -1950,7 +2134,7 @@ export type EngineListArtifactsResponse = Message<"fencepost.v1.EngineListArtifa
  * Use `create(EngineListArtifactsResponseSchema)` to create a new message.
  */
 export const EngineListArtifactsResponseSchema: GenMessage<EngineListArtifactsResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_engine_store, 56);
+  messageDesc(file_fencepost_v1_engine_store, 57);
 
 /**
  * -- runs ---------------------------------------------------------------------

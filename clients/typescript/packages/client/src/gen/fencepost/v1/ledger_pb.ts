@@ -6,6 +6,7 @@
 //   RUN_NOT_FOUND          NOT_FOUND
 //   RUN_LEASE_HELD         FAILED_PRECONDITION  another owner holds a live lease
 //   RUN_LEASE_LOST         FAILED_PRECONDITION  the handle's fence moved
+//   LOCK_LOST              FAILED_PRECONDITION  a lock `fence` no longer holds
 //   RUN_ALREADY_TERMINAL   FAILED_PRECONDITION
 //   RUN_SUSPENDED          FAILED_PRECONDITION
 //   RUN_INVALID_TRANSITION FAILED_PRECONDITION
@@ -36,7 +37,7 @@
 
 import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
-import type { EngineAcquireLockRequest, EngineAcquireLockResponse, EngineAppendStepRequest, EngineAppendStepResponse, EngineClaimKeyRequest, EngineClaimKeyResponse, EngineClaimRunRequest, EngineClaimRunResponse, EngineCreateRunRequest, EngineCreateRunResponse, EngineDocDeleteRequest, EngineDocDeleteResponse, EngineDocUpsertRequest, EngineDocUpsertResponse, EngineKvSetRequest, EngineKvSetResponse, EnginePutEffectRequest, EnginePutEffectResponse, EngineReleaseLockRequest, EngineReleaseLockResponse, EngineRenewClaimRequest, EngineRenewClaimResponse, EngineSaveCheckpointRequest, EngineSaveCheckpointResponse, EngineUpdateRunRequest, EngineUpdateRunResponse } from "./engine_store_pb.js";
+import type { EngineAcquireLockRequest, EngineAcquireLockResponse, EngineAppendStepRequest, EngineAppendStepResponse, EngineClaimKeyRequest, EngineClaimKeyResponse, EngineClaimRunRequest, EngineClaimRunResponse, EngineCreateRunRequest, EngineCreateRunResponse, EngineDocDeleteRequest, EngineDocDeleteResponse, EngineDocUpsertRequest, EngineDocUpsertResponse, EngineKvSetRequest, EngineKvSetResponse, EnginePutEffectRequest, EnginePutEffectResponse, EngineReleaseLockRequest, EngineReleaseLockResponse, EngineRenewClaimRequest, EngineRenewClaimResponse, EngineSaveCheckpointRequest, EngineSaveCheckpointResponse, EngineUpdateRunRequest, EngineUpdateRunResponse, Fence } from "./engine_store_pb.js";
 import { file_fencepost_v1_engine_store } from "./engine_store_pb.js";
 import type { Outcome, Run, RunStatus } from "./record_pb.js";
 import { file_fencepost_v1_record } from "./record_pb.js";
@@ -50,7 +51,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file fencepost/v1/ledger.proto.
  */
 export const file_fencepost_v1_ledger: GenFile = /*@__PURE__*/
-  fileDesc("ChlmZW5jZXBvc3QvdjEvbGVkZ2VyLnByb3RvEgxmZW5jZXBvc3QudjEihgEKDkFjcXVpcmVSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRINCgVvd25lchgCIAEoCRIZCgxsZWFzZV90dGxfbXMYAyABKANIAIgBARIVCg1sb2NrX2RlbGF5X21zGAQgASgDEhIKCnJlcXVlc3RfaWQYBSABKAlCDwoNX2xlYXNlX3R0bF9tcyIxCg9BY3F1aXJlUmVzcG9uc2USHgoDcnVuGAEgASgLMhEuZmVuY2Vwb3N0LnYxLlJ1biKEAQoMUmVuZXdSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRINCgVvd25lchgCIAEoCRIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEhkKDGxlYXNlX3R0bF9tcxgEIAEoA0gAiAEBEhIKCnJlcXVlc3RfaWQYBSABKAlCDwoNX2xlYXNlX3R0bF9tcyIvCg1SZW5ld1Jlc3BvbnNlEh4KA3J1bhgBIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4iigEKF1JlY29yZENoZWNrcG9pbnRSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRINCgVvd25lchgCIAEoCRIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEgsKA2tleRgEIAEoCRIYChBzbmFwc2hvdF92ZXJzaW9uGAUgASgDEhIKCnJlcXVlc3RfaWQYBiABKAkiOgoYUmVjb3JkQ2hlY2twb2ludFJlc3BvbnNlEh4KA3J1bhgBIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4ieAoOU3VzcGVuZFJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg0KBW93bmVyGAIgASgJEhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSHAoUcGVuZGluZ19hcHByb3ZhbF9pZHMYBCADKAkSEgoKcmVxdWVzdF9pZBgFIAEoCSIxCg9TdXNwZW5kUmVzcG9uc2USHgoDcnVuGAEgASgLMhEuZmVuY2Vwb3N0LnYxLlJ1biKqAQoNRmluaXNoUmVxdWVzdBIOCgZydW5faWQYASABKAkSDQoFb3duZXIYAiABKAkSFQoNZmVuY2luZ190b2tlbhgDIAEoAxInCgZzdGF0dXMYBCABKA4yFy5mZW5jZXBvc3QudjEuUnVuU3RhdHVzEiYKB291dGNvbWUYBSABKAsyFS5mZW5jZXBvc3QudjEuT3V0Y29tZRISCgpyZXF1ZXN0X2lkGAYgASgJIjAKDkZpbmlzaFJlc3BvbnNlEh4KA3J1bhgBIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4iWgoOUmVsZWFzZVJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg0KBW93bmVyGAIgASgJEhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSEgoKcmVxdWVzdF9pZBgEIAEoCSIxCg9SZWxlYXNlUmVzcG9uc2USHgoDcnVuGAEgASgLMhEuZmVuY2Vwb3N0LnYxLlJ1biJVCg1DYW5jZWxSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIUCgdtZXNzYWdlGAIgASgJSACIAQESEgoKcmVxdWVzdF9pZBgDIAEoCUIKCghfbWVzc2FnZSIwCg5DYW5jZWxSZXNwb25zZRIeCgNydW4YASABKAsyES5mZW5jZXBvc3QudjEuUnVuIjoKFFJlcXVlc3RSZXN1bWVSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRISCgpyZXF1ZXN0X2lkGAIgASgJIjcKFVJlcXVlc3RSZXN1bWVSZXNwb25zZRIeCgNydW4YASABKAsyES5mZW5jZXBvc3QudjEuUnVuIh8KDUdldFJ1blJlcXVlc3QSDgoGcnVuX2lkGAEgASgJIkIKDkdldFJ1blJlc3BvbnNlEh4KA3J1bhgBIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4SEAoIcmV2aXNpb24YAiABKAMicgoPTGlzdFJ1bnNSZXF1ZXN0EikKCHN0YXR1c2VzGAEgAygOMhcuZmVuY2Vwb3N0LnYxLlJ1blN0YXR1cxINCgVvd25lchgCIAEoCRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJeChBMaXN0UnVuc1Jlc3BvbnNlEh8KBHJ1bnMYASADKAsyES5mZW5jZXBvc3QudjEuUnVuEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAyI2ChBEZWxldGVSdW5SZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRISCgpyZXF1ZXN0X2lkGAIgASgJIjwKEURlbGV0ZVJ1blJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEhUKDWZlbmNpbmdfdG9rZW4YAiABKAMiPQoUVmFsaWRhdGVGZW5jZVJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEhUKDWZlbmNpbmdfdG9rZW4YAiABKAMiiQEKFVZhbGlkYXRlRmVuY2VSZXNwb25zZRIPCgdjdXJyZW50GAEgASgIEg0KBWZvdW5kGAIgASgIEhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSJwoGc3RhdHVzGAQgASgOMhcuZmVuY2Vwb3N0LnYxLlJ1blN0YXR1cxIQCghyZXZpc2lvbhgFIAEoAyKIAgoQS2VlcEFsaXZlUmVxdWVzdBItCgVoZWxsbxgBIAEoCzIcLmZlbmNlcG9zdC52MS5LZWVwQWxpdmVIZWxsb0gAEi0KBXJlbmV3GAIgASgLMhwuZmVuY2Vwb3N0LnYxLktlZXBBbGl2ZVJlbmV3SAASLQoFdHJhY2sYAyABKAsyHC5mZW5jZXBvc3QudjEuS2VlcEFsaXZlVHJhY2tIABIxCgd1bnRyYWNrGAQgASgLMh4uZmVuY2Vwb3N0LnYxLktlZXBBbGl2ZVVudHJhY2tIABIsCgZyZW5ld3MYBSADKAsyHC5mZW5jZXBvc3QudjEuS2VlcEFsaXZlUmVuZXdCBgoEa2luZCIfCg5LZWVwQWxpdmVIZWxsbxINCgVvd25lchgBIAEoCSJjCg5LZWVwQWxpdmVSZW5ldxIOCgZydW5faWQYASABKAkSFQoNZmVuY2luZ190b2tlbhgCIAEoAxIZCgxsZWFzZV90dGxfbXMYAyABKANIAIgBAUIPCg1fbGVhc2VfdHRsX21zIjcKDktlZXBBbGl2ZVRyYWNrEg4KBnJ1bl9pZBgBIAEoCRIVCg1mZW5jaW5nX3Rva2VuGAIgASgDIiIKEEtlZXBBbGl2ZVVudHJhY2sSDgoGcnVuX2lkGAEgASgJIo8CChFLZWVwQWxpdmVSZXNwb25zZRIxCgdyZW5ld2VkGAEgASgLMh4uZmVuY2Vwb3N0LnYxLktlZXBBbGl2ZVJlbmV3ZWRIABIrCgRsb3N0GAIgASgLMhsuZmVuY2Vwb3N0LnYxLktlZXBBbGl2ZUxvc3RIABIzCghleHBpcmluZxgDIAEoCzIfLmZlbmNlcG9zdC52MS5LZWVwQWxpdmVFeHBpcmluZ0gAEi0KBWVycm9yGAQgASgLMhwuZmVuY2Vwb3N0LnYxLktlZXBBbGl2ZUVycm9ySAASLgoFYmF0Y2gYBSADKAsyHy5mZW5jZXBvc3QudjEuS2VlcEFsaXZlUmVzcG9uc2VCBgoEa2luZCKDAQoQS2VlcEFsaXZlUmVuZXdlZBIOCgZydW5faWQYASABKAkSFQoNZmVuY2luZ190b2tlbhgCIAEoAxIuCgpleHBpcmVzX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIYChB0dGxfcmVtYWluaW5nX21zGAQgASgDIoMBCg1LZWVwQWxpdmVMb3N0Eg4KBnJ1bl9pZBgBIAEoCRIVCg1mZW5jaW5nX3Rva2VuGAIgASgDEigKBnJlYXNvbhgDIAEoDjIYLmZlbmNlcG9zdC52MS5Mb3N0UmVhc29uEiEKBnJlY29yZBgEIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4iagoRS2VlcEFsaXZlRXhwaXJpbmcSDgoGcnVuX2lkGAEgASgJEhUKDWZlbmNpbmdfdG9rZW4YAiABKAMSLgoKZXhwaXJlc19hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiPwoOS2VlcEFsaXZlRXJyb3ISDgoGcnVuX2lkGAEgASgJEgwKBGNvZGUYAiABKAkSDwoHbWVzc2FnZRgDIAEoCSI6ChBXYXRjaFJ1bnNSZXF1ZXN0Eg8KB3J1bl9pZHMYASADKAkSFQoNZnJvbV9yZXZpc2lvbhgCIAEoAyKAAQoRV2F0Y2hSdW5zUmVzcG9uc2USEAoIcmV2aXNpb24YASABKAMSJgoEa2luZBgCIAEoDjIYLmZlbmNlcG9zdC52MS5DaGFuZ2VLaW5kEg4KBnJ1bl9pZBgDIAEoCRIhCgZyZWNvcmQYBCABKAsyES5mZW5jZXBvc3QudjEuUnVuIjkKDkV4ZWN1dGVSZXF1ZXN0EicKCGNvbW1hbmRzGAEgAygLMhUuZmVuY2Vwb3N0LnYxLkNvbW1hbmQiiQoKB0NvbW1hbmQSCgoCaWQYASABKAQSLwoHYWNxdWlyZRgCIAEoCzIcLmZlbmNlcG9zdC52MS5BY3F1aXJlUmVxdWVzdEgAEisKBXJlbmV3GAMgASgLMhouZmVuY2Vwb3N0LnYxLlJlbmV3UmVxdWVzdEgAEkIKEXJlY29yZF9jaGVja3BvaW50GAQgASgLMiUuZmVuY2Vwb3N0LnYxLlJlY29yZENoZWNrcG9pbnRSZXF1ZXN0SAASLwoHc3VzcGVuZBgFIAEoCzIcLmZlbmNlcG9zdC52MS5TdXNwZW5kUmVxdWVzdEgAEi0KBmZpbmlzaBgGIAEoCzIbLmZlbmNlcG9zdC52MS5GaW5pc2hSZXF1ZXN0SAASLwoHcmVsZWFzZRgHIAEoCzIcLmZlbmNlcG9zdC52MS5SZWxlYXNlUmVxdWVzdEgAEi0KBmNhbmNlbBgIIAEoCzIbLmZlbmNlcG9zdC52MS5DYW5jZWxSZXF1ZXN0SAASPAoOcmVxdWVzdF9yZXN1bWUYCSABKAsyIi5mZW5jZXBvc3QudjEuUmVxdWVzdFJlc3VtZVJlcXVlc3RIABI0CgpkZWxldGVfcnVuGAogASgLMh4uZmVuY2Vwb3N0LnYxLkRlbGV0ZVJ1blJlcXVlc3RIABI6CgpjcmVhdGVfcnVuGBQgASgLMiQuZmVuY2Vwb3N0LnYxLkVuZ2luZUNyZWF0ZVJ1blJlcXVlc3RIABI6Cgp1cGRhdGVfcnVuGBUgASgLMiQuZmVuY2Vwb3N0LnYxLkVuZ2luZVVwZGF0ZVJ1blJlcXVlc3RIABI4CgljbGFpbV9ydW4YFiABKAsyIy5mZW5jZXBvc3QudjEuRW5naW5lQ2xhaW1SdW5SZXF1ZXN0SAASPAoLcmVuZXdfY2xhaW0YFyABKAsyJS5mZW5jZXBvc3QudjEuRW5naW5lUmVuZXdDbGFpbVJlcXVlc3RIABI8CgthcHBlbmRfc3RlcBgYIAEoCzIlLmZlbmNlcG9zdC52MS5FbmdpbmVBcHBlbmRTdGVwUmVxdWVzdEgAEkQKD3NhdmVfY2hlY2twb2ludBgZIAEoCzIpLmZlbmNlcG9zdC52MS5FbmdpbmVTYXZlQ2hlY2twb2ludFJlcXVlc3RIABI4CgljbGFpbV9rZXkYGiABKAsyIy5mZW5jZXBvc3QudjEuRW5naW5lQ2xhaW1LZXlSZXF1ZXN0SAASPgoMYWNxdWlyZV9sb2NrGBsgASgLMiYuZmVuY2Vwb3N0LnYxLkVuZ2luZUFjcXVpcmVMb2NrUmVxdWVzdEgAEj4KDHJlbGVhc2VfbG9jaxgcIAEoCzImLmZlbmNlcG9zdC52MS5FbmdpbmVSZWxlYXNlTG9ja1JlcXVlc3RIABI6CgpwdXRfZWZmZWN0GB0gASgLMiQuZmVuY2Vwb3N0LnYxLkVuZ2luZVB1dEVmZmVjdFJlcXVlc3RIABIyCgZrdl9zZXQYHiABKAsyIC5mZW5jZXBvc3QudjEuRW5naW5lS3ZTZXRSZXF1ZXN0SAASOgoKZG9jX3Vwc2VydBgfIAEoCzIkLmZlbmNlcG9zdC52MS5FbmdpbmVEb2NVcHNlcnRSZXF1ZXN0SAASOgoKZG9jX2RlbGV0ZRggIAEoCzIkLmZlbmNlcG9zdC52MS5FbmdpbmVEb2NEZWxldGVSZXF1ZXN0SABCBgoEa2luZCI/Cg9FeGVjdXRlUmVzcG9uc2USLAoHcmVzdWx0cxgBIAMoCzIbLmZlbmNlcG9zdC52MS5Db21tYW5kUmVzdWx0IsoKCg1Db21tYW5kUmVzdWx0EgoKAmlkGAEgASgEEjAKB2FjcXVpcmUYAiABKAsyHS5mZW5jZXBvc3QudjEuQWNxdWlyZVJlc3BvbnNlSAASLAoFcmVuZXcYAyABKAsyGy5mZW5jZXBvc3QudjEuUmVuZXdSZXNwb25zZUgAEkMKEXJlY29yZF9jaGVja3BvaW50GAQgASgLMiYuZmVuY2Vwb3N0LnYxLlJlY29yZENoZWNrcG9pbnRSZXNwb25zZUgAEjAKB3N1c3BlbmQYBSABKAsyHS5mZW5jZXBvc3QudjEuU3VzcGVuZFJlc3BvbnNlSAASLgoGZmluaXNoGAYgASgLMhwuZmVuY2Vwb3N0LnYxLkZpbmlzaFJlc3BvbnNlSAASMAoHcmVsZWFzZRgHIAEoCzIdLmZlbmNlcG9zdC52MS5SZWxlYXNlUmVzcG9uc2VIABIuCgZjYW5jZWwYCCABKAsyHC5mZW5jZXBvc3QudjEuQ2FuY2VsUmVzcG9uc2VIABI9Cg5yZXF1ZXN0X3Jlc3VtZRgJIAEoCzIjLmZlbmNlcG9zdC52MS5SZXF1ZXN0UmVzdW1lUmVzcG9uc2VIABI1CgpkZWxldGVfcnVuGAogASgLMh8uZmVuY2Vwb3N0LnYxLkRlbGV0ZVJ1blJlc3BvbnNlSAASIwoFZXJyb3IYDyABKAsyEi5nb29nbGUucnBjLlN0YXR1c0gAEjsKCmNyZWF0ZV9ydW4YFCABKAsyJS5mZW5jZXBvc3QudjEuRW5naW5lQ3JlYXRlUnVuUmVzcG9uc2VIABI7Cgp1cGRhdGVfcnVuGBUgASgLMiUuZmVuY2Vwb3N0LnYxLkVuZ2luZVVwZGF0ZVJ1blJlc3BvbnNlSAASOQoJY2xhaW1fcnVuGBYgASgLMiQuZmVuY2Vwb3N0LnYxLkVuZ2luZUNsYWltUnVuUmVzcG9uc2VIABI9CgtyZW5ld19jbGFpbRgXIAEoCzImLmZlbmNlcG9zdC52MS5FbmdpbmVSZW5ld0NsYWltUmVzcG9uc2VIABI9CgthcHBlbmRfc3RlcBgYIAEoCzImLmZlbmNlcG9zdC52MS5FbmdpbmVBcHBlbmRTdGVwUmVzcG9uc2VIABJFCg9zYXZlX2NoZWNrcG9pbnQYGSABKAsyKi5mZW5jZXBvc3QudjEuRW5naW5lU2F2ZUNoZWNrcG9pbnRSZXNwb25zZUgAEjkKCWNsYWltX2tleRgaIAEoCzIkLmZlbmNlcG9zdC52MS5FbmdpbmVDbGFpbUtleVJlc3BvbnNlSAASPwoMYWNxdWlyZV9sb2NrGBsgASgLMicuZmVuY2Vwb3N0LnYxLkVuZ2luZUFjcXVpcmVMb2NrUmVzcG9uc2VIABI/CgxyZWxlYXNlX2xvY2sYHCABKAsyJy5mZW5jZXBvc3QudjEuRW5naW5lUmVsZWFzZUxvY2tSZXNwb25zZUgAEjsKCnB1dF9lZmZlY3QYHSABKAsyJS5mZW5jZXBvc3QudjEuRW5naW5lUHV0RWZmZWN0UmVzcG9uc2VIABIzCgZrdl9zZXQYHiABKAsyIS5mZW5jZXBvc3QudjEuRW5naW5lS3ZTZXRSZXNwb25zZUgAEjsKCmRvY191cHNlcnQYHyABKAsyJS5mZW5jZXBvc3QudjEuRW5naW5lRG9jVXBzZXJ0UmVzcG9uc2VIABI7Cgpkb2NfZGVsZXRlGCAgASgLMiUuZmVuY2Vwb3N0LnYxLkVuZ2luZURvY0RlbGV0ZVJlc3BvbnNlSABCBgoEa2luZCqwAQoKTG9zdFJlYXNvbhIbChdMT1NUX1JFQVNPTl9VTlNQRUNJRklFRBAAEhoKFkxPU1RfUkVBU09OX1RBS0VOX09WRVIQARIZChVMT1NUX1JFQVNPTl9DQU5DRUxMRUQQAhIXChNMT1NUX1JFQVNPTl9ERUxFVEVEEAMSGwoXTE9TVF9SRUFTT05fRkVOQ0VfTU9WRUQQBBIYChRMT1NUX1JFQVNPTl9GSU5JU0hFRBAFKlYKCkNoYW5nZUtpbmQSGwoXQ0hBTkdFX0tJTkRfVU5TUEVDSUZJRUQQABITCg9DSEFOR0VfS0lORF9QVVQQARIWChJDSEFOR0VfS0lORF9ERUxFVEUQAjKPCQoGTGVkZ2VyEkYKB0FjcXVpcmUSHC5mZW5jZXBvc3QudjEuQWNxdWlyZVJlcXVlc3QaHS5mZW5jZXBvc3QudjEuQWNxdWlyZVJlc3BvbnNlEkAKBVJlbmV3EhouZmVuY2Vwb3N0LnYxLlJlbmV3UmVxdWVzdBobLmZlbmNlcG9zdC52MS5SZW5ld1Jlc3BvbnNlEmEKEFJlY29yZENoZWNrcG9pbnQSJS5mZW5jZXBvc3QudjEuUmVjb3JkQ2hlY2twb2ludFJlcXVlc3QaJi5mZW5jZXBvc3QudjEuUmVjb3JkQ2hlY2twb2ludFJlc3BvbnNlEkYKB1N1c3BlbmQSHC5mZW5jZXBvc3QudjEuU3VzcGVuZFJlcXVlc3QaHS5mZW5jZXBvc3QudjEuU3VzcGVuZFJlc3BvbnNlEkMKBkZpbmlzaBIbLmZlbmNlcG9zdC52MS5GaW5pc2hSZXF1ZXN0GhwuZmVuY2Vwb3N0LnYxLkZpbmlzaFJlc3BvbnNlEkYKB1JlbGVhc2USHC5mZW5jZXBvc3QudjEuUmVsZWFzZVJlcXVlc3QaHS5mZW5jZXBvc3QudjEuUmVsZWFzZVJlc3BvbnNlEkMKBkNhbmNlbBIbLmZlbmNlcG9zdC52MS5DYW5jZWxSZXF1ZXN0GhwuZmVuY2Vwb3N0LnYxLkNhbmNlbFJlc3BvbnNlElgKDVJlcXVlc3RSZXN1bWUSIi5mZW5jZXBvc3QudjEuUmVxdWVzdFJlc3VtZVJlcXVlc3QaIy5mZW5jZXBvc3QudjEuUmVxdWVzdFJlc3VtZVJlc3BvbnNlEkMKBkdldFJ1bhIbLmZlbmNlcG9zdC52MS5HZXRSdW5SZXF1ZXN0GhwuZmVuY2Vwb3N0LnYxLkdldFJ1blJlc3BvbnNlEkkKCExpc3RSdW5zEh0uZmVuY2Vwb3N0LnYxLkxpc3RSdW5zUmVxdWVzdBoeLmZlbmNlcG9zdC52MS5MaXN0UnVuc1Jlc3BvbnNlEkwKCURlbGV0ZVJ1bhIeLmZlbmNlcG9zdC52MS5EZWxldGVSdW5SZXF1ZXN0Gh8uZmVuY2Vwb3N0LnYxLkRlbGV0ZVJ1blJlc3BvbnNlElgKDVZhbGlkYXRlRmVuY2USIi5mZW5jZXBvc3QudjEuVmFsaWRhdGVGZW5jZVJlcXVlc3QaIy5mZW5jZXBvc3QudjEuVmFsaWRhdGVGZW5jZVJlc3BvbnNlElAKCUtlZXBBbGl2ZRIeLmZlbmNlcG9zdC52MS5LZWVwQWxpdmVSZXF1ZXN0Gh8uZmVuY2Vwb3N0LnYxLktlZXBBbGl2ZVJlc3BvbnNlKAEwARJOCglXYXRjaFJ1bnMSHi5mZW5jZXBvc3QudjEuV2F0Y2hSdW5zUmVxdWVzdBofLmZlbmNlcG9zdC52MS5XYXRjaFJ1bnNSZXNwb25zZTABEkoKB0V4ZWN1dGUSHC5mZW5jZXBvc3QudjEuRXhlY3V0ZVJlcXVlc3QaHS5mZW5jZXBvc3QudjEuRXhlY3V0ZVJlc3BvbnNlKAEwAUIUChBkZXYuZmVuY2Vwb3N0LnYxUAFiBnByb3RvMw", [file_fencepost_v1_engine_store, file_fencepost_v1_record, file_google_protobuf_timestamp, file_google_rpc_status]);
+  fileDesc("ChlmZW5jZXBvc3QvdjEvbGVkZ2VyLnByb3RvEgxmZW5jZXBvc3QudjEihgEKDkFjcXVpcmVSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRINCgVvd25lchgCIAEoCRIZCgxsZWFzZV90dGxfbXMYAyABKANIAIgBARIVCg1sb2NrX2RlbGF5X21zGAQgASgDEhIKCnJlcXVlc3RfaWQYBSABKAlCDwoNX2xlYXNlX3R0bF9tcyIxCg9BY3F1aXJlUmVzcG9uc2USHgoDcnVuGAEgASgLMhEuZmVuY2Vwb3N0LnYxLlJ1biKEAQoMUmVuZXdSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRINCgVvd25lchgCIAEoCRIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEhkKDGxlYXNlX3R0bF9tcxgEIAEoA0gAiAEBEhIKCnJlcXVlc3RfaWQYBSABKAlCDwoNX2xlYXNlX3R0bF9tcyIvCg1SZW5ld1Jlc3BvbnNlEh4KA3J1bhgBIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4irgEKF1JlY29yZENoZWNrcG9pbnRSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRINCgVvd25lchgCIAEoCRIVCg1mZW5jaW5nX3Rva2VuGAMgASgDEgsKA2tleRgEIAEoCRIYChBzbmFwc2hvdF92ZXJzaW9uGAUgASgDEhIKCnJlcXVlc3RfaWQYBiABKAkSIgoFZmVuY2UYByABKAsyEy5mZW5jZXBvc3QudjEuRmVuY2UiOgoYUmVjb3JkQ2hlY2twb2ludFJlc3BvbnNlEh4KA3J1bhgBIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4ieAoOU3VzcGVuZFJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg0KBW93bmVyGAIgASgJEhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSHAoUcGVuZGluZ19hcHByb3ZhbF9pZHMYBCADKAkSEgoKcmVxdWVzdF9pZBgFIAEoCSIxCg9TdXNwZW5kUmVzcG9uc2USHgoDcnVuGAEgASgLMhEuZmVuY2Vwb3N0LnYxLlJ1biKqAQoNRmluaXNoUmVxdWVzdBIOCgZydW5faWQYASABKAkSDQoFb3duZXIYAiABKAkSFQoNZmVuY2luZ190b2tlbhgDIAEoAxInCgZzdGF0dXMYBCABKA4yFy5mZW5jZXBvc3QudjEuUnVuU3RhdHVzEiYKB291dGNvbWUYBSABKAsyFS5mZW5jZXBvc3QudjEuT3V0Y29tZRISCgpyZXF1ZXN0X2lkGAYgASgJIjAKDkZpbmlzaFJlc3BvbnNlEh4KA3J1bhgBIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4iWgoOUmVsZWFzZVJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg0KBW93bmVyGAIgASgJEhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSEgoKcmVxdWVzdF9pZBgEIAEoCSIxCg9SZWxlYXNlUmVzcG9uc2USHgoDcnVuGAEgASgLMhEuZmVuY2Vwb3N0LnYxLlJ1biJVCg1DYW5jZWxSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIUCgdtZXNzYWdlGAIgASgJSACIAQESEgoKcmVxdWVzdF9pZBgDIAEoCUIKCghfbWVzc2FnZSIwCg5DYW5jZWxSZXNwb25zZRIeCgNydW4YASABKAsyES5mZW5jZXBvc3QudjEuUnVuIjoKFFJlcXVlc3RSZXN1bWVSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRISCgpyZXF1ZXN0X2lkGAIgASgJIjcKFVJlcXVlc3RSZXN1bWVSZXNwb25zZRIeCgNydW4YASABKAsyES5mZW5jZXBvc3QudjEuUnVuIh8KDUdldFJ1blJlcXVlc3QSDgoGcnVuX2lkGAEgASgJIkIKDkdldFJ1blJlc3BvbnNlEh4KA3J1bhgBIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4SEAoIcmV2aXNpb24YAiABKAMicgoPTGlzdFJ1bnNSZXF1ZXN0EikKCHN0YXR1c2VzGAEgAygOMhcuZmVuY2Vwb3N0LnYxLlJ1blN0YXR1cxINCgVvd25lchgCIAEoCRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJeChBMaXN0UnVuc1Jlc3BvbnNlEh8KBHJ1bnMYASADKAsyES5mZW5jZXBvc3QudjEuUnVuEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAyI2ChBEZWxldGVSdW5SZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRISCgpyZXF1ZXN0X2lkGAIgASgJIjwKEURlbGV0ZVJ1blJlc3BvbnNlEhAKCHJldmlzaW9uGAEgASgDEhUKDWZlbmNpbmdfdG9rZW4YAiABKAMidQoSVHJhbnNhY3Rpb25SZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMuZmVuY2Vwb3N0LnYxLkZlbmNlEicKCGNvbW1hbmRzGAIgAygLMhUuZmVuY2Vwb3N0LnYxLkNvbW1hbmQSEgoKcmVxdWVzdF9pZBgDIAEoCSJDChNUcmFuc2FjdGlvblJlc3BvbnNlEiwKB3Jlc3VsdHMYASADKAsyGy5mZW5jZXBvc3QudjEuQ29tbWFuZFJlc3VsdCI9ChRWYWxpZGF0ZUZlbmNlUmVxdWVzdBIOCgZydW5faWQYASABKAkSFQoNZmVuY2luZ190b2tlbhgCIAEoAyKJAQoVVmFsaWRhdGVGZW5jZVJlc3BvbnNlEg8KB2N1cnJlbnQYASABKAgSDQoFZm91bmQYAiABKAgSFQoNZmVuY2luZ190b2tlbhgDIAEoAxInCgZzdGF0dXMYBCABKA4yFy5mZW5jZXBvc3QudjEuUnVuU3RhdHVzEhAKCHJldmlzaW9uGAUgASgDIogCChBLZWVwQWxpdmVSZXF1ZXN0Ei0KBWhlbGxvGAEgASgLMhwuZmVuY2Vwb3N0LnYxLktlZXBBbGl2ZUhlbGxvSAASLQoFcmVuZXcYAiABKAsyHC5mZW5jZXBvc3QudjEuS2VlcEFsaXZlUmVuZXdIABItCgV0cmFjaxgDIAEoCzIcLmZlbmNlcG9zdC52MS5LZWVwQWxpdmVUcmFja0gAEjEKB3VudHJhY2sYBCABKAsyHi5mZW5jZXBvc3QudjEuS2VlcEFsaXZlVW50cmFja0gAEiwKBnJlbmV3cxgFIAMoCzIcLmZlbmNlcG9zdC52MS5LZWVwQWxpdmVSZW5ld0IGCgRraW5kIh8KDktlZXBBbGl2ZUhlbGxvEg0KBW93bmVyGAEgASgJImMKDktlZXBBbGl2ZVJlbmV3Eg4KBnJ1bl9pZBgBIAEoCRIVCg1mZW5jaW5nX3Rva2VuGAIgASgDEhkKDGxlYXNlX3R0bF9tcxgDIAEoA0gAiAEBQg8KDV9sZWFzZV90dGxfbXMiNwoOS2VlcEFsaXZlVHJhY2sSDgoGcnVuX2lkGAEgASgJEhUKDWZlbmNpbmdfdG9rZW4YAiABKAMiIgoQS2VlcEFsaXZlVW50cmFjaxIOCgZydW5faWQYASABKAkijwIKEUtlZXBBbGl2ZVJlc3BvbnNlEjEKB3JlbmV3ZWQYASABKAsyHi5mZW5jZXBvc3QudjEuS2VlcEFsaXZlUmVuZXdlZEgAEisKBGxvc3QYAiABKAsyGy5mZW5jZXBvc3QudjEuS2VlcEFsaXZlTG9zdEgAEjMKCGV4cGlyaW5nGAMgASgLMh8uZmVuY2Vwb3N0LnYxLktlZXBBbGl2ZUV4cGlyaW5nSAASLQoFZXJyb3IYBCABKAsyHC5mZW5jZXBvc3QudjEuS2VlcEFsaXZlRXJyb3JIABIuCgViYXRjaBgFIAMoCzIfLmZlbmNlcG9zdC52MS5LZWVwQWxpdmVSZXNwb25zZUIGCgRraW5kIoMBChBLZWVwQWxpdmVSZW5ld2VkEg4KBnJ1bl9pZBgBIAEoCRIVCg1mZW5jaW5nX3Rva2VuGAIgASgDEi4KCmV4cGlyZXNfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhgKEHR0bF9yZW1haW5pbmdfbXMYBCABKAMigwEKDUtlZXBBbGl2ZUxvc3QSDgoGcnVuX2lkGAEgASgJEhUKDWZlbmNpbmdfdG9rZW4YAiABKAMSKAoGcmVhc29uGAMgASgOMhguZmVuY2Vwb3N0LnYxLkxvc3RSZWFzb24SIQoGcmVjb3JkGAQgASgLMhEuZmVuY2Vwb3N0LnYxLlJ1biJqChFLZWVwQWxpdmVFeHBpcmluZxIOCgZydW5faWQYASABKAkSFQoNZmVuY2luZ190b2tlbhgCIAEoAxIuCgpleHBpcmVzX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCI/Cg5LZWVwQWxpdmVFcnJvchIOCgZydW5faWQYASABKAkSDAoEY29kZRgCIAEoCRIPCgdtZXNzYWdlGAMgASgJIjoKEFdhdGNoUnVuc1JlcXVlc3QSDwoHcnVuX2lkcxgBIAMoCRIVCg1mcm9tX3JldmlzaW9uGAIgASgDIoABChFXYXRjaFJ1bnNSZXNwb25zZRIQCghyZXZpc2lvbhgBIAEoAxImCgRraW5kGAIgASgOMhguZmVuY2Vwb3N0LnYxLkNoYW5nZUtpbmQSDgoGcnVuX2lkGAMgASgJEiEKBnJlY29yZBgEIAEoCzIRLmZlbmNlcG9zdC52MS5SdW4iOQoORXhlY3V0ZVJlcXVlc3QSJwoIY29tbWFuZHMYASADKAsyFS5mZW5jZXBvc3QudjEuQ29tbWFuZCLCCgoHQ29tbWFuZBIKCgJpZBgBIAEoBBIvCgdhY3F1aXJlGAIgASgLMhwuZmVuY2Vwb3N0LnYxLkFjcXVpcmVSZXF1ZXN0SAASKwoFcmVuZXcYAyABKAsyGi5mZW5jZXBvc3QudjEuUmVuZXdSZXF1ZXN0SAASQgoRcmVjb3JkX2NoZWNrcG9pbnQYBCABKAsyJS5mZW5jZXBvc3QudjEuUmVjb3JkQ2hlY2twb2ludFJlcXVlc3RIABIvCgdzdXNwZW5kGAUgASgLMhwuZmVuY2Vwb3N0LnYxLlN1c3BlbmRSZXF1ZXN0SAASLQoGZmluaXNoGAYgASgLMhsuZmVuY2Vwb3N0LnYxLkZpbmlzaFJlcXVlc3RIABIvCgdyZWxlYXNlGAcgASgLMhwuZmVuY2Vwb3N0LnYxLlJlbGVhc2VSZXF1ZXN0SAASLQoGY2FuY2VsGAggASgLMhsuZmVuY2Vwb3N0LnYxLkNhbmNlbFJlcXVlc3RIABI8Cg5yZXF1ZXN0X3Jlc3VtZRgJIAEoCzIiLmZlbmNlcG9zdC52MS5SZXF1ZXN0UmVzdW1lUmVxdWVzdEgAEjQKCmRlbGV0ZV9ydW4YCiABKAsyHi5mZW5jZXBvc3QudjEuRGVsZXRlUnVuUmVxdWVzdEgAEjoKCmNyZWF0ZV9ydW4YFCABKAsyJC5mZW5jZXBvc3QudjEuRW5naW5lQ3JlYXRlUnVuUmVxdWVzdEgAEjoKCnVwZGF0ZV9ydW4YFSABKAsyJC5mZW5jZXBvc3QudjEuRW5naW5lVXBkYXRlUnVuUmVxdWVzdEgAEjgKCWNsYWltX3J1bhgWIAEoCzIjLmZlbmNlcG9zdC52MS5FbmdpbmVDbGFpbVJ1blJlcXVlc3RIABI8CgtyZW5ld19jbGFpbRgXIAEoCzIlLmZlbmNlcG9zdC52MS5FbmdpbmVSZW5ld0NsYWltUmVxdWVzdEgAEjwKC2FwcGVuZF9zdGVwGBggASgLMiUuZmVuY2Vwb3N0LnYxLkVuZ2luZUFwcGVuZFN0ZXBSZXF1ZXN0SAASRAoPc2F2ZV9jaGVja3BvaW50GBkgASgLMikuZmVuY2Vwb3N0LnYxLkVuZ2luZVNhdmVDaGVja3BvaW50UmVxdWVzdEgAEjgKCWNsYWltX2tleRgaIAEoCzIjLmZlbmNlcG9zdC52MS5FbmdpbmVDbGFpbUtleVJlcXVlc3RIABI+CgxhY3F1aXJlX2xvY2sYGyABKAsyJi5mZW5jZXBvc3QudjEuRW5naW5lQWNxdWlyZUxvY2tSZXF1ZXN0SAASPgoMcmVsZWFzZV9sb2NrGBwgASgLMiYuZmVuY2Vwb3N0LnYxLkVuZ2luZVJlbGVhc2VMb2NrUmVxdWVzdEgAEjoKCnB1dF9lZmZlY3QYHSABKAsyJC5mZW5jZXBvc3QudjEuRW5naW5lUHV0RWZmZWN0UmVxdWVzdEgAEjIKBmt2X3NldBgeIAEoCzIgLmZlbmNlcG9zdC52MS5FbmdpbmVLdlNldFJlcXVlc3RIABI6Cgpkb2NfdXBzZXJ0GB8gASgLMiQuZmVuY2Vwb3N0LnYxLkVuZ2luZURvY1Vwc2VydFJlcXVlc3RIABI6Cgpkb2NfZGVsZXRlGCAgASgLMiQuZmVuY2Vwb3N0LnYxLkVuZ2luZURvY0RlbGV0ZVJlcXVlc3RIABI3Cgt0cmFuc2FjdGlvbhgoIAEoCzIgLmZlbmNlcG9zdC52MS5UcmFuc2FjdGlvblJlcXVlc3RIAEIGCgRraW5kIj8KD0V4ZWN1dGVSZXNwb25zZRIsCgdyZXN1bHRzGAEgAygLMhsuZmVuY2Vwb3N0LnYxLkNvbW1hbmRSZXN1bHQihAsKDUNvbW1hbmRSZXN1bHQSCgoCaWQYASABKAQSMAoHYWNxdWlyZRgCIAEoCzIdLmZlbmNlcG9zdC52MS5BY3F1aXJlUmVzcG9uc2VIABIsCgVyZW5ldxgDIAEoCzIbLmZlbmNlcG9zdC52MS5SZW5ld1Jlc3BvbnNlSAASQwoRcmVjb3JkX2NoZWNrcG9pbnQYBCABKAsyJi5mZW5jZXBvc3QudjEuUmVjb3JkQ2hlY2twb2ludFJlc3BvbnNlSAASMAoHc3VzcGVuZBgFIAEoCzIdLmZlbmNlcG9zdC52MS5TdXNwZW5kUmVzcG9uc2VIABIuCgZmaW5pc2gYBiABKAsyHC5mZW5jZXBvc3QudjEuRmluaXNoUmVzcG9uc2VIABIwCgdyZWxlYXNlGAcgASgLMh0uZmVuY2Vwb3N0LnYxLlJlbGVhc2VSZXNwb25zZUgAEi4KBmNhbmNlbBgIIAEoCzIcLmZlbmNlcG9zdC52MS5DYW5jZWxSZXNwb25zZUgAEj0KDnJlcXVlc3RfcmVzdW1lGAkgASgLMiMuZmVuY2Vwb3N0LnYxLlJlcXVlc3RSZXN1bWVSZXNwb25zZUgAEjUKCmRlbGV0ZV9ydW4YCiABKAsyHy5mZW5jZXBvc3QudjEuRGVsZXRlUnVuUmVzcG9uc2VIABIjCgVlcnJvchgPIAEoCzISLmdvb2dsZS5ycGMuU3RhdHVzSAASOwoKY3JlYXRlX3J1bhgUIAEoCzIlLmZlbmNlcG9zdC52MS5FbmdpbmVDcmVhdGVSdW5SZXNwb25zZUgAEjsKCnVwZGF0ZV9ydW4YFSABKAsyJS5mZW5jZXBvc3QudjEuRW5naW5lVXBkYXRlUnVuUmVzcG9uc2VIABI5CgljbGFpbV9ydW4YFiABKAsyJC5mZW5jZXBvc3QudjEuRW5naW5lQ2xhaW1SdW5SZXNwb25zZUgAEj0KC3JlbmV3X2NsYWltGBcgASgLMiYuZmVuY2Vwb3N0LnYxLkVuZ2luZVJlbmV3Q2xhaW1SZXNwb25zZUgAEj0KC2FwcGVuZF9zdGVwGBggASgLMiYuZmVuY2Vwb3N0LnYxLkVuZ2luZUFwcGVuZFN0ZXBSZXNwb25zZUgAEkUKD3NhdmVfY2hlY2twb2ludBgZIAEoCzIqLmZlbmNlcG9zdC52MS5FbmdpbmVTYXZlQ2hlY2twb2ludFJlc3BvbnNlSAASOQoJY2xhaW1fa2V5GBogASgLMiQuZmVuY2Vwb3N0LnYxLkVuZ2luZUNsYWltS2V5UmVzcG9uc2VIABI/CgxhY3F1aXJlX2xvY2sYGyABKAsyJy5mZW5jZXBvc3QudjEuRW5naW5lQWNxdWlyZUxvY2tSZXNwb25zZUgAEj8KDHJlbGVhc2VfbG9jaxgcIAEoCzInLmZlbmNlcG9zdC52MS5FbmdpbmVSZWxlYXNlTG9ja1Jlc3BvbnNlSAASOwoKcHV0X2VmZmVjdBgdIAEoCzIlLmZlbmNlcG9zdC52MS5FbmdpbmVQdXRFZmZlY3RSZXNwb25zZUgAEjMKBmt2X3NldBgeIAEoCzIhLmZlbmNlcG9zdC52MS5FbmdpbmVLdlNldFJlc3BvbnNlSAASOwoKZG9jX3Vwc2VydBgfIAEoCzIlLmZlbmNlcG9zdC52MS5FbmdpbmVEb2NVcHNlcnRSZXNwb25zZUgAEjsKCmRvY19kZWxldGUYICABKAsyJS5mZW5jZXBvc3QudjEuRW5naW5lRG9jRGVsZXRlUmVzcG9uc2VIABI4Cgt0cmFuc2FjdGlvbhgoIAEoCzIhLmZlbmNlcG9zdC52MS5UcmFuc2FjdGlvblJlc3BvbnNlSABCBgoEa2luZCqwAQoKTG9zdFJlYXNvbhIbChdMT1NUX1JFQVNPTl9VTlNQRUNJRklFRBAAEhoKFkxPU1RfUkVBU09OX1RBS0VOX09WRVIQARIZChVMT1NUX1JFQVNPTl9DQU5DRUxMRUQQAhIXChNMT1NUX1JFQVNPTl9ERUxFVEVEEAMSGwoXTE9TVF9SRUFTT05fRkVOQ0VfTU9WRUQQBBIYChRMT1NUX1JFQVNPTl9GSU5JU0hFRBAFKlYKCkNoYW5nZUtpbmQSGwoXQ0hBTkdFX0tJTkRfVU5TUEVDSUZJRUQQABITCg9DSEFOR0VfS0lORF9QVVQQARIWChJDSEFOR0VfS0lORF9ERUxFVEUQAjLgCQoGTGVkZ2VyEkYKB0FjcXVpcmUSHC5mZW5jZXBvc3QudjEuQWNxdWlyZVJlcXVlc3QaHS5mZW5jZXBvc3QudjEuQWNxdWlyZVJlc3BvbnNlEkAKBVJlbmV3EhouZmVuY2Vwb3N0LnYxLlJlbmV3UmVxdWVzdBobLmZlbmNlcG9zdC52MS5SZW5ld1Jlc3BvbnNlEmEKEFJlY29yZENoZWNrcG9pbnQSJS5mZW5jZXBvc3QudjEuUmVjb3JkQ2hlY2twb2ludFJlcXVlc3QaJi5mZW5jZXBvc3QudjEuUmVjb3JkQ2hlY2twb2ludFJlc3BvbnNlEk8KCFRyYW5zYWN0EiAuZmVuY2Vwb3N0LnYxLlRyYW5zYWN0aW9uUmVxdWVzdBohLmZlbmNlcG9zdC52MS5UcmFuc2FjdGlvblJlc3BvbnNlEkYKB1N1c3BlbmQSHC5mZW5jZXBvc3QudjEuU3VzcGVuZFJlcXVlc3QaHS5mZW5jZXBvc3QudjEuU3VzcGVuZFJlc3BvbnNlEkMKBkZpbmlzaBIbLmZlbmNlcG9zdC52MS5GaW5pc2hSZXF1ZXN0GhwuZmVuY2Vwb3N0LnYxLkZpbmlzaFJlc3BvbnNlEkYKB1JlbGVhc2USHC5mZW5jZXBvc3QudjEuUmVsZWFzZVJlcXVlc3QaHS5mZW5jZXBvc3QudjEuUmVsZWFzZVJlc3BvbnNlEkMKBkNhbmNlbBIbLmZlbmNlcG9zdC52MS5DYW5jZWxSZXF1ZXN0GhwuZmVuY2Vwb3N0LnYxLkNhbmNlbFJlc3BvbnNlElgKDVJlcXVlc3RSZXN1bWUSIi5mZW5jZXBvc3QudjEuUmVxdWVzdFJlc3VtZVJlcXVlc3QaIy5mZW5jZXBvc3QudjEuUmVxdWVzdFJlc3VtZVJlc3BvbnNlEkMKBkdldFJ1bhIbLmZlbmNlcG9zdC52MS5HZXRSdW5SZXF1ZXN0GhwuZmVuY2Vwb3N0LnYxLkdldFJ1blJlc3BvbnNlEkkKCExpc3RSdW5zEh0uZmVuY2Vwb3N0LnYxLkxpc3RSdW5zUmVxdWVzdBoeLmZlbmNlcG9zdC52MS5MaXN0UnVuc1Jlc3BvbnNlEkwKCURlbGV0ZVJ1bhIeLmZlbmNlcG9zdC52MS5EZWxldGVSdW5SZXF1ZXN0Gh8uZmVuY2Vwb3N0LnYxLkRlbGV0ZVJ1blJlc3BvbnNlElgKDVZhbGlkYXRlRmVuY2USIi5mZW5jZXBvc3QudjEuVmFsaWRhdGVGZW5jZVJlcXVlc3QaIy5mZW5jZXBvc3QudjEuVmFsaWRhdGVGZW5jZVJlc3BvbnNlElAKCUtlZXBBbGl2ZRIeLmZlbmNlcG9zdC52MS5LZWVwQWxpdmVSZXF1ZXN0Gh8uZmVuY2Vwb3N0LnYxLktlZXBBbGl2ZVJlc3BvbnNlKAEwARJOCglXYXRjaFJ1bnMSHi5mZW5jZXBvc3QudjEuV2F0Y2hSdW5zUmVxdWVzdBofLmZlbmNlcG9zdC52MS5XYXRjaFJ1bnNSZXNwb25zZTABEkoKB0V4ZWN1dGUSHC5mZW5jZXBvc3QudjEuRXhlY3V0ZVJlcXVlc3QaHS5mZW5jZXBvc3QudjEuRXhlY3V0ZVJlc3BvbnNlKAEwAUIUChBkZXYuZmVuY2Vwb3N0LnYxUAFiBnByb3RvMw", [file_fencepost_v1_engine_store, file_fencepost_v1_record, file_google_protobuf_timestamp, file_google_rpc_status]);
 
 /**
  * @generated from message fencepost.v1.AcquireRequest
@@ -78,7 +79,7 @@ export type AcquireRequest = Message<"fencepost.v1.AcquireRequest"> & {
   leaseTtlMs?: bigint | undefined;
 
   /**
-   * Lock-delay in ms, 0 - 86 400 000; 0 (default) means none (SPEC §5.6).
+   * Lock-delay in ms, 0 - 86 400 000; 0 (default) means none (docs/SPEC.md §5.6).
    *
    * @generated from field: int64 lock_delay_ms = 4;
    */
@@ -217,6 +218,16 @@ export type RecordCheckpointRequest = Message<"fencepost.v1.RecordCheckpointRequ
    * @generated from field: string request_id = 6;
    */
   requestId: string;
+
+  /**
+   * Optional second precondition (engine_store.proto's Fence), checked in
+   * the same writer step as the handle's own fence: record the checkpoint
+   * only while, say, a keyed lock is still held. Absent: only the handle's
+   * fence is checked.
+   *
+   * @generated from field: fencepost.v1.Fence fence = 7;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -673,6 +684,68 @@ export const DeleteRunResponseSchema: GenMessage<DeleteRunResponse> = /*@__PURE_
   messageDesc(file_fencepost_v1_ledger, 21);
 
 /**
+ * Ledger.Transact, and Execute's `transaction` command.
+ *
+ * @generated from message fencepost.v1.TransactionRequest
+ */
+export type TransactionRequest = Message<"fencepost.v1.TransactionRequest"> & {
+  /**
+   * The precondition every command shares (see engine_store.proto's Fence),
+   * checked before each command. Absent: no shared precondition (the
+   * transaction is still all or nothing).
+   *
+   * @generated from field: fencepost.v1.Fence fence = 1;
+   */
+  fence?: Fence | undefined;
+
+  /**
+   * The commands, applied in order: 1-100 of them, any Command kind except
+   * `transaction`. A command's `id` is echoed on its result. Commands carry
+   * no request_id of their own (the transaction's covers them all;
+   * RUN_VALIDATION_ERROR naming `commands[i].request_id` otherwise); a
+   * command may carry its own `fence`, checked as well.
+   *
+   * @generated from field: repeated fencepost.v1.Command commands = 2;
+   */
+  commands: Command[];
+
+  /**
+   * Retry token; see the file comment. A retry is answered with the
+   * original answer, committed or refused.
+   *
+   * @generated from field: string request_id = 3;
+   */
+  requestId: string;
+};
+
+/**
+ * Describes the message fencepost.v1.TransactionRequest.
+ * Use `create(TransactionRequestSchema)` to create a new message.
+ */
+export const TransactionRequestSchema: GenMessage<TransactionRequest> = /*@__PURE__*/
+  messageDesc(file_fencepost_v1_ledger, 22);
+
+/**
+ * @generated from message fencepost.v1.TransactionResponse
+ */
+export type TransactionResponse = Message<"fencepost.v1.TransactionResponse"> & {
+  /**
+   * One result per command, in order, each its unary RPC's response (never
+   * `error`: a refused command fails the whole transaction).
+   *
+   * @generated from field: repeated fencepost.v1.CommandResult results = 1;
+   */
+  results: CommandResult[];
+};
+
+/**
+ * Describes the message fencepost.v1.TransactionResponse.
+ * Use `create(TransactionResponseSchema)` to create a new message.
+ */
+export const TransactionResponseSchema: GenMessage<TransactionResponse> = /*@__PURE__*/
+  messageDesc(file_fencepost_v1_ledger, 23);
+
+/**
  * @generated from message fencepost.v1.ValidateFenceRequest
  */
 export type ValidateFenceRequest = Message<"fencepost.v1.ValidateFenceRequest"> & {
@@ -694,7 +767,7 @@ export type ValidateFenceRequest = Message<"fencepost.v1.ValidateFenceRequest"> 
  * Use `create(ValidateFenceRequestSchema)` to create a new message.
  */
 export const ValidateFenceRequestSchema: GenMessage<ValidateFenceRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 22);
+  messageDesc(file_fencepost_v1_ledger, 24);
 
 /**
  * @generated from message fencepost.v1.ValidateFenceResponse
@@ -742,7 +815,7 @@ export type ValidateFenceResponse = Message<"fencepost.v1.ValidateFenceResponse"
  * Use `create(ValidateFenceResponseSchema)` to create a new message.
  */
 export const ValidateFenceResponseSchema: GenMessage<ValidateFenceResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 23);
+  messageDesc(file_fencepost_v1_ledger, 25);
 
 /**
  * @generated from message fencepost.v1.KeepAliveRequest
@@ -793,7 +866,7 @@ export type KeepAliveRequest = Message<"fencepost.v1.KeepAliveRequest"> & {
  * Use `create(KeepAliveRequestSchema)` to create a new message.
  */
 export const KeepAliveRequestSchema: GenMessage<KeepAliveRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 24);
+  messageDesc(file_fencepost_v1_ledger, 26);
 
 /**
  * First message on a stream: who the worker is. Every renew on the stream is
@@ -815,7 +888,7 @@ export type KeepAliveHello = Message<"fencepost.v1.KeepAliveHello"> & {
  * Use `create(KeepAliveHelloSchema)` to create a new message.
  */
 export const KeepAliveHelloSchema: GenMessage<KeepAliveHello> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 25);
+  messageDesc(file_fencepost_v1_ledger, 27);
 
 /**
  * Renew a lease held by this stream's owner, and track it (as `track`).
@@ -849,7 +922,7 @@ export type KeepAliveRenew = Message<"fencepost.v1.KeepAliveRenew"> & {
  * Use `create(KeepAliveRenewSchema)` to create a new message.
  */
 export const KeepAliveRenewSchema: GenMessage<KeepAliveRenew> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 26);
+  messageDesc(file_fencepost_v1_ledger, 28);
 
 /**
  * Watch a run's fence at a token without renewing it: the stream gets `lost`
@@ -875,7 +948,7 @@ export type KeepAliveTrack = Message<"fencepost.v1.KeepAliveTrack"> & {
  * Use `create(KeepAliveTrackSchema)` to create a new message.
  */
 export const KeepAliveTrackSchema: GenMessage<KeepAliveTrack> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 27);
+  messageDesc(file_fencepost_v1_ledger, 29);
 
 /**
  * Stop tracking a run (after Finish/Release/Suspend, say).
@@ -894,7 +967,7 @@ export type KeepAliveUntrack = Message<"fencepost.v1.KeepAliveUntrack"> & {
  * Use `create(KeepAliveUntrackSchema)` to create a new message.
  */
 export const KeepAliveUntrackSchema: GenMessage<KeepAliveUntrack> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 28);
+  messageDesc(file_fencepost_v1_ledger, 30);
 
 /**
  * @generated from message fencepost.v1.KeepAliveResponse
@@ -945,7 +1018,7 @@ export type KeepAliveResponse = Message<"fencepost.v1.KeepAliveResponse"> & {
  * Use `create(KeepAliveResponseSchema)` to create a new message.
  */
 export const KeepAliveResponseSchema: GenMessage<KeepAliveResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 29);
+  messageDesc(file_fencepost_v1_ledger, 31);
 
 /**
  * A renewal was committed durably.
@@ -985,7 +1058,7 @@ export type KeepAliveRenewed = Message<"fencepost.v1.KeepAliveRenewed"> & {
  * Use `create(KeepAliveRenewedSchema)` to create a new message.
  */
 export const KeepAliveRenewedSchema: GenMessage<KeepAliveRenewed> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 30);
+  messageDesc(file_fencepost_v1_ledger, 32);
 
 /**
  * The run's fence moved away from the tracked token; pushed as soon as the
@@ -1024,7 +1097,7 @@ export type KeepAliveLost = Message<"fencepost.v1.KeepAliveLost"> & {
  * Use `create(KeepAliveLostSchema)` to create a new message.
  */
 export const KeepAliveLostSchema: GenMessage<KeepAliveLost> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 31);
+  messageDesc(file_fencepost_v1_ledger, 33);
 
 /**
  * A tracked lease passed its expiry with no renewal: another owner may take
@@ -1054,7 +1127,7 @@ export type KeepAliveExpiring = Message<"fencepost.v1.KeepAliveExpiring"> & {
  * Use `create(KeepAliveExpiringSchema)` to create a new message.
  */
 export const KeepAliveExpiringSchema: GenMessage<KeepAliveExpiring> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 32);
+  messageDesc(file_fencepost_v1_ledger, 34);
 
 /**
  * A per-run failure (validation, not found...). The stream stays open.
@@ -1085,7 +1158,7 @@ export type KeepAliveError = Message<"fencepost.v1.KeepAliveError"> & {
  * Use `create(KeepAliveErrorSchema)` to create a new message.
  */
 export const KeepAliveErrorSchema: GenMessage<KeepAliveError> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 33);
+  messageDesc(file_fencepost_v1_ledger, 35);
 
 /**
  * @generated from message fencepost.v1.WatchRunsRequest
@@ -1112,7 +1185,7 @@ export type WatchRunsRequest = Message<"fencepost.v1.WatchRunsRequest"> & {
  * Use `create(WatchRunsRequestSchema)` to create a new message.
  */
 export const WatchRunsRequestSchema: GenMessage<WatchRunsRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 34);
+  messageDesc(file_fencepost_v1_ledger, 36);
 
 /**
  * @generated from message fencepost.v1.WatchRunsResponse
@@ -1148,7 +1221,7 @@ export type WatchRunsResponse = Message<"fencepost.v1.WatchRunsResponse"> & {
  * Use `create(WatchRunsResponseSchema)` to create a new message.
  */
 export const WatchRunsResponseSchema: GenMessage<WatchRunsResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 35);
+  messageDesc(file_fencepost_v1_ledger, 37);
 
 /**
  * @generated from message fencepost.v1.ExecuteRequest
@@ -1167,7 +1240,7 @@ export type ExecuteRequest = Message<"fencepost.v1.ExecuteRequest"> & {
  * Use `create(ExecuteRequestSchema)` to create a new message.
  */
 export const ExecuteRequestSchema: GenMessage<ExecuteRequest> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 36);
+  messageDesc(file_fencepost_v1_ledger, 38);
 
 /**
  * One command: exactly the request message of the unary RPC, a Ledger
@@ -1343,10 +1416,20 @@ export type Command = Message<"fencepost.v1.Command"> & {
     /**
      * EngineStore.DocDelete: delete a document.
      *
+     * 33-39 are kept free for future EngineStore mutations.
+     *
      * @generated from field: fencepost.v1.EngineDocDeleteRequest doc_delete = 32;
      */
     value: EngineDocDeleteRequest;
     case: "docDelete";
+  } | {
+    /**
+     * Ledger.Transact: several commands, all or nothing, under one fence.
+     *
+     * @generated from field: fencepost.v1.TransactionRequest transaction = 40;
+     */
+    value: TransactionRequest;
+    case: "transaction";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1355,7 +1438,7 @@ export type Command = Message<"fencepost.v1.Command"> & {
  * Use `create(CommandSchema)` to create a new message.
  */
 export const CommandSchema: GenMessage<Command> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 37);
+  messageDesc(file_fencepost_v1_ledger, 39);
 
 /**
  * @generated from message fencepost.v1.ExecuteResponse
@@ -1372,7 +1455,7 @@ export type ExecuteResponse = Message<"fencepost.v1.ExecuteResponse"> & {
  * Use `create(ExecuteResponseSchema)` to create a new message.
  */
 export const ExecuteResponseSchema: GenMessage<ExecuteResponse> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 38);
+  messageDesc(file_fencepost_v1_ledger, 40);
 
 /**
  * The answer to one command: the unary RPC's response message, or its error.
@@ -1559,6 +1642,14 @@ export type CommandResult = Message<"fencepost.v1.CommandResult"> & {
      */
     value: EngineDocDeleteResponse;
     case: "docDelete";
+  } | {
+    /**
+     * Answers `transaction`.
+     *
+     * @generated from field: fencepost.v1.TransactionResponse transaction = 40;
+     */
+    value: TransactionResponse;
+    case: "transaction";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1567,7 +1658,7 @@ export type CommandResult = Message<"fencepost.v1.CommandResult"> & {
  * Use `create(CommandResultSchema)` to create a new message.
  */
 export const CommandResultSchema: GenMessage<CommandResult> = /*@__PURE__*/
-  messageDesc(file_fencepost_v1_ledger, 39);
+  messageDesc(file_fencepost_v1_ledger, 41);
 
 /**
  * Why a tracked fence moved.
@@ -1660,7 +1751,7 @@ export const ChangeKindSchema: GenEnum<ChangeKind> = /*@__PURE__*/
  */
 export const Ledger: GenService<{
   /**
-   * Become the single active owner of a run, creating it if new (SPEC §5.1).
+   * Become the single active owner of a run, creating it if new (docs/SPEC.md §5.1).
    * Returns the record with the new lease and fencing token.
    * Errors: RUN_VALIDATION_ERROR, RUN_ALREADY_TERMINAL, RUN_SUSPENDED,
    * RUN_LEASE_HELD.
@@ -1686,7 +1777,7 @@ export const Ledger: GenService<{
   },
   /**
    * Record a checkpoint pointer and renew the lease in the same write.
-   * Errors: as Renew.
+   * Errors: as Renew; with a `fence`, also LOCK_LOST and RUN_NOT_FOUND.
    *
    * @generated from rpc fencepost.v1.Ledger.RecordCheckpoint
    */
@@ -1694,6 +1785,26 @@ export const Ledger: GenService<{
     methodKind: "unary";
     input: typeof RecordCheckpointRequestSchema;
     output: typeof RecordCheckpointResponseSchema;
+  },
+  /**
+   * Apply several mutations (ledger commands and EngineStore mutations) as
+   * one all-or-nothing step of the writer, optionally under one shared
+   * `fence` (engine_store.proto). The fence is checked before every command,
+   * against the state the transaction's earlier commands left, and every
+   * command is applied in order; if the fence fails or any command is
+   * refused, nothing of the transaction is written and the call fails with
+   * that refusal (its message names `commands[i]`; a validation error's
+   * field is prefixed `commands[i].`). Answers only once the commit holding
+   * every command is durable.
+   * Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND, RUN_LEASE_LOST, LOCK_LOST,
+   * and any refusal of a command in it.
+   *
+   * @generated from rpc fencepost.v1.Ledger.Transact
+   */
+  transact: {
+    methodKind: "unary";
+    input: typeof TransactionRequestSchema;
+    output: typeof TransactionResponseSchema;
   },
   /**
    * Park the run (-> SUSPENDED) and drop the lease. A retry by the same
@@ -1793,7 +1904,7 @@ export const Ledger: GenService<{
   },
   /**
    * Ask whether a fencing token is still the run's current one, for
-   * downstream resources that must refuse stale writers (SPEC §5.4).
+   * downstream resources that must refuse stale writers (docs/SPEC.md §5.4).
    * Errors: RUN_VALIDATION_ERROR.
    *
    * @generated from rpc fencepost.v1.Ledger.ValidateFence
@@ -1805,7 +1916,7 @@ export const Ledger: GenService<{
   },
   /**
    * One bidirectional stream per worker process: renews any number of its
-   * leases and brings back revocations (SPEC §6.1; protocol in
+   * leases and brings back revocations (docs/SPEC.md §6.1; protocol in
    * docs/STREAMS.md). The first client message must be `hello`. Per-run
    * failures come back as `error` and never close the stream. A stream that
    * drops revokes nothing: leases live by their ttl.
@@ -1819,7 +1930,7 @@ export const Ledger: GenService<{
     output: typeof KeepAliveResponseSchema;
   },
   /**
-   * Stream every committed change, in revision order (SPEC §6.2). With
+   * Stream every committed change, in revision order (docs/SPEC.md §6.2). With
    * from_revision > 0, first replays the retained history from that revision,
    * then goes live, with no gap and no duplicate.
    * Errors: RUN_VALIDATION_ERROR; OUT_OF_RANGE (reason RUN_REVISION_COMPACTED)
@@ -1835,9 +1946,9 @@ export const Ledger: GenService<{
     output: typeof WatchRunsResponseSchema;
   },
   /**
-   * Many ledger commands, and the EngineStore's unary mutations
-   * (engine_store.proto), multiplexed on one stream, many per message in both
-   * directions: the fast path past the per-call cost of unary RPCs. Each
+   * Many ledger commands, the EngineStore's unary mutations
+   * (engine_store.proto) and transactions (Transact), multiplexed on one
+   * stream, many per message in both directions: the fast path past the per-call cost of unary RPCs. Each
    * command carries a client-chosen id echoed on its result. Semantics,
    * validation, errors and request-id retries are exactly those of the
    * unary RPCs; a command's failure is its result's `error` (the same
@@ -1846,8 +1957,9 @@ export const Ledger: GenService<{
    * (a client stream) stay separate RPCs. Results may come in any order and in
    * any grouping; the server answers every command it accepted.
    * An undecodable message is answered by a result with id 0 whose error is
-   * RUN_VALIDATION_ERROR naming `request` (none of its commands ran); the
-   * stream goes on. While the writer's queue is full the server stops reading
+   * RUN_VALIDATION_ERROR naming the field that holds invalid UTF-8
+   * (`commands[1].acquire.owner`), or `request` when the bytes do not parse
+   * at all (none of its commands ran); the stream goes on. While the writer's queue is full the server stops reading
    * (flow control holds the sender back). Stream-level errors:
    * STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
    * (shutdown). A dropped stream's unanswered commands have unknown outcome:

@@ -45,7 +45,7 @@ export type Lease = Message<"fencepost.v1.Lease"> & {
 
   /**
    * The lease is live while the server's now < expires_at and expired at
-   * exactly expires_at (SPEC §4).
+   * exactly expires_at (docs/SPEC.md §4).
    *
    * @generated from field: google.protobuf.Timestamp expires_at = 3;
    */
@@ -60,7 +60,7 @@ export type Lease = Message<"fencepost.v1.Lease"> & {
   ttlMs: bigint;
 
   /**
-   * Lock-delay in ms (SPEC §5.6); 0 means none. When the lease expires
+   * Lock-delay in ms (docs/SPEC.md §5.6); 0 means none. When the lease expires
    * without a clean Release or Finish, no other owner may take the run until
    * expires_at + lock_delay_ms.
    *
@@ -169,7 +169,7 @@ export const SuspensionSchema: GenMessage<Suspension> = /*@__PURE__*/
   messageDesc(file_fencepost_v1_record, 3);
 
 /**
- * The run record (SPEC §2).
+ * The run record (docs/SPEC.md §2).
  *
  * @generated from message fencepost.v1.Run
  */
@@ -277,7 +277,7 @@ export const RunSchema: GenMessage<Run> = /*@__PURE__*/
   messageDesc(file_fencepost_v1_record, 4);
 
 /**
- * Lifecycle status of a run (SPEC §3). The zero value is never stored.
+ * Lifecycle status of a run (docs/SPEC.md §3). The zero value is never stored.
  *
  *   QUEUED    -> RUNNING, CANCELLED, FAILED
  *   RUNNING   -> SUSPENDED, COMPLETED, FAILED, CANCELLED, QUEUED (released)

@@ -1,4 +1,4 @@
-// The raw run-store seam (SPEC §7): for clients that run their own ledger
+// The raw run-store seam (docs/SPEC.md §7): for clients that run their own ledger
 // and only need an atomic store of run records. Raw writes go through the
 // same single writer as ledger commands, bump the revision and feed the same
 // streams. Errors are reported exactly as in ledger.proto; mutations accept a

@@ -1,0 +1,197 @@
+"""Costs as runs pile up: new-run cost, restart time, memory and filtered listing.
+
+For each id order (``--ids random,sorted``: UUID-like ids, or ids that sort in
+creation order), on a fresh SQLite file at durability FULL:
+
+1. **Fill** through the writer in process (no gRPC, so the figure is the
+   server's own cost): ``--submitters`` concurrent tasks create runs, each an
+   Acquire then a Finish (a terminal run, as finished work piles up), up to
+   ``--runs`` in all. At every checkpoint (``--checkpoints``, default 10k,
+   100k, 300k and 1M) the next ``--slice`` runs are timed: wall µs per new run.
+   The ratio of the last checkpoint to the first is the growth.
+2. **Live work**: ``--live`` more runs are acquired and left running.
+3. **Restart**: a real ``fencepost serve`` on that file; the time from spawn to
+   gRPC health SERVING, and its RSS then.
+4. **Listing**: ListRuns filtered to RUNNING (the live runs, among all) and the
+   first unfiltered page of 100, medians of 5 calls each.
+
+Every process started is stopped; the temp directory is removed.
+
+    .venv/bin/python bench/scale.py [--runs 1000000] [--ids random,sorted] [--live 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+from benchlib import BIN, REPO, free_port, machine, median, start_server
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fencepost.v1 import ledger_pb2, ledger_pb2_grpc, record_pb2
+from fencepost_server.clock import SystemClock
+from fencepost_server.core.ledger import Acquire, Finish
+from fencepost_server.core.records import Record, Status
+from fencepost_server.storage import Durability, SqliteStorage
+from fencepost_server.writer import Writer
+
+
+def _ids(order: str) -> Any:
+    n = 0
+    while True:
+        n += 1
+        yield uuid.uuid4().hex if order == "random" else f"run-{n:010d}"
+
+
+async def _fill(path: Path, order: str, args: argparse.Namespace) -> dict[str, Any]:
+    writer = Writer(SqliteStorage(path, Durability.FULL), SystemClock(), commit_delay_ms=8)
+    await writer.start()
+    ids = _ids(order)
+    made = 0
+    slices: list[dict[str, Any]] = []
+
+    async def one(owner: str) -> None:
+        nonlocal made
+        run_id = next(ids)
+        rec = await writer.submit(Acquire(run_id, owner, ttl_ms=60_000))
+        assert isinstance(rec, Record)
+        await writer.submit(Finish(run_id, owner, rec.fencing_token, Status.COMPLETED))
+        made += 1
+
+    async def make(count: int) -> float:
+        """Create ``count`` terminal runs; seconds taken."""
+        target = made + count
+        t0 = time.perf_counter()
+
+        async def loop(k: int) -> None:
+            while made < target:
+                await one(f"w{k}")
+
+        await asyncio.gather(*(loop(k) for k in range(args.submitters)))
+        return time.perf_counter() - t0
+
+    try:
+        for cp in sorted(args.checkpoints):
+            if cp > args.runs:
+                break
+            if made < cp:
+                await make(cp - made)
+            took = await make(args.slice)
+            us = took / args.slice * 1e6
+            slices.append({"at_runs": cp, "us_per_run": round(us, 1)})
+            print(f"  {order:<6} at {cp:>9,} runs: {us:7.1f} us per new run", flush=True)
+        if made < args.runs:
+            await make(args.runs - made)
+        for k in range(args.live):
+            await writer.submit(Acquire(f"live-{k:06d}", f"live-w{k % 16}", ttl_ms=3_600_000))
+    finally:
+        await writer.close()
+    return {"slices": slices, "runs": made + args.live}
+
+
+def _restart(path: Path, workdir: Path, order: str) -> dict[str, Any]:
+    port = free_port()
+    t0 = time.perf_counter()
+    srv = start_server(f"fencepost-{order}", [
+        str(BIN / "fencepost"), "serve", "--listen", f"127.0.0.1:{port}", "--db", str(path),
+    ], workdir / f"serve-{order}.log")
+    try:
+        address = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            while True:
+                if srv.proc.poll() is not None:
+                    raise RuntimeError(f"server exited:\n{srv.log_tail()}")
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.01)
+            serving_s = time.perf_counter() - t0
+            rss = psutil.Process(srv.proc.pid).memory_info().rss
+            stub = ledger_pb2_grpc.LedgerStub(ch)
+
+            def timed(req: ledger_pb2.ListRunsRequest) -> tuple[float, int]:
+                times, got = [], 0
+                for _ in range(5):
+                    t = time.perf_counter()
+                    got = len(stub.ListRuns(req, timeout=60).runs)
+                    times.append(time.perf_counter() - t)
+                return median(times), got
+
+            running, n_running = timed(ledger_pb2.ListRunsRequest(
+                statuses=[record_pb2.RUN_STATUS_RUNNING], page_size=1000))
+            first, n_first = timed(ledger_pb2.ListRunsRequest(page_size=100))
+    finally:
+        srv.stop()
+    return {
+        "serving_s": round(serving_s, 3), "rss_mib": round(rss / 2**20, 1),
+        "list_running_ms": round(running * 1000, 2), "list_running_count": n_running,
+        "list_first_page_ms": round(first * 1000, 2), "list_first_page_count": n_first,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/scale.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=1_000_000, help="terminal runs to fill")
+    p.add_argument("--ids", default="random,sorted", help="id orders to measure")
+    p.add_argument("--live", type=int, default=1000, help="running runs among them")
+    p.add_argument("--slice", type=int, default=10_000, help="runs timed per checkpoint")
+    p.add_argument("--checkpoints", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[10_000, 100_000, 300_000, 1_000_000])
+    p.add_argument("--submitters", type=int, default=256)
+    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "scale.json")
+    args = p.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="fencepost-scale-"))
+    result: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                 capture_output=True, text=True).stdout.strip(),
+        "machine": machine(), "config": {k: str(v) for k, v in vars(args).items()},
+        "orders": {},
+    }
+    print(f"bench/scale: {args.runs:,} terminal runs + {args.live:,} live, ids "
+          f"{args.ids}", flush=True)
+    try:
+        for order in args.ids.split(","):
+            path = workdir / f"{order}.db"
+            t0 = time.perf_counter()
+            fill = asyncio.run(_fill(path, order, args))
+            fill["fill_s"] = round(time.perf_counter() - t0, 1)
+            slices = fill["slices"]
+            if len(slices) >= 2:
+                fill["growth"] = round(slices[-1]["us_per_run"] / slices[0]["us_per_run"], 3)
+            fill.update(_restart(path, workdir, order))
+            fill["db_mib"] = round(path.stat().st_size / 2**20, 1)
+            result["orders"][order] = fill
+            print(f"  {order:<6} {fill['runs']:,} runs ({fill['db_mib']} MiB file, filled in "
+                  f"{fill['fill_s']} s): new-run cost x{fill.get('growth', 0):.2f} from "
+                  f"{slices[0]['at_runs']:,} to {slices[-1]['at_runs']:,} runs; restart to "
+                  f"SERVING {fill['serving_s']:.2f} s at {fill['rss_mib']} MiB RSS; ListRuns "
+                  f"RUNNING ({fill['list_running_count']}) {fill['list_running_ms']} ms, "
+                  f"first page {fill['list_first_page_ms']} ms", flush=True)
+            path.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"  results in {args.json}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

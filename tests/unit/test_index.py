@@ -1,0 +1,89 @@
+"""The ListRuns indexes (server/fencepost_server/index.py) agree with a full
+scan after any sequence of puts and deletes, and a filtered walk visits only
+the runs its index holds."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fencepost_server.core.records import Lease, Record, Status
+from fencepost_server.index import RunIndex
+
+IDS = [f"run-{i:02d}" for i in range(12)]
+OWNERS = ["", "w1", "w2", "w3"]
+
+
+def _record(run_id: str, status: Status, owner: str) -> Record:
+    lease = Lease(owner, 0, 1_000, 1_000) if owner else None
+    return Record(run_id, 1, status, 1, 1, 0, 0, lease=lease)
+
+
+def _admits(rec: Record, statuses: frozenset[Status], owner: str) -> bool:
+    if statuses and rec.status not in statuses:
+        return False
+    return not owner or (rec.lease is not None and rec.lease.owner == owner)
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(IDS), st.none() | st.tuples(st.sampled_from(list(Status)),
+                                                            st.sampled_from(OWNERS))),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, statuses=st.frozensets(st.sampled_from(list(Status)), max_size=3),
+       owner=st.sampled_from(OWNERS), after=st.none() | st.sampled_from(IDS))
+def test_index_walk_equals_a_full_scan(
+    ops: list, statuses: frozenset[Status], owner: str, after: str | None
+) -> None:
+    runs: dict[str, Record] = {}
+    index = RunIndex()
+    for run_id, put in ops:
+        old = runs.get(run_id)
+        new = _record(run_id, *put) if put is not None else None
+        if old is None and new is None:
+            continue
+        index.update(old, new)
+        if new is None:
+            del runs[run_id]
+        else:
+            runs[run_id] = new
+    expected = [k for k in sorted(runs) if (after is None or k > after)
+                and _admits(runs[k], statuses, owner)]
+    walked = [k for k in index.candidates(after, statuses, owner)
+              if _admits(runs[k], statuses, owner)]
+    assert walked == expected
+    assert list(RunIndex(runs.values()).candidates(after, statuses, owner)) == \
+        list(index.candidates(after, statuses, owner))  # bulk build == incremental
+    assert list(index.ids) == sorted(runs)
+
+
+def test_a_filtered_walk_visits_only_its_matches() -> None:
+    runs = [_record(f"r{i:05d}", Status.COMPLETED, "") for i in range(10_000)]
+    runs += [_record(f"r{i:05d}x", Status.RUNNING, f"w{i // 2000 % 2}")
+             for i in range(0, 10_000, 2000)]
+    index = RunIndex(runs)
+    assert len(list(index.candidates(None, frozenset({Status.RUNNING}), ""))) == 5
+    assert len(list(index.candidates(None, frozenset(), "w0"))) == 3
+    assert list(index.candidates("r04000x", frozenset({Status.RUNNING, Status.QUEUED}), "")) == \
+        ["r06000x", "r08000x"]
+
+
+def test_the_same_move_twice_changes_nothing_more() -> None:
+    """The writer may publish one batch twice (the test-only ack-before-commit
+    build does): the index must not grow duplicates or fail on a second drop."""
+    a = _record("a", Status.RUNNING, "w1")
+    done = _record("a", Status.COMPLETED, "")
+    index = RunIndex()
+    for _ in range(2):
+        index.update(None, a)
+    assert list(index.ids) == ["a"] and list(index.candidates(None, frozenset(), "w1")) == ["a"]
+    for _ in range(2):
+        index.update(a, done)
+    assert list(index.candidates(None, frozenset({Status.RUNNING}), "")) == []
+    assert list(index.candidates(None, frozenset({Status.COMPLETED}), "")) == ["a"]
+    for _ in range(2):
+        index.update(done, None)
+    assert len(index) == 0 and not index.by_status and not index.by_owner
