@@ -75,6 +75,8 @@ export class RunSuspendedError extends reason("RUN_SUSPENDED") {}
 export class InvalidTransitionError extends reason("RUN_INVALID_TRANSITION") {}
 export class ConflictError extends reason("RUN_CONFLICT") {}
 export class IntegrityError extends reason("RUN_INTEGRITY_ERROR") {}
+/** A fenced engine-store write named a keyed lock whose token is no longer current; nothing changed. */
+export class LockLostError extends reason("LOCK_LOST") {}
 /** An engine-store UpdateRun guard failed; nothing changed. */
 export class InvalidRunStateError extends reason("INVALID_RUN_STATE") {}
 /** The write could not be made durable; nothing was written. */
@@ -119,6 +121,7 @@ const BY_REASON: Record<string, Ctor> = {
   RUN_CONFLICT: ConflictError,
   RUN_INTEGRITY_ERROR: IntegrityError,
   INVALID_RUN_STATE: InvalidRunStateError,
+  LOCK_LOST: LockLostError,
   STORAGE_FULL: StorageFullError,
   STORAGE_UNAVAILABLE: StorageUnavailableError,
   SHUTTING_DOWN: ShuttingDownError,

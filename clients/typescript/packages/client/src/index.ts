@@ -11,7 +11,7 @@ export type {
 } from "./store.js";
 export {
   AlreadyTerminalError, ConflictError, ERROR_DOMAIN, FencepostError, IntegrityError, InvalidRunStateError,
-  InvalidTransitionError, LeaseAtRiskError, LeaseHeldError, LeaseLostError, OutcomeUnknownError,
+  InvalidTransitionError, LeaseAtRiskError, LockLostError, LeaseHeldError, LeaseLostError, OutcomeUnknownError,
   RevisionCompactedError, RpcError, RunNotFoundError, RunSuspendedError, ShuttingDownError, StorageFullError,
   StorageUnavailableError, StreamTooSlowError, UnavailableError, ValidationError, errorFor, fromCallError, fromStatus,
 } from "./errors.js";
