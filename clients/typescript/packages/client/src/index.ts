@@ -7,7 +7,7 @@ export type { FenceListener } from "./keepalive.js";
 export { EngineStoreClient, ARTIFACT_CHUNK_BYTES } from "./store.js";
 export type {
   ArtifactHeader, EngineArtifact, EngineCheckpoint, EngineClaim, EngineDoc, EngineRun, EngineRunInput,
-  EngineRunPatch, EngineStep, Lookup,
+  EngineRunPatch, EngineStep, FenceSpec, Lookup, WriteOptions,
 } from "./store.js";
 export {
   AlreadyTerminalError, ConflictError, ERROR_DOMAIN, FencepostError, IntegrityError, InvalidRunStateError,

@@ -61,6 +61,9 @@ export class Lease {
     host.startRenewing(this, this.listener);
   }
 
+  /** This lease's fence, for engine-store writes that must commit only while it holds ({ fence: lease.fence }). */
+  get fence(): { runId: string; fencingToken: number } { return { runId: this.runId, fencingToken: this.fencingToken }; }
+
   /** The latest record this handle has seen. */
   get record(): RunRecord { return this._record; }
   /** The ttl background renewals ask for. */

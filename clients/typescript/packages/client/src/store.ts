@@ -13,6 +13,8 @@ import {
   EngineRunPatchSchema,
   EngineRunSchema,
   EngineStepSchema,
+  FenceSchema,
+  type Fence,
   JsonValueSchema,
   type EngineArtifact as PbArtifact,
   type EngineDoc as PbDoc,
@@ -95,6 +97,24 @@ export interface ArtifactHeader {
 }
 
 export interface Lookup<T> { found: boolean; value: T | undefined; at: Date | undefined }
+
+/**
+ * A precondition on a write (docs/FENCING.md): it commits only while the
+ * ledger run's fencing token (a Lease's `fence`) or the keyed lock's
+ * (acquireLock's `fencingToken`) is still current. Otherwise the write
+ * changes nothing and throws LeaseLostError or LockLostError.
+ */
+export type FenceSpec = { runId: string; fencingToken: number } | { lockKey: string; fencingToken: number };
+
+export interface WriteOptions {
+  fence?: FenceSpec;
+}
+
+function fenceIn(f: FenceSpec | undefined): { fence?: Fence } {
+  if (f === undefined) return {};
+  const token = toBigInt(f.fencingToken, "fence.fencing_token");
+  return { fence: create(FenceSchema, "runId" in f ? { runId: f.runId, fencingToken: token } : { lockKey: f.lockKey, fencingToken: token }) };
+}
 
 /** Bytes per PutArtifact chunk message. */
 export const ARTIFACT_CHUNK_BYTES = 256 * 1024;
@@ -194,12 +214,12 @@ export class EngineStoreClient {
   }
 
   /** Insert-if-absent: `created` false returns the stored run, unchanged. */
-  async createRun(run: EngineRunInput): Promise<{ created: boolean; run: EngineRun }> {
+  async createRun(run: EngineRunInput, opts: WriteOptions = {}): Promise<{ created: boolean; run: EngineRun }> {
     const m = create(EngineRunSchema, {
       id: run.id, agent: run.agent, status: run.status, ...opt("concurrencyKey", run.concurrencyKey),
       ...valuesIn(run, "run"),
     });
-    const r = await this.command<Resp<"createRun">>("createRun", { run: m });
+    const r = await this.command<Resp<"createRun">>("createRun", { ...{ run: m }, ...fenceIn(opts.fence) });
     return { created: r.created, run: engineRunFromPb(r.run!) };
   }
 
@@ -209,14 +229,14 @@ export class EngineStoreClient {
   }
 
   /** Throws InvalidRunStateError when a guard fails, RunNotFoundError for an unknown id. */
-  async updateRun(id: string, patch: EngineRunPatch, guards: { expectStatus?: string[]; expectOwner?: string } = {}): Promise<EngineRun> {
+  async updateRun(id: string, patch: EngineRunPatch, guards: { expectStatus?: string[]; expectOwner?: string } & WriteOptions = {}): Promise<EngineRun> {
     const p = create(EngineRunPatchSchema, {
       ...opt("status", patch.status), ...opt("concurrencyKey", patch.concurrencyKey),
       ...valuesIn(patch, "patch"),
       clear: [...(patch.clear ?? [])],
     });
-    const r = await this.command<Resp<"updateRun">>("updateRun", {
-      id, patch: p, expectStatus: [...(guards.expectStatus ?? [])], ...opt("expectOwner", guards.expectOwner) });
+    const r = await this.command<Resp<"updateRun">>("updateRun", { ...{
+      id, patch: p, expectStatus: [...(guards.expectStatus ?? [])], ...opt("expectOwner", guards.expectOwner) }, ...fenceIn(guards.fence) });
     return engineRunFromPb(r.run!);
   }
 
@@ -238,22 +258,22 @@ export class EngineStoreClient {
     });
   }
 
-  async claimRun(id: string, owner: string, ttlMs: number): Promise<{ claimed: boolean; run: EngineRun | undefined }> {
-    const r = await this.command<Resp<"claimRun">>("claimRun", { id, owner, ttlMs: ttl(ttlMs) });
+  async claimRun(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ claimed: boolean; run: EngineRun | undefined }> {
+    const r = await this.command<Resp<"claimRun">>("claimRun", { ...{ id, owner, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
     return { claimed: r.claimed, run: r.run ? engineRunFromPb(r.run) : undefined };
   }
 
-  async renewClaim(id: string, owner: string, ttlMs: number): Promise<{ renewed: boolean; run: EngineRun | undefined }> {
-    const r = await this.command<Resp<"renewClaim">>("renewClaim", { id, owner, ttlMs: ttl(ttlMs) });
+  async renewClaim(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ renewed: boolean; run: EngineRun | undefined }> {
+    const r = await this.command<Resp<"renewClaim">>("renewClaim", { ...{ id, owner, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
     return { renewed: r.renewed, run: r.run ? engineRunFromPb(r.run) : undefined };
   }
 
-  async appendStep(step: { runId: string; name: string; status?: string; input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }): Promise<EngineStep> {
+  async appendStep(step: { runId: string; name: string; status?: string; input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }, opts: WriteOptions = {}): Promise<EngineStep> {
     const m = create(EngineStepSchema, {
       runId: step.runId, name: step.name, ...opt("status", step.status),
       ...valuesIn(step, "step"),
     });
-    const r = await this.command<Resp<"appendStep">>("appendStep", { step: m });
+    const r = await this.command<Resp<"appendStep">>("appendStep", { ...{ step: m }, ...fenceIn(opts.fence) });
     return stepFromPb(r.step!);
   }
 
@@ -266,10 +286,10 @@ export class EngineStoreClient {
   }
 
   /** Keeps the highest stepIndex; an equal index replaces; a lower one is ignored (saved false). */
-  async saveCheckpoint(cp: { runId: string; stepIndex: number; state: unknown }): Promise<{ saved: boolean; checkpoint: EngineCheckpoint }> {
+  async saveCheckpoint(cp: { runId: string; stepIndex: number; state: unknown }, opts: WriteOptions = {}): Promise<{ saved: boolean; checkpoint: EngineCheckpoint }> {
     const state = jsonIn(cp.state === undefined ? null : cp.state, "checkpoint.state");
-    const r = await this.command<Resp<"saveCheckpoint">>("saveCheckpoint", {
-      checkpoint: { runId: cp.runId, stepIndex: toBigInt(cp.stepIndex, "checkpoint.step_index"), ...opt("state", state) } });
+    const r = await this.command<Resp<"saveCheckpoint">>("saveCheckpoint", { ...{
+      checkpoint: { runId: cp.runId, stepIndex: toBigInt(cp.stepIndex, "checkpoint.step_index"), ...opt("state", state) } }, ...fenceIn(opts.fence) });
     const c = r.checkpoint!;
     return { saved: r.saved, checkpoint: { runId: c.runId, stepIndex: toNumber(c.stepIndex), state: jsonOut(c.state), savedAt: date(c.savedAt) } };
   }
@@ -282,18 +302,18 @@ export class EngineStoreClient {
   }
 
   /** The first caller per (scope, key) wins; the others get the winner's runId until the key expires. */
-  async claimKey(scope: string, key: string, runId: string, ttlMs: number): Promise<{ created: boolean; runId: string; expiresAt: Date }> {
-    const r = await this.command<Resp<"claimKey">>("claimKey", { scope, key, runId, ttlMs: ttl(ttlMs) });
+  async claimKey(scope: string, key: string, runId: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ created: boolean; runId: string; expiresAt: Date }> {
+    const r = await this.command<Resp<"claimKey">>("claimKey", { ...{ scope, key, runId, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
     return { created: r.created, runId: r.runId, expiresAt: date(r.expiresAt) };
   }
 
-  async acquireLock(key: string, owner: string, ttlMs: number): Promise<{ acquired: boolean; fencingToken: number; owner: string; expiresAt: Date }> {
-    const r = await this.command<Resp<"acquireLock">>("acquireLock", { key, owner, ttlMs: ttl(ttlMs) });
+  async acquireLock(key: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ acquired: boolean; fencingToken: number; owner: string; expiresAt: Date }> {
+    const r = await this.command<Resp<"acquireLock">>("acquireLock", { ...{ key, owner, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
     return { acquired: r.acquired, fencingToken: toNumber(r.fencingToken), owner: r.owner, expiresAt: date(r.expiresAt) };
   }
 
-  async releaseLock(key: string, owner: string): Promise<boolean> {
-    const r = await this.command<Resp<"releaseLock">>("releaseLock", { key, owner });
+  async releaseLock(key: string, owner: string, opts: WriteOptions = {}): Promise<boolean> {
+    const r = await this.command<Resp<"releaseLock">>("releaseLock", { ...{ key, owner }, ...fenceIn(opts.fence) });
     return r.released;
   }
 
@@ -302,9 +322,9 @@ export class EngineStoreClient {
     return { found: r.found, value: r.found ? jsonOut(r.result) : undefined, at: r.recordedAt ? date(r.recordedAt) : undefined };
   }
 
-  async putEffect(key: string, result: unknown): Promise<Date> {
+  async putEffect(key: string, result: unknown, opts: WriteOptions = {}): Promise<Date> {
     const v = jsonIn(result === undefined ? null : result, "result");
-    const r = await this.command<Resp<"putEffect">>("putEffect", { key, ...opt("result", v) });
+    const r = await this.command<Resp<"putEffect">>("putEffect", { ...{ key, ...opt("result", v) }, ...fenceIn(opts.fence) });
     return date(r.recordedAt);
   }
 
@@ -313,9 +333,9 @@ export class EngineStoreClient {
     return { found: r.found, value: r.found ? jsonOut(r.value) : undefined, at: r.updatedAt ? date(r.updatedAt) : undefined };
   }
 
-  async kvSet(agent: string, key: string, value: unknown): Promise<Date> {
+  async kvSet(agent: string, key: string, value: unknown, opts: WriteOptions = {}): Promise<Date> {
     const v = jsonIn(value === undefined ? null : value, "value");
-    const r = await this.command<Resp<"kvSet">>("kvSet", { agent, key, ...opt("value", v) });
+    const r = await this.command<Resp<"kvSet">>("kvSet", { ...{ agent, key, ...opt("value", v) }, ...fenceIn(opts.fence) });
     return date(r.updatedAt);
   }
 
@@ -332,14 +352,14 @@ export class EngineStoreClient {
     });
   }
 
-  async docUpsert(agent: string, collection: string, id: string, doc: Record<string, unknown>): Promise<{ created: boolean; doc: EngineDoc }> {
+  async docUpsert(agent: string, collection: string, id: string, doc: Record<string, unknown>, opts: WriteOptions = {}): Promise<{ created: boolean; doc: EngineDoc }> {
     const d = jsonIn(doc, "doc");
-    const r = await this.command<Resp<"docUpsert">>("docUpsert", { agent, collection, id, ...opt("doc", d) });
+    const r = await this.command<Resp<"docUpsert">>("docUpsert", { ...{ agent, collection, id, ...opt("doc", d) }, ...fenceIn(opts.fence) });
     return { created: r.created, doc: docFromPb(r.doc!) };
   }
 
-  async docDelete(agent: string, collection: string, id: string): Promise<boolean> {
-    const r = await this.command<Resp<"docDelete">>("docDelete", { agent, collection, id });
+  async docDelete(agent: string, collection: string, id: string, opts: WriteOptions = {}): Promise<boolean> {
+    const r = await this.command<Resp<"docDelete">>("docDelete", { ...{ agent, collection, id }, ...fenceIn(opts.fence) });
     return r.deleted;
   }
 
@@ -349,7 +369,7 @@ export class EngineStoreClient {
    * request id) or an (async) iterable of chunks (one attempt; needs
    * header.sizeBytes).
    */
-  async putArtifact(header: ArtifactHeader, data: Uint8Array | Iterable<Uint8Array> | AsyncIterable<Uint8Array>): Promise<{ created: boolean; artifact: EngineArtifact }> {
+  async putArtifact(header: ArtifactHeader, data: Uint8Array | Iterable<Uint8Array> | AsyncIterable<Uint8Array>, opts: WriteOptions = {}): Promise<{ created: boolean; artifact: EngineArtifact }> {
     const whole = data instanceof Uint8Array ? data.slice() : undefined;
     const size = whole ? whole.byteLength : header.sizeBytes;
     if (size === undefined) throw new ValidationError("header.size_bytes: required when the data is a stream", { field: "header.size_bytes" });
@@ -360,7 +380,7 @@ export class EngineStoreClient {
     const h = create(EngineArtifactHeaderSchema, {
       id: header.id, runId: header.runId, name: header.name ?? "", contentType: header.contentType ?? "",
       sizeBytes: toBigInt(size, "header.size_bytes"), ...opt("sha256", header.sha256),
-      ...opt("metadata", jsonIn(header.metadata, "header.metadata")), requestId,
+      ...opt("metadata", jsonIn(header.metadata, "header.metadata")), ...fenceIn(opts.fence), requestId,
     });
     const messages = async function* (): AsyncGenerator<EnginePutArtifactRequest> {
       yield create(EnginePutArtifactRequestSchema, { part: { case: "header", value: h } });

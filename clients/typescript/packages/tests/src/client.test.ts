@@ -3,6 +3,7 @@ import { after, before, describe, it } from "node:test";
 import { Code, ConnectError, type Interceptor } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import {
+  LockLostError,
   AlreadyTerminalError, FencepostClient, FencepostError, LeaseAtRiskError, LeaseHeldError, LeaseLostError,
   RunNotFoundError, RunSuspendedError, ValidationError, type RunChange,
 } from "@fencepost/client";
@@ -281,5 +282,25 @@ describe("FencepostClient", () => {
     assert.equal(await within(heard, 2000, "watchFence"), "deleted");
     const again = await a.acquire("c-del", { ttlMs: 10_000 });
     assert.equal(again.fencingToken, 2, "the token continues above the deleted run's");
+  });
+
+  it("fences engine-store writes on a lease or a lock: refused once the token moved, nothing written", async () => {
+    const a = client("owner-fence");
+    const op = client("operator-fence");
+    const lease = await a.acquire("c-fence", { ttlMs: 10_000 });
+    await a.store.kvSet("agent-f", "k", { v: 1 }, { fence: lease.fence });
+    await op.cancel("c-fence");
+    await assert.rejects(a.store.kvSet("agent-f", "k", { v: 2 }, { fence: lease.fence }),
+      (e: unknown) => e instanceof LeaseLostError && e.record?.status === "cancelled");
+    assert.deepEqual((await a.store.kvGet("agent-f", "k")).value, { v: 1 });
+    const lock = await a.store.acquireLock("lock-f", "me", 1000);
+    await a.store.putEffect("eff-f", "ok", { fence: { lockKey: "lock-f", fencingToken: lock.fencingToken } });
+    await a.jumpClock(2000);
+    const taken = await op.store.acquireLock("lock-f", "other", 60_000);
+    assert.equal(taken.fencingToken, lock.fencingToken + 1);
+    await assert.rejects(a.store.putEffect("eff-f", "stale", { fence: { lockKey: "lock-f", fencingToken: lock.fencingToken } }), LockLostError);
+    assert.equal((await a.store.getEffect("eff-f")).value, "ok");
+    await assert.rejects(a.store.kvSet("agent-f", "k", 1, { fence: { runId: "c-fence", fencingToken: 0 } }),
+      (e: unknown) => e instanceof ValidationError && e.field === "fence.fencing_token");
   });
 });
