@@ -8,6 +8,8 @@ GEN_DIR   := clients/python
 ADDR      ?= 127.0.0.1:50051
 DB        ?= ./fencepost.db
 PYTEST_ARGS ?=
+TS_DIR    := clients/typescript
+TS_STAMP  := $(TS_DIR)/node_modules/.package-lock.json
 
 .DEFAULT_GOAL := help
 .PHONY: help all serve test lint proto bench clean
@@ -29,13 +31,15 @@ serve: $(STAMP)  ## start the coordinator on $(ADDR) with the SQLite file $(DB)
 
 test: $(STAMP) lint  ## lint, then every test (slow ones included)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-ts
 
 lint: $(STAMP)  ## ruff and mypy on our own code
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-proto: $(STAMP)  ## regenerate the checked-in stubs from proto/
+proto: $(STAMP) $(TS_STAMP)  ## regenerate the checked-in stubs from proto/ (Python and TypeScript)
 	$(BIN)/python -m fencepost_server._codegen $(GEN_DIR)
+	cd $(TS_DIR) && npm run --silent generate
 
 bench: $(STAMP)  ## benchmarks (not tests): end to end vs echo, and the writer alone
 	$(BIN)/python bench/run_all.py
@@ -57,7 +61,19 @@ SNAPSHOTS ?= fenced
 torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed SNAPSHOTS=fenced|unfenced|off (docs/RELIABILITY.md)
 	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT) --snapshots $(SNAPSHOTS)
 
+# TypeScript clients (clients/typescript, docs/TYPESCRIPT.md): Node >= 20 and npm,
+# installed from Debian when missing; dependencies exactly as package-lock.json.
+$(TS_STAMP): $(TS_DIR)/package-lock.json $(TS_DIR)/package.json
+	command -v npm >/dev/null || (apt-get update -q && apt-get install -y -q nodejs npm)
+	cd $(TS_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+.PHONY: test-ts
+test-ts: $(STAMP) $(TS_STAMP)  ## TypeScript clients: build, then their tests against real servers
+	cd $(TS_DIR) && FENCEPOST_BIN=$(abspath $(BIN))/fencepost npm test
+
 clean:  ## remove the venv, caches and build output (never your data: see clean-data)
+	rm -rf $(TS_DIR)/node_modules $(TS_DIR)/packages/*/dist $(TS_DIR)/packages/*/tsconfig.tsbuildinfo
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 

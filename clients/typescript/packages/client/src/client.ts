@@ -1,0 +1,328 @@
+// FencepostClient: the ledger (acquire, leases, operator commands, reads,
+// watchRuns), the raw RunStore and the EngineStore on one gRPC connection.
+import { hostname } from "node:os";
+import { randomBytes } from "node:crypto";
+import { create } from "@bufbuild/protobuf";
+import { Code, createClient, type Client, type Transport } from "@connectrpc/connect";
+import { createGrpcTransport } from "@connectrpc/connect-node";
+import {
+  ChangeKind, Ledger, ListRunsRequestSchema,
+  type AcquireResponse, type CancelResponse, type DeleteRunResponse, type RequestResumeResponse,
+} from "./gen/fencepost/v1/ledger_pb.js";
+import { OutcomeSchema, type Run as PbRun } from "./gen/fencepost/v1/record_pb.js";
+import { RunStore } from "./gen/fencepost/v1/run_store_pb.js";
+import { EngineStore } from "./gen/fencepost/v1/engine_store_pb.js";
+import { TestHooks } from "./gen/fencepost/v1/testing_pb.js";
+import { fromCallError, RevisionCompactedError, StreamTooSlowError, ValidationError, type FencepostError } from "./errors.js";
+import { KeepAliveSession, type FenceListener } from "./keepalive.js";
+import { Lease, type LeaseHost } from "./lease.js";
+import { recordFromPb, statusFromPb, statusToPb, toBigInt, toNumber, type RunRecord, type RunStatus } from "./records.js";
+import { backoffDelays, newRequestId, retryPolicy, sleep, withRetry, type FullRetryPolicy, type RetryPolicy } from "./retry.js";
+import { EngineStoreClient } from "./store.js";
+import { CommandChannel, type CommandKind, type Transport as CommandTransport } from "./execute.js";
+
+export interface ClientOptions {
+  /** Worker identity for acquire and the KeepAlive stream (default: host-pid-random). */
+  owner?: string;
+  /** Lease ttl for acquire when none is given, ms (default 60 000). */
+  defaultTtlMs?: number;
+  /** How calls are retried while the server is unavailable. */
+  retry?: RetryPolicy;
+  /**
+   * How mutations travel: "stream" (default) multiplexes them on one
+   * Ledger.Execute stream, those of one event-loop turn in one message, with
+   * unary calls while the stream is down; "unary" sends one call each.
+   * Answers, errors, request ids and retries are the same either way.
+   */
+  transport?: CommandTransport;
+  /** Use this Connect transport instead of opening a gRPC connection to the address. */
+  connectTransport?: Transport;
+}
+
+export interface AcquireOptions {
+  /** Lease ttl, ms (100 - 86 400 000; default the client's defaultTtlMs). */
+  ttlMs?: number;
+  /** Lock-delay, ms (SPEC §5.6; default 0). */
+  lockDelayMs?: number;
+  /** Renew in the background over the KeepAlive stream (default true). */
+  renew?: boolean;
+}
+
+export interface ListRunsOptions {
+  statuses?: RunStatus[];
+  owner?: string;
+  pageSize?: number;
+  pageToken?: string;
+}
+
+export interface RunPage {
+  runs: RunRecord[];
+  nextPageToken: string;
+  revision: number;
+}
+
+export interface FenceStatus {
+  current: boolean;
+  found: boolean;
+  fencingToken: number;
+  status: RunStatus | undefined;
+  revision: number;
+}
+
+export interface RunChange {
+  revision: number;
+  kind: "put" | "delete";
+  runId: string;
+  /** The record as written; absent for a delete. */
+  record?: RunRecord;
+}
+
+export interface WatchOptions {
+  /** Only these runs (at most 1000); default every run. */
+  runIds?: string[];
+  /** Replay retained changes from this revision; default: changes after the watch starts. */
+  fromRevision?: number;
+  /** Ends the iteration. */
+  signal?: AbortSignal;
+}
+
+/** `{hostname}-{pid}-{random}`: two live processes never share one. */
+export function defaultOwner(): string {
+  return `${hostname()}-${process.pid}-${randomBytes(4).toString("hex")}`;
+}
+
+type Mutable = Record<string, unknown>;
+
+export class FencepostClient {
+  readonly address: string;
+  readonly owner: string;
+  readonly defaultTtlMs: number;
+  /** The generated Connect clients, for anything the typed API does not cover. */
+  readonly stubs: {
+    ledger: Client<typeof Ledger>;
+    runStore: Client<typeof RunStore>;
+    engineStore: Client<typeof EngineStore>;
+    testHooks: Client<typeof TestHooks>;
+  };
+  /** The engine store (SPEC §11) with plain JavaScript values. */
+  readonly store: EngineStoreClient;
+  readonly retry: FullRetryPolicy;
+  private keepAlive: KeepAliveSession;
+  private channel: CommandChannel;
+  private _closed = false;
+
+  constructor(address: string, options: ClientOptions = {}) {
+    this.address = address;
+    this.owner = options.owner ?? defaultOwner();
+    this.defaultTtlMs = options.defaultTtlMs ?? 60_000;
+    this.retry = retryPolicy(options.retry);
+    const transport = options.connectTransport ??
+      createGrpcTransport({ baseUrl: address.includes("://") ? address : `http://${address}` });
+    this.stubs = {
+      ledger: createClient(Ledger, transport),
+      runStore: createClient(RunStore, transport),
+      engineStore: createClient(EngineStore, transport),
+      testHooks: createClient(TestHooks, transport),
+    };
+    this.keepAlive = new KeepAliveSession(this.stubs.ledger, this.owner);
+    this.channel = new CommandChannel(this.stubs.ledger, this.stubs.engineStore, options.transport ?? "stream");
+    this.store = new EngineStoreClient(this.stubs.engineStore, this.retry, (kind, req) => this.command(kind, req));
+  }
+
+  get closed(): boolean { return this._closed; }
+
+  /** "stream" or "unary": how mutations travel. */
+  get transport(): CommandTransport { return this.channel.transport; }
+
+  /** How many times the Execute command stream has been opened (1 while it stays up). */
+  get executeConnects(): number { return this.channel.connects; }
+
+  /** How many times the shared KeepAlive stream has been opened (1 while it stays up). */
+  get keepAliveConnects(): number { return this.keepAlive.connects; }
+
+  /** Stop renewing, close the KeepAlive stream. Leases live on by their ttl. */
+  async close(): Promise<void> {
+    this._closed = true;
+    await this.channel.close();
+    await this.keepAlive.close();
+  }
+
+  async [Symbol.asyncDispose](): Promise<void> { await this.close(); }
+
+  /** A mutation: one request id for every attempt. */
+  async mutate<T>(call: (requestId: string, opts: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
+    const requestId = newRequestId();
+    return withRetry(this.retry, true, (timeoutMs) => call(requestId, { timeoutMs }));
+  }
+
+  /**
+   * A ledger command or engine-store mutation (a unary request as an init
+   * object, without request id) over the client's transport: one request id
+   * for every attempt.
+   */
+  async command<T>(kind: CommandKind, request: Record<string, unknown>): Promise<T> {
+    const requestId = newRequestId();
+    return withRetry(this.retry, true, (timeoutMs) => this.channel.run<T>(kind, { ...request, requestId }, { timeoutMs }));
+  }
+
+  /** A read, retried while the server is unavailable. */
+  async read<T>(call: (opts: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
+    return withRetry(this.retry, false, (timeoutMs) => call({ timeoutMs }));
+  }
+
+  /**
+   * Become the single active owner of `runId` (creating it when new). The
+   * lease renews itself over the client's one KeepAlive stream until it is
+   * finished, suspended, released or lost.
+   * Throws LeaseHeldError, AlreadyTerminalError, RunSuspendedError, ValidationError.
+   */
+  async acquire(runId: string, options: AcquireOptions = {}): Promise<Lease> {
+    const ttlMs = options.ttlMs ?? this.defaultTtlMs;
+    const sentAt = performance.now();
+    const resp = await this.command<AcquireResponse>("acquire", {
+      runId, owner: this.owner, leaseTtlMs: toBigInt(ttlMs, "ttl_ms"),
+      lockDelayMs: toBigInt(options.lockDelayMs ?? 0, "lock_delay_ms"),
+    });
+    const record = recordFromPb(resp.run!);
+    const renew = options.renew ?? true;
+    return new Lease(this.leaseHost(renew), record, ttlMs, sentAt);
+  }
+
+  private leaseHost(renew: boolean): LeaseHost {
+    return {
+      fenced: (kind, lease, extra) => this.fenced(kind, lease, extra),
+      startRenewing: (lease, listener) => {
+        const token = BigInt(lease.fencingToken);
+        if (renew) this.keepAlive.renew(lease.runId, token, lease.ttlMs, listener);
+        else this.keepAlive.track(lease.runId, token, listener);
+      },
+      stopRenewing: (lease, listener) => this.keepAlive.stopRenewing(lease.runId, listener),
+    };
+  }
+
+  private async fenced(kind: "renew" | "recordCheckpoint" | "suspend" | "finish" | "release", lease: Lease, extra: Mutable): Promise<RunRecord> {
+    const req: Mutable = { runId: lease.runId, owner: lease.owner, fencingToken: BigInt(lease.fencingToken), ...extra };
+    if (kind === "finish") {
+      req["status"] = statusToPb((extra["status"] as RunStatus | undefined) ?? "completed");
+      const outcome = extra["outcome"] as { code: string; message?: string } | undefined;
+      if (outcome) req["outcome"] = create(OutcomeSchema, outcome);
+      else delete req["outcome"];
+    }
+    const resp = await this.command<{ run?: PbRun }>(kind, req);
+    return recordFromPb(resp.run!);
+  }
+
+  /** Read one run. Throws RunNotFoundError. */
+  async get(runId: string): Promise<RunRecord> {
+    const resp = await this.read((o) => this.stubs.ledger.getRun({ runId }, o));
+    return recordFromPb(resp.run!);
+  }
+
+  /** One page of runs ordered by run id. */
+  async list(options: ListRunsOptions = {}): Promise<RunPage> {
+    const req = create(ListRunsRequestSchema, {
+      statuses: (options.statuses ?? []).map((s, i) => statusToPb(s, `statuses[${i}]`)),
+      owner: options.owner ?? "",
+      pageSize: options.pageSize ?? 0,
+      pageToken: options.pageToken ?? "",
+    });
+    const resp = await this.read((o) => this.stubs.ledger.listRuns(req, o));
+    return { runs: resp.runs.map(recordFromPb), nextPageToken: resp.nextPageToken, revision: toNumber(resp.revision) };
+  }
+
+  /** Every run (all pages), and the revision to watch from (the first page's + 1). */
+  async listAll(options: Omit<ListRunsOptions, "pageToken"> = {}): Promise<{ runs: RunRecord[]; revision: number }> {
+    const runs: RunRecord[] = [];
+    let token = "";
+    let revision = -1;
+    do {
+      const page = await this.list({ ...options, pageToken: token, pageSize: options.pageSize ?? 1000 });
+      if (revision < 0) revision = page.revision;
+      runs.push(...page.runs);
+      token = page.nextPageToken;
+    } while (token);
+    return { runs, revision };
+  }
+
+  /** Operator: cancel a run, fencing its worker. */
+  async cancel(runId: string, message?: string): Promise<RunRecord> {
+    const resp = await this.command<CancelResponse>("cancel", { runId, ...(message === undefined ? {} : { message }) });
+    return recordFromPb(resp.run!);
+  }
+
+  /** Operator: make a suspended run (or one whose lease expired) queued again. */
+  async requestResume(runId: string): Promise<RunRecord> {
+    const resp = await this.command<RequestResumeResponse>("requestResume", { runId });
+    return recordFromPb(resp.run!);
+  }
+
+  /** Admin: hard-delete a run; its last token is kept so a later acquire continues above it. */
+  async delete(runId: string): Promise<{ revision: number; fencingToken: number }> {
+    const resp = await this.command<DeleteRunResponse>("deleteRun", { runId });
+    return { revision: toNumber(resp.revision), fencingToken: toNumber(resp.fencingToken) };
+  }
+
+  /** Whether `fencingToken` is still the run's current one (for downstream resources). */
+  async validateFence(runId: string, fencingToken: number): Promise<FenceStatus> {
+    const resp = await this.read((o) =>
+      this.stubs.ledger.validateFence({ runId, fencingToken: toBigInt(fencingToken, "fencing_token") }, o));
+    return {
+      current: resp.current, found: resp.found, fencingToken: toNumber(resp.fencingToken),
+      status: resp.found ? statusFromPb(resp.status) : undefined, revision: toNumber(resp.revision),
+    };
+  }
+
+  /**
+   * Watch a fence without holding the lease: `listener.lost` is called (once)
+   * when `runId`'s fence moves away from `fencingToken`, within milliseconds
+   * of the commit that moved it. Returns a function that stops watching.
+   */
+  watchFence(runId: string, fencingToken: number | bigint, listener: FenceListener): () => void {
+    this.keepAlive.track(runId, typeof fencingToken === "bigint" ? fencingToken : toBigInt(fencingToken, "fencing_token"), listener);
+    return () => this.keepAlive.forget(runId, listener);
+  }
+
+  /**
+   * Every committed change, in revision order, as an async iterator. A
+   * dropped stream (or STREAM_TOO_SLOW) is resumed from the last revision
+   * received + 1, with no gap and no duplicate. Throws RevisionCompactedError
+   * when the revision to resume from is no longer retained.
+   */
+  async *watchRuns(options: WatchOptions = {}): AsyncGenerator<RunChange, void, undefined> {
+    let next = options.fromRevision;
+    if (next === undefined || next === 0) {
+      // Pin the start so a reconnect before the first change leaves no gap.
+      const page = await this.list({ pageSize: 1 });
+      next = page.revision + 1;
+    }
+    const delay = backoffDelays(this.retry);
+    const runIds = options.runIds ?? [];
+    while (!options.signal?.aborted) {
+      try {
+        const stream = this.stubs.ledger.watchRuns({ runIds, fromRevision: BigInt(next) },
+          options.signal ? { signal: options.signal } : {});
+        for await (const m of stream) {
+          const change: RunChange = {
+            revision: toNumber(m.revision), kind: m.kind === ChangeKind.DELETE ? "delete" : "put", runId: m.runId,
+          };
+          if (m.record) change.record = recordFromPb(m.record);
+          next = change.revision + 1;
+          yield change;
+        }
+      } catch (e) {
+        if (options.signal?.aborted) return;
+        const err: FencepostError = fromCallError(e);
+        if (err instanceof RevisionCompactedError || !(err.grpcCode === Code.Unavailable || err instanceof StreamTooSlowError)) throw err;
+      }
+      if (options.signal?.aborted) return;
+      await sleep(delay()).catch(() => undefined);
+    }
+  }
+
+  /** TEST-ONLY (a server started with --test-hooks): move the server's clock forward by `ms`. */
+  async jumpClock(ms: number): Promise<number> {
+    if (!Number.isSafeInteger(ms) || ms < 0) throw new ValidationError("ms: must be a non-negative integer", { field: "ms" });
+    const resp = await this.stubs.testHooks.jumpClock({ ms: BigInt(ms) });
+    return toNumber(resp.nowMs);
+  }
+}

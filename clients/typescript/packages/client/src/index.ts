@@ -1,0 +1,21 @@
+export { FencepostClient, defaultOwner } from "./client.js";
+export type {
+  AcquireOptions, ClientOptions, FenceStatus, ListRunsOptions, RunChange, RunPage, WatchOptions,
+} from "./client.js";
+export { Lease } from "./lease.js";
+export type { FenceListener } from "./keepalive.js";
+export { EngineStoreClient, ARTIFACT_CHUNK_BYTES } from "./store.js";
+export type {
+  ArtifactHeader, EngineArtifact, EngineCheckpoint, EngineClaim, EngineDoc, EngineRun, EngineRunInput,
+  EngineRunPatch, EngineStep, FenceSpec, Lookup, WriteOptions,
+} from "./store.js";
+export {
+  AlreadyTerminalError, ConflictError, ERROR_DOMAIN, FencepostError, IntegrityError, InvalidRunStateError,
+  InvalidTransitionError, LeaseAtRiskError, LockLostError, LeaseHeldError, LeaseLostError, OutcomeUnknownError,
+  RevisionCompactedError, RpcError, RunNotFoundError, RunSuspendedError, ShuttingDownError, StorageFullError,
+  StorageUnavailableError, StreamTooSlowError, UnavailableError, ValidationError, errorFor, fromCallError, fromStatus,
+} from "./errors.js";
+export { TERMINAL_STATUSES, recordFromPb, recordToPb, statusFromPb, statusToPb } from "./records.js";
+export type { CheckpointRef, LeaseInfo, LostReason, Outcome, RunRecord, RunStatus, Suspension } from "./records.js";
+export { newRequestId } from "./retry.js";
+export type { RetryPolicy } from "./retry.js";

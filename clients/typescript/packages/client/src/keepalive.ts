@@ -1,0 +1,231 @@
+// The one KeepAlive stream a client shares among all its leases and fence
+// watches (docs/STREAMS.md): hello, batched renewals at a third of the ttl,
+// `track` for fences watched without renewing, pushed `lost` / `expiring`,
+// and a reconnect with jittered backoff that re-sends every renewal and
+// track (a dropped stream revokes nothing: leases live by their ttl).
+import { create } from "@bufbuild/protobuf";
+import { timestampMs } from "@bufbuild/protobuf/wkt";
+import type { Client } from "@connectrpc/connect";
+import {
+  KeepAliveRenewSchema,
+  KeepAliveTrackSchema,
+  KeepAliveUntrackSchema,
+  KeepAliveRequestSchema,
+  type KeepAliveRequest,
+  type KeepAliveResponse,
+  type Ledger,
+} from "./gen/fencepost/v1/ledger_pb.js";
+import { AsyncQueue } from "./queue.js";
+import { lostReasonFromPb, recordFromPb, type LostReason, type RunRecord } from "./records.js";
+import { backoffDelays, retryPolicy, sleep } from "./retry.js";
+
+/** What a watcher of one run's fence hears. */
+export interface FenceListener {
+  /** A renewal was committed: `sentAt` (performance.now() when sent) + `ttlRemainingMs` is the new safe-until. */
+  renewed?(sentAt: number, ttlRemainingMs: number, expiresAt: Date): void;
+  /** The fence moved away from the watched token; final. `record` is absent when the run was deleted. */
+  lost(reason: LostReason, record: RunRecord | undefined): void;
+  /** The lease passed its expiry with no renewal; another owner may take it any moment. */
+  expiring?(expiresAt: Date): void;
+  /** A per-run failure the server reported on the stream (validation, not found...). */
+  error?(code: string, message: string): void;
+}
+
+interface Entry {
+  token: bigint;
+  /** ttl for renewals; undefined: track only (never renew). */
+  renewTtlMs: number | undefined;
+  dueAt: number;
+  /** performance.now() of renewals sent on the current stream, oldest first. */
+  sent: number[];
+  listeners: Set<FenceListener>;
+}
+
+export class KeepAliveSession {
+  private entries = new Map<string, Entry>();
+  private queue: AsyncQueue<KeepAliveRequest> | undefined;
+  private abort = new AbortController();
+  private running = false;
+  private timer: NodeJS.Timeout | undefined;
+  private closed = false;
+  /** How many times the stream was (re)opened; for tests and metrics. */
+  connects = 0;
+
+  constructor(private readonly ledger: Client<typeof Ledger>, readonly owner: string) {}
+
+  /** Renew `runId` at `token` every ttl/3 over the shared stream (and watch its fence). */
+  renew(runId: string, token: bigint, ttlMs: number, listener: FenceListener, renewNow = false): void {
+    const e = this.entry(runId, token, listener);
+    e.renewTtlMs = ttlMs;
+    e.dueAt = performance.now() + (renewNow ? 0 : ttlMs / 3);
+    this.ensureRunning();
+    if (renewNow) this.flushDue();
+    else this.schedule();
+  }
+
+  /** Watch `runId`'s fence at `token` without renewing. */
+  track(runId: string, token: bigint, listener: FenceListener): void {
+    const known = this.entries.get(runId);
+    this.entry(runId, token, listener);
+    this.ensureRunning();
+    if (!known || known.token !== token) {
+      this.send({ kind: { case: "track", value: create(KeepAliveTrackSchema, { runId, fencingToken: token }) } });
+    }
+  }
+
+  /** Stop hearing about `runId` for this listener (and stop renewing it when nobody else listens). */
+  forget(runId: string, listener: FenceListener): void {
+    const e = this.entries.get(runId);
+    if (!e || !e.listeners.delete(listener)) return;
+    if (e.listeners.size === 0) {
+      this.entries.delete(runId);
+      this.send({ kind: { case: "untrack", value: create(KeepAliveUntrackSchema, { runId }) } });
+    }
+  }
+
+  /** Stop renewing `runId` (its lease is finished or given up) but keep watchers. */
+  stopRenewing(runId: string, listener: FenceListener): void {
+    const e = this.entries.get(runId);
+    // The entry may already be a newer token's (a later lease of the run): leave it alone.
+    if (!e || !e.listeners.has(listener)) return;
+    e.renewTtlMs = undefined;
+    this.forget(runId, listener);
+  }
+
+  async close(): Promise<void> {
+    this.closed = true;
+    if (this.timer) clearTimeout(this.timer);
+    this.queue?.close();
+    this.abort.abort();
+  }
+
+  private entry(runId: string, token: bigint, listener: FenceListener): Entry {
+    let e = this.entries.get(runId);
+    if (!e || e.token !== token) {
+      // A new token replaces the old watch: the server tracks one token per run and stream.
+      e = { token, renewTtlMs: undefined, dueAt: Number.POSITIVE_INFINITY, sent: [], listeners: new Set() };
+      this.entries.set(runId, e);
+    }
+    e.listeners.add(listener);
+    return e;
+  }
+
+  private send(msg: Omit<Partial<KeepAliveRequest>, "$typeName">): void {
+    this.queue?.push(create(KeepAliveRequestSchema, msg));
+  }
+
+  private schedule(): void {
+    if (this.closed) return;
+    let next = Number.POSITIVE_INFINITY;
+    for (const e of this.entries.values()) if (e.renewTtlMs !== undefined) next = Math.min(next, e.dueAt);
+    if (this.timer) clearTimeout(this.timer);
+    this.timer = undefined;
+    if (next === Number.POSITIVE_INFINITY) return;
+    this.timer = setTimeout(() => this.flushDue(), Math.max(0, next - performance.now()));
+    this.timer.unref();
+  }
+
+  /** Send every renewal due within the next 50 ms in one message. */
+  private flushDue(): void {
+    if (!this.queue) return this.schedule();
+    const now = performance.now();
+    const renews = [];
+    for (const [runId, e] of this.entries) {
+      if (e.renewTtlMs === undefined || e.dueAt > now + 50) continue;
+      renews.push(create(KeepAliveRenewSchema, { runId, fencingToken: e.token, leaseTtlMs: BigInt(e.renewTtlMs) }));
+      e.sent.push(now);
+      e.dueAt = now + e.renewTtlMs / 3;
+    }
+    if (renews.length) this.send({ renews });
+    this.schedule();
+  }
+
+  private ensureRunning(): void {
+    if (this.running || this.closed) return;
+    this.running = true;
+    void this.loop();
+  }
+
+  private async loop(): Promise<void> {
+    const delay = backoffDelays(retryPolicy({ initialBackoffMs: 50, maxBackoffMs: 2000 }));
+    while (!this.closed && this.entries.size > 0) {
+      const queue = new AsyncQueue<KeepAliveRequest>();
+      this.queue = queue;
+      queue.push(create(KeepAliveRequestSchema, { kind: { case: "hello", value: { owner: this.owner } } }));
+      const renews = [];
+      const now = performance.now();
+      for (const [runId, e] of this.entries) {
+        e.sent = [];
+        if (e.renewTtlMs !== undefined) {
+          renews.push(create(KeepAliveRenewSchema, { runId, fencingToken: e.token, leaseTtlMs: BigInt(e.renewTtlMs) }));
+          e.sent.push(now);
+          e.dueAt = now + e.renewTtlMs / 3;
+        } else {
+          queue.push(create(KeepAliveRequestSchema, { kind: { case: "track", value: { runId, fencingToken: e.token } } }));
+        }
+      }
+      if (renews.length) queue.push(create(KeepAliveRequestSchema, { renews }));
+      this.schedule();
+      this.connects++;
+      try {
+        for await (const resp of this.ledger.keepAlive(queue, { signal: this.abort.signal })) {
+          this.handle(resp);
+        }
+      } catch (e) {
+        // dropped: reconnect below unless closing
+        if (process.env["FENCEPOST_DEBUG"]) console.error("KeepAlive stream ended:", e);
+      }
+      queue.close();
+      if (this.queue === queue) this.queue = undefined;
+      if (this.closed || this.entries.size === 0) break;
+      try {
+        await sleep(delay(), this.abort.signal);
+      } catch {
+        break;
+      }
+    }
+    this.running = false;
+    // A lease added while the loop was winding down starts it again.
+    if (!this.closed && this.entries.size > 0) this.ensureRunning();
+  }
+
+  private handle(resp: KeepAliveResponse): void {
+    for (const r of resp.batch) this.handle(r);
+    const k = resp.kind;
+    switch (k.case) {
+      case "renewed": {
+        const e = this.entries.get(k.value.runId);
+        if (!e || e.token !== k.value.fencingToken) return;
+        const sentAt = e.sent.shift();
+        if (sentAt === undefined) return;
+        const expiresAt = new Date(k.value.expiresAt ? timestampMs(k.value.expiresAt) : 0);
+        for (const l of e.listeners) l.renewed?.(sentAt, Number(k.value.ttlRemainingMs), expiresAt);
+        return;
+      }
+      case "lost": {
+        const e = this.entries.get(k.value.runId);
+        if (!e || e.token !== k.value.fencingToken) return;
+        this.entries.delete(k.value.runId);
+        const record = k.value.record ? recordFromPb(k.value.record) : undefined;
+        for (const l of e.listeners) l.lost(lostReasonFromPb(k.value.reason), record);
+        return;
+      }
+      case "expiring": {
+        const e = this.entries.get(k.value.runId);
+        if (!e || e.token !== k.value.fencingToken) return;
+        const expiresAt = new Date(k.value.expiresAt ? timestampMs(k.value.expiresAt) : 0);
+        for (const l of e.listeners) l.expiring?.(expiresAt);
+        return;
+      }
+      case "error": {
+        const e = this.entries.get(k.value.runId);
+        if (!e) return;
+        e.sent.shift();
+        for (const l of e.listeners) l.error?.(k.value.code, k.value.message);
+        return;
+      }
+      default:
+        return;
+    }
+  }
+}

@@ -1,0 +1,102 @@
+// Retries: only UNAVAILABLE is retried, with jittered exponential backoff,
+// bounded in total time. A mutation carries one request id for all its
+// attempts, so a retry after a lost answer gets the original answer instead
+// of applying the command twice.
+import { v7 as uuidv7 } from "uuid";
+import { fromCallError, isRetryable, OutcomeUnknownError, ShuttingDownError, type FencepostError } from "./errors.js";
+
+export interface RetryPolicy {
+  /** First backoff, ms (default 50). */
+  initialBackoffMs?: number;
+  /** Largest backoff, ms (default 1000). */
+  maxBackoffMs?: number;
+  /** Backoff growth per attempt (default 2). */
+  multiplier?: number;
+  /** Random share taken off or added to each backoff, 0 - 1 (default 0.2). */
+  jitter?: number;
+  /** No new attempt starts after this many ms (default 10 000). */
+  totalTimeoutMs?: number;
+  /** Each attempt's deadline, ms (default 10 000; 0: none). */
+  attemptTimeoutMs?: number;
+  /** At most this many attempts (default: unbounded within totalTimeoutMs). */
+  maxAttempts?: number;
+}
+
+export type FullRetryPolicy = Required<RetryPolicy>;
+
+export function retryPolicy(p: RetryPolicy = {}): FullRetryPolicy {
+  const full: FullRetryPolicy = {
+    initialBackoffMs: p.initialBackoffMs ?? 50,
+    maxBackoffMs: p.maxBackoffMs ?? 1000,
+    multiplier: p.multiplier ?? 2,
+    jitter: p.jitter ?? 0.2,
+    totalTimeoutMs: p.totalTimeoutMs ?? 10_000,
+    attemptTimeoutMs: p.attemptTimeoutMs ?? 10_000,
+    maxAttempts: p.maxAttempts ?? Number.POSITIVE_INFINITY,
+  };
+  if (!(full.initialBackoffMs > 0 && full.maxBackoffMs >= full.initialBackoffMs)) {
+    throw new RangeError("retry: need 0 < initialBackoffMs <= maxBackoffMs");
+  }
+  if (full.multiplier < 1) throw new RangeError("retry.multiplier: must be >= 1");
+  if (!(full.jitter >= 0 && full.jitter < 1)) throw new RangeError("retry.jitter: must be in [0, 1)");
+  if (full.totalTimeoutMs < 0) throw new RangeError("retry.totalTimeoutMs: must be >= 0");
+  if (full.attemptTimeoutMs < 0) throw new RangeError("retry.attemptTimeoutMs: must be >= 0");
+  if (full.maxAttempts < 1) throw new RangeError("retry.maxAttempts: must be >= 1");
+  return full;
+}
+
+/** A fresh request id: a UUIDv7 (time-ordered, as the server prefers). */
+export function newRequestId(): string {
+  return uuidv7();
+}
+
+export function backoffDelays(p: FullRetryPolicy): () => number {
+  let next = p.initialBackoffMs;
+  return () => {
+    const d = next * (1 + p.jitter * (2 * Math.random() - 1));
+    next = Math.min(p.maxBackoffMs, next * p.multiplier);
+    return d;
+  };
+}
+
+export const sleep = (ms: number, signal?: AbortSignal) =>
+  new Promise<void>((resolve, reject) => {
+    if (signal?.aborted) return reject(signal.reason);
+    const t = setTimeout(() => { signal?.removeEventListener("abort", onAbort); resolve(); }, ms);
+    const onAbort = () => { clearTimeout(t); reject(signal?.reason); };
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+
+/**
+ * Run `attempt(timeoutMs)` until it succeeds, fails with a non-retryable
+ * error, or the policy runs out. `mutation`: a final UNAVAILABLE means the
+ * outcome is unknown (OutcomeUnknownError), unless the server said it did
+ * nothing (SHUTTING_DOWN).
+ */
+export async function withRetry<T>(
+  policy: FullRetryPolicy,
+  mutation: boolean,
+  attempt: (timeoutMs: number | undefined) => Promise<T>,
+): Promise<T> {
+  const started = performance.now();
+  const delay = backoffDelays(policy);
+  for (let n = 1; ; n++) {
+    let err: FencepostError;
+    try {
+      return await attempt(policy.attemptTimeoutMs || undefined);
+    } catch (e) {
+      err = fromCallError(e);
+    }
+    if (!isRetryable(err)) throw err;
+    const wait = delay();
+    if (n >= policy.maxAttempts || performance.now() - started + wait > policy.totalTimeoutMs) {
+      if (mutation && !(err instanceof ShuttingDownError)) {
+        throw new OutcomeUnknownError(`no answer after ${n} attempt(s): ${err.message}`, {
+          cause: err, ...(err.grpcCode !== undefined ? { grpcCode: err.grpcCode } : {}),
+        });
+      }
+      throw err;
+    }
+    await sleep(wait);
+  }
+}

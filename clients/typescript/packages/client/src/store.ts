@@ -1,0 +1,442 @@
+// The engine store (SPEC §11) with plain JavaScript values: JSON values go
+// in and come out as parsed JSON (undefined = absent, null = a stored JSON
+// null), times as Dates, bytes as plain Uint8Arrays. Every call copies what
+// it is given (by serialising it) and returns values nobody else holds.
+// Mutations carry one request id for all their retries.
+import { create } from "@bufbuild/protobuf";
+import { timestampMs, type Timestamp } from "@bufbuild/protobuf/wkt";
+import type { Client } from "@connectrpc/connect";
+import {
+  EngineArtifactHeaderSchema,
+  EngineListRunsRequestSchema,
+  EnginePutArtifactRequestSchema,
+  EngineRunPatchSchema,
+  EngineRunSchema,
+  EngineStepSchema,
+  FenceSchema,
+  type Fence,
+  JsonValueSchema,
+  type EngineArtifact as PbArtifact,
+  type EngineDoc as PbDoc,
+  type EnginePutArtifactRequest,
+  type EngineRun as PbEngineRun,
+  type EngineStep as PbStep,
+  type EngineStore,
+  type JsonValue,
+} from "./gen/fencepost/v1/engine_store_pb.js";
+import { fromCallError, ValidationError } from "./errors.js";
+import { toBigInt, toNumber } from "./records.js";
+import { newRequestId, withRetry, type FullRetryPolicy } from "./retry.js";
+import type { CommandKind } from "./execute.js";
+
+export interface EngineClaim { owner: string; expiresAt: Date }
+
+export interface EngineRun {
+  id: string;
+  agent: string;
+  status: string;
+  concurrencyKey?: string;
+  input?: unknown;
+  output?: unknown;
+  error?: unknown;
+  metadata?: unknown;
+  claim?: EngineClaim;
+  createdAt: Date;
+  updatedAt: Date;
+}
+
+export type EngineRunInput = Pick<EngineRun, "id" | "agent" | "status" | "concurrencyKey" | "input" | "output" | "error" | "metadata">;
+
+export interface EngineRunPatch {
+  status?: string;
+  concurrencyKey?: string;
+  input?: unknown;
+  output?: unknown;
+  error?: unknown;
+  metadata?: unknown;
+  /** Fields to make absent: "concurrency_key", "input", "output", "error", "metadata", "claim". */
+  clear?: string[];
+}
+
+export interface EngineStep {
+  runId: string;
+  seq: number;
+  name: string;
+  status?: string;
+  input?: unknown;
+  output?: unknown;
+  error?: unknown;
+  metadata?: unknown;
+  createdAt: Date;
+}
+
+export interface EngineCheckpoint { runId: string; stepIndex: number; state: unknown; savedAt: Date }
+
+export interface EngineDoc { id: string; doc: Record<string, unknown>; updatedAt: Date }
+
+export interface EngineArtifact {
+  id: string;
+  runId: string;
+  name: string;
+  contentType: string;
+  sizeBytes: number;
+  sha256: string;
+  metadata?: unknown;
+  createdAt: Date;
+}
+
+export interface ArtifactHeader {
+  id: string;
+  runId: string;
+  name?: string;
+  contentType?: string;
+  metadata?: unknown;
+  /** Required when the data is a stream; taken from the bytes otherwise. */
+  sizeBytes?: number;
+  sha256?: string;
+}
+
+export interface Lookup<T> { found: boolean; value: T | undefined; at: Date | undefined }
+
+/**
+ * A precondition on a write (docs/FENCING.md): it commits only while the
+ * ledger run's fencing token (a Lease's `fence`) or the keyed lock's
+ * (acquireLock's `fencingToken`) is still current. Otherwise the write
+ * changes nothing and throws LeaseLostError or LockLostError.
+ */
+export type FenceSpec = { runId: string; fencingToken: number } | { lockKey: string; fencingToken: number };
+
+export interface WriteOptions {
+  fence?: FenceSpec;
+}
+
+function fenceIn(f: FenceSpec | undefined): { fence?: Fence } {
+  if (f === undefined) return {};
+  const token = toBigInt(f.fencingToken, "fence.fencing_token");
+  return { fence: create(FenceSchema, "runId" in f ? { runId: f.runId, fencingToken: token } : { lockKey: f.lockKey, fencingToken: token }) };
+}
+
+/** Bytes per PutArtifact chunk message. */
+export const ARTIFACT_CHUNK_BYTES = 256 * 1024;
+
+/** A JSON value for the wire; undefined stays absent. Throws ValidationError naming `field` for non-JSON. */
+export function jsonIn(value: unknown, field: string): JsonValue | undefined {
+  if (value === undefined) return undefined;
+  let text: string | undefined;
+  try {
+    text = JSON.stringify(value);
+  } catch (e) {
+    throw new ValidationError(`${field}: not a JSON value (${(e as Error).message})`, { field });
+  }
+  if (text === undefined) throw new ValidationError(`${field}: not a JSON value`, { field });
+  return create(JsonValueSchema, { json: text });
+}
+
+export function jsonOut(v: JsonValue | undefined): unknown {
+  return v === undefined ? undefined : JSON.parse(v.json);
+}
+
+const date = (t: Timestamp | undefined) => new Date(t ? timestampMs(t) : 0);
+
+function setJson(target: Record<string, unknown>, key: string, value: unknown): void {
+  if (value !== undefined) target[key] = value;
+}
+
+type Values = { input?: JsonValue; output?: JsonValue; error?: JsonValue; metadata?: JsonValue };
+
+/** The four JSON values of a run or step, parsed; absent ones stay absent. */
+function valuesOut(target: object, m: Values): void {
+  const t = target as Record<string, unknown>;
+  setJson(t, "input", jsonOut(m.input));
+  setJson(t, "output", jsonOut(m.output));
+  setJson(t, "error", jsonOut(m.error));
+  setJson(t, "metadata", jsonOut(m.metadata));
+}
+
+/** The four JSON values of a run, patch or step for the wire, fields named `${prefix}.input`... */
+function valuesIn(v: { input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }, prefix: string): Values {
+  return {
+    ...opt("input", jsonIn(v.input, `${prefix}.input`)), ...opt("output", jsonIn(v.output, `${prefix}.output`)),
+    ...opt("error", jsonIn(v.error, `${prefix}.error`)), ...opt("metadata", jsonIn(v.metadata, `${prefix}.metadata`)),
+  };
+}
+
+export function engineRunFromPb(m: PbEngineRun): EngineRun {
+  const r: EngineRun = { id: m.id, agent: m.agent, status: m.status, createdAt: date(m.createdAt), updatedAt: date(m.updatedAt) };
+  if (m.concurrencyKey !== undefined) r.concurrencyKey = m.concurrencyKey;
+  valuesOut(r, m);
+  if (m.claim) r.claim = { owner: m.claim.owner, expiresAt: date(m.claim.expiresAt) };
+  return r;
+}
+
+function stepFromPb(m: PbStep): EngineStep {
+  const s: EngineStep = { runId: m.runId, seq: toNumber(m.seq), name: m.name, createdAt: date(m.createdAt) };
+  if (m.status !== undefined) s.status = m.status;
+  valuesOut(s, m);
+  return s;
+}
+
+function artifactFromPb(m: PbArtifact): EngineArtifact {
+  const a: EngineArtifact = {
+    id: m.id, runId: m.runId, name: m.name, contentType: m.contentType, sizeBytes: toNumber(m.sizeBytes),
+    sha256: m.sha256, createdAt: date(m.createdAt),
+  };
+  setJson(a as unknown as Record<string, unknown>, "metadata", jsonOut(m.metadata));
+  return a;
+}
+
+function docFromPb(m: PbDoc): EngineDoc {
+  return { id: m.id, doc: jsonOut(m.doc) as Record<string, unknown>, updatedAt: date(m.updatedAt) };
+}
+
+function opt<T>(key: string, v: T | undefined): Record<string, T> {
+  return v === undefined ? {} : { [key]: v };
+}
+
+function ttl(ms: number): bigint {
+  return toBigInt(ms, "ttl_ms");
+}
+
+/** Runs a mutation (the unary request as an init object) with one request id for all its attempts. */
+export type CommandRunner = <T>(kind: CommandKind, request: Record<string, unknown>) => Promise<T>;
+
+type Resp<K extends keyof Client<typeof EngineStore>> = Client<typeof EngineStore>[K] extends (...a: never[]) => Promise<infer R> ? R : never;
+
+export class EngineStoreClient {
+  constructor(
+    readonly stub: Client<typeof EngineStore>,
+    private readonly retry: FullRetryPolicy,
+    private readonly command: CommandRunner,
+  ) {}
+
+  private read<T>(call: (o: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
+    return withRetry(this.retry, false, (timeoutMs) => call({ timeoutMs }));
+  }
+
+  /** Insert-if-absent: `created` false returns the stored run, unchanged. */
+  async createRun(run: EngineRunInput, opts: WriteOptions = {}): Promise<{ created: boolean; run: EngineRun }> {
+    const m = create(EngineRunSchema, {
+      id: run.id, agent: run.agent, status: run.status, ...opt("concurrencyKey", run.concurrencyKey),
+      ...valuesIn(run, "run"),
+    });
+    const r = await this.command<Resp<"createRun">>("createRun", { ...{ run: m }, ...fenceIn(opts.fence) });
+    return { created: r.created, run: engineRunFromPb(r.run!) };
+  }
+
+  async getRun(id: string): Promise<EngineRun | undefined> {
+    const r = await this.read((o) => this.stub.getRun({ id }, o));
+    return r.found && r.run ? engineRunFromPb(r.run) : undefined;
+  }
+
+  /** Throws InvalidRunStateError when a guard fails, RunNotFoundError for an unknown id. */
+  async updateRun(id: string, patch: EngineRunPatch, guards: { expectStatus?: string[]; expectOwner?: string } & WriteOptions = {}): Promise<EngineRun> {
+    const p = create(EngineRunPatchSchema, {
+      ...opt("status", patch.status), ...opt("concurrencyKey", patch.concurrencyKey),
+      ...valuesIn(patch, "patch"),
+      clear: [...(patch.clear ?? [])],
+    });
+    const r = await this.command<Resp<"updateRun">>("updateRun", { ...{
+      id, patch: p, expectStatus: [...(guards.expectStatus ?? [])], ...opt("expectOwner", guards.expectOwner) }, ...fenceIn(guards.fence) });
+    return engineRunFromPb(r.run!);
+  }
+
+  /** Ordered by createdAt then id; `total` ignores limit and offset; no limit returns every match. */
+  async listRuns(q: { agent?: string; statuses?: string[]; concurrencyKey?: string; limit?: number; offset?: number } = {}): Promise<{ runs: EngineRun[]; total: number }> {
+    const req = create(EngineListRunsRequestSchema, {
+      ...opt("agent", q.agent), statuses: [...(q.statuses ?? [])], ...opt("concurrencyKey", q.concurrencyKey),
+      ...opt("limit", q.limit === undefined ? undefined : toBigInt(q.limit, "limit")),
+      offset: toBigInt(q.offset ?? 0, "offset"),
+    });
+    return this.read(async (o) => {
+      const runs: EngineRun[] = [];
+      let total = 0;
+      for await (const page of this.stub.listRuns(req, o)) {
+        total = toNumber(page.total);
+        for (const r of page.runs) runs.push(engineRunFromPb(r));
+      }
+      return { runs, total };
+    });
+  }
+
+  async claimRun(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ claimed: boolean; run: EngineRun | undefined }> {
+    const r = await this.command<Resp<"claimRun">>("claimRun", { ...{ id, owner, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
+    return { claimed: r.claimed, run: r.run ? engineRunFromPb(r.run) : undefined };
+  }
+
+  async renewClaim(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ renewed: boolean; run: EngineRun | undefined }> {
+    const r = await this.command<Resp<"renewClaim">>("renewClaim", { ...{ id, owner, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
+    return { renewed: r.renewed, run: r.run ? engineRunFromPb(r.run) : undefined };
+  }
+
+  async appendStep(step: { runId: string; name: string; status?: string; input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }, opts: WriteOptions = {}): Promise<EngineStep> {
+    const m = create(EngineStepSchema, {
+      runId: step.runId, name: step.name, ...opt("status", step.status),
+      ...valuesIn(step, "step"),
+    });
+    const r = await this.command<Resp<"appendStep">>("appendStep", { ...{ step: m }, ...fenceIn(opts.fence) });
+    return stepFromPb(r.step!);
+  }
+
+  async listSteps(runId: string): Promise<EngineStep[]> {
+    return this.read(async (o) => {
+      const out: EngineStep[] = [];
+      for await (const page of this.stub.listSteps({ runId }, o)) for (const s of page.steps) out.push(stepFromPb(s));
+      return out;
+    });
+  }
+
+  /** Keeps the highest stepIndex; an equal index replaces; a lower one is ignored (saved false). */
+  async saveCheckpoint(cp: { runId: string; stepIndex: number; state: unknown }, opts: WriteOptions = {}): Promise<{ saved: boolean; checkpoint: EngineCheckpoint }> {
+    const state = jsonIn(cp.state === undefined ? null : cp.state, "checkpoint.state");
+    const r = await this.command<Resp<"saveCheckpoint">>("saveCheckpoint", { ...{
+      checkpoint: { runId: cp.runId, stepIndex: toBigInt(cp.stepIndex, "checkpoint.step_index"), ...opt("state", state) } }, ...fenceIn(opts.fence) });
+    const c = r.checkpoint!;
+    return { saved: r.saved, checkpoint: { runId: c.runId, stepIndex: toNumber(c.stepIndex), state: jsonOut(c.state), savedAt: date(c.savedAt) } };
+  }
+
+  async latestCheckpoint(runId: string): Promise<EngineCheckpoint | undefined> {
+    const r = await this.read((o) => this.stub.latestCheckpoint({ runId }, o));
+    const c = r.checkpoint;
+    if (!r.found || !c) return undefined;
+    return { runId: c.runId, stepIndex: toNumber(c.stepIndex), state: jsonOut(c.state), savedAt: date(c.savedAt) };
+  }
+
+  /** The first caller per (scope, key) wins; the others get the winner's runId until the key expires. */
+  async claimKey(scope: string, key: string, runId: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ created: boolean; runId: string; expiresAt: Date }> {
+    const r = await this.command<Resp<"claimKey">>("claimKey", { ...{ scope, key, runId, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
+    return { created: r.created, runId: r.runId, expiresAt: date(r.expiresAt) };
+  }
+
+  async acquireLock(key: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ acquired: boolean; fencingToken: number; owner: string; expiresAt: Date }> {
+    const r = await this.command<Resp<"acquireLock">>("acquireLock", { ...{ key, owner, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
+    return { acquired: r.acquired, fencingToken: toNumber(r.fencingToken), owner: r.owner, expiresAt: date(r.expiresAt) };
+  }
+
+  async releaseLock(key: string, owner: string, opts: WriteOptions = {}): Promise<boolean> {
+    const r = await this.command<Resp<"releaseLock">>("releaseLock", { ...{ key, owner }, ...fenceIn(opts.fence) });
+    return r.released;
+  }
+
+  async getEffect(key: string): Promise<Lookup<unknown>> {
+    const r = await this.read((o) => this.stub.getEffect({ key }, o));
+    return { found: r.found, value: r.found ? jsonOut(r.result) : undefined, at: r.recordedAt ? date(r.recordedAt) : undefined };
+  }
+
+  async putEffect(key: string, result: unknown, opts: WriteOptions = {}): Promise<Date> {
+    const v = jsonIn(result === undefined ? null : result, "result");
+    const r = await this.command<Resp<"putEffect">>("putEffect", { ...{ key, ...opt("result", v) }, ...fenceIn(opts.fence) });
+    return date(r.recordedAt);
+  }
+
+  async kvGet(agent: string, key: string): Promise<Lookup<unknown>> {
+    const r = await this.read((o) => this.stub.kvGet({ agent, key }, o));
+    return { found: r.found, value: r.found ? jsonOut(r.value) : undefined, at: r.updatedAt ? date(r.updatedAt) : undefined };
+  }
+
+  async kvSet(agent: string, key: string, value: unknown, opts: WriteOptions = {}): Promise<Date> {
+    const v = jsonIn(value === undefined ? null : value, "value");
+    const r = await this.command<Resp<"kvSet">>("kvSet", { ...{ agent, key, ...opt("value", v) }, ...fenceIn(opts.fence) });
+    return date(r.updatedAt);
+  }
+
+  /** Documents ordered by id whose top-level fields equal every field of `where`. */
+  async docList(agent: string, collection: string, q: { where?: Record<string, unknown>; limit?: number } = {}): Promise<EngineDoc[]> {
+    const where = jsonIn(q.where, "where");
+    const limit = q.limit === undefined ? undefined : toBigInt(q.limit, "limit");
+    return this.read(async (o) => {
+      const out: EngineDoc[] = [];
+      for await (const page of this.stub.docList({ agent, collection, ...opt("where", where), ...opt("limit", limit) }, o)) {
+        for (const d of page.docs) out.push(docFromPb(d));
+      }
+      return out;
+    });
+  }
+
+  async docUpsert(agent: string, collection: string, id: string, doc: Record<string, unknown>, opts: WriteOptions = {}): Promise<{ created: boolean; doc: EngineDoc }> {
+    const d = jsonIn(doc, "doc");
+    const r = await this.command<Resp<"docUpsert">>("docUpsert", { ...{ agent, collection, id, ...opt("doc", d) }, ...fenceIn(opts.fence) });
+    return { created: r.created, doc: docFromPb(r.doc!) };
+  }
+
+  async docDelete(agent: string, collection: string, id: string, opts: WriteOptions = {}): Promise<boolean> {
+    const r = await this.command<Resp<"docDelete">>("docDelete", { ...{ agent, collection, id }, ...fenceIn(opts.fence) });
+    return r.deleted;
+  }
+
+  /**
+   * Upload an artifact in chunks (insert-if-absent: `created` false keeps the
+   * stored one). `data` is a Uint8Array (retried on UNAVAILABLE with the same
+   * request id) or an (async) iterable of chunks (one attempt; needs
+   * header.sizeBytes).
+   */
+  async putArtifact(header: ArtifactHeader, data: Uint8Array | Iterable<Uint8Array> | AsyncIterable<Uint8Array>, opts: WriteOptions = {}): Promise<{ created: boolean; artifact: EngineArtifact }> {
+    const whole = data instanceof Uint8Array ? data.slice() : undefined;
+    const size = whole ? whole.byteLength : header.sizeBytes;
+    if (size === undefined) throw new ValidationError("header.size_bytes: required when the data is a stream", { field: "header.size_bytes" });
+    if (whole && header.sizeBytes !== undefined && header.sizeBytes !== size) {
+      throw new ValidationError(`header.size_bytes: ${header.sizeBytes} but the data has ${size} bytes`, { field: "header.size_bytes" });
+    }
+    const requestId = newRequestId();
+    const h = create(EngineArtifactHeaderSchema, {
+      id: header.id, runId: header.runId, name: header.name ?? "", contentType: header.contentType ?? "",
+      sizeBytes: toBigInt(size, "header.size_bytes"), ...opt("sha256", header.sha256),
+      ...opt("metadata", jsonIn(header.metadata, "header.metadata")), ...fenceIn(opts.fence), requestId,
+    });
+    const messages = async function* (): AsyncGenerator<EnginePutArtifactRequest> {
+      yield create(EnginePutArtifactRequestSchema, { part: { case: "header", value: h } });
+      if (whole) {
+        for (let i = 0; i < whole.byteLength; i += ARTIFACT_CHUNK_BYTES) {
+          yield create(EnginePutArtifactRequestSchema, { part: { case: "chunk", value: whole.subarray(i, i + ARTIFACT_CHUNK_BYTES) } });
+        }
+      } else {
+        for await (const chunk of data as AsyncIterable<Uint8Array>) {
+          for (let i = 0; i < chunk.byteLength; i += ARTIFACT_CHUNK_BYTES) {
+            yield create(EnginePutArtifactRequestSchema, { part: { case: "chunk", value: chunk.slice(i, i + ARTIFACT_CHUNK_BYTES) } });
+          }
+        }
+      }
+    };
+    const policy = whole ? this.retry : { ...this.retry, maxAttempts: 1 };
+    const r = await withRetry(policy, true, (timeoutMs) => this.stub.putArtifact(messages(), { timeoutMs }));
+    return { created: r.created, artifact: artifactFromPb(r.artifact!) };
+  }
+
+  async getArtifact(id: string): Promise<EngineArtifact | undefined> {
+    const r = await this.read((o) => this.stub.getArtifact({ id }, o));
+    return r.found && r.artifact ? artifactFromPb(r.artifact) : undefined;
+  }
+
+  /** The artifact's bytes as they stream in, each chunk a plain Uint8Array. Throws RunNotFoundError. */
+  async *readArtifactChunks(id: string): AsyncGenerator<Uint8Array> {
+    try {
+      for await (const m of this.stub.readArtifact({ id })) {
+        if (m.chunk.byteLength) yield new Uint8Array(m.chunk);
+      }
+    } catch (e) {
+      throw fromCallError(e);
+    }
+  }
+
+  /** The whole artifact as one plain Uint8Array. Throws RunNotFoundError for an unknown id. */
+  async readArtifact(id: string): Promise<Uint8Array> {
+    return this.read(async () => {
+      const parts: Uint8Array[] = [];
+      let n = 0;
+      for await (const m of this.stub.readArtifact({ id })) {
+        if (m.chunk.byteLength) { parts.push(m.chunk); n += m.chunk.byteLength; }
+      }
+      const out = new Uint8Array(n);
+      let off = 0;
+      for (const p of parts) { out.set(p, off); off += p.byteLength; }
+      return out;
+    });
+  }
+
+  async listArtifacts(runId: string): Promise<EngineArtifact[]> {
+    return this.read(async (o) => {
+      const out: EngineArtifact[] = [];
+      for await (const page of this.stub.listArtifacts({ runId }, o)) for (const a of page.artifacts) out.push(artifactFromPb(a));
+      return out;
+    });
+  }
+}

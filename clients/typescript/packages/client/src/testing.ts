@@ -1,0 +1,105 @@
+// Real fencepost servers for tests: `startServer()` spawns
+// `fencepost serve` on a free 127.0.0.1 port over a fresh SQLite file in a
+// temporary directory (with the test clock hooks unless asked not to), waits
+// until it answers, and `stop()` ends it by PID.
+import { spawn, type ChildProcess } from "node:child_process";
+import { mkdtempSync, rmSync, existsSync } from "node:fs";
+import { createServer } from "node:net";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { FencepostClient } from "./client.js";
+
+export interface TestServer {
+  address: string;
+  db: string;
+  pid: number;
+  /** Stop the server (SIGTERM, then SIGKILL after 5 s) and remove its directory. */
+  stop(): Promise<void>;
+  /** Stop and start again on the same address and database. */
+  restart(): Promise<void>;
+}
+
+export interface StartOptions {
+  /** The fencepost executable (default $FENCEPOST_BIN, else .venv/bin/fencepost found upwards from cwd). */
+  bin?: string;
+  /** Register the TestHooks service (the server's test clock); default true. */
+  testHooks?: boolean;
+  /** Extra command-line flags. */
+  args?: string[];
+}
+
+export function findFencepostBin(): string {
+  if (process.env["FENCEPOST_BIN"]) return process.env["FENCEPOST_BIN"];
+  let dir = process.cwd();
+  for (;;) {
+    const candidate = join(dir, ".venv", "bin", "fencepost");
+    if (existsSync(candidate)) return candidate;
+    const up = resolve(dir, "..");
+    if (up === dir) throw new Error("no .venv/bin/fencepost above the current directory: set FENCEPOST_BIN");
+    dir = up;
+  }
+}
+
+export function freePort(): Promise<number> {
+  return new Promise((res, rej) => {
+    const s = createServer();
+    s.once("error", rej);
+    s.listen(0, "127.0.0.1", () => {
+      const addr = s.address();
+      const port = typeof addr === "object" && addr ? addr.port : 0;
+      s.close(() => res(port));
+    });
+  });
+}
+
+async function waitReady(address: string, child: ChildProcess, log: () => string): Promise<void> {
+  const client = new FencepostClient(address, { retry: { maxAttempts: 1, attemptTimeoutMs: 1000 } });
+  const deadline = Date.now() + 30_000;
+  try {
+    for (;;) {
+      if (child.exitCode !== null) throw new Error(`fencepost exited with ${child.exitCode}:\n${log()}`);
+      try {
+        await client.stubs.runStore.describe({}, { timeoutMs: 1000 });
+        return;
+      } catch {
+        if (Date.now() > deadline) throw new Error(`fencepost did not answer on ${address} within 30 s:\n${log()}`);
+        await new Promise((r) => setTimeout(r, 50));
+      }
+    }
+  } finally {
+    await client.close();
+  }
+}
+
+export async function startServer(options: StartOptions = {}): Promise<TestServer> {
+  const bin = options.bin ?? findFencepostBin();
+  const dir = mkdtempSync(join(tmpdir(), "fencepost-ts-"));
+  const db = join(dir, "fencepost.db");
+  const port = await freePort();
+  const address = `127.0.0.1:${port}`;
+  let child: ChildProcess;
+  let output = "";
+  const launch = async () => {
+    const args = ["serve", "--listen", address, "--db", db, ...(options.testHooks === false ? [] : ["--test-hooks"]), ...(options.args ?? [])];
+    child = spawn(bin, args, { stdio: ["ignore", "pipe", "pipe"] });
+    child.stdout?.on("data", (d) => { output = (output + d).slice(-20_000); });
+    child.stderr?.on("data", (d) => { output = (output + d).slice(-20_000); });
+    await waitReady(address, child, () => output);
+  };
+  const kill = async () => {
+    if (child.exitCode !== null || child.signalCode !== null) return;
+    const done = new Promise<void>((r) => child.once("exit", () => r()));
+    child.kill("SIGTERM");
+    const t = setTimeout(() => child.kill("SIGKILL"), 5000);
+    await done;
+    clearTimeout(t);
+  };
+  await launch();
+  return {
+    address,
+    db,
+    get pid() { return child.pid ?? -1; },
+    async stop() { await kill(); rmSync(dir, { recursive: true, force: true }); },
+    async restart() { await kill(); await launch(); },
+  };
+}

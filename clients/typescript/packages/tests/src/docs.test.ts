@@ -1,0 +1,44 @@
+// docs/TYPESCRIPT.md shows each example file verbatim, and each example runs
+// (twice in a row, as a user would re-run it) against a real server.
+import assert from "node:assert/strict";
+import { execFile } from "node:child_process";
+import { readdirSync, readFileSync } from "node:fs";
+import { join } from "node:path";
+import { fileURLToPath } from "node:url";
+import { promisify } from "node:util";
+import { after, before, describe, it } from "node:test";
+import { startServer, type TestServer } from "@fencepost/client/testing";
+
+const run = promisify(execFile);
+const here = fileURLToPath(new URL(".", import.meta.url));
+const srcExamples = join(here, "..", "src", "examples");
+const distExamples = join(here, "examples");
+const doc = readFileSync(join(here, "..", "..", "..", "..", "..", "docs", "TYPESCRIPT.md"), "utf8");
+const blocks = [...doc.matchAll(/```ts\n([\s\S]*?)```/g)].map((m) => m[1]!);
+const examples = readdirSync(srcExamples).filter((f) => f.endsWith(".ts")).sort();
+
+let server: TestServer;
+before(async () => { server = await startServer(); });
+after(async () => { await server.stop(); });
+
+describe("docs/TYPESCRIPT.md", () => {
+  it("shows every example file verbatim, and no other ts block", () => {
+    assert.ok(examples.length >= 3);
+    const files = new Map(examples.map((f) => [f, readFileSync(join(srcExamples, f), "utf8")]));
+    for (const [f, text] of files) assert.ok(blocks.includes(text), `${f} is not shown verbatim in docs/TYPESCRIPT.md`);
+    for (const b of blocks) {
+      assert.ok(b.startsWith("// fragment") || [...files.values()].includes(b), `a ts block is not an example file:\n${b.slice(0, 200)}`);
+    }
+  });
+
+  for (const f of examples) {
+    it(`example ${f} runs twice in a row`, async () => {
+      for (let i = 0; i < 2; i++) {
+        const { stdout } = await run(process.execPath, [join(distExamples, f.replace(/\.ts$/, ".js"))], {
+          env: { ...process.env, FENCEPOST_ADDR: server.address }, timeout: 60_000,
+        });
+        assert.ok(stdout.length > 0);
+      }
+    });
+  }
+});
