@@ -69,6 +69,10 @@ class Settings:
     prune_every_s: float = 30.0
     stream_queue_limit: int = 65_536  # messages a stream may lag before it is dropped
     metrics_port: int = 0  # 0: no metrics endpoint
+    # The dashboard, its JSON API and /metrics (web.py); "" turns it off.
+    http_listen: str = "127.0.0.1:8233"
+    # Only /metrics and /healthz, e.g. on 0.0.0.0 for a scraper; "" is off.
+    metrics_listen: str = ""
     # TEST-ONLY (torture harness): OffsetClock + the TestHooks service; never by default.
     test_hooks: bool = False
     test_clock_offset_ms: int = 0  # with test_hooks: start the clock this far ahead
@@ -92,12 +96,106 @@ class Settings:
             "FENCEPOST_TEST_HOOKS": ("test_hooks", _flag),
             "FENCEPOST_TEST_CLOCK_OFFSET_MS": ("test_clock_offset_ms", int),
             "FENCEPOST_FAULT": ("fault", str),
+            "FENCEPOST_HTTP_LISTEN": ("http_listen", str),
+            "FENCEPOST_METRICS_LISTEN": ("metrics_listen", str),
         }
         for var, (name, typ) in mapping.items():
             if var in env and env[var] != "":
-                values[name] = typ(env[var])
+                try:
+                    values[name] = typ(env[var])
+                except ValueError:
+                    raise SettingsError(
+                        f"{var}={env[var]!r}: {_EXPECTED.get(name, 'not a number')}"
+                    ) from None
         values.update({k: v for k, v in overrides.items() if v is not None})
+        for name, var in _CHECKS.items():
+            if name in values:
+                from_env = var in env and overrides.get(name) is None
+                values[name] = _check(name, values[name], from_env)
         return cls(**values)
+
+
+class SettingsError(ValueError):
+    """A flag or environment value ``fencepost serve`` cannot use (exit 2)."""
+
+
+# Flag and environment names of the values checked, for the messages.
+_CHECKS = {
+    "listen": "FENCEPOST_LISTEN",
+    "durability": "FENCEPOST_DURABILITY",
+    "log_level": "FENCEPOST_LOG_LEVEL",
+    "max_message_bytes": "FENCEPOST_MAX_MESSAGE_BYTES",
+    "metrics_port": "FENCEPOST_METRICS_PORT",
+    "shutdown_grace_s": "FENCEPOST_SHUTDOWN_GRACE_S",
+    "commit_delay_ms": "FENCEPOST_COMMIT_DELAY_MS",
+    "history_revisions": "FENCEPOST_HISTORY_REVISIONS",
+    "history_max_age_s": "FENCEPOST_HISTORY_MAX_AGE_S",
+    "http_listen": "FENCEPOST_HTTP_LISTEN",
+    "metrics_listen": "FENCEPOST_METRICS_LISTEN",
+}
+_FLAGS = {"shutdown_grace_s": "--shutdown-grace", "db_path": "--db"}
+_EXPECTED = {
+    "durability": "must be one of " + ", ".join(d.value for d in Durability),
+    "test_hooks": "must be 1 or 0",
+}
+DEFAULT_PORT = 50051
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def split_address(text: str, default_port: int) -> tuple[str, int]:
+    """``host[:port]`` (``[v6]:port`` too) -> (host, port); ValueError when
+    the port is not a number in 0..65535 or the host is empty."""
+    text = text.strip()
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1 : end + 2] not in ("", ":"):
+            raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
+        host, port_text = text[: end + 1], text[end + 2 :]
+    elif text.count(":") > 1:
+        raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise ValueError("the host is missing (e.g. 127.0.0.1:PORT or 0.0.0.0:PORT)")
+    if port_text == "":
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"the port must be a number in 0..65535 (got {port_text!r})")
+    return host, int(port_text)
+
+
+def _check(name: str, value: Any, from_env: bool) -> Any:
+    """The value normalised, or SettingsError naming the flag or variable."""
+    where = _CHECKS[name] if from_env else _FLAGS.get(name, "--" + name.replace("_", "-"))
+    try:
+        return _normalise(name, value)
+    except ValueError as exc:
+        raise SettingsError(f"{where}={value!r}: {exc}") from None
+
+
+def _normalise(name: str, value: Any) -> Any:
+    if name in ("listen", "http_listen", "metrics_listen"):
+        if name != "listen" and str(value).strip().lower() in ("", "off", "0", "none"):
+            return ""
+        host, port = split_address(str(value), DEFAULT_PORT if name == "listen" else 8233)
+        return f"{host}:{port}"
+    if name == "durability":
+        return Durability(value)
+    if name == "log_level":
+        if str(value).upper() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+        return str(value).upper()
+    low, high = {
+        "max_message_bytes": (1024, 2**31 - 1),
+        "metrics_port": (0, 65535),
+        "shutdown_grace_s": (0, 3600),
+        "commit_delay_ms": (0, 100),
+        "history_revisions": (1, 2**62),
+        "history_max_age_s": (0, 2**40),
+    }[name]
+    if not low <= value <= high:
+        raise ValueError(f"must be between {low} and {high}")
+    return value
 
 
 @dataclass
