@@ -11,7 +11,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,7 +19,9 @@ from grpc_reflection.v1alpha import reflection
 
 from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
+from . import version
 from .clock import Clock, OffsetClock, SystemClock
+from .metrics import Metrics
 from .services._registry import add_service
 from .services.engine_store import EngineStoreService, start_engine_store
 from .services.ledger import LedgerService
@@ -29,7 +31,12 @@ from .storage.sqlite import Durability, HistoryReader, SqliteStorage
 from .streams import FenceHub
 from .writer import Writer
 
+if TYPE_CHECKING:
+    from .web import Dashboard
+
 log = logging.getLogger("fencepost")
+
+
 
 # TEST-ONLY broken builds (``--fault``), honoured only with ``--test-hooks``.
 FAULTS = ("ack-before-commit", "fence-ignores-owner")
@@ -213,6 +220,9 @@ class App:
     _history_executor: ThreadPoolExecutor | None = None
     engine_store: EngineStoreService | None = None
     _engine_reader: EngineReader | None = None
+    metrics: Metrics | None = None
+    dashboard: Dashboard | None = None
+    serving: bool = False
 
     async def start(self) -> App:
         s = self.settings
@@ -233,6 +243,8 @@ class App:
         self.engine_store, self._engine_reader = await start_engine_store(self.writer, s.db_path)
         self.hub = FenceHub(self.writer, self.clock, queue_limit=s.stream_queue_limit)
         self.hub.start()
+        self.metrics = Metrics(self.writer, self.hub, self.clock, version())
+        instrument = self.metrics.instrument
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
         self._history = HistoryReader(s.db_path)
         options = [
@@ -246,16 +258,19 @@ class App:
             self.server,
             LedgerService(self.writer, self.hub, self._history, self._history_executor),
             ledger_pb2.DESCRIPTOR.services_by_name["Ledger"],
+            instrument,
         )
         add_service(
             self.server,
             RunStoreService(self.writer),
             run_store_pb2.DESCRIPTOR.services_by_name["RunStore"],
+            instrument,
         )
         add_service(
             self.server,
             self.engine_store,
             engine_store_pb2.DESCRIPTOR.services_by_name["EngineStore"],
+            instrument,
         )
         if s.test_hooks or s.fault:
             self._test_hooks()
@@ -269,10 +284,7 @@ class App:
             raise RuntimeError(f"could not listen on {s.listen}")
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        if s.metrics_port:
-            from .metrics import start_metrics
-
-            start_metrics(s.metrics_port, self.writer)
+        await self._start_http()
         log.info(
             "fencepost serving on %s (db=%s, durability=%s, revision=%d, runs=%d)",
             self.address,
@@ -314,8 +326,61 @@ class App:
                 s.fault,
             )
 
+    async def _start_http(self) -> None:
+        """The dashboard + /metrics, and the metrics-only listener (web.py)."""
+        s = self.settings
+        metrics_listen = s.metrics_listen
+        if not metrics_listen and s.metrics_port:
+            metrics_listen = f"127.0.0.1:{s.metrics_port}"
+        if not (s.http_listen or metrics_listen):
+            return
+        from .web import Dashboard
+
+        self.dashboard = Dashboard(self)
+        try:
+            await self.dashboard.start(s.http_listen, metrics_listen, Settings.http_listen)
+        except RuntimeError:
+            await self.stop(0)
+            raise
+
+    @property
+    def http_port(self) -> int:
+        """The dashboard's port (0: off)."""
+        if self.dashboard is None or not self.settings.http_listen:
+            return 0
+        return self.dashboard.ports[0]
+
+    @property
+    def writer_state(self) -> Any:
+        assert self.writer is not None
+        return self.writer.state
+
+    async def run_history(self, run_id: str, limit: int) -> list[Any]:
+        """One run's retained changes, oldest first (read off the loop)."""
+        assert self._history is not None and self._history_executor is not None
+        return await asyncio.get_running_loop().run_in_executor(
+            self._history_executor, self._history.run_history, run_id, limit
+        )
+
+    async def engine_runs(
+        self, *, agent: str | None, statuses: list[str], limit: int, offset: int
+    ) -> tuple[list[Any], int]:
+        """A page of engine-store runs (created_at, id order) and the match count."""
+        from .storage import engine_sql
+
+        assert self._engine_reader is not None
+
+        def read(conn: Any) -> tuple[list[Any], int]:
+            pages = list(engine_sql.list_runs(
+                conn, lambda items, total: (items, total), agent=agent, statuses=statuses,
+                concurrency_key=None, limit=limit, offset=offset))
+            return [r for items, _ in pages for r in items], pages[0][1] if pages else 0
+
+        return await self._engine_reader.run(read)
+
     async def _set_health(self, status: Any) -> None:
         assert self.health is not None
+        self.serving = status == health_pb2.HealthCheckResponse.SERVING
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, status)
 
@@ -334,6 +399,9 @@ class App:
             core_ledger.UNSAFE_SKIP_OWNER_CHECK = False  # process-global: undo for in-process use
         if self.health is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.dashboard is not None:
+            await self.dashboard.stop()
+            self.dashboard = None
         if self.hub is not None:
             self.hub.shutdown()  # streams end with UNAVAILABLE
         if self.server is not None:
@@ -342,6 +410,8 @@ class App:
             await self.hub.close()
         if self.engine_store is not None:
             await self.engine_store.drain()  # queued upload discards, before the writer closes
+        if self.metrics is not None:
+            self.metrics.close()
         if self.writer is not None:
             await self.writer.close()
         if self._engine_reader is not None:

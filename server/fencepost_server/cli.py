@@ -28,6 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from . import version
 from .storage.sqlite import Durability
 
 if TYPE_CHECKING:
@@ -179,18 +180,9 @@ def _web_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"http_listen": args.http_listen, "metrics_listen": args.metrics_listen}
 
 
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("fencepost")
-    except metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fencepost", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"fencepost {_version()}")
+    parser.add_argument("--version", action="version", version=f"fencepost {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     from . import cli_ops

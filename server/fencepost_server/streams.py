@@ -10,6 +10,7 @@ by their ttl; the client reconnects and re-tracks).
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import logging
@@ -132,6 +133,8 @@ class FenceHub:
         self._unsubscribe: Callable[[], None] | None = None
         self.sessions: set[Session] = set()
         self.watchers: set[Watch] = set()
+        # `lost` pushes sent, by LostReason number (metrics.py)
+        self.lost_pushed: collections.Counter[int] = collections.Counter()
 
     def start(self) -> None:
         self._unsubscribe = self.writer.subscribe(self.on_changes)
@@ -163,7 +166,7 @@ class FenceHub:
         rec = self.writer.state.runs.get(run_id)
         if not holds(rec, token):
             self.untrack(session, run_id)
-            session.send(lost_message(run_id, token, lost_reason(rec, token), rec))
+            self.push_lost(session, run_id, token, lost_reason(rec, token), rec)
             return
         assert rec is not None and rec.lease is not None
         self._arm(session, run_id, token, rec.lease.owner, rec.lease.expires_at)
@@ -244,9 +247,15 @@ class FenceHub:
             )
             if own_drop:
                 continue  # this worker's own handle finished/released/suspended it
-            session.send(
-                lost_message(ev.run_id, entry.token, lost_reason(rec, entry.token, ev.cause), rec)
+            self.push_lost(
+                session, ev.run_id, entry.token, lost_reason(rec, entry.token, ev.cause), rec
             )
+
+    def push_lost(
+        self, session: Session, run_id: str, token: int, reason: int, rec: Record | None
+    ) -> None:
+        self.lost_pushed[reason] += 1
+        session.send(lost_message(run_id, token, reason, rec))
 
     # -- expiry -------------------------------------------------------------------------
 

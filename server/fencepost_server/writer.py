@@ -177,6 +177,9 @@ class Writer:
         self._idle.set()
         self._last_prune = 0
         self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
+        # Called on the loop after each committed batch with (commands, seconds)
+        # (metrics.py: the commit latency and batch size histograms).
+        self.on_batch: Callable[[int, float], None] | None = None
         self._executors: dict[type, Executor] = {}
         # TEST-ONLY broken build (``--test-hooks --fault ack-before-commit``, set by
         # app.py): seconds between answering a batch and committing it. 0: never.
@@ -396,7 +399,10 @@ class Writer:
         self.stats.batches += 1
         self.stats.commands += len(batch)
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
-        self.stats.commit_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.stats.commit_seconds += elapsed
+        if self.on_batch is not None:
+            self.on_batch(len(batch), elapsed)
         self._publish_state(overlay, tombs, revision)
         if compacted is not None:
             self.state.compacted = compacted

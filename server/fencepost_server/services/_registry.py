@@ -31,12 +31,23 @@ def _decoder(cls: Any) -> Callable[[bytes], Any]:
     return decode
 
 
-def add_service(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor) -> None:
+Instrument = Callable[[str, str, Callable[..., Any]], Callable[..., Any]]
+
+
+def add_service(
+    server: grpc.aio.Server,
+    servicer: object,
+    service: ServiceDescriptor,
+    instrument: Instrument | None = None,
+) -> None:
+    """``instrument(service, method, fn)`` may wrap each handler (metrics)."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
         req_cls = message_factory.GetMessageClass(method.input_type)
         resp_cls = message_factory.GetMessageClass(method.output_type)
         fn = getattr(servicer, method.name)
+        if instrument is not None:
+            fn = instrument(service.full_name, method.name, fn)
         kind = {
             (False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
