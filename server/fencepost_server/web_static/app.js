@@ -31,8 +31,11 @@ function leaseState(run, now) {
   const left = le.expires_at - now;
   if (left > 0) return { state: "live", text: `${duration(left)} left` };
   const delayLeft = left + le.lock_delay_ms;
-  if (delayLeft > 0) return { state: "lock-delay", text: `${duration(delayLeft)} lock-delay left` };
-  return { state: "expired", text: `expired ${duration(-left)} ago` };
+  if (delayLeft > 0) {
+    return { state: "lock-delay", text: `expired; lock-delay ${duration(delayLeft)} left`,
+             short: `${duration(delayLeft)} left` };
+  }
+  return { state: "expired", text: `expired ${duration(-left)} ago`, short: `${duration(-left)} ago` };
 }
 
 function el(tag, attrs, ...kids) {
@@ -303,10 +306,9 @@ const runsPage = {
     for (const { run, tr } of this.rows.values()) {
       const ls = leaseState(run, now);
       const cell = tr.querySelector("td.lease");
-      cell.replaceChildren(
-        ls.state === "expired" ? el("span", { class: "tag expired" }, "EXPIRED") : null,
-        ls.state === "lock-delay" ? el("span", { class: "tag lock-delay" }, "LOCK-DELAY") : null,
-        ls.text);
+      const tag = ls.state === "expired" ? el("span", { class: "tag expired" }, "EXPIRED")
+        : ls.state === "lock-delay" ? el("span", { class: "tag lock-delay" }, "LOCK-DELAY") : null;
+      cell.replaceChildren(...(tag ? [tag, " ", ls.short] : [ls.text]));
       tr.classList.toggle("expired", ls.state === "expired");
       tr.classList.toggle("lock-delay", ls.state === "lock-delay");
     }
