@@ -86,7 +86,8 @@ def test_an_acquired_run_appears_live_and_cancel_fences_its_worker(
         By.CSS_SELECTOR, "td.lease").text, what="the lease cell")
     assert lease_text.endswith("s left") and "null" not in lease_text, lease_text
 
-    button = row(browser, "live-job-1").find_element(By.CSS_SELECTOR, 'button[data-action="cancel"]')
+    button = row(browser, "live-job-1").find_element(
+        By.CSS_SELECTOR, 'button[data-action="cancel"]')
     button.click()
     assert "confirm" in button.text  # asks once more
     button.click()
@@ -199,7 +200,9 @@ def test_screenshots(browser: Any, workers: list[Worker], tmp_path: Path) -> Non
         web_server.kill()
 
 
-def _screenshots(browser: Any, web_server: WebServer, workers: list[Worker], tmp_path: Path) -> None:
+def _screenshots(
+    browser: Any, web_server: WebServer, workers: list[Worker], tmp_path: Path
+) -> None:
     import grpc
 
     from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
