@@ -180,6 +180,24 @@ def _web_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"http_listen": args.http_listen, "metrics_listen": args.metrics_listen}
 
 
+def default_addr(env: Any) -> str:
+    """Where the operator commands connect by default: FENCEPOST_ADDR, else the
+    server's own FENCEPOST_LISTEN (a wildcard host as loopback: inside a
+    container, `fencepost health` follows the configured port), else
+    127.0.0.1:50051."""
+    if env.get("FENCEPOST_ADDR"):
+        return str(env["FENCEPOST_ADDR"])
+    listen = env.get("FENCEPOST_LISTEN", "").strip()
+    if listen:
+        host, _, port = listen.rpartition(":")
+        if not host or port.endswith("]"):  # no port given: the default one
+            host, port = listen, "50051"
+        if host in ("0.0.0.0", "[::]", "::", ""):
+            host = "127.0.0.1"
+        return f"{host}:{port}"
+    return "127.0.0.1:50051"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fencepost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"fencepost {version()}")
@@ -187,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     from . import cli_ops
 
-    cli_ops.add_parsers(sub, default_addr=os.environ.get("FENCEPOST_ADDR", "127.0.0.1:50051"))
+    cli_ops.add_parsers(sub, default_addr=default_addr(os.environ))
     return parser
 
 
