@@ -3,6 +3,7 @@ after real traffic, and docs/OPERATIONS.md listing exactly what is exposed."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import urllib.error
@@ -123,7 +124,7 @@ async def test_revocations_by_reason_and_open_streams(server: ServerThread) -> N
     deadline = time.monotonic() + 5
     while value(scrape(server), "fencepost_open_streams", kind="keepalive") != 0:
         assert time.monotonic() < deadline
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
     text = scrape(server)
     assert value(text, "fencepost_revocations_total", reason="cancelled") == 1
     assert value(text, "fencepost_revocations_total", reason="taken_over") == 0
