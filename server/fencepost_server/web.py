@@ -180,8 +180,7 @@ def _describe(prev: Record | None, rec: Record | None, kind: int, *, first: bool
     if rec.checkpoint_ref is not None and rec.checkpoint_ref != prev.checkpoint_ref:
         c = rec.checkpoint_ref
         return ev("checkpointed", f"{c.key} v{c.snapshot_version}", _owner(rec))
-    if rec.lease is not None and prev.lease is not None and (
-            rec.lease.expires_at != prev.lease.expires_at):
+    if rec.lease is not None and prev.lease is not None and rec.lease.owner == prev.lease.owner:
         return ev("renewed", f"ttl {rec.lease.ttl_ms} ms", rec.lease.owner)
     return ev("updated", f"version {rec.version}", _owner(rec))
 
@@ -415,7 +414,7 @@ class Dashboard:
         except web.HTTPException as exc:
             return _json({"error": {"code": exc.reason.upper().replace(" ", "_"),
                                     "message": exc.text or exc.reason}}, status=exc.status)
-        rec = result.record if hasattr(result, "record") else None
+        rec = result if isinstance(result, Record) else getattr(result, "record", None)
         return _json({"run": record_doc(rec) if isinstance(rec, Record) else None})
 
     async def engine_runs(self, request: web.Request) -> web.Response:
