@@ -169,14 +169,14 @@ def test_engine_runs(server: ServerThread) -> None:
     assert refused(server, "/api/engine/runs?limit=0")[0] == 400
 
 
-async def _read_events(url: str, want: int, timeout: float) -> list[tuple[str, Any]]:
+async def _read_events(url: str, want: int, limit_s: float) -> list[tuple[str, Any]]:
     import aiohttp
 
     events: list[tuple[str, Any]] = []
     async with aiohttp.ClientSession() as session, session.get(url) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         name = ""
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(limit_s):
             async for raw in resp.content:
                 line = raw.decode().rstrip("\n")
                 if line.startswith("event: "):
