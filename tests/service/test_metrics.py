@@ -166,3 +166,16 @@ def test_metrics_port_still_serves_on_loopback(tmp_path: Path) -> None:
     with ServerThread(tmp_path / "p.db", metrics_port=port, http_listen=""):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             assert b"fencepost_writer_queue_depth" in r.read()
+
+
+def test_the_grafana_dashboard_only_queries_documented_series() -> None:
+    import json
+
+    dash = json.loads((DOC.parent / "grafana-dashboard.json").read_text())
+    names = {name for name, _, _ in documented()}
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs
+    for expr in exprs:
+        for used in re.findall(r"fencepost_\w+", expr):
+            base = re.sub(r"_(bucket|count|sum)$", "", used)
+            assert used in names or base in names, (used, expr)
