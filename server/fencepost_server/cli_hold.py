@@ -36,6 +36,7 @@ import fencepost
 from fencepost import LeaseHeldError, LeaseLostError, RunSuspendedError
 
 from .cli import EXIT_LOST
+from .cli_ops import _positive_int
 
 DEFAULT_GRACE_S = 10.0
 MAX_WAIT_STEP_S = 1.0  # --wait re-tries at least this often, watching the run in between
@@ -52,16 +53,6 @@ def _grace(text: str) -> float:
     return value
 
 
-def _ttl(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
-    return value
-
-
 def add_hold_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "hold",
@@ -71,7 +62,9 @@ def add_hold_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run_id", metavar="RUN_ID")
-    p.add_argument("--ttl", dest="ttl_ms", type=_ttl, help="lease ttl in ms (default 30000)")
+    p.add_argument(
+        "--ttl", dest="ttl_ms", type=_positive_int, help="lease ttl in ms (default 60000)"
+    )
     p.add_argument(
         "--wait", action="store_true", help="block until the run is acquirable instead of failing"
     )

@@ -325,32 +325,16 @@ class Dashboard:
                 return False
             return owner is None or (rec.lease is not None and rec.lease.owner == owner)
 
-        page: list[Record] = []
         lo = bisect.bisect_left(ids, prefix)
         hi = bisect.bisect_left(ids, prefix + "\U0010ffff") if prefix else len(ids)
-        more = False
         if before is not None:  # the page before `before`, scanning backwards
-            i = min(hi, bisect.bisect_left(ids, before)) - 1
-            while i >= lo:
-                rec = runs[ids[i]]
-                if match(rec):
-                    if len(page) == limit:
-                        more = True
-                        break
-                    page.append(rec)
-                i -= 1
+            start = min(hi, bisect.bisect_left(ids, before)) - 1
+            page, more = _scan(ids, runs, match, range(start, lo - 1, -1), limit)
             page.reverse()
             has_prev, has_next = more, True
         else:
-            i = max(lo, bisect.bisect_right(ids, after) if after is not None else lo)
-            while i < hi:
-                rec = runs[ids[i]]
-                if match(rec):
-                    if len(page) == limit:
-                        more = True
-                        break
-                    page.append(rec)
-                i += 1
+            start = max(lo, bisect.bisect_right(ids, after) if after is not None else lo)
+            page, more = _scan(ids, runs, match, range(start, hi), limit)
             has_prev, has_next = after is not None, more
         return _json({
             "runs": [record_doc(r) for r in page],
@@ -482,6 +466,22 @@ class Dashboard:
 
 
 _NO_CACHE = {"Cache-Control": "no-cache"}
+
+
+def _scan(
+    ids: list[str], runs: dict[str, Record], match: Callable[[Record], bool],
+    positions: range, limit: int,
+) -> tuple[list[Record], bool]:
+    """Up to ``limit`` matching records at ``positions`` of the sorted ids, and
+    whether another match lies beyond them."""
+    page: list[Record] = []
+    for i in positions:
+        rec = runs[ids[i]]
+        if match(rec):
+            if len(page) == limit:
+                return page, True
+            page.append(rec)
+    return page, False
 
 
 def _sse(event: str, data: Any) -> bytes:
