@@ -9,42 +9,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "system"))
+sys.path.insert(0, str(Path(__file__).parent))
 
-from _proc import ServerProc, free_port
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
-WORKER = Path(__file__).with_name("_worker.py")
-CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage", "--window-size=1360,900", "--hide-scrollbars",
-)
-
-
-class WebServer(ServerProc):
-    """``fencepost serve`` with the dashboard on its own free port."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.http_port = free_port()
-        super().__init__(tmp / "fp.db", tmp / "server.log",
-                         args=("--http-listen", f"127.0.0.1:{self.http_port}"))
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def get(self, path: str) -> bytes:
-        with urllib.request.urlopen(self.url + path, timeout=10) as resp:
-            return bytes(resp.read())
+from _web import CHROMEDRIVER, CHROMIUM, CHROMIUM_FLAGS, WebServer, Worker
 
 
 @pytest.fixture(scope="module")
@@ -64,25 +37,6 @@ def web_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebServer]:
         yield srv
     finally:
         srv.kill()
-
-
-class Worker:
-    """A real worker process holding one run's lease."""
-
-    def __init__(self, addr: str, run_id: str, owner: str, ttl_ms: int = 30_000) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), addr, run_id, owner, str(ttl_ms)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-        )
-
-    def line(self) -> str:
-        assert self.proc.stdout is not None
-        return self.proc.stdout.readline().strip()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
 
 
 @pytest.fixture
