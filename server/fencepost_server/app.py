@@ -346,9 +346,7 @@ class App:
     @property
     def http_port(self) -> int:
         """The dashboard's port (0: off)."""
-        if self.dashboard is None or not self.settings.http_listen:
-            return 0
-        return self.dashboard.ports[0]
+        return self.dashboard.http_port if self.dashboard is not None else 0
 
     @property
     def writer_state(self) -> Any:

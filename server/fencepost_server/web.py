@@ -197,7 +197,8 @@ class Dashboard:
         self._runners: list[web.AppRunner] = []
         self._streams: set[asyncio.Queue[ChangeEvent | None]] = set()
         self._unsubscribe: Callable[[], None] | None = None
-        self.ports: list[int] = []
+        self.ports: list[int] = []  # every port listened on
+        self.http_port = 0  # the dashboard's (0: not served)
 
     # -- lifecycle
 
@@ -248,6 +249,8 @@ class Dashboard:
             server = site._server
             sockets = getattr(server, "sockets", None) or []
             self.ports.append(sockets[0].getsockname()[1] if sockets else port)
+            if full:
+                self.http_port = self.ports[-1]
             log.info("%s on http://%s:%d/", "dashboard and /metrics" if full else "/metrics",
                      host, self.ports[-1])
 

@@ -179,3 +179,30 @@ def test_the_grafana_dashboard_only_queries_documented_series() -> None:
         for used in re.findall(r"fencepost_\w+", expr):
             base = re.sub(r"_(bucket|count|sum)$", "", used)
             assert used in names or base in names, (used, expr)
+
+
+def test_a_taken_http_port_stops_the_start_unless_it_is_the_default(tmp_path: Path) -> None:
+    import socket
+
+    from fencepost_server.app import Settings
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RuntimeError, match="could not listen"):
+            ServerThread(tmp_path / "a.db", http_listen=f"127.0.0.1:{port}").start()
+    default = Settings.http_listen
+    holder = socket.socket()
+    try:
+        try:
+            holder.bind(("127.0.0.1", int(default.rsplit(":", 1)[1])))
+            holder.listen()
+        except OSError:
+            pass  # already taken by someone else: the case under test either way
+        with ServerThread(tmp_path / "b.db", http_listen=default) as srv:
+            assert srv.app is not None and srv.app.http_port == 0  # served without it
+            with grpc.insecure_channel(srv.address) as ch:
+                ledger_pb2_grpc.LedgerStub(ch).Acquire(pb.AcquireRequest(run_id="x", owner="o"))
+    finally:
+        holder.close()
