@@ -79,6 +79,7 @@ def test_an_acquired_run_appears_live_and_cancel_fences_its_worker(
     seen_at = time.monotonic()
     tr = wait_for(lambda: row(browser, "live-job-1"), timeout=5, what="the new row")
     appeared_after = time.monotonic() - seen_at
+    print(f"\nthe acquired run appeared {appeared_after * 1000:.0f} ms after the acquire")
     assert appeared_after < 1.0, f"appeared {appeared_after:.2f}s after the acquire"
     assert browser.execute_script("return window.__notReloaded === true;")  # no reload
     assert "worker-live" in tr.text and "running" in tr.text
