@@ -241,3 +241,47 @@ def _screenshots(
              what="the timeline")
     screenshot(browser, tmp_path, "dashboard-run.png")
     assert (tmp_path / "dashboard-runs.png").stat().st_size > 10_000
+
+
+def test_actions_carry_the_token_to_the_authorize_hook(browser: Any, tmp_path: Path) -> None:
+    """The seam roles plug into: the page sends the token typed in its header
+    as ``authorization: Bearer``; a refusal is shown and changes nothing."""
+    from aiohttp import web
+
+    from fencepost_server.harness import ServerThread
+
+    seen: list[tuple[str, str | None]] = []
+
+    async def authorize(request: web.Request, action: str) -> None:
+        header = request.headers.get("authorization")
+        seen.append((action, header))
+        if header != "Bearer s3cret":
+            raise web.HTTPUnauthorized(text="a valid token is required")
+
+    with ServerThread(tmp_path / "auth.db") as srv:
+        assert srv.app is not None and srv.app.dashboard is not None
+        srv.app.dashboard.authorize = authorize
+        with SyncClient(srv.address, owner="w") as c:
+            c.acquire("guarded")
+        browser.get(srv.http_url + "/")
+        wait_for(lambda: row(browser, "guarded") is not None, what="the row")
+
+        def cancel() -> None:
+            button = row(browser, "guarded").find_element(
+                By.CSS_SELECTOR, 'button[data-action="cancel"]')
+            button.click()
+            button.click()
+
+        cancel()
+        toast = wait_for(lambda: browser.find_element(By.ID, "toast").text, what="the toast")
+        assert "a valid token is required" in toast
+        assert seen == [("cancel", None)]
+        with SyncClient(srv.address) as c:
+            assert c.get("guarded").status is fencepost.RunStatus.RUNNING
+        token = browser.find_element(By.ID, "token")
+        token.send_keys("s3cret")
+        token.send_keys("\t")  # change event: kept for this tab
+        cancel()
+        wait_for(lambda: "cancelled" in row(browser, "guarded").text, what="the cancelled row")
+        assert seen[-1] == ("cancel", "Bearer s3cret")
+        browser.execute_script("sessionStorage.clear()")
