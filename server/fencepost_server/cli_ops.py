@@ -430,8 +430,11 @@ def _flatten(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
 
 
 def _record_text(rec: RunRecord) -> str:
-    """Key/value lines, nested fields as dotted keys (lease.owner ...)."""
+    """Key/value lines, nested fields as dotted keys (lease.owner ...); the
+    lease's state (time left, EXPIRED, LOCK-DELAY) as ``lease.state``."""
     rows = _flatten(rec.to_dict())
+    if rec.lease is not None:
+        rows.append(("lease.state", lease_state(rec, datetime.now(UTC))))
     width = max(len(k) for k, _ in rows)
     return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
 

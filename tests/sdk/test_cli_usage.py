@@ -144,6 +144,7 @@ def test_ls_marks_expired_and_lock_delay_leases_in_local_time(
         rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
         assert main(["ls", "--json", "--addr", srv.address]) == EXIT_OK
         docs = {d["run_id"]: d for d in json.loads(capsys.readouterr().out)}
+        gone = c.get("gone")
     assert " left" in rows["live"] and "EXPIRED" not in rows["live"]
     assert "EXPIRED" in rows["gone"] and " ago" in rows["gone"]
     assert "LOCK-DELAY" in rows["delayed"]
@@ -151,6 +152,8 @@ def test_ls_marks_expired_and_lock_delay_leases_in_local_time(
     updated = datetime.fromisoformat(docs["live"]["updated_at"].replace("Z", "+00:00"))
     assert updated.astimezone().strftime("%Y-%m-%d %H:%M:%S") in rows["live"]
     assert docs["gone"]["lease"]["expires_at"].endswith("Z")  # --json keeps machine fields
+    text = dict(line.split(None, 1) for line in cli_ops._record_text(gone).splitlines())
+    assert text["lease.state"].startswith("EXPIRED")
 
 
 def _short_lease(address: str, run_id: str, lock_delay_ms: int) -> None:
