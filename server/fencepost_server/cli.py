@@ -6,8 +6,9 @@
     fencepost hold RUN_ID [--ttl MS] [--wait] [--release] -- CMD ARGS...
     fencepost health                fencepost --version
 
-Every operator command takes ``--addr`` (env FENCEPOST_ADDR, default
-127.0.0.1:50051) and ``--json`` for machine-readable output.
+Every operator command takes ``--addr`` (env FENCEPOST_ADDR, else the port
+of FENCEPOST_LISTEN on loopback, else 127.0.0.1:50051) and ``--json`` for
+machine-readable output. Flags are never abbreviated.
 
 Exit codes (one table):
     0  ok

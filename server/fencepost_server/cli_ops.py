@@ -10,7 +10,7 @@
     fencepost health [--service NAME]
     fencepost hold RUN_ID [--ttl MS] [--wait] [--release] [--grace S] -- CMD ARGS...
 
-Each takes ``--addr`` (env FENCEPOST_ADDR, default 127.0.0.1:50051),
+Each takes ``--addr`` (env FENCEPOST_ADDR; see cli.default_addr),
 ``--timeout`` (seconds to keep retrying an unreachable server, default 5)
 and ``--json``.
 
