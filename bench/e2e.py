@@ -298,7 +298,7 @@ def _stop_processes(procs: list[SpawnProcess]) -> None:
 WRITER_COUNTERS = (
     "fencepost_writer_commands",
     "fencepost_writer_batches",
-    "fencepost_writer_commit_seconds",
+    "fencepost_writer_commit_duration_seconds_sum",
 )
 
 
@@ -389,7 +389,7 @@ def drive(
     if m0 is not None and m1 is not None:
         d_cmd = m1["fencepost_writer_commands"] - m0["fencepost_writer_commands"]
         d_bat = m1["fencepost_writer_batches"] - m0["fencepost_writer_batches"]
-        d_sec = m1["fencepost_writer_commit_seconds"] - m0["fencepost_writer_commit_seconds"]
+        d_sec = m1["fencepost_writer_commit_duration_seconds_sum"] - m0["fencepost_writer_commit_duration_seconds_sum"]
         run.writer_mean_batch = d_cmd / d_bat if d_bat else 0.0
         run.writer_commands_per_s = d_cmd / duration_s
         run.writer_batch_ms = d_sec / d_bat * 1000 if d_bat else 0.0

@@ -61,7 +61,7 @@ def writer_delta(m0: dict[str, float], m1: dict[str, float]) -> WriterDelta:
     return WriterDelta(
         commands=m1["fencepost_writer_commands"] - m0["fencepost_writer_commands"],
         batches=m1["fencepost_writer_batches"] - m0["fencepost_writer_batches"],
-        commit_s=m1["fencepost_writer_commit_seconds"] - m0["fencepost_writer_commit_seconds"],
+        commit_s=m1["fencepost_writer_commit_duration_seconds_sum"] - m0["fencepost_writer_commit_duration_seconds_sum"],
     )
 
 
