@@ -13,6 +13,7 @@ ended it first.
 
 from __future__ import annotations
 
+import asyncio
 import platform
 import time
 from collections.abc import Callable, Iterator
@@ -187,8 +188,6 @@ class Metrics:
 
 
 def _failed_code(exc: BaseException, context: Any) -> str:
-    import asyncio
-
     if isinstance(exc, asyncio.CancelledError):
         return "CANCELLED"
     set_code = context.code()
