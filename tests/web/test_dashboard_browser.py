@@ -213,8 +213,10 @@ def _screenshots(
         workers.append(w)
         assert w.line().startswith("acquired")
     with grpc.insecure_channel(web_server.address) as ch:
-        ledger_pb2_grpc.LedgerStub(ch).Acquire(ledger_pb2.AcquireRequest(
-            run_id="nightly-export-4", owner="etl-worker-3", lease_ttl_ms=100), timeout=10)
+        for run_id, owner, delay in (("nightly-export-4", "etl-worker-3", 0),
+                                     ("nightly-export-5", "etl-worker-4", 30_000)):
+            ledger_pb2_grpc.LedgerStub(ch).Acquire(ledger_pb2.AcquireRequest(
+                run_id=run_id, owner=owner, lease_ttl_ms=100, lock_delay_ms=delay), timeout=10)
     with SyncClient(web_server.address, owner="billing-7") as c:
         c.acquire("invoice-2026-11").finish("completed")
         c.acquire("invoice-2026-12").finish("failed", "EXIT_3", "upstream timeout")
@@ -233,7 +235,7 @@ def _screenshots(
         c.cancel("cleanup-tmp", "operator stop")
     time.sleep(0.3)
     browser.get(web_server.url + "/")
-    wait_for(lambda: len(rows(browser)) == 10, what="the seeded rows")
+    wait_for(lambda: len(rows(browser)) == 11, what="the seeded rows")
     browser.execute_script("document.querySelector('#toast').hidden = true")
     screenshot(browser, tmp_path, "dashboard-runs.png")
     browser.get(web_server.url + "/runs/ingest-orders")
