@@ -22,15 +22,21 @@ COPY proto ./proto
 COPY clients ./clients
 COPY server ./server
 RUN pip install --no-cache-dir . \
-    && useradd --system --uid 10001 fencepost \
-    && mkdir -p /data && chown fencepost /data
+    && groupadd --system --gid 10001 fencepost \
+    && useradd --system --uid 10001 --gid 10001 fencepost \
+    && mkdir -p /data && chown fencepost:fencepost /data
 
 USER fencepost
 VOLUME ["/data"]
-EXPOSE 50051
+# gRPC; the dashboard and /metrics (set FENCEPOST_HTTP_LISTEN=0.0.0.0:8233 to publish them)
+EXPOSE 50051 8233
 
+# `fencepost health` asks the plaintext health-only port of
+# FENCEPOST_HEALTH_LISTEN when it is set (no client certificate needed beside
+# mutual TLS), else the port of FENCEPOST_LISTEN: set addresses there (not
+# with --listen) and the check follows them.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50052')).Check(h.HealthCheckRequest(), timeout=2); sys.exit(0 if s.status == h.HealthCheckResponse.SERVING else 1)"]
+    CMD ["fencepost", "health", "--timeout", "2"]
 
 # SIGTERM drains in-flight calls and closes the database cleanly.
 STOPSIGNAL SIGTERM

@@ -3,6 +3,7 @@ PY        ?= python3
 VENV      ?= .venv
 BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
 PROTO_SRC := $(wildcard proto/fencepost/v1/*.proto)
 GEN_DIR   := clients/python
 ADDR      ?= 127.0.0.1:50051
@@ -22,14 +23,28 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(SERVE_STAMP)
+
+# Serving needs the package and its runtime dependencies only (no dev tools).
+$(SERVE_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(SERVE_STAMP)
 
 all: test  ## exactly what CI runs (lint + every test)
 
-serve: $(STAMP)  ## start the coordinator on $(ADDR) with the SQLite file $(DB)
+serve: $(SERVE_STAMP)  ## start the coordinator on $(ADDR) with the SQLite file $(DB) (dashboard on 127.0.0.1:8233)
 	$(BIN)/fencepost serve --listen $(ADDR) --db $(DB)
 
-test: $(STAMP) lint  ## lint, then every test (slow ones included)
+# The dashboard's browser tests drive Debian's headless Chromium.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+.PHONY: browser
+browser:  ## install chromium + chromium-driver (Debian) for the browser tests, when missing
+	@test -x /usr/bin/chromedriver -a -x /usr/bin/chromium || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; }
+
+test: $(STAMP) lint browser  ## lint, then every test (slow ones included)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-ts
 

@@ -308,10 +308,11 @@ def _stop_processes(procs: list[SpawnProcess]) -> None:
             p.join(5)
 
 
+COMMIT_SECONDS = "fencepost_writer_commit_duration_seconds_sum"  # the histogram's total
 WRITER_COUNTERS = (
     "fencepost_writer_commands",
     "fencepost_writer_batches",
-    "fencepost_writer_commit_seconds",
+    COMMIT_SECONDS,
 )
 
 
@@ -404,7 +405,7 @@ def drive(
     if m0 is not None and m1 is not None:
         d_cmd = m1["fencepost_writer_commands"] - m0["fencepost_writer_commands"]
         d_bat = m1["fencepost_writer_batches"] - m0["fencepost_writer_batches"]
-        d_sec = m1["fencepost_writer_commit_seconds"] - m0["fencepost_writer_commit_seconds"]
+        d_sec = m1[COMMIT_SECONDS] - m0[COMMIT_SECONDS]
         run.writer_mean_batch = d_cmd / d_bat if d_bat else 0.0
         run.writer_commands_per_s = d_cmd / duration_s
         run.writer_batch_ms = d_sec / d_bat * 1000 if d_bat else 0.0

@@ -25,6 +25,7 @@ from benchlib import ServerProcess, percentile, scrape_counters
 from google.rpc import error_details_pb2, status_pb2
 
 WRITER_COUNTERS = e2e.WRITER_COUNTERS
+COMMIT_SECONDS = e2e.COMMIT_SECONDS
 
 
 def start_fencepost(workdir: Path, tag: int) -> tuple[ServerProcess, int]:
@@ -61,7 +62,7 @@ def writer_delta(m0: dict[str, float], m1: dict[str, float]) -> WriterDelta:
     return WriterDelta(
         commands=m1["fencepost_writer_commands"] - m0["fencepost_writer_commands"],
         batches=m1["fencepost_writer_batches"] - m0["fencepost_writer_batches"],
-        commit_s=m1["fencepost_writer_commit_seconds"] - m0["fencepost_writer_commit_seconds"],
+        commit_s=m1[COMMIT_SECONDS] - m0[COMMIT_SECONDS],
     )
 
 

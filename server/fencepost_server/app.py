@@ -11,7 +11,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
+from . import version
 from .auth import (
     IDENTITY_SOURCES,
     Authenticator,
@@ -28,6 +29,7 @@ from .auth import (
     is_loopback,
 )
 from .clock import Clock, OffsetClock, SystemClock
+from .metrics import Metrics
 from .retention import Retention, parse_duration_ms
 from .services._registry import add_service
 from .services.engine_store import EngineStoreService, start_engine_store
@@ -38,7 +40,12 @@ from .storage.sqlite import Durability, HistoryReader, SqliteStorage
 from .streams import FenceHub
 from .writer import Writer
 
+if TYPE_CHECKING:
+    from .web import Dashboard
+
 log = logging.getLogger("fencepost")
+
+
 
 # TEST-ONLY broken builds (``--fault``), honoured only with ``--test-hooks``.
 FAULTS = ("ack-before-commit", "fence-ignores-owner")
@@ -95,6 +102,10 @@ class Settings:
     health_listen: str = ""  # also serve only gRPC health here, plaintext (probes under TLS)
     max_tracked_per_stream: int = 100_000  # leases one KeepAlive stream may track
     max_inflight_per_stream: int = 4096  # unanswered commands per Execute stream
+    # The dashboard, its JSON API and /metrics (web.py); "" turns it off.
+    http_listen: str = "127.0.0.1:8233"
+    # Only /metrics and /healthz, e.g. on 0.0.0.0 for a scraper; "" is off.
+    metrics_listen: str = ""
     # TEST-ONLY (torture harness): OffsetClock + the TestHooks service; never by default.
     test_hooks: bool = False
     test_clock_offset_ms: int = 0  # with test_hooks: start the clock this far ahead
@@ -129,12 +140,116 @@ class Settings:
             "FENCEPOST_MAX_CONCURRENT_STREAMS": ("max_concurrent_streams", int),
             "FENCEPOST_MAX_TRACKED_PER_STREAM": ("max_tracked_per_stream", int),
             "FENCEPOST_MAX_INFLIGHT_PER_STREAM": ("max_inflight_per_stream", int),
+            "FENCEPOST_HTTP_LISTEN": ("http_listen", str),
+            "FENCEPOST_METRICS_LISTEN": ("metrics_listen", str),
         }
         for var, (name, typ) in mapping.items():
             if var in env and env[var] != "":
-                values[name] = typ(env[var])
+                try:
+                    values[name] = typ(env[var])
+                except ValueError:
+                    raise SettingsError(
+                        f"{var}={env[var]!r}: {_EXPECTED.get(name, 'not a number')}"
+                    ) from None
         values.update({k: v for k, v in overrides.items() if v is not None})
+        for name, var in _CHECKS.items():
+            if name in values:
+                from_env = var in env and overrides.get(name) is None
+                values[name] = _check(name, values[name], from_env)
         return cls(**values)
+
+
+class SettingsError(ValueError):
+    """A flag or environment value ``fencepost serve`` cannot use (exit 2)."""
+
+
+# Flag and environment names of the values checked, for the messages.
+_CHECKS = {
+    "listen": "FENCEPOST_LISTEN",
+    "durability": "FENCEPOST_DURABILITY",
+    "log_level": "FENCEPOST_LOG_LEVEL",
+    "max_message_bytes": "FENCEPOST_MAX_MESSAGE_BYTES",
+    "metrics_port": "FENCEPOST_METRICS_PORT",
+    "shutdown_grace_s": "FENCEPOST_SHUTDOWN_GRACE_S",
+    "commit_delay_ms": "FENCEPOST_COMMIT_DELAY_MS",
+    "history_revisions": "FENCEPOST_HISTORY_REVISIONS",
+    "history_max_age_s": "FENCEPOST_HISTORY_MAX_AGE_S",
+    "http_listen": "FENCEPOST_HTTP_LISTEN",
+    "metrics_listen": "FENCEPOST_METRICS_LISTEN",
+    "retain_terminal": "FENCEPOST_RETAIN_TERMINAL",
+}
+_FLAGS = {"shutdown_grace_s": "--shutdown-grace", "db_path": "--db"}
+_EXPECTED = {
+    "durability": "must be one of " + ", ".join(d.value for d in Durability),
+    "test_hooks": "must be 1 or 0",
+}
+DEFAULT_PORT = 50051
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def split_address(text: str, default_port: int) -> tuple[str, int]:
+    """``host[:port]`` (``[v6]:port`` too) -> (host, port); ValueError when
+    the port is not a number in 0..65535 or the host is empty."""
+    text = text.strip()
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1 : end + 2] not in ("", ":"):
+            raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
+        host, port_text = text[: end + 1], text[end + 2 :]
+    elif text.count(":") > 1:
+        raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise ValueError("the host is missing (e.g. 127.0.0.1:PORT or 0.0.0.0:PORT)")
+    if port_text == "":
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"the port must be a number in 0..65535 (got {port_text!r})")
+    return host, int(port_text)
+
+
+def _check(name: str, value: Any, from_env: bool) -> Any:
+    """The value normalised, or SettingsError naming the flag or variable."""
+    where = _CHECKS[name] if from_env else _FLAGS.get(name, "--" + name.replace("_", "-"))
+    try:
+        return _normalise(name, value)
+    except ValueError as exc:
+        raise SettingsError(f"{where}={value!r}: {exc}") from None
+
+
+def _normalise(name: str, value: Any) -> Any:
+    if name in ("listen", "http_listen", "metrics_listen"):
+        if name != "listen" and str(value).strip().lower() in ("", "off", "0", "none"):
+            return ""
+        host, port = split_address(str(value), DEFAULT_PORT if name == "listen" else 8233)
+        return f"{host}:{port}"
+    if name == "durability":
+        return Durability(value)
+    if name == "retain_terminal":
+        if str(value).strip():
+            try:
+                parse_duration_ms(str(value), "")
+            except RuntimeError:
+                raise ValueError(
+                    "is not a positive duration (for example 90s, 30m, 12h, 7d)"
+                ) from None
+        return str(value).strip()
+    if name == "log_level":
+        if str(value).upper() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+        return str(value).upper()
+    low, high = {
+        "max_message_bytes": (1024, 2**31 - 1),
+        "metrics_port": (0, 65535),
+        "shutdown_grace_s": (0, 3600),
+        "commit_delay_ms": (0, 100),
+        "history_revisions": (1, 2**62),
+        "history_max_age_s": (0, 2**40),
+    }[name]
+    if not low <= value <= high:
+        raise ValueError(f"must be between {low} and {high}")
+    return value
 
 
 @dataclass
@@ -155,6 +270,9 @@ class App:
     engine_store: EngineStoreService | None = None
     _engine_reader: EngineReader | None = None
     retention: Retention | None = None
+    metrics: Metrics | None = None
+    dashboard: Dashboard | None = None
+    serving: bool = False
 
     async def start(self) -> App:
         s = self.settings
@@ -178,6 +296,8 @@ class App:
         self.engine_store, self._engine_reader = await start_engine_store(self.writer, s.db_path)
         self.hub = FenceHub(self.writer, self.clock, queue_limit=s.stream_queue_limit)
         self.hub.start()
+        self.metrics = Metrics(self.writer, self.hub, self.clock, version())
+        instrument = self.metrics.instrument
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
         self._history = HistoryReader(s.db_path)
         options = [
@@ -200,18 +320,21 @@ class App:
             ),
             ledger_pb2.DESCRIPTOR.services_by_name["Ledger"],
             **guarded,
+            instrument=instrument,
         )
         add_service(
             self.server,
             RunStoreService(self.writer),
             run_store_pb2.DESCRIPTOR.services_by_name["RunStore"],
             **guarded,
+            instrument=instrument,
         )
         add_service(
             self.server,
             self.engine_store,
             engine_store_pb2.DESCRIPTOR.services_by_name["EngineStore"],
             **guarded,
+            instrument=instrument,
         )
         if s.test_hooks or s.fault:
             self._test_hooks(guarded)
@@ -238,10 +361,7 @@ class App:
                 raise RuntimeError(f"could not listen on {s.health_listen} (--health-listen)")
             await self.health_server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        if s.metrics_port:
-            from .metrics import start_metrics
-
-            start_metrics(s.metrics_port, self.writer)
+        await self._start_http()
         log.info(
             "fencepost serving on %s (db=%s, durability=%s, revision=%d, runs=%d)",
             self.address,
@@ -284,8 +404,59 @@ class App:
                 s.fault,
             )
 
+    async def _start_http(self) -> None:
+        """The dashboard + /metrics, and the metrics-only listener (web.py)."""
+        s = self.settings
+        metrics_listen = s.metrics_listen
+        if not metrics_listen and s.metrics_port:
+            metrics_listen = f"127.0.0.1:{s.metrics_port}"
+        if not (s.http_listen or metrics_listen):
+            return
+        from .web import Dashboard
+
+        self.dashboard = Dashboard(self)
+        try:
+            await self.dashboard.start(s.http_listen, metrics_listen, Settings.http_listen)
+        except RuntimeError:
+            await self.stop(0)
+            raise
+
+    @property
+    def http_port(self) -> int:
+        """The dashboard's port (0: off)."""
+        return self.dashboard.http_port if self.dashboard is not None else 0
+
+    @property
+    def writer_state(self) -> Any:
+        assert self.writer is not None
+        return self.writer.state
+
+    async def run_history(self, run_id: str, limit: int) -> list[Any]:
+        """One run's retained changes, oldest first (read off the loop)."""
+        assert self._history is not None and self._history_executor is not None
+        return await asyncio.get_running_loop().run_in_executor(
+            self._history_executor, self._history.run_history, run_id, limit
+        )
+
+    async def engine_runs(
+        self, *, agent: str | None, statuses: list[str], limit: int, offset: int
+    ) -> tuple[list[Any], int]:
+        """A page of engine-store runs (created_at, id order) and the match count."""
+        from .storage import engine_sql
+
+        assert self._engine_reader is not None
+
+        def read(conn: Any) -> tuple[list[Any], int]:
+            pages = list(engine_sql.list_runs(
+                conn, lambda items, total: (items, total), agent=agent, statuses=statuses,
+                concurrency_key=None, limit=limit, offset=offset))
+            return [r for items, _ in pages for r in items], pages[0][1] if pages else 0
+
+        return await self._engine_reader.run(read)
+
     async def _set_health(self, status: Any) -> None:
         assert self.health is not None
+        self.serving = status == health_pb2.HealthCheckResponse.SERVING
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, status)
 
@@ -306,6 +477,9 @@ class App:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.retention is not None:
             await self.retention.stop()
+        if self.dashboard is not None:
+            await self.dashboard.stop()
+            self.dashboard = None
         if self.hub is not None:
             self.hub.shutdown()  # streams end with UNAVAILABLE
         if self.server is not None:
@@ -316,6 +490,8 @@ class App:
             await self.hub.close()
         if self.engine_store is not None:
             await self.engine_store.drain()  # queued upload discards, before the writer closes
+        if self.metrics is not None:
+            self.metrics.close()
         if self.writer is not None:
             await self.writer.close()
         if self._engine_reader is not None:

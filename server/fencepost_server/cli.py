@@ -3,36 +3,79 @@
     fencepost serve [--listen ADDR] [--db PATH] [--durability full|normal] ...
     fencepost get RUN_ID            fencepost ls [--status S]... [--owner O]
     fencepost cancel RUN_ID [-m M]  fencepost resume RUN_ID   fencepost delete RUN_ID
+    fencepost hold RUN_ID [--ttl MS] [--wait] [--release] -- CMD ARGS...
+    fencepost health                fencepost --version
 
-Every operator command takes ``--addr`` (env FENCEPOST_ADDR, default
-127.0.0.1:50051) and ``--json`` for machine-readable output.
+Every operator command takes ``--addr`` (env FENCEPOST_ADDR, else the port
+of FENCEPOST_LISTEN on loopback, else 127.0.0.1:50051) and ``--json`` for
+machine-readable output. Flags are never abbreviated.
 
 Exit codes (one table):
     0  ok
     1  the server refused the request (the error code is printed)
     2  usage error
     3  the server could not be reached
+    4  ``hold``: the lease was lost while CMD ran (CMD was stopped)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from . import version
 from .storage.sqlite import Durability
+
+if TYPE_CHECKING:
+    from .app import Settings
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
+EXIT_LOST = 4
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class UsageError(Exception):
+    """A command line argparse refused; raised instead of argparse's exit so
+    ``main`` prints the right sub-command's usage (or JSON with ``--json``)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """No abbreviations (``--js`` is not ``--json``); errors raise UsageError."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self, message)
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)} (got {text!r})")
+    return text.upper()
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("serve", help="run the coordinator")
+    # a short usage line: the flags are many; --help lists them
+    p = sub.add_parser("serve", help="run the coordinator",
+                       usage="fencepost serve [--listen ADDR] [--db FILE] [options] "
+                       "(fencepost serve --help lists them)")
     p.add_argument(
         "--listen", help="address to listen on (env FENCEPOST_LISTEN; default 127.0.0.1:50051)"
     )
@@ -48,12 +91,26 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "survive a process crash but the last ones may be lost on power loss "
         "(env FENCEPOST_DURABILITY)",
     )
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (env FENCEPOST_LOG_LEVEL)")
+    p.add_argument(
+        "--log-level",
+        type=_log_level,
+        help="DEBUG, INFO, WARNING, ERROR (env FENCEPOST_LOG_LEVEL)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics on this loopback port (env "
-        "FENCEPOST_METRICS_PORT; default off)",
+        help="shorthand for --metrics-listen 127.0.0.1:PORT (env FENCEPOST_METRICS_PORT)",
+    )
+    p.add_argument(
+        "--http-listen",
+        help="address of the web dashboard, its JSON API and /metrics (env "
+        "FENCEPOST_HTTP_LISTEN; default 127.0.0.1:8233; 'off' turns it off)",
+    )
+    p.add_argument(
+        "--metrics-listen",
+        help="also serve only /metrics and /healthz on this address, for scraping "
+        "from outside without exposing the dashboard (env FENCEPOST_METRICS_LISTEN; "
+        "default off)",
     )
     p.add_argument(
         "--max-message-bytes",
@@ -126,9 +183,32 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from .app import ConfigError, Settings, security, serve
+    from .app import ConfigError, Settings, SettingsError, security, serve
 
-    settings = Settings.from_env(
+    try:
+        settings = _serve_settings(args, Settings)
+    except SettingsError as exc:
+        print(f"fencepost serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        security(settings)
+    except ConfigError as exc:
+        print(f"fencepost serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        asyncio.run(serve(settings))
+    except RuntimeError as exc:  # refused database, port in use...
+        logging.getLogger("fencepost").error("%s", exc)
+        return EXIT_REFUSED
+    return EXIT_OK
+
+
+def _serve_settings(args: argparse.Namespace, settings_cls: type[Settings]) -> Settings:
+    return settings_cls.from_env(
         listen=args.listen,
         db_path=args.db_path,
         durability=Durability(args.durability) if args.durability else None,
@@ -150,39 +230,84 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_concurrent_streams=args.max_concurrent_streams,
         max_tracked_per_stream=args.max_tracked_per_stream,
         max_inflight_per_stream=args.max_inflight_per_stream,
+        **_web_overrides(args),
     )
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        security(settings)
-    except ConfigError as exc:
-        print(f"fencepost serve: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        asyncio.run(serve(settings))
-    except RuntimeError as exc:  # refused database, port in use...
-        logging.getLogger("fencepost").error("%s", exc)
-        return EXIT_REFUSED
-    return EXIT_OK
+
+
+def _web_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"http_listen": args.http_listen, "metrics_listen": args.metrics_listen}
+
+
+def default_addr(env: Any) -> str:
+    """Where the operator commands connect by default: FENCEPOST_ADDR, else the
+    server's own FENCEPOST_LISTEN (a wildcard host as loopback: inside a
+    container, `fencepost health` follows the configured port), else
+    127.0.0.1:50051."""
+    if env.get("FENCEPOST_ADDR"):
+        return str(env["FENCEPOST_ADDR"])
+    listen = env.get("FENCEPOST_LISTEN", "").strip()
+    if listen:
+        host, _, port = listen.rpartition(":")
+        if not host or port.endswith("]"):  # no port given: the default one
+            host, port = listen, "50051"
+        if host in ("0.0.0.0", "[::]", "::", ""):
+            host = "127.0.0.1"
+        return f"{host}:{port}"
+    return "127.0.0.1:50051"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fencepost", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="fencepost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"fencepost {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     from . import cli_ops
 
-    cli_ops.add_parsers(sub, default_addr=os.environ.get("FENCEPOST_ADDR", "127.0.0.1:50051"))
+    cli_ops.add_parsers(sub, default_addr=default_addr(os.environ))
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]  # type: ignore[no-any-return]
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse, with unknown flags refused by the sub-command's parser (its usage,
+    not the top level's) and ``hold``'s command taken verbatim after ``--``."""
+    command: list[str] = []
+    if "hold" in argv and "--" in argv and argv.index("hold") < argv.index("--"):
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "hold":
+        args.cmd = command
+    return args
+
+
+def _usage_error(exc: UsageError, argv: list[str]) -> int:
+    if "--json" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        body = {"error": {"code": "USAGE", "message": exc.message}}
+        sys.stdout.write(json.dumps(body) + "\n")
+        sys.stdout.flush()
+    else:
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {exc.message}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
+        args = _parse(parser, argv)
+    except UsageError as exc:
+        return _usage_error(exc, argv)
+    except SystemExit as exc:  # --help, --version
         return int(exc.code or 0) and EXIT_USAGE
     if args.command == "serve":
         return _run_serve(args)

@@ -6,8 +6,11 @@
     fencepost resume RUN_ID
     fencepost delete RUN_ID
     fencepost watch [RUN_ID ...] [--from-revision N] [--limit N]
+    fencepost ls --engine [--status S]... [--agent A] [--limit N]
+    fencepost health [--service NAME]
+    fencepost hold RUN_ID [--ttl MS] [--wait] [--release] [--grace S] -- CMD ARGS...
 
-Each takes ``--addr`` (env FENCEPOST_ADDR, default 127.0.0.1:50051),
+Each takes ``--addr`` (env FENCEPOST_ADDR; see cli.default_addr),
 ``--timeout`` (seconds to keep retrying an unreachable server, default 5)
 and ``--json``; for a server with TLS or tokens (docs/SECURITY.md),
 ``--cacert`` ``--cert`` ``--key`` ``--token`` (env FENCEPOST_CACERT,
@@ -22,11 +25,17 @@ slow) is resumed from the last revision printed, with no change missed or
 repeated; a server unreachable for longer than ``--timeout`` ends it (exit 3).
 
 Output. Without ``--json``: key/value lines for one record, a table for
-``ls``. With ``--json`` (stdout, one document, newline-terminated):
+``ls`` (times in local time, the lease as time left, or marked ``EXPIRED``
+or ``LOCK-DELAY`` when it has passed its expiry). With ``--json`` (stdout,
+one document, newline-terminated):
 
     get, cancel, resume   one JSON object: the record (fencepost.RunRecord.to_dict():
                           status as "running"..., times as ISO 8601 UTC strings)
     ls                    one JSON array of such objects (``[]`` when none)
+    ls --engine           one JSON array of engine-store runs: {"id", "agent", "status",
+                          "concurrency_key", "claim": {"owner", "expires_at"} | null,
+                          "created_at", "updated_at"}
+    health                {"service", "status": "SERVING"|"NOT_SERVING"|...}
     delete                {"run_id", "deleted": true, "fencing_token", "revision"}
     watch                 one JSON object per line and change (JSON Lines):
                           {"revision", "kind": "put"|"delete", "run_id", "record"?}
@@ -35,8 +44,9 @@ Output. Without ``--json``: key/value lines for one record, a table for
 Human ``watch`` lines: ``REVISION put RUN_ID STATUS token=N attempt=N
 owner=O version=N`` or ``REVISION delete RUN_ID``.
 
-Errors go to stderr: ``fencepost: CODE: message`` or, with ``--json``, a JSON
-object ``{"error": {"code", "message", "field"?, "run"?}}``. Exit codes are
+Errors go to stderr as ``fencepost: CODE: message``; with ``--json`` they go
+to stdout instead, as one JSON object ``{"error": {"code", "message",
+"field"?, "run"?}}`` (a usage error has the code ``USAGE``). Exit codes are
 the table in ``cli.py``: 0 ok, 1 refused by the server (the code is printed),
 2 usage, 3 the server could not be reached (or a mutation got no answer, so
 its outcome is unknown).
@@ -53,6 +63,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from types import FrameType
 from typing import Any, TextIO
 
@@ -64,10 +75,11 @@ from fencepost import (
     UnavailableError,
     WatchEvent,
 )
+from fencepost._records import format_time
 
 from .cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
 
-COMMANDS = ("get", "ls", "cancel", "resume", "delete", "watch")
+COMMANDS = ("get", "ls", "cancel", "resume", "delete", "watch", "health", "hold")
 DEFAULT_TIMEOUT_S = 5.0
 _STATUSES = [s.value for s in fencepost.RunStatus]
 
@@ -140,11 +152,31 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
         dest="statuses",
         action="append",
         default=[],
-        choices=_STATUSES,
-        help="only runs in this status (repeatable)",
+        help=f"only runs in this status (repeatable): {', '.join(_STATUSES)}; with "
+        "--engine, the engine store's own statuses",
     )
     p.add_argument("--owner", help="only runs whose lease this owner holds")
     p.add_argument("--limit", type=_positive_int, help="at most this many runs (default all)")
+    p.add_argument(
+        "--engine", action="store_true", help="list the engine store's runs instead"
+    )
+    p.add_argument("--agent", help="with --engine: only this agent's runs")
+
+    p = sub.add_parser(
+        "health", parents=[common], help="check the server's health (exit 0 when SERVING)"
+    )
+    p.add_argument("--service", default="", help="a service name (default: the whole server)")
+    # Where a server also answers health alone in plaintext (--health-listen,
+    # for probes beside mutual TLS), that is where `health` asks by default.
+    health_only = os.environ.get("FENCEPOST_HEALTH_LISTEN", "").strip()
+    if health_only and not os.environ.get("FENCEPOST_ADDR"):
+        from .cli import default_addr as _listen_addr
+
+        p.set_defaults(addr=_listen_addr({"FENCEPOST_LISTEN": health_only}))
+
+    from .cli_hold import add_hold_parser
+
+    add_hold_parser(sub, common)
 
     p = sub.add_parser(
         "cancel",
@@ -189,8 +221,20 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     retry = fencepost.RetryPolicy(
         total_timeout_s=args.timeout, attempt_timeout_s=max(args.timeout, 1.0)
     )
+    if args.command == "ls":
+        problem = _check_ls(args)
+        if problem:
+            return _usage(args, out, err, problem)
     if args.command == "watch":
-        return _guarded(args, err, lambda: _watch(args, retry, out))
+        return _guarded(args, out, err, lambda: _watch(args, retry, out))
+    if args.command == "health":
+        return _guarded(args, out, err, lambda: _health(args, out))
+    if args.command == "hold":
+        from .cli_hold import run_hold
+
+        if not getattr(args, "cmd", None):
+            return _usage(args, out, err, "give the command to run after --: hold RUN_ID -- CMD")
+        return _guarded(args, out, err, lambda: run_hold(args, retry, err))
     doc: Any = None
     text = ""
 
@@ -200,7 +244,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
             doc, text = _dispatch(client, args)
         return EXIT_OK
 
-    code = _guarded(args, err, one_shot)
+    code = _guarded(args, out, err, one_shot)
     if code != EXIT_OK:
         return code
     try:
@@ -222,8 +266,11 @@ def _security(args: argparse.Namespace) -> dict[str, Any]:
     return {"tls": tls, "token": args.token}
 
 
-def _guarded(args: argparse.Namespace, err: TextIO, body: Any) -> int:
-    """Run ``body()``; map the SDK's errors to the exit-code table."""
+def _guarded(args: argparse.Namespace, out: TextIO, err: TextIO, body: Any) -> int:
+    """Run ``body()``; map the SDK's errors to the exit-code table (errors on
+    stderr, or as JSON on stdout with ``--json``)."""
+    if args.json:
+        err = out
     try:
         return int(body())
     except ValueError as exc:  # --cert without --key, a token in plaintext...
@@ -363,6 +410,11 @@ def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[A
                 f"revision {res.revision})\n"
             )
             return doc, text
+        case "ls" if args.engine:
+            runs = client.store.list_runs(
+                agent=args.agent, statuses=args.statuses or None, limit=args.limit
+            ).runs
+            return [_engine_doc(r) for r in runs], _engine_table(runs)
         case _:  # ls
             records = _take(
                 client.list(
@@ -411,33 +463,164 @@ def _flatten(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
 
 
 def _record_text(rec: RunRecord) -> str:
-    """Key/value lines, nested fields as dotted keys (lease.owner ...)."""
+    """Key/value lines, nested fields as dotted keys (lease.owner ...); the
+    lease's state (time left, EXPIRED, LOCK-DELAY) as ``lease.state``."""
     rows = _flatten(rec.to_dict())
+    if rec.lease is not None:
+        rows.append(("lease.state", lease_state(rec, datetime.now(UTC))))
     width = max(len(k) for k, _ in rows)
     return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
 
 
-_COLUMNS = ("RUN_ID", "STATUS", "TOKEN", "ATTEMPT", "OWNER", "EXPIRES_AT", "UPDATED_AT")
+_COLUMNS = ("RUN_ID", "STATUS", "TOKEN", "ATTEMPT", "OWNER", "LEASE", "UPDATED")
+_ENGINE_COLUMNS = ("ID", "AGENT", "STATUS", "CLAIMED_BY", "CLAIM", "CREATED", "UPDATED")
 
 
-def _table(records: list[RunRecord]) -> str:
+def _table(records: list[RunRecord], now: datetime | None = None) -> str:
+    now = now or datetime.now(UTC)
     rows: list[tuple[str, ...]] = [_COLUMNS]
     for r in records:
-        d = r.to_dict()
-        lease = d.get("lease", {})
         rows.append(
             (
-                d["run_id"],
-                d["status"],
-                str(d["fencing_token"]),
-                str(d["attempt"]),
-                lease.get("owner", "-"),
-                lease.get("expires_at", "-"),
-                d["updated_at"],
+                r.run_id,
+                r.status.value,
+                str(r.fencing_token),
+                str(r.attempt),
+                r.lease.owner if r.lease is not None else "-",
+                lease_state(r, now),
+                local_time(r.updated_at),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    return _columns(rows)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n"
         for row in rows
     )
+
+
+def lease_state(rec: RunRecord, now: datetime) -> str:
+    """``12s left``; past its expiry ``LOCK-DELAY 4s left`` while another owner
+    must still wait, then ``EXPIRED 3m10s ago``; ``-`` without a lease."""
+    lease = rec.lease
+    if lease is None:
+        return "-"
+    left = (lease.expires_at - now).total_seconds()
+    if left > 0:
+        return f"{duration(left)} left"
+    delay_left = left + lease.lock_delay_ms / 1000
+    if delay_left > 0:
+        return f"LOCK-DELAY {duration(delay_left)} left"
+    return f"EXPIRED {duration(-left)} ago"
+
+
+def duration(seconds: float) -> str:
+    """850ms, 12s, 3m10s, 2h05m, 3d04h."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def local_time(t: datetime) -> str:
+    """In the machine's time zone, to the second: ``2026-12-01 10:21:05``."""
+    return t.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _engine_doc(run: Any) -> dict[str, Any]:
+    claim = run.claim
+    return {
+        "id": run.id,
+        "agent": run.agent,
+        "status": run.status,
+        "concurrency_key": run.concurrency_key,
+        "claim": None
+        if claim is None
+        else {"owner": claim.owner, "expires_at": format_time(claim.expires_at)},
+        "created_at": format_time(run.created_at),
+        "updated_at": format_time(run.updated_at),
+    }
+
+
+def _engine_table(runs: list[Any], now: datetime | None = None) -> str:
+    now = now or datetime.now(UTC)
+    rows: list[tuple[str, ...]] = [_ENGINE_COLUMNS]
+    for r in runs:
+        claim = "-"
+        if r.claim is not None:
+            left = (r.claim.expires_at - now).total_seconds()
+            claim = f"{duration(left)} left" if left > 0 else f"EXPIRED {duration(-left)} ago"
+        rows.append(
+            (
+                r.id,
+                r.agent,
+                r.status,
+                r.claim.owner if r.claim is not None else "-",
+                claim,
+                local_time(r.created_at),
+                local_time(r.updated_at),
+            )
+        )
+    return _columns(rows)
+
+
+def _check_ls(args: argparse.Namespace) -> str:
+    if args.engine:
+        if args.owner is not None:
+            return "--owner does not apply to --engine (engine runs have claims: see CLAIMED_BY)"
+        return ""
+    if args.agent is not None:
+        return "--agent needs --engine"
+    bad = [s for s in args.statuses if s not in _STATUSES]
+    if bad:
+        return f"argument --status: invalid choice: {bad[0]!r} (choose from {', '.join(_STATUSES)})"
+    return ""
+
+
+def _usage(args: argparse.Namespace, out: TextIO, err: TextIO, message: str) -> int:
+    if args.json:
+        out.write(json.dumps({"error": {"code": "USAGE", "message": message}}) + "\n")
+    else:
+        err.write(f"fencepost {args.command}: error: {message}\n")
+    return EXIT_USAGE
+
+
+def _health(args: argparse.Namespace, out: TextIO) -> int:
+    """One gRPC health check: exit 0 when SERVING, 1 otherwise, 3 unreachable."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from fencepost._security import channel_credentials
+
+    sec = _security(args)
+    creds = channel_credentials(args.addr, sec["tls"], sec["token"])
+    channel = (grpc.insecure_channel(args.addr) if creds is None
+               else grpc.secure_channel(args.addr, creds))
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = stub.Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            if code == grpc.StatusCode.NOT_FOUND:
+                msg = f"no such service {args.service!r}"
+                raise FencepostError(msg, code="NOT_FOUND") from None
+            raise UnavailableError(str(exc.details())) from None  # type: ignore[attr-defined]
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    if args.json:
+        out.write(json.dumps({"service": args.service, "status": status}) + "\n")
+    else:
+        out.write(f"{status}\n")
+    out.flush()
+    return EXIT_OK if status == "SERVING" else EXIT_REFUSED

@@ -33,6 +33,7 @@ class ServerThread:
         self.db_path = str(db_path)
         self.clock: Any = clock or SystemClock()
         self._listen = listen
+        settings.setdefault("http_listen", "127.0.0.1:0")  # the dashboard on a free port
         self._settings = settings
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -52,6 +53,8 @@ class ServerThread:
         settings = Settings(listen=listen, db_path=self.db_path, **self._settings)
         self.app = self.call(lambda: App(settings, self.clock).start())
         self.port = self.app.port
+        if self.app.http_port and self._settings["http_listen"].endswith(":0"):
+            self._settings["http_listen"] = f"127.0.0.1:{self.app.http_port}"  # same on restart
         return self
 
     def stop(self, grace: float = 1.0) -> None:
@@ -66,6 +69,12 @@ class ServerThread:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The dashboard's base URL, e.g. http://127.0.0.1:PORT."""
+        assert self.app is not None
+        return f"http://127.0.0.1:{self.app.http_port}"
 
     @property
     def writer(self) -> Any:

@@ -99,6 +99,39 @@ class RunIndex:
         if not ids:
             del table[key]
 
+    def walk(
+        self,
+        statuses: frozenset[Status],
+        owner: str,
+        *,
+        prefix: str = "",
+        after: str | None = None,
+        before: str | None = None,
+        reverse: bool = False,
+    ) -> Iterator[str]:
+        """Like ``candidates``, within the ids starting with ``prefix``: past
+        ``after`` going forward, or below ``before`` going backward
+        (``reverse``), from the narrowest index the filters allow."""
+        top = prefix + "\U0010ffff" if prefix else None
+
+        def bounded(ids: SortedList) -> Iterator[str]:
+            if reverse:
+                high = before if before is not None and (top is None or before < top) else top
+                return ids.irange(minimum=prefix or None, maximum=high,
+                                  inclusive=(True, False), reverse=True)
+            if after is not None and after >= prefix:
+                return ids.irange(minimum=after, maximum=top, inclusive=(False, False))
+            return ids.irange(minimum=prefix or None, maximum=top, inclusive=(True, False))
+
+        if owner:
+            return bounded(self.by_owner.get(owner, SortedList()))
+        if statuses:
+            lists = [self.by_status[s] for s in statuses if s in self.by_status]
+            if len(lists) == 1:
+                return bounded(lists[0])
+            return heapq.merge(*(bounded(ids) for ids in lists), reverse=reverse)
+        return bounded(self.ids)
+
     def candidates(
         self, after: str | None, statuses: frozenset[Status], owner: str
     ) -> Iterator[str]:

@@ -1,22 +1,207 @@
-"""Prometheus metrics on a side port: writer queue depth, batches, commit time."""
+"""Prometheus metrics of one coordinator (served at ``/metrics`` by web.py).
+
+Each ``App`` owns its own registry (several servers may share a process in
+tests). Counters end in ``_total``, durations are ``_seconds`` histograms,
+no label carries a run id or an owner. docs/OPERATIONS.md lists exactly
+what is exposed (tests/service/test_metrics.py compares the two).
+
+Lease counts and expiries are read from the committed state when scraped;
+an expiry is counted once per lease that reached its expiry unrenewed,
+whether a scrape saw it expired or a later change (a takeover, a cancel)
+ended it first.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import platform
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .writer import Writer
+from fencepost.v1 import ledger_pb2
+
+from .clock import Clock
+from .core import ledger as L
+from .streams import FenceHub
+from .writer import ChangeEvent, Writer
+
+disable_created_metrics()  # no *_created series: nothing here needs them
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+COMMIT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 1)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Long-lived streams, by method name (the rest are calls, or listings that end).
+STREAM_KINDS = {"KeepAlive": "keepalive", "WatchRuns": "watch", "Execute": "execute"}
+LEASE_STATES = ("live", "lock_delay", "expired")
 
 
-class WriterCollector(Collector):
-    def __init__(self, writer: Writer) -> None:
+def _reason_name(number: int) -> str:
+    name = ledger_pb2.LostReason.Name(number)  # type: ignore[arg-type]
+    return name.removeprefix("LOST_REASON_").lower()
+
+
+def code_name(code: Any) -> str:
+    """A status as its name (OK, NOT_FOUND...), from grpc.StatusCode or an int."""
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):
+        for c in grpc.StatusCode:
+            if c.value[0] == code:
+                return c.name
+    return "UNKNOWN"
+
+
+class Metrics:
+    def __init__(self, writer: Writer, hub: FenceHub, clock: Clock, version: str) -> None:
         self.writer = writer
+        self.hub = hub
+        self.clock = clock
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rpc_seconds = Histogram(
+            "fencepost_rpc_duration_seconds",
+            "gRPC calls by service, method and status code (for streams: their lifetime)",
+            ["service", "method", "code"], registry=r, buckets=RPC_BUCKETS,
+        )
+        self.commit_seconds = Histogram(
+            "fencepost_writer_commit_duration_seconds",
+            "Time from taking a batch to its durable commit", registry=r, buckets=COMMIT_BUCKETS,
+        )
+        self.batch_size = Histogram(
+            "fencepost_writer_batch_size", "Commands per group commit",
+            registry=r, buckets=BATCH_BUCKETS,
+        )
+        self.takeovers = Counter(
+            "fencepost_takeovers", "Acquires that took over a lease (a new fencing token)",
+            registry=r,
+        )
+        self.open_streams = Gauge(
+            "fencepost_open_streams", "Open long-lived streams by kind", ["kind"], registry=r
+        )
+        for kind in (*STREAM_KINDS.values(), "dashboard_events"):
+            self.open_streams.labels(kind)
+        info = Gauge(
+            "fencepost_build_info", "Always 1; the labels tell the build",
+            ["version", "python"], registry=r,
+        )
+        info.labels(version, platform.python_version()).set(1)
+        self.expiries = 0
+        self._expired: dict[str, tuple[int, int]] = {}  # run -> (token, expires_at) seen expired
+        r.register(_StateCollector(self))
+        writer.on_batch = self._on_batch
+        self._unsubscribe = writer.subscribe(self._on_changes)
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        w = self.writer
+    def close(self) -> None:
+        self._unsubscribe()
+        self.writer.on_batch = None
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- feeds ----------------------------------------------------------------------
+
+    def _on_batch(self, commands: int, seconds: float) -> None:
+        self.commit_seconds.observe(seconds)
+        self.batch_size.observe(commands)
+
+    def _on_changes(self, events: list[ChangeEvent]) -> None:
+        now = self.clock.now_ms()
+        for ev in events:
+            prev, rec = ev.previous, ev.record
+            if prev is None or prev.lease is None:
+                continue
+            moved = rec is not None and rec.fencing_token != prev.fencing_token
+            if ev.cause is L.Acquire and moved:
+                self.takeovers.inc()
+            if prev.lease.expires_at > now:
+                continue
+            key = (prev.fencing_token, prev.lease.expires_at)
+            ended = rec is None or rec.lease is None or (
+                rec.fencing_token, rec.lease.expires_at) != key
+            if ended and self._expired.pop(ev.run_id, None) != key:
+                self.expiries += 1  # expired and ended before a scrape saw it
+
+    def lease_counts(self) -> dict[str, int]:
+        """Leases by state now; counts the expiries first seen here."""
+        now = self.clock.now_ms()
+        counts = dict.fromkeys(LEASE_STATES, 0)
+        seen: dict[str, tuple[int, int]] = {}
+        for run_id, rec in self.writer.state.runs.items():
+            lease = rec.lease
+            if lease is None:
+                continue
+            if now < lease.expires_at:
+                counts["live"] += 1
+                continue
+            counts["lock_delay" if now < lease.expires_at + lease.lock_delay_ms else "expired"] += 1
+            key = (rec.fencing_token, lease.expires_at)
+            seen[run_id] = key
+            if self._expired.get(run_id) != key:
+                self.expiries += 1
+        self._expired = seen
+        return counts
+
+    # -- gRPC -----------------------------------------------------------------------
+
+    def instrument(self, service: str, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a servicer coroutine) timed into fencepost_rpc_duration_seconds,
+        and counted in fencepost_open_streams while open when it is a stream."""
+        short = service.rsplit(".", 1)[-1]
+        kind = STREAM_KINDS.get(method)
+        gauge = self.open_streams.labels(kind) if kind else None
+        hist = self.rpc_seconds
+
+        async def call(request: Any, context: Any) -> Any:
+            started = time.perf_counter()
+            code = "OK"
+            if gauge is not None:
+                gauge.inc()
+            try:
+                return await fn(request, context)
+            except BaseException as exc:
+                code = _failed_code(exc, context)
+                raise
+            finally:
+                if gauge is not None:
+                    gauge.dec()
+                if code == "OK":
+                    set_code = context.code()
+                    if set_code not in (None, 0, grpc.StatusCode.OK):
+                        code = code_name(set_code)
+                hist.labels(short, method, code).observe(time.perf_counter() - started)
+
+        return call
+
+
+def _failed_code(exc: BaseException, context: Any) -> str:
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    set_code = context.code()
+    return code_name(set_code) if set_code is not None else "UNKNOWN"
+
+
+class _StateCollector(Collector):
+    """Values read from the writer and the hub when scraped."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        w = self.m.writer
         yield GaugeMetricFamily(
             "fencepost_writer_queue_depth", "Commands waiting for the writer", value=w.queue_depth
         )
@@ -29,13 +214,27 @@ class WriterCollector(Collector):
         yield CounterMetricFamily(
             "fencepost_writer_failed_commits", "Commits that failed", value=w.stats.failed_commits
         )
-        yield CounterMetricFamily(
-            "fencepost_writer_commit_seconds", "Time spent in batches", value=w.stats.commit_seconds
-        )
         yield GaugeMetricFamily("fencepost_revision", "Server revision", value=w.state.revision)
         yield GaugeMetricFamily("fencepost_runs", "Runs stored", value=len(w.state.index))
-
-
-def start_metrics(port: int, writer: Writer, host: str = "127.0.0.1") -> None:
-    REGISTRY.register(WriterCollector(writer))
-    start_http_server(port, addr=host)
+        leases = GaugeMetricFamily(
+            "fencepost_leases",
+            "Leases on records by state: live; lock_delay (expired, another owner must "
+            "still wait); expired (nobody has taken it over yet)",
+            labels=["state"],
+        )
+        for state, n in self.m.lease_counts().items():
+            leases.add_metric([state], n)
+        yield leases
+        yield CounterMetricFamily(
+            "fencepost_lease_expiries", "Leases that reached their expiry unrenewed",
+            value=self.m.expiries,
+        )
+        lost = CounterMetricFamily(
+            "fencepost_revocations",
+            "lost pushed to KeepAlive streams, by reason", labels=["reason"],
+        )
+        pushed = self.m.hub.lost_pushed
+        for number in ledger_pb2.LostReason.values():
+            if number:
+                lost.add_metric([_reason_name(number)], pushed.get(number, 0))
+        yield lost

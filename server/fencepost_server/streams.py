@@ -10,6 +10,7 @@ by their ttl; the client reconnects and re-tracks).
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import logging
@@ -135,6 +136,8 @@ class FenceHub:
         self.sessions: set[Session] = set()
         self.watchers: set[Watch] = set()
         self._cold_reads: set[asyncio.Task[None]] = set()
+        # `lost` pushes sent, by LostReason number (metrics.py)
+        self.lost_pushed: collections.Counter[int] = collections.Counter()
 
     def start(self) -> None:
         self._unsubscribe = self.writer.subscribe(self.on_changes)
@@ -174,7 +177,7 @@ class FenceHub:
                 self._cold_reads.add(task)
                 task.add_done_callback(self._cold_reads.discard)
                 return
-            session.send(lost_message(run_id, token, lost_reason(rec, token), rec))
+            self.push_lost(session, run_id, token, lost_reason(rec, token), rec)
             return
         assert rec is not None and rec.lease is not None
         self._arm(session, run_id, token, rec.lease.owner, rec.lease.expires_at)
@@ -188,7 +191,7 @@ class FenceHub:
         if holds(rec, token):  # changed back meanwhile (cannot hold a token it had lost)
             self.track(session, run_id, token)
             return
-        session.send(lost_message(run_id, token, lost_reason(rec, token), rec))
+        self.push_lost(session, run_id, token, lost_reason(rec, token), rec)
 
     def _arm(self, session: Session, run_id: str, token: int, owner: str, expires_at: int) -> None:
         entry = session.tracked.get(run_id)
@@ -266,9 +269,15 @@ class FenceHub:
             )
             if own_drop:
                 continue  # this worker's own handle finished/released/suspended it
-            session.send(
-                lost_message(ev.run_id, entry.token, lost_reason(rec, entry.token, ev.cause), rec)
+            self.push_lost(
+                session, ev.run_id, entry.token, lost_reason(rec, entry.token, ev.cause), rec
             )
+
+    def push_lost(
+        self, session: Session, run_id: str, token: int, reason: int, rec: Record | None
+    ) -> None:
+        self.lost_pushed[reason] += 1
+        session.send(lost_message(run_id, token, reason, rec))
 
     # -- expiry -------------------------------------------------------------------------
 

@@ -236,6 +236,9 @@ class Writer:
         self._last_prune = 0
         self._prune_more = False  # writer thread only
         self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
+        # Called on the loop after each committed batch with (commands, seconds)
+        # (metrics.py: the commit latency and batch size histograms).
+        self.on_batch: Callable[[int, float], None] | None = None
         self._executors: dict[type, Executor] = {}
         # Finished runs leave memory once the runs table reflects them (not
         # for an in-memory database, which has no second connection to read).
@@ -530,7 +533,10 @@ class Writer:
         self.stats.batches += 1
         self.stats.commands += len(batch)
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
-        self.stats.commit_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.stats.commit_seconds += elapsed
+        if self.on_batch is not None:
+            self.on_batch(len(batch), elapsed)
         self._publish_state(overlay, tombs, revision, cold, evict)
         if compacted is not None:
             self.state.compacted = compacted

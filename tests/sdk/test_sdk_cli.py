@@ -88,8 +88,8 @@ def test_ls(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
 
     code, out, _ = run_cli(capsys, seeded, "ls")
     header, *rows = out.splitlines()
-    assert header.split() == ["RUN_ID", "STATUS", "TOKEN", "ATTEMPT", "OWNER", "EXPIRES_AT",
-                              "UPDATED_AT"]
+    assert header.split() == ["RUN_ID", "STATUS", "TOKEN", "ATTEMPT", "OWNER", "LEASE",
+                              "UPDATED"]
     assert [r.split()[:2] for r in rows] == [["run-a", "running"], ["run-b", "suspended"],
                                              ["run-c", "failed"]]
 
@@ -120,13 +120,13 @@ def test_refusals_exit_1_with_the_code(
     assert "RUN_NOT_FOUND" in err
 
     code, out, err = run_cli(capsys, seeded, "cancel", "run-c", "--json")
-    assert (code, out) == (EXIT_REFUSED, "")
-    body = json.loads(err)["error"]
+    assert (code, err) == (EXIT_REFUSED, "")  # --json: the error is the document, on stdout
+    body = json.loads(out)["error"]
     assert body["code"] == "RUN_ALREADY_TERMINAL" and body["run"]["status"] == "failed"
 
-    code, _, err = run_cli(capsys, seeded, "get", "bad\x01id", "--json")
+    code, out, _ = run_cli(capsys, seeded, "get", "bad\x01id", "--json")
     assert code == EXIT_REFUSED
-    assert json.loads(err)["error"]["field"] == "run_id"
+    assert json.loads(out)["error"]["field"] == "run_id"
 
 
 def test_usage_errors_exit_2(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
@@ -146,9 +146,9 @@ def test_unreachable_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
     addr = f"127.0.0.1:{_closed_port()}"
     assert main(["get", "run-a", "--addr", addr, "--timeout", "0.3"]) == EXIT_UNREACHABLE
     assert main(["cancel", "run-a", "--addr", addr, "--timeout", "0.3", "--json"]) == 3
-    err = capsys.readouterr().err.splitlines()
-    assert "cannot reach" in err[0]
-    assert json.loads(err[1])["error"]["code"] == "UNAVAILABLE"
+    out, err = capsys.readouterr()
+    assert "cannot reach" in err.splitlines()[0]
+    assert json.loads(out)["error"]["code"] == "UNAVAILABLE"
 
 
 @pytest.mark.slow
@@ -223,7 +223,7 @@ def test_watch_errors(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) 
     assert run_cli(capsys, seeded, "watch", "--limit", "0")[0] == EXIT_USAGE
     addr = f"127.0.0.1:{_closed_port()}"
     assert main(["watch", "--addr", addr, "--timeout", "0.3", "--json"]) == EXIT_UNREACHABLE
-    assert json.loads(capsys.readouterr().err)["error"]["code"] == "UNAVAILABLE"
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "UNAVAILABLE"
 
 
 def test_watch_compacted_exits_1(tmp_path: Path) -> None:
@@ -233,8 +233,8 @@ def test_watch_compacted_exits_1(tmp_path: Path) -> None:
             for i in range(5):
                 lease.record_checkpoint("k", i)
         code, out, err = _run_watch(srv, "--from-revision", "1", "--json")
-    assert (code, out) == (EXIT_REFUSED, "")
-    assert json.loads(err)["error"]["code"] == "RUN_REVISION_COMPACTED"
+    assert (code, err) == (EXIT_REFUSED, "")
+    assert json.loads(out)["error"]["code"] == "RUN_REVISION_COMPACTED"
 
 
 # Run by a fresh interpreter (no gRPC in it): give the CLI the SIGINT

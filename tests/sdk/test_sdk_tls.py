@@ -162,7 +162,7 @@ def test_cli_flags_and_environment(server: ServerThread, token_server: ServerThr
     monkeypatch.setenv("FENCEPOST_CERT", str(w1.cert))
     monkeypatch.setenv("FENCEPOST_KEY", str(w1.key))
     assert main(["cancel", "nope", "--addr", server.address, "--json"]) == 1
-    assert '"code": "PERMISSION_DENIED"' in capsys.readouterr().err
+    assert '"code": "PERMISSION_DENIED"' in capsys.readouterr().out  # --json: errors on stdout
     monkeypatch.delenv("FENCEPOST_KEY")
     assert main(["get", "nope", "--addr", server.address]) == 2
     assert "cert and key" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from .errors import Code, LedgerError, validation
@@ -372,8 +373,9 @@ def _acquire(cmd: Acquire, cur: Record | None, tombstone: int, now: int, rev: in
         if held.owner != cmd.owner and held.blocks_others(now):
             raise LedgerError(
                 Code.RUN_LEASE_HELD,
-                f"run {cmd.run_id!r} is leased by another owner until "
-                f"{held.expires_at + held.lock_delay_ms} ms",
+                f"run {cmd.run_id!r} is leased by {held.owner!r} until "
+                f"{_iso(held.expires_at + held.lock_delay_ms)} "
+                f"(in {(held.expires_at + held.lock_delay_ms - now) / 1000:.1f} s)",
                 cur,
             )
         if not (held.owner == cmd.owner and held.live(now)):
@@ -591,3 +593,8 @@ _DECIDERS: dict[type, Callable[[Any, Record | None, int, int, int], Decision]] =
     RawCompareAndSet: _raw_cas,
     RawDelete: _raw_delete,
 }
+
+
+def _iso(ms: int) -> str:
+    """Milliseconds since the epoch as ISO 8601 UTC (for messages)."""
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"

@@ -125,6 +125,9 @@ def _strings_to_bytes(messages: Any) -> None:
         _strings_to_bytes(message.nested_type)
 
 
+Instrument = Callable[[str, str, Callable[..., Any]], Callable[..., Any]]
+
+
 def add_service(
     server: grpc.aio.Server,
     servicer: object,
@@ -132,7 +135,10 @@ def add_service(
     *,
     authn: Authenticator | None = None,
     max_message_bytes: int | None = None,
+    instrument: Instrument | None = None,
 ) -> None:
+    """``authn`` guards each handler (auth.py); ``instrument(service, method,
+    fn)`` may wrap it in turn (metrics: refusals by the guard are counted)."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
         req_cls = message_factory.GetMessageClass(method.input_type)
@@ -141,6 +147,8 @@ def add_service(
         if authn is not None:
             fn = guard(authn, f"/{service.full_name}/{method.name}", fn,
                        unary_request=not method.client_streaming)
+        if instrument is not None:
+            fn = instrument(service.full_name, method.name, fn)
         kind = {
             (False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,

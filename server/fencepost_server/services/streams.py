@@ -25,7 +25,7 @@ from ..core import ledger as L
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
 from ..storage.sqlite import HistoryReader
-from ..streams import FenceHub, Session, Stop, Watch, lost_message, lost_reason, watch_message
+from ..streams import FenceHub, Session, Stop, Watch, lost_reason, watch_message
 from ._registry import Malformed
 
 log = logging.getLogger("fencepost.streams")
@@ -192,8 +192,8 @@ class StreamHandlers:
             self.hub.renewed(session, run_id, token)
         elif isinstance(result, LedgerError) and result.code is Code.RUN_LEASE_LOST:
             self.hub.untrack(session, run_id)
-            session.send(
-                lost_message(run_id, token, lost_reason(result.record, token), result.record)
+            self.hub.push_lost(
+                session, run_id, token, lost_reason(result.record, token), result.record
             )
         elif isinstance(result, LedgerError):
             session.send(_error(run_id, result))

@@ -711,6 +711,21 @@ class HistoryReader:
             for rev, run_id, kind, text in rows
         ]
 
+    def run_history(self, run_id: str, limit: int) -> list[tuple[int, int, Record | None]]:
+        """The last ``limit`` retained changes of one run, oldest first:
+        (revision, kind, record or None)."""
+        if self._db is None:
+            self._db = open_read_only(self.path)
+        rows = self._db.execute(
+            "SELECT revision, kind, record FROM changes WHERE run_id = ? "
+            "ORDER BY revision DESC LIMIT ?",
+            (run_id, limit),
+        ).fetchall()
+        return [
+            (rev, kind, record_from_dict(_loads(text)) if text else None)
+            for rev, kind, text in reversed(rows)
+        ]
+
     def close(self) -> None:
         if self._db is not None:
             self._db.close()

@@ -1,0 +1,289 @@
+"""The dashboard in a real browser (headless Chromium + Selenium) against a
+real ``fencepost serve`` process and real worker processes.
+
+Set FENCEPOST_SCREENSHOT_DIR=docs to refresh the screenshots in docs/."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from _web import WebServer, Worker
+from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select
+
+import fencepost
+from fencepost import SyncClient
+
+pytestmark = pytest.mark.slow
+T = TypeVar("T")
+
+
+def wait_for(fn: Callable[[], T], timeout: float = 10.0, what: str = "") -> T:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+            if last:
+                return last
+        except StaleElementReferenceException:
+            pass
+        time.sleep(0.03)
+    raise AssertionError(f"timed out waiting for {what or fn} (last: {last!r})")
+
+
+def rows(browser: Any) -> list[str]:
+    return [tr.get_attribute("data-run")
+            for tr in browser.find_elements(By.CSS_SELECTOR, "#runs tbody tr")]
+
+
+def row(browser: Any, run_id: str) -> Any:
+    found = browser.find_elements(By.CSS_SELECTOR, f'#runs tbody tr[data-run="{run_id}"]')
+    return found[0] if found else None
+
+
+def live(browser: Any) -> bool:
+    return "on" in browser.find_element(By.ID, "live").get_attribute("class").split()
+
+
+def screenshot(browser: Any, tmp_path: Path, name: str) -> None:
+    browser.save_screenshot(str(tmp_path / name))
+    target = os.environ.get("FENCEPOST_SCREENSHOT_DIR")
+    if target:
+        browser.save_screenshot(str(Path(target) / name))
+
+
+def test_page_loads(browser: Any, web_server: WebServer) -> None:
+    browser.get(web_server.url + "/")
+    assert browser.title == "fencepost · runs"
+    headers = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#runs thead th")]
+    assert headers[:7] == ["RUN", "STATUS", "OWNER", "TOKEN", "ATTEMPT", "LEASE", "UPDATED"]
+    wait_for(lambda: live(browser), what="the live badge")
+
+
+def test_an_acquired_run_appears_live_and_cancel_fences_its_worker(
+    browser: Any, web_server: WebServer, workers: list[Worker], tmp_path: Path
+) -> None:
+    browser.get(web_server.url + "/")
+    wait_for(lambda: live(browser), what="the live badge")
+    browser.execute_script("window.__notReloaded = true;")
+    worker = Worker(web_server.address, "live-job-1", "worker-live")
+    workers.append(worker)
+    assert worker.line().startswith("acquired")
+    seen_at = time.monotonic()
+    tr = wait_for(lambda: row(browser, "live-job-1"), timeout=5, what="the new row")
+    appeared_after = time.monotonic() - seen_at
+    print(f"\nthe acquired run appeared {appeared_after * 1000:.0f} ms after the acquire")
+    assert appeared_after < 1.0, f"appeared {appeared_after:.2f}s after the acquire"
+    assert browser.execute_script("return window.__notReloaded === true;")  # no reload
+    assert "worker-live" in tr.text and "running" in tr.text
+    lease_text = wait_for(lambda: row(browser, "live-job-1").find_element(
+        By.CSS_SELECTOR, "td.lease").text, what="the lease cell")
+    assert lease_text.endswith("s left") and "null" not in lease_text, lease_text
+
+    button = row(browser, "live-job-1").find_element(
+        By.CSS_SELECTOR, 'button[data-action="cancel"]')
+    button.click()
+    assert "confirm" in button.text  # asks once more
+    button.click()
+    assert worker.line() == "lost cancelled"  # the worker process was fenced
+    wait_for(lambda: "cancelled" in row(browser, "live-job-1").text, what="the cancelled row")
+    with SyncClient(web_server.address) as c:
+        rec = c.get("live-job-1")
+    assert rec.status is fencepost.RunStatus.CANCELLED
+    assert rec.outcome is not None and rec.outcome.message == "cancelled from the dashboard"
+
+
+def test_expired_and_lock_delay_leases_are_highlighted(
+    browser: Any, web_server: WebServer
+) -> None:
+    import grpc
+
+    from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
+
+    with grpc.insecure_channel(web_server.address) as ch:
+        stub = ledger_pb2_grpc.LedgerStub(ch)
+        for run_id, delay in (("hl-expired", 0), ("hl-delay", 600_000)):
+            stub.Acquire(ledger_pb2.AcquireRequest(run_id=run_id, owner="gone-worker",
+                                                   lease_ttl_ms=100, lock_delay_ms=delay),
+                         timeout=10)
+    time.sleep(0.2)
+    browser.get(web_server.url + "/?prefix=hl-")
+    wait_for(lambda: len(rows(browser)) == 2, what="two rows")
+    expired, delayed = row(browser, "hl-expired"), row(browser, "hl-delay")
+    assert "expired" in expired.get_attribute("class").split() and "EXPIRED" in expired.text
+    assert "lock-delay" in delayed.get_attribute("class").split()
+    cell = delayed.find_element(By.CSS_SELECTOR, "td.lease").text
+    assert cell.startswith("LOCK-DELAY 9m") and cell.endswith("s left"), cell
+    cell = expired.find_element(By.CSS_SELECTOR, "td.lease").text
+    assert cell.startswith("EXPIRED ") and cell.endswith(" ago"), cell
+    resume = expired.find_elements(By.CSS_SELECTOR, 'button[data-action="resume"]')
+    assert resume, "an expired lease can be resumed"
+    resume[0].click()
+    wait_for(lambda: "queued" in row(browser, "hl-expired").text, what="the resumed run")
+
+
+def test_filters_and_paging(browser: Any, web_server: WebServer) -> None:
+    with SyncClient(web_server.address, owner="pager") as c:
+        for i in range(60):
+            c.acquire(f"page-{i:03d}").release()
+        c.acquire("page-owned")
+        c.acquire("page-susp").suspend(["approval-7"])
+    browser.get(web_server.url + "/?prefix=page-&limit=25")
+    wait_for(lambda: len(rows(browser)) == 25, what="a full page")
+    assert rows(browser) == [f"page-{i:03d}" for i in range(25)]
+    assert not browser.find_element(By.ID, "prev").is_enabled()
+    browser.find_element(By.ID, "next").click()
+    wait_for(lambda: rows(browser)[:1] == ["page-025"], what="page 2")
+    assert rows(browser) == [f"page-{i:03d}" for i in range(25, 50)]
+    browser.find_element(By.ID, "next").click()
+    wait_for(lambda: rows(browser)[:1] == ["page-050"], what="page 3")
+    assert rows(browser) == [*(f"page-{i:03d}" for i in range(50, 60)), "page-owned",
+                             "page-susp"]
+    assert not browser.find_element(By.ID, "next").is_enabled()
+    browser.find_element(By.ID, "prev").click()
+    wait_for(lambda: rows(browser)[:1] == ["page-025"], what="back to page 2")
+    assert "after=page-024" not in browser.current_url  # the URL carries the cursor
+    assert "before=page-050" in browser.current_url
+
+    status = Select(browser.find_element(By.ID, "f-status"))
+    status.select_by_visible_text("suspended")
+    browser.find_element(By.ID, "f-apply").click()
+    wait_for(lambda: rows(browser) == ["page-susp"], what="the status filter")
+    status.select_by_visible_text("any")
+    owner = browser.find_element(By.ID, "f-owner")
+    owner.send_keys("pager")
+    browser.find_element(By.ID, "f-apply").click()
+    wait_for(lambda: rows(browser) == ["page-owned"], what="the owner filter")
+    browser.find_element(By.ID, "f-clear").click()
+    prefix = browser.find_element(By.ID, "f-prefix")
+    prefix.send_keys("page-05")
+    browser.find_element(By.ID, "f-apply").click()
+    wait_for(lambda: rows(browser) == [f"page-{i:03d}" for i in range(50, 60)],
+             what="the prefix filter")
+
+
+def test_run_timeline(browser: Any, web_server: WebServer, tmp_path: Path) -> None:
+    with SyncClient(web_server.address, owner="worker-a") as a:
+        lease = a.acquire("timeline-1")
+        lease.record_checkpoint("ckpt/1", 1)
+        lease.renew()
+        lease.suspend(["approval-1"])
+        a.request_resume("timeline-1")
+        lease = a.acquire("timeline-1")
+        lease.record_checkpoint("ckpt/2", 2)
+        lease.finish("completed")
+    browser.get(web_server.url + "/runs/timeline-1")
+    events = wait_for(lambda: [li.get_attribute("data-event") for li in
+                               browser.find_elements(By.CSS_SELECTOR, "#timeline li")],
+                      what="the timeline")
+    assert events == ["finished", "checkpointed", "acquired", "resumed", "suspended",
+                      "renewed", "checkpointed", "acquired"]
+    assert browser.find_element(By.ID, "run-status").text == "completed"
+    first = browser.find_elements(By.CSS_SELECTOR, "#timeline li")[-1]
+    assert "worker-a" in first.text and "token 1" in first.text
+
+
+def test_screenshots(browser: Any, workers: list[Worker], tmp_path: Path) -> None:
+    """A realistic picture for the docs (a server of its own): live workers,
+    an expired lease, every status, a run's whole timeline."""
+    web_server = WebServer(tmp_path)
+    web_server.start()
+    try:
+        _screenshots(browser, web_server, workers, tmp_path)
+    finally:
+        web_server.kill()
+
+
+def _screenshots(
+    browser: Any, web_server: WebServer, workers: list[Worker], tmp_path: Path
+) -> None:
+    import grpc
+
+    from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
+
+    for i, owner in enumerate(("etl-worker-1", "etl-worker-2", "billing-7")):
+        w = Worker(web_server.address, f"nightly-export-{i + 1}", owner, 45_000)
+        workers.append(w)
+        assert w.line().startswith("acquired")
+    with grpc.insecure_channel(web_server.address) as ch:
+        for run_id, owner, delay in (("nightly-export-4", "etl-worker-3", 0),
+                                     ("nightly-export-5", "etl-worker-4", 30_000)):
+            ledger_pb2_grpc.LedgerStub(ch).Acquire(ledger_pb2.AcquireRequest(
+                run_id=run_id, owner=owner, lease_ttl_ms=100, lock_delay_ms=delay), timeout=10)
+    with SyncClient(web_server.address, owner="billing-7") as c:
+        c.acquire("invoice-2026-11").finish("completed")
+        c.acquire("invoice-2026-12").finish("failed", "EXIT_3", "upstream timeout")
+        c.acquire("reindex-users").suspend(["approval-42"])
+        c.acquire("report-weekly").release()
+        lease = c.acquire("ingest-orders")
+        lease.record_checkpoint("orders/batch-0001", 1)
+        lease.renew()
+        lease.record_checkpoint("orders/batch-0002", 2)
+        lease.suspend(["review-1"])
+        c.request_resume("ingest-orders")
+        lease = c.acquire("ingest-orders")
+        lease.record_checkpoint("orders/batch-0003", 3)
+        lease.finish("completed")
+        c.acquire("cleanup-tmp")
+        c.cancel("cleanup-tmp", "operator stop")
+    time.sleep(0.3)
+    browser.get(web_server.url + "/")
+    wait_for(lambda: len(rows(browser)) == 11, what="the seeded rows")
+    browser.execute_script("document.querySelector('#toast').hidden = true")
+    screenshot(browser, tmp_path, "dashboard-runs.png")
+    browser.get(web_server.url + "/runs/ingest-orders")
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#timeline li")) >= 8,
+             what="the timeline")
+    screenshot(browser, tmp_path, "dashboard-run.png")
+    assert (tmp_path / "dashboard-runs.png").stat().st_size > 10_000
+
+
+def test_actions_carry_the_token_to_the_authorize_hook(browser: Any, tmp_path: Path) -> None:
+    """The seam roles plug into: the page sends the token typed in its header
+    as ``authorization: Bearer``; a refusal is shown and changes nothing."""
+    from aiohttp import web
+
+    from fencepost_server.harness import ServerThread
+
+    seen: list[tuple[str, str | None]] = []
+
+    async def authorize(request: web.Request, action: str) -> None:
+        header = request.headers.get("authorization")
+        seen.append((action, header))
+        if header != "Bearer s3cret":
+            raise web.HTTPUnauthorized(text="a valid token is required")
+
+    with ServerThread(tmp_path / "auth.db") as srv:
+        assert srv.app is not None and srv.app.dashboard is not None
+        srv.app.dashboard.authorize = authorize
+        with SyncClient(srv.address, owner="w") as c:
+            c.acquire("guarded")
+        browser.get(srv.http_url + "/")
+        wait_for(lambda: row(browser, "guarded") is not None, what="the row")
+
+        def cancel() -> None:
+            button = row(browser, "guarded").find_element(
+                By.CSS_SELECTOR, 'button[data-action="cancel"]')
+            button.click()
+            button.click()
+
+        cancel()
+        toast = wait_for(lambda: browser.find_element(By.ID, "toast").text, what="the toast")
+        assert "a valid token is required" in toast
+        assert seen == [("cancel", None)]
+        with SyncClient(srv.address) as c:
+            assert c.get("guarded").status is fencepost.RunStatus.RUNNING
+        token = browser.find_element(By.ID, "token")
+        token.send_keys("s3cret")
+        token.send_keys("\t")  # change event: kept for this tab
+        cancel()
+        wait_for(lambda: "cancelled" in row(browser, "guarded").text, what="the cancelled row")
+        assert seen[-1] == ("cancel", "Bearer s3cret")
+        browser.execute_script("sessionStorage.clear()")
