@@ -9,7 +9,7 @@ FROM python:3.11-slim
 # or with FENCEPOST_ALLOW_INSECURE=1 when the network is yours alone
 # (`docker run -p 127.0.0.1:50051:50051 -e FENCEPOST_ALLOW_INSECURE=1 ...`).
 # Without either it exits 2 and says so (docs/SECURITY.md). Health is also
-# served alone in plaintext on loopback, for the HEALTHCHECK below.
+# served alone in plaintext on loopback, for the image health check below.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     FENCEPOST_LISTEN=0.0.0.0:50051 \

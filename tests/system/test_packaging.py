@@ -189,3 +189,23 @@ def test_make_serve_installs_only_what_serving_needs(tmp_path: Path) -> None:
     installs = [line for line in plan.splitlines() if "pip install" in line]
     assert installs, plan
     assert all("[dev]" not in line and "-e ." in line for line in installs), installs
+
+
+@pytest.mark.slow
+def test_fencepost_health_asks_the_health_only_port_when_there_is_one(tmp_path: Path) -> None:
+    """The image's case: gRPC behind mutual TLS, health alone in plaintext on
+    loopback (FENCEPOST_HEALTH_LISTEN): `fencepost health` needs no certificate."""
+    health_port = free_port()
+    srv = ServerProc(tmp_path / "fp.db", tmp_path / "log",
+                     args=("--http-listen", "off", "--health-listen", f"127.0.0.1:{health_port}"))
+    srv.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "FENCEPOST_ADDR"}
+        env["FENCEPOST_LISTEN"] = f"0.0.0.0:{free_port()}"  # nothing answers there
+        env["FENCEPOST_HEALTH_LISTEN"] = f"127.0.0.1:{health_port}"
+        exe = Path(sys.executable).parent / "fencepost"
+        done = subprocess.run([str(exe), "health", "--timeout", "5"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (0, "SERVING\n"), done.stderr
+    finally:
+        srv.kill()
