@@ -202,6 +202,28 @@ async def test_one_stream_renews_every_lease_and_moves_safe_until(
     assert holder._renewer.sessions == 1  # type: ignore[attr-defined]
 
 
+async def test_a_ttl_shorter_than_the_coalescing_window_is_renewed_at_its_pace(
+    server: ServerThread, holder: fencepost.Client
+) -> None:
+    """A 120 ms lease (renewed every 40 ms, inside the 50 ms window in which
+    renewals due together share a message) beside a long one: the acquire
+    returns and the event loop keeps running. The scheduler once renewed such
+    a lease again and again in one pass and never yielded (a hang)."""
+    await holder.acquire("long", ttl_ms=60_000)
+    short = await asyncio.wait_for(holder.acquire("short", ttl_ms=120), WAIT_S)
+    before = await _version(holder, "short")
+    ticks = 0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:  # the loop is free: this task runs
+        await asyncio.sleep(0.01)
+        ticks += 1
+    renewals = await _version(holder, "short") - before
+    assert ticks >= 20, ticks
+    # about 25 in a second; never a renewal per pass of a spinning scheduler
+    assert 5 <= renewals <= 120, renewals
+    assert short.is_active and not short.at_risk
+
+
 async def test_safe_until_follows_a_write_that_shortens_the_lease(
     holder: fencepost.Client, clock: ManualClock
 ) -> None:

@@ -371,15 +371,25 @@ class StreamRenewer:
         while True:
             now = time.monotonic()
             # renew what falls due within the next moment too: a little early is
-            # harmless and lets scattered leases share one message
+            # harmless and lets scattered leases share one message. Each lease is
+            # looked at once per pass, and early by at most half its interval:
+            # a ttl shorter than the window must not be renewed again and again
+            # in one pass (that pass would never yield to the loop).
+            handled: set[Key] = set()
+            later: list[tuple[float, int, Key]] = []
             while heap and heap[0][0] <= now + _COALESCE_S:
-                when, _, key = heapq.heappop(heap)
+                item = heapq.heappop(heap)
+                when, _, key = item
                 entry = self._entries.get(key)
                 if entry is None or entry.next_renew != when or not entry.renewing:
                     continue  # stale heap item
                 if not entry.lease.is_active:
                     self._drop(key)  # lost through a fenced call, say
                     continue
+                if key in handled or when > now + min(_COALESCE_S, entry.lease.ttl_ms / 6000):
+                    later.append(item)  # not this pass
+                    continue
+                handled.add(key)
                 if self._pending.get(key):
                     # the last renewal is still unanswered: another would only
                     # queue behind it on a busy server; look again shortly
@@ -387,6 +397,8 @@ class StreamRenewer:
                     heapq.heappush(heap, (entry.next_renew, next(self._seq), key))
                     continue
                 self._send_renew(entry, now)
+            for item in later:
+                heapq.heappush(heap, item)
             self._wake.clear()
             timeout = heap[0][0] - now if heap else None
             with contextlib.suppress(TimeoutError):
