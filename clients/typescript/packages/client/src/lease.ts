@@ -203,12 +203,13 @@ export class Lease implements TransactionLease {
    * reason judged from the record the server refused with.
    */
   fenceRefused(err: LeaseLostError | LockLostError): void {
-    if (!(err instanceof LeaseLostError) || err instanceof LeaseAtRiskError || !this.isActive) return;
+    if (!(err instanceof LeaseLostError) || err instanceof LeaseAtRiskError) return;
     const rec = err.record;
     if (rec && rec.runId !== this.runId) return;
-    const reason = err.reason ?? deriveLostReason(rec, this.fencingToken);
+    // the server's push may have told this handle already: then its reason is the one
+    const reason = err.reason ?? this.lostReason ?? deriveLostReason(rec, this.fencingToken);
     (err as { reason: LostReason | undefined }).reason = reason;
-    this.markLost(reason, rec, err);
+    if (this.isActive) this.markLost(reason, rec, err);
   }
 
   private riskError(): LeaseLostError {
