@@ -99,6 +99,10 @@ for (const transport of ["stream", "unary"] as const) {
         assert.deepEqual(await kind.read(a, lease.runId), { v: 3 });
         await assert.rejects(kind.write(fenced, lease.runId, 4), LeaseLostError);
         assert.deepEqual(await kind.read(a, lease.runId), { v: 3 });
+        // a write's own fence replaces the view's
+        await a.store.kvSet("agent", `${lease.runId}/own`, 1, { fence: taken.fence });
+        await lease.fenced().kvSet("agent", `${lease.runId}/own`, 2, { fence: taken.fence });
+        assert.equal((await a.store.kvGet("agent", `${lease.runId}/own`)).value, 2);
 
         // a missing token, a run that does not exist: refused naming the field, nothing written
         await assert.rejects(kind.write(a.store.fenced({ runId: lease.runId, fencingToken: 0 }), lease.runId, 5),
