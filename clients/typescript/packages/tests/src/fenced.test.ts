@@ -358,3 +358,19 @@ describe("transaction retries (unary)", () => {
     await lease.release();
   });
 });
+
+describe("transaction retries (stream)", () => {
+  it("transactions in flight while the server restarts each land exactly once (retried with their request ids)", async () => {
+    const { c } = counted("worker-restart", "stream");
+    const lease = await c.acquire(fresh("run-txrestart"), { ttlMs: 60_000, renew: false });
+    await lease.transaction((tx) => { tx.kvSet("agent", `${lease.runId}/warm`, 0); });
+    assert.equal(c.executeConnects, 1);
+    const ids = Array.from({ length: 20 }, (_, i) => `${lease.runId}/${i}`);
+    const burst = ids.map((id) => lease.transaction((tx) => ({ step: tx.appendStep({ runId: id, name: "once" }), at: tx.kvSet("agent", id, 1) })));
+    await server.restart();
+    const done = await Promise.all(burst);
+    assert.ok(done.every((d) => d.step.seq === 1));
+    for (const id of ids) assert.equal((await c.store.listSteps(id)).length, 1, `${id}: applied once`);
+    assert.equal(lease.isLost, false);
+  });
+});
