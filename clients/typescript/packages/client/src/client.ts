@@ -18,7 +18,7 @@ import { KeepAliveSession, type FenceListener } from "./keepalive.js";
 import { Lease, type LeaseHost } from "./lease.js";
 import { recordFromPb, statusFromPb, statusToPb, toBigInt, toNumber, type RunRecord, type RunStatus } from "./records.js";
 import { backoffDelays, newRequestId, retryPolicy, sleep, withRetry, type FullRetryPolicy, type RetryPolicy } from "./retry.js";
-import { EngineStoreClient } from "./store.js";
+import { EngineStoreClient, fencePb } from "./store.js";
 import { CommandChannel, type CommandKind, type Transport as CommandTransport } from "./execute.js";
 
 export interface ClientOptions {
@@ -191,6 +191,7 @@ export class FencepostClient {
   private leaseHost(renew: boolean): LeaseHost {
     return {
       fenced: (kind, lease, extra) => this.fenced(kind, lease, extra),
+      fencedStore: (lease) => this.store.withView({ fence: fencePb(lease.fence), onRefused: (e) => lease.fenceRefused(e) }),
       startRenewing: (lease, listener) => {
         const token = BigInt(lease.fencingToken);
         if (renew) this.keepAlive.renew(lease.runId, token, lease.ttlMs, listener);

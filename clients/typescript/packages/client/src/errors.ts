@@ -15,6 +15,7 @@ export interface ErrorOptions {
   field?: string;
   grpcCode?: Code;
   cause?: unknown;
+  metadata?: Record<string, string>;
 }
 
 /** Base of every error the client throws for a failed call. */
@@ -27,6 +28,12 @@ export class FencepostError extends Error {
   readonly field: string | undefined;
   /** The gRPC status code of the call. */
   readonly grpcCode: Code | undefined;
+  /**
+   * The refusal's ErrorInfo metadata, when the server sent one: `field`, a
+   * lock fence's `lock_key` / `fencing_token` / `owner`, a transaction's
+   * `command_index`, ...
+   */
+  readonly metadata: Readonly<Record<string, string>>;
 
   constructor(code: string, message: string, options: ErrorOptions = {}) {
     super(message, options.cause === undefined ? undefined : { cause: options.cause });
@@ -35,6 +42,13 @@ export class FencepostError extends Error {
     this.record = options.record;
     this.field = options.field;
     this.grpcCode = options.grpcCode;
+    this.metadata = { ...options.metadata };
+  }
+
+  /** For a refused transaction: the index (from 0) of the command that was refused. */
+  get commandIndex(): number | undefined {
+    const i = this.metadata["command_index"];
+    return i === undefined || i === "" ? undefined : Number(i);
   }
 }
 
@@ -75,8 +89,20 @@ export class RunSuspendedError extends reason("RUN_SUSPENDED") {}
 export class InvalidTransitionError extends reason("RUN_INVALID_TRANSITION") {}
 export class ConflictError extends reason("RUN_CONFLICT") {}
 export class IntegrityError extends reason("RUN_INTEGRITY_ERROR") {}
-/** A fenced engine-store write named a keyed lock whose token is no longer current; nothing changed. */
-export class LockLostError extends reason("LOCK_LOST") {}
+/**
+ * A fenced engine-store write named a keyed lock whose token is no longer
+ * current (taken over, or released); nothing changed. `lockKey`,
+ * `fencingToken` and `owner` (undefined when released) describe the lock as
+ * the server saw it.
+ */
+export class LockLostError extends reason("LOCK_LOST") {
+  get lockKey(): string { return this.metadata["lock_key"] ?? ""; }
+  get fencingToken(): number | undefined {
+    const t = this.metadata["fencing_token"];
+    return t ? Number(t) : undefined;
+  }
+  get owner(): string | undefined { return this.metadata["owner"] || undefined; }
+}
 /** An engine-store UpdateRun guard failed; nothing changed. */
 export class InvalidRunStateError extends reason("INVALID_RUN_STATE") {}
 /** The write could not be made durable; nothing was written. */
@@ -144,6 +170,7 @@ export function fromCallError(err: unknown): FencepostError {
   const options: ErrorOptions = { grpcCode: ce.code, cause: err };
   if (runs[0]) options.record = recordFromPb(runs[0]);
   if (info?.metadata["field"]) options.field = info.metadata["field"];
+  if (info) options.metadata = info.metadata;
   if (info) return errorFor(info.reason, ce.rawMessage, options);
   if (ce.code === Code.Unavailable || ce.code === Code.DeadlineExceeded) {
     return new UnavailableError(ce.rawMessage, options, codeName(ce.code));
@@ -169,6 +196,7 @@ export function fromStatus(status: Status): FencepostError {
   const options: ErrorOptions = { grpcCode: status.code as Code };
   if (record) options.record = record;
   if (info?.metadata["field"]) options.field = info.metadata["field"];
+  if (info) options.metadata = info.metadata;
   return info ? errorFor(info.reason, status.message, options) : new RpcError(codeName(status.code as Code), status.message, options);
 }
 

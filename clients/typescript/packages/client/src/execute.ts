@@ -15,7 +15,10 @@ import { AsyncQueue } from "./queue.js";
 /** The Command kinds (each the unary RPC of the same name, on Ledger or EngineStore). */
 export const LEDGER_COMMANDS = ["acquire", "renew", "recordCheckpoint", "suspend", "finish", "release", "cancel", "requestResume", "deleteRun"] as const;
 export const ENGINE_COMMANDS = ["createRun", "updateRun", "claimRun", "renewClaim", "appendStep", "saveCheckpoint", "claimKey", "acquireLock", "releaseLock", "putEffect", "kvSet", "docUpsert", "docDelete"] as const;
-export type CommandKind = (typeof LEDGER_COMMANDS)[number] | (typeof ENGINE_COMMANDS)[number];
+/** The kinds a transaction may hold: every kind but `transaction` itself. */
+export type WriteKind = (typeof LEDGER_COMMANDS)[number] | (typeof ENGINE_COMMANDS)[number];
+/** `transaction` is Ledger.Transact: several commands, all or nothing (docs/FENCING.md). */
+export type CommandKind = WriteKind | "transaction";
 
 export type Transport = "stream" | "unary";
 
@@ -72,6 +75,7 @@ export class CommandChannel {
   }
 
   private unary<T>(kind: CommandKind, request: Record<string, unknown>, opts: CallOpts): Promise<T> {
+    if (kind === "transaction") return this.ledger.transact(request, opts) as Promise<T>;
     const stub = ((LEDGER_COMMANDS as readonly string[]).includes(kind) ? this.ledger : this.engine) as unknown as Record<string, AnyUnary>;
     return stub[kind]!(request, opts) as Promise<T>;
   }

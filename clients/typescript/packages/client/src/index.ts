@@ -5,6 +5,8 @@ export type {
 export { Lease } from "./lease.js";
 export type { FenceListener } from "./keepalive.js";
 export { EngineStoreClient, ARTIFACT_CHUNK_BYTES } from "./store.js";
+export { MAX_TRANSACTION_WRITES, QueuedWrite, StoreTransaction } from "./transaction.js";
+export type { Answered, StoreWrite, TransactionWrites } from "./transaction.js";
 export type {
   ArtifactHeader, EngineArtifact, EngineCheckpoint, EngineClaim, EngineDoc, EngineRun, EngineRunInput,
   EngineRunPatch, EngineStep, FenceSpec, Lookup, WriteOptions,

@@ -2,9 +2,11 @@
 // the client's shared KeepAlive stream, learns of loss from the server's
 // push, keeps a safe-until deadline on the local monotonic clock
 // (performance.now()), and exposes both as an AbortSignal.
-import { LeaseAtRiskError, LeaseLostError, fromCallError, type FencepostError } from "./errors.js";
+import { LeaseAtRiskError, LeaseLostError, fromCallError, type FencepostError, type LockLostError } from "./errors.js";
 import type { FenceListener } from "./keepalive.js";
-import type { LostReason, Outcome, RunRecord, RunStatus } from "./records.js";
+import { deriveLostReason, type LostReason, type Outcome, type RunRecord, type RunStatus } from "./records.js";
+import type { EngineStoreClient } from "./store.js";
+import { StoreTransaction, type Answered, type TransactionLease } from "./transaction.js";
 
 /** What a Lease needs from its client (kept narrow so the client stays the only RPC user). */
 export interface LeaseHost {
@@ -13,11 +15,13 @@ export interface LeaseHost {
     lease: Lease,
     extra: Record<string, unknown>,
   ): Promise<RunRecord>;
+  /** The client's engine store with every write fenced by `lease`, refusals reported to it. */
+  fencedStore(lease: Lease): EngineStoreClient;
   startRenewing(lease: Lease, listener: FenceListener): void;
   stopRenewing(lease: Lease, listener: FenceListener): void;
 }
 
-export class Lease {
+export class Lease implements TransactionLease {
   readonly runId: string;
   readonly owner: string;
   readonly fencingToken: number;
@@ -34,6 +38,7 @@ export class Lease {
   /** Resolves with the loss (never rejects) when the lease is lost. */
   readonly lost: Promise<LeaseLostError>;
   private readonly listener: FenceListener;
+  private _fenced: EngineStoreClient | undefined;
 
   /** @internal — use FencepostClient.acquire(). */
   constructor(private readonly host: LeaseHost, record: RunRecord, ttlMs: number, sentAt: number) {
@@ -63,6 +68,33 @@ export class Lease {
 
   /** This lease's fence, for engine-store writes that must commit only while it holds ({ fence: lease.fence }). */
   get fence(): { runId: string; fencingToken: number } { return { runId: this.runId, fencingToken: this.fencingToken }; }
+
+  /**
+   * The client's engine store with every write fenced by this lease: each
+   * commits only while this lease's token is the run's current one, checked
+   * by the server in the same step as the write. After a takeover (or a
+   * cancel, delete, finish) a write throws LeaseLostError, writes nothing,
+   * and marks this lease lost. Reads are unchanged.
+   */
+  fenced(): EngineStoreClient {
+    this._fenced ??= this.host.fencedStore(this);
+    return this._fenced;
+  }
+
+  /**
+   * Writes that commit together, under this lease's fence, or not at all:
+   * the store writes `fn` makes on `tx` (and `tx.renew()`,
+   * `tx.recordCheckpoint()`) are queued, and sent as one Ledger.Transact
+   * when `fn` returns. Resolves to what `fn` returned, each QueuedWrite in it
+   * replaced by its answer (`tx.results` has them all, in order). A stale
+   * fence throws LeaseLostError (and marks this lease lost), any other
+   * refusal its error; either way nothing of it was written. If `fn` throws,
+   * nothing is sent; once this lease is known to be lost, nothing is sent either.
+   */
+  transaction<R>(fn: (tx: StoreTransaction) => R | PromiseLike<R>): Promise<Answered<R>> {
+    const store = this.fenced();
+    return StoreTransaction.run(store, store.viewFence, this, fn);
+  }
 
   /** The latest record this handle has seen. */
   get record(): RunRecord { return this._record; }
@@ -144,17 +176,40 @@ export class Lease {
     const sentAt = performance.now();
     try {
       const rec = await this.host.fenced(kind, this, extra);
-      this._record = rec;
-      if (renews && rec.lease) {
-        const granted = typeof extra["leaseTtlMs"] === "bigint" ? Number(extra["leaseTtlMs"]) : rec.lease.ttlMs || this._ttlMs;
-        this.renewedAt(sentAt, granted);
-      }
+      if (renews) this.answered(rec, sentAt, typeof extra["leaseTtlMs"] === "bigint" ? Number(extra["leaseTtlMs"]) : undefined);
+      else this._record = rec;
       return rec;
     } catch (e) {
       const err: FencepostError = fromCallError(e);
-      if (err instanceof LeaseLostError && !(err instanceof LeaseAtRiskError)) this.markLost(undefined, err.record, err);
+      if (err instanceof LeaseLostError) this.fenceRefused(err);
       throw err;
     }
+  }
+
+  /** @internal A renewing answer (renew, recordCheckpoint) to a call sent at `sentAt`. */
+  answered(record: RunRecord, sentAt: number, grantedTtlMs: number | undefined): void {
+    this._record = record;
+    if (record.lease) this.renewedAt(sentAt, grantedTtlMs ?? (record.lease.ttlMs || this._ttlMs));
+  }
+
+  /** @internal The loss a fenced call would end with, once it is known. */
+  knownLoss(): LeaseLostError | undefined {
+    return this.isLost ? this._lost : undefined;
+  }
+
+  /**
+   * @internal A fenced call or write was refused: RUN_LEASE_LOST for this run
+   * means the lease is lost (unless this handle gave it up itself), with the
+   * reason judged from the record the server refused with.
+   */
+  fenceRefused(err: LeaseLostError | LockLostError): void {
+    if (!(err instanceof LeaseLostError) || err instanceof LeaseAtRiskError) return;
+    const rec = err.record;
+    if (rec && rec.runId !== this.runId) return;
+    // the server's push may have told this handle already: then its reason is the one
+    const reason = err.reason ?? this.lostReason ?? deriveLostReason(rec, this.fencingToken);
+    (err as { reason: LostReason | undefined }).reason = reason;
+    if (this.isActive) this.markLost(reason, rec, err);
   }
 
   private riskError(): LeaseLostError {

@@ -60,6 +60,19 @@ export function lostReasonFromPb(reason: PbLostReason): LostReason {
   }
 }
 
+/**
+ * Why the fence at `token` is gone, judged from the record the server
+ * refused a fenced write with (such a refusal carries no reason): the rule
+ * the server uses for a loss it learns of after the fact.
+ */
+export function deriveLostReason(record: RunRecord | undefined, token: number): LostReason {
+  if (!record) return "deleted";
+  if (record.status === "cancelled" && record.fencingToken > token) return "cancelled";
+  if (TERMINAL_STATUSES.includes(record.status)) return "finished";
+  if (record.fencingToken !== token && record.lease) return "taken_over";
+  return "fence_moved";
+}
+
 export interface LeaseInfo {
   owner: string;
   acquiredAt: Date;

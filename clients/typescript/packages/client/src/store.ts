@@ -17,6 +17,7 @@ import {
   type Fence,
   JsonValueSchema,
   type EngineArtifact as PbArtifact,
+  type EngineCheckpoint as PbCheckpoint,
   type EngineDoc as PbDoc,
   type EnginePutArtifactRequest,
   type EngineRun as PbEngineRun,
@@ -24,10 +25,12 @@ import {
   type EngineStore,
   type JsonValue,
 } from "./gen/fencepost/v1/engine_store_pb.js";
-import { fromCallError, ValidationError } from "./errors.js";
+import { fromCallError, LeaseLostError, LockLostError, ValidationError } from "./errors.js";
 import { toBigInt, toNumber } from "./records.js";
 import { newRequestId, withRetry, type FullRetryPolicy } from "./retry.js";
-import type { CommandKind } from "./execute.js";
+import type { CommandKind, WriteKind } from "./execute.js";
+import type { TransactionResponse } from "./gen/fencepost/v1/ledger_pb.js";
+import { StoreTransaction, type Answered } from "./transaction.js";
 
 export interface EngineClaim { owner: string; expiresAt: Date }
 
@@ -110,10 +113,28 @@ export interface WriteOptions {
   fence?: FenceSpec;
 }
 
+/** The wire form of a fence (the server validates it: one target, a token >= 1). */
+export function fencePb(f: FenceSpec): Fence {
+  const g = f as { runId?: string; lockKey?: string; fencingToken: number };
+  return create(FenceSchema, {
+    runId: g.runId ?? "", lockKey: g.lockKey ?? "", fencingToken: toBigInt(g.fencingToken, "fence.fencing_token"),
+  });
+}
+
 function fenceIn(f: FenceSpec | undefined): { fence?: Fence } {
-  if (f === undefined) return {};
-  const token = toBigInt(f.fencingToken, "fence.fencing_token");
-  return { fence: create(FenceSchema, "runId" in f ? { runId: f.runId, fencingToken: token } : { lockKey: f.lockKey, fencingToken: token }) };
+  return f === undefined ? {} : { fence: fencePb(f) };
+}
+
+/** A fence given to fenced() or transaction(): exactly one target and an integer token, else ValidationError. */
+function checkFence(f: FenceSpec): Fence {
+  const g = f as { runId?: unknown; lockKey?: unknown; fencingToken?: unknown };
+  const run = typeof g.runId === "string" && g.runId !== "";
+  const lock = typeof g.lockKey === "string" && g.lockKey !== "";
+  if (run === lock) throw new ValidationError("fence.run_id: give exactly one of runId and lockKey", { field: "fence.run_id" });
+  if (typeof g.fencingToken !== "number" || !Number.isSafeInteger(g.fencingToken)) {
+    throw new ValidationError(`fence.fencing_token: must be an integer (got ${String(g.fencingToken)})`, { field: "fence.fencing_token" });
+  }
+  return fencePb(f);
 }
 
 /** Bytes per PutArtifact chunk message. */
@@ -185,6 +206,10 @@ function artifactFromPb(m: PbArtifact): EngineArtifact {
   return a;
 }
 
+function checkpointFromPb(c: PbCheckpoint): EngineCheckpoint {
+  return { runId: c.runId, stepIndex: toNumber(c.stepIndex), state: jsonOut(c.state), savedAt: date(c.savedAt) };
+}
+
 function docFromPb(m: PbDoc): EngineDoc {
   return { id: m.id, doc: jsonOut(m.doc) as Record<string, unknown>, updatedAt: date(m.updatedAt) };
 }
@@ -200,6 +225,19 @@ function ttl(ms: number): bigint {
 /** Runs a mutation (the unary request as an init object) with one request id for all its attempts. */
 export type CommandRunner = <T>(kind: CommandKind, request: Record<string, unknown>) => Promise<T>;
 
+/**
+ * @internal Where a view's writes go instead of the server: a transaction
+ * queues each (its request built and validated, and how to read its answer).
+ */
+export type WriteQueue = (kind: WriteKind, request: Record<string, unknown>, convert: (response: never) => unknown) => unknown;
+
+/** @internal What a view adds to the store: a fence on every write, who hears of a refused fence, a queue. */
+export interface StoreView {
+  fence?: Fence;
+  onRefused?: (err: LeaseLostError | LockLostError) => void;
+  queue?: WriteQueue;
+}
+
 type Resp<K extends keyof Client<typeof EngineStore>> = Client<typeof EngineStore>[K] extends (...a: never[]) => Promise<infer R> ? R : never;
 
 export class EngineStoreClient {
@@ -207,20 +245,99 @@ export class EngineStoreClient {
     readonly stub: Client<typeof EngineStore>,
     private readonly retry: FullRetryPolicy,
     private readonly command: CommandRunner,
+    private readonly view: StoreView = {},
   ) {}
+
+  /**
+   * A view of this store whose every write carries `fence` (docs/FENCING.md):
+   * each commits only while the ledger run `runId` is still at
+   * `fencingToken` (a lease's token) or the keyed lock `lockKey` still at its
+   * token (`acquireLock(...).fencingToken`), checked by the server in the
+   * same step as the write. A stale fence throws LeaseLostError
+   * (LockLostError for a lock) and writes nothing. A write's own `{ fence }`
+   * option replaces the view's; reads are unchanged. The view shares this
+   * store's connection and transport (`lease.fenced()` makes one for a lease).
+   * Throws ValidationError for a fence without exactly one target or an integer token.
+   */
+  fenced(fence: FenceSpec): EngineStoreClient {
+    return this.withView({ fence: checkFence(fence) });
+  }
+
+  /**
+   * Writes that commit together or not at all. The writes `fn` makes on `tx`
+   * are queued (each returns a QueuedWrite at once; do not wait for them in
+   * `fn`); when `fn` returns, they go to the server as one Ledger.Transact
+   * (over the client's Execute stream when it is up), under `options.fence`,
+   * or this view's fence for a fenced view, or none. It resolves to what `fn`
+   * returned, each QueuedWrite in it (alone, or in an array or plain object)
+   * replaced by its write's answer; `tx.results` has every answer in order.
+   * A refusal of the fence or of any write throws (its `commandIndex` names
+   * the write) and nothing was written; if `fn` throws, nothing is sent.
+   */
+  transaction<R>(fn: (tx: StoreTransaction) => R | PromiseLike<R>, options: { fence?: FenceSpec } = {}): Promise<Answered<R>> {
+    let fence: Fence | undefined;
+    try {
+      fence = options.fence === undefined ? this.view.fence : checkFence(options.fence);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    return StoreTransaction.run(this, fence, undefined, fn);
+  }
+
+  /** @internal This view's fence (fenced() or lease.fenced()), if any. */
+  get viewFence(): Fence | undefined { return this.view.fence; }
+
+  /** @internal The same store with `view` (and none of this one's). */
+  withView(view: StoreView): EngineStoreClient {
+    return new EngineStoreClient(this.stub, this.retry, this.command, view);
+  }
+
+  /** @internal One Ledger.Transact (the request as an init object, without request id). */
+  transact(request: Record<string, unknown>): Promise<TransactionResponse> {
+    return this.refusals(this.command<TransactionResponse>("transaction", request));
+  }
 
   private read<T>(call: (o: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
     return withRetry(this.retry, false, (timeoutMs) => call({ timeoutMs }));
   }
 
+  /**
+   * A mutation: `build` makes the request (throwing ValidationError for bad
+   * input, so nothing is sent), the view's fence is added unless the call
+   * gave one, and `convert` turns the answer into the result. In a
+   * transaction's view it is queued instead, and bad input throws at once.
+   */
+  private write<R, T>(kind: WriteKind, build: () => Record<string, unknown>, convert: (response: R) => T): Promise<T> {
+    if (this.view.queue) return this.view.queue(kind, build(), convert as (response: never) => unknown) as Promise<T>;
+    let request: Record<string, unknown>;
+    try {
+      request = build();
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    if (request["fence"] === undefined && this.view.fence) request["fence"] = this.view.fence;
+    return this.refusals(this.command<R>(kind, request)).then(convert);
+  }
+
+  /** A refused fence is also reported to the view's owner (a lease marks itself lost). */
+  private async refusals<T>(call: Promise<T>): Promise<T> {
+    try {
+      return await call;
+    } catch (e) {
+      if ((e instanceof LeaseLostError || e instanceof LockLostError) && this.view.onRefused) this.view.onRefused(e);
+      throw e;
+    }
+  }
+
   /** Insert-if-absent: `created` false returns the stored run, unchanged. */
-  async createRun(run: EngineRunInput, opts: WriteOptions = {}): Promise<{ created: boolean; run: EngineRun }> {
-    const m = create(EngineRunSchema, {
-      id: run.id, agent: run.agent, status: run.status, ...opt("concurrencyKey", run.concurrencyKey),
-      ...valuesIn(run, "run"),
-    });
-    const r = await this.command<Resp<"createRun">>("createRun", { ...{ run: m }, ...fenceIn(opts.fence) });
-    return { created: r.created, run: engineRunFromPb(r.run!) };
+  createRun(run: EngineRunInput, opts: WriteOptions = {}): Promise<{ created: boolean; run: EngineRun }> {
+    return this.write("createRun", () => ({
+      run: create(EngineRunSchema, {
+        id: run.id, agent: run.agent, status: run.status, ...opt("concurrencyKey", run.concurrencyKey),
+        ...valuesIn(run, "run"),
+      }),
+      ...fenceIn(opts.fence),
+    }), (r: Resp<"createRun">) => ({ created: r.created, run: engineRunFromPb(r.run!) }));
   }
 
   async getRun(id: string): Promise<EngineRun | undefined> {
@@ -229,15 +346,17 @@ export class EngineStoreClient {
   }
 
   /** Throws InvalidRunStateError when a guard fails, RunNotFoundError for an unknown id. */
-  async updateRun(id: string, patch: EngineRunPatch, guards: { expectStatus?: string[]; expectOwner?: string } & WriteOptions = {}): Promise<EngineRun> {
-    const p = create(EngineRunPatchSchema, {
-      ...opt("status", patch.status), ...opt("concurrencyKey", patch.concurrencyKey),
-      ...valuesIn(patch, "patch"),
-      clear: [...(patch.clear ?? [])],
-    });
-    const r = await this.command<Resp<"updateRun">>("updateRun", { ...{
-      id, patch: p, expectStatus: [...(guards.expectStatus ?? [])], ...opt("expectOwner", guards.expectOwner) }, ...fenceIn(guards.fence) });
-    return engineRunFromPb(r.run!);
+  updateRun(id: string, patch: EngineRunPatch, guards: { expectStatus?: string[]; expectOwner?: string } & WriteOptions = {}): Promise<EngineRun> {
+    return this.write("updateRun", () => ({
+      id,
+      patch: create(EngineRunPatchSchema, {
+        ...opt("status", patch.status), ...opt("concurrencyKey", patch.concurrencyKey),
+        ...valuesIn(patch, "patch"),
+        clear: [...(patch.clear ?? [])],
+      }),
+      expectStatus: [...(guards.expectStatus ?? [])], ...opt("expectOwner", guards.expectOwner),
+      ...fenceIn(guards.fence),
+    }), (r: Resp<"updateRun">) => engineRunFromPb(r.run!));
   }
 
   /** Ordered by createdAt then id; `total` ignores limit and offset; no limit returns every match. */
@@ -258,23 +377,24 @@ export class EngineStoreClient {
     });
   }
 
-  async claimRun(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ claimed: boolean; run: EngineRun | undefined }> {
-    const r = await this.command<Resp<"claimRun">>("claimRun", { ...{ id, owner, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
-    return { claimed: r.claimed, run: r.run ? engineRunFromPb(r.run) : undefined };
+  claimRun(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ claimed: boolean; run: EngineRun | undefined }> {
+    return this.write("claimRun", () => ({ id, owner, ttlMs: ttl(ttlMs), ...fenceIn(opts.fence) }),
+      (r: Resp<"claimRun">) => ({ claimed: r.claimed, run: r.run ? engineRunFromPb(r.run) : undefined }));
   }
 
-  async renewClaim(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ renewed: boolean; run: EngineRun | undefined }> {
-    const r = await this.command<Resp<"renewClaim">>("renewClaim", { ...{ id, owner, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
-    return { renewed: r.renewed, run: r.run ? engineRunFromPb(r.run) : undefined };
+  renewClaim(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ renewed: boolean; run: EngineRun | undefined }> {
+    return this.write("renewClaim", () => ({ id, owner, ttlMs: ttl(ttlMs), ...fenceIn(opts.fence) }),
+      (r: Resp<"renewClaim">) => ({ renewed: r.renewed, run: r.run ? engineRunFromPb(r.run) : undefined }));
   }
 
-  async appendStep(step: { runId: string; name: string; status?: string; input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }, opts: WriteOptions = {}): Promise<EngineStep> {
-    const m = create(EngineStepSchema, {
-      runId: step.runId, name: step.name, ...opt("status", step.status),
-      ...valuesIn(step, "step"),
-    });
-    const r = await this.command<Resp<"appendStep">>("appendStep", { ...{ step: m }, ...fenceIn(opts.fence) });
-    return stepFromPb(r.step!);
+  appendStep(step: { runId: string; name: string; status?: string; input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }, opts: WriteOptions = {}): Promise<EngineStep> {
+    return this.write("appendStep", () => ({
+      step: create(EngineStepSchema, {
+        runId: step.runId, name: step.name, ...opt("status", step.status),
+        ...valuesIn(step, "step"),
+      }),
+      ...fenceIn(opts.fence),
+    }), (r: Resp<"appendStep">) => stepFromPb(r.step!));
   }
 
   async listSteps(runId: string): Promise<EngineStep[]> {
@@ -286,35 +406,34 @@ export class EngineStoreClient {
   }
 
   /** Keeps the highest stepIndex; an equal index replaces; a lower one is ignored (saved false). */
-  async saveCheckpoint(cp: { runId: string; stepIndex: number; state: unknown }, opts: WriteOptions = {}): Promise<{ saved: boolean; checkpoint: EngineCheckpoint }> {
-    const state = jsonIn(cp.state === undefined ? null : cp.state, "checkpoint.state");
-    const r = await this.command<Resp<"saveCheckpoint">>("saveCheckpoint", { ...{
-      checkpoint: { runId: cp.runId, stepIndex: toBigInt(cp.stepIndex, "checkpoint.step_index"), ...opt("state", state) } }, ...fenceIn(opts.fence) });
-    const c = r.checkpoint!;
-    return { saved: r.saved, checkpoint: { runId: c.runId, stepIndex: toNumber(c.stepIndex), state: jsonOut(c.state), savedAt: date(c.savedAt) } };
+  saveCheckpoint(cp: { runId: string; stepIndex: number; state: unknown }, opts: WriteOptions = {}): Promise<{ saved: boolean; checkpoint: EngineCheckpoint }> {
+    return this.write("saveCheckpoint", () => {
+      const state = jsonIn(cp.state === undefined ? null : cp.state, "checkpoint.state");
+      return {
+        checkpoint: { runId: cp.runId, stepIndex: toBigInt(cp.stepIndex, "checkpoint.step_index"), ...opt("state", state) },
+        ...fenceIn(opts.fence),
+      };
+    }, (r: Resp<"saveCheckpoint">) => ({ saved: r.saved, checkpoint: checkpointFromPb(r.checkpoint!) }));
   }
 
   async latestCheckpoint(runId: string): Promise<EngineCheckpoint | undefined> {
     const r = await this.read((o) => this.stub.latestCheckpoint({ runId }, o));
-    const c = r.checkpoint;
-    if (!r.found || !c) return undefined;
-    return { runId: c.runId, stepIndex: toNumber(c.stepIndex), state: jsonOut(c.state), savedAt: date(c.savedAt) };
+    return r.found && r.checkpoint ? checkpointFromPb(r.checkpoint) : undefined;
   }
 
   /** The first caller per (scope, key) wins; the others get the winner's runId until the key expires. */
-  async claimKey(scope: string, key: string, runId: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ created: boolean; runId: string; expiresAt: Date }> {
-    const r = await this.command<Resp<"claimKey">>("claimKey", { ...{ scope, key, runId, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
-    return { created: r.created, runId: r.runId, expiresAt: date(r.expiresAt) };
+  claimKey(scope: string, key: string, runId: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ created: boolean; runId: string; expiresAt: Date }> {
+    return this.write("claimKey", () => ({ scope, key, runId, ttlMs: ttl(ttlMs), ...fenceIn(opts.fence) }),
+      (r: Resp<"claimKey">) => ({ created: r.created, runId: r.runId, expiresAt: date(r.expiresAt) }));
   }
 
-  async acquireLock(key: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ acquired: boolean; fencingToken: number; owner: string; expiresAt: Date }> {
-    const r = await this.command<Resp<"acquireLock">>("acquireLock", { ...{ key, owner, ttlMs: ttl(ttlMs) }, ...fenceIn(opts.fence) });
-    return { acquired: r.acquired, fencingToken: toNumber(r.fencingToken), owner: r.owner, expiresAt: date(r.expiresAt) };
+  acquireLock(key: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ acquired: boolean; fencingToken: number; owner: string; expiresAt: Date }> {
+    return this.write("acquireLock", () => ({ key, owner, ttlMs: ttl(ttlMs), ...fenceIn(opts.fence) }),
+      (r: Resp<"acquireLock">) => ({ acquired: r.acquired, fencingToken: toNumber(r.fencingToken), owner: r.owner, expiresAt: date(r.expiresAt) }));
   }
 
-  async releaseLock(key: string, owner: string, opts: WriteOptions = {}): Promise<boolean> {
-    const r = await this.command<Resp<"releaseLock">>("releaseLock", { ...{ key, owner }, ...fenceIn(opts.fence) });
-    return r.released;
+  releaseLock(key: string, owner: string, opts: WriteOptions = {}): Promise<boolean> {
+    return this.write("releaseLock", () => ({ key, owner, ...fenceIn(opts.fence) }), (r: Resp<"releaseLock">) => r.released);
   }
 
   async getEffect(key: string): Promise<Lookup<unknown>> {
@@ -322,10 +441,10 @@ export class EngineStoreClient {
     return { found: r.found, value: r.found ? jsonOut(r.result) : undefined, at: r.recordedAt ? date(r.recordedAt) : undefined };
   }
 
-  async putEffect(key: string, result: unknown, opts: WriteOptions = {}): Promise<Date> {
-    const v = jsonIn(result === undefined ? null : result, "result");
-    const r = await this.command<Resp<"putEffect">>("putEffect", { ...{ key, ...opt("result", v) }, ...fenceIn(opts.fence) });
-    return date(r.recordedAt);
+  putEffect(key: string, result: unknown, opts: WriteOptions = {}): Promise<Date> {
+    return this.write("putEffect", () => ({
+      key, ...opt("result", jsonIn(result === undefined ? null : result, "result")), ...fenceIn(opts.fence),
+    }), (r: Resp<"putEffect">) => date(r.recordedAt));
   }
 
   async kvGet(agent: string, key: string): Promise<Lookup<unknown>> {
@@ -333,10 +452,10 @@ export class EngineStoreClient {
     return { found: r.found, value: r.found ? jsonOut(r.value) : undefined, at: r.updatedAt ? date(r.updatedAt) : undefined };
   }
 
-  async kvSet(agent: string, key: string, value: unknown, opts: WriteOptions = {}): Promise<Date> {
-    const v = jsonIn(value === undefined ? null : value, "value");
-    const r = await this.command<Resp<"kvSet">>("kvSet", { ...{ agent, key, ...opt("value", v) }, ...fenceIn(opts.fence) });
-    return date(r.updatedAt);
+  kvSet(agent: string, key: string, value: unknown, opts: WriteOptions = {}): Promise<Date> {
+    return this.write("kvSet", () => ({
+      agent, key, ...opt("value", jsonIn(value === undefined ? null : value, "value")), ...fenceIn(opts.fence),
+    }), (r: Resp<"kvSet">) => date(r.updatedAt));
   }
 
   /** Documents ordered by id whose top-level fields equal every field of `where`. */
@@ -352,15 +471,13 @@ export class EngineStoreClient {
     });
   }
 
-  async docUpsert(agent: string, collection: string, id: string, doc: Record<string, unknown>, opts: WriteOptions = {}): Promise<{ created: boolean; doc: EngineDoc }> {
-    const d = jsonIn(doc, "doc");
-    const r = await this.command<Resp<"docUpsert">>("docUpsert", { ...{ agent, collection, id, ...opt("doc", d) }, ...fenceIn(opts.fence) });
-    return { created: r.created, doc: docFromPb(r.doc!) };
+  docUpsert(agent: string, collection: string, id: string, doc: Record<string, unknown>, opts: WriteOptions = {}): Promise<{ created: boolean; doc: EngineDoc }> {
+    return this.write("docUpsert", () => ({ agent, collection, id, ...opt("doc", jsonIn(doc, "doc")), ...fenceIn(opts.fence) }),
+      (r: Resp<"docUpsert">) => ({ created: r.created, doc: docFromPb(r.doc!) }));
   }
 
-  async docDelete(agent: string, collection: string, id: string, opts: WriteOptions = {}): Promise<boolean> {
-    const r = await this.command<Resp<"docDelete">>("docDelete", { ...{ agent, collection, id }, ...fenceIn(opts.fence) });
-    return r.deleted;
+  docDelete(agent: string, collection: string, id: string, opts: WriteOptions = {}): Promise<boolean> {
+    return this.write("docDelete", () => ({ agent, collection, id, ...fenceIn(opts.fence) }), (r: Resp<"docDelete">) => r.deleted);
   }
 
   /**
@@ -380,7 +497,8 @@ export class EngineStoreClient {
     const h = create(EngineArtifactHeaderSchema, {
       id: header.id, runId: header.runId, name: header.name ?? "", contentType: header.contentType ?? "",
       sizeBytes: toBigInt(size, "header.size_bytes"), ...opt("sha256", header.sha256),
-      ...opt("metadata", jsonIn(header.metadata, "header.metadata")), ...fenceIn(opts.fence), requestId,
+      ...opt("metadata", jsonIn(header.metadata, "header.metadata")),
+      ...(opts.fence ? fenceIn(opts.fence) : opt("fence", this.view.fence)), requestId,
     });
     const messages = async function* (): AsyncGenerator<EnginePutArtifactRequest> {
       yield create(EnginePutArtifactRequestSchema, { part: { case: "header", value: h } });
@@ -397,7 +515,7 @@ export class EngineStoreClient {
       }
     };
     const policy = whole ? this.retry : { ...this.retry, maxAttempts: 1 };
-    const r = await withRetry(policy, true, (timeoutMs) => this.stub.putArtifact(messages(), { timeoutMs }));
+    const r = await this.refusals(withRetry(policy, true, (timeoutMs) => this.stub.putArtifact(messages(), { timeoutMs })));
     return { created: r.created, artifact: artifactFromPb(r.artifact!) };
   }
 

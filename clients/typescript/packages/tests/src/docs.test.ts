@@ -1,5 +1,7 @@
 // docs/TYPESCRIPT.md shows each example file verbatim, and each example runs
-// (twice in a row, as a user would re-run it) against a real server.
+// (twice in a row, as a user would re-run it) against a real server; where
+// the page shows what an example prints ("It prints:" and a block right
+// after it), each run prints exactly that.
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
 import { readdirSync, readFileSync } from "node:fs";
@@ -17,13 +19,22 @@ const doc = readFileSync(join(here, "..", "..", "..", "..", "..", "docs", "TYPES
 const blocks = [...doc.matchAll(/```ts\n([\s\S]*?)```/g)].map((m) => m[1]!);
 const examples = readdirSync(srcExamples).filter((f) => f.endsWith(".ts")).sort();
 
+/** The output the page shows right after an example's block, if it shows one. */
+function printed(example: string): string | undefined {
+  const at = doc.indexOf("```ts\n" + example + "```");
+  if (at < 0) return undefined;
+  const m = /^\n*It prints:\n\n```\n([\s\S]*?)```/.exec(doc.slice(at + example.length + 9));
+  return m?.[1];
+}
+
 let server: TestServer;
 before(async () => { server = await startServer(); });
 after(async () => { await server.stop(); });
 
 describe("docs/TYPESCRIPT.md", () => {
   it("shows every example file verbatim, and no other ts block", () => {
-    assert.ok(examples.length >= 3);
+    assert.ok(examples.length >= 4);
+    assert.ok(printed(readFileSync(join(srcExamples, "fencing.ts"), "utf8")), "the fencing example shows its output");
     const files = new Map(examples.map((f) => [f, readFileSync(join(srcExamples, f), "utf8")]));
     for (const [f, text] of files) assert.ok(blocks.includes(text), `${f} is not shown verbatim in docs/TYPESCRIPT.md`);
     for (const b of blocks) {
@@ -38,6 +49,8 @@ describe("docs/TYPESCRIPT.md", () => {
           env: { ...process.env, FENCEPOST_ADDR: server.address }, timeout: 60_000,
         });
         assert.ok(stdout.length > 0);
+        const shown = printed(readFileSync(join(srcExamples, f), "utf8"));
+        if (shown !== undefined) assert.equal(stdout, shown, `${f} (run ${i + 1}) does not print what docs/TYPESCRIPT.md shows`);
       }
     });
   }
