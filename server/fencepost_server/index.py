@@ -138,15 +138,4 @@ class RunIndex:
         """Run ids past ``after`` in order, from the narrowest index the filters
         allow. Every id a filter admits is among them; the caller still checks
         the record (an owner index does not know the statuses, and so on)."""
-        def past(ids: SortedList) -> Iterator[str]:
-            return ids.irange(minimum=after, inclusive=(False, False)) if after is not None \
-                else iter(ids)
-
-        if owner:
-            return past(self.by_owner.get(owner, SortedList()))
-        if statuses:
-            lists = [self.by_status[s] for s in statuses if s in self.by_status]
-            if len(lists) == 1:
-                return past(lists[0])
-            return heapq.merge(*(past(ids) for ids in lists))
-        return past(self.ids)
+        return self.walk(statuses, owner, after=after)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -43,7 +42,7 @@ from .core.errors import Code, LedgerError
 from .core.records import Record, Status
 from .metrics import CONTENT_TYPE
 from .storage.sqlite import KIND_DELETE
-from .writer import ChangeEvent, Writer
+from .writer import ChangeEvent
 
 if TYPE_CHECKING:
     from .app import App
@@ -325,14 +324,9 @@ class Dashboard:
         state = writer.state
         revision = state.revision
 
-        def match(rec: Record) -> bool:
-            if statuses and rec.status not in statuses:
-                return False
-            return owner is None or (rec.lease is not None and rec.lease.owner == owner)
-
         backward = before is not None  # the page before `before`, walking backwards
-        page, more = await _scan(writer, frozenset(statuses), owner or "", prefix, after,
-                                 before, match, limit)
+        page, more = await writer.page_runs(frozenset(statuses), owner or "", limit,
+                                            prefix=prefix, after=after, before=before)
         if backward:
             page.reverse()
             has_prev, has_next = more, True
@@ -469,36 +463,6 @@ class Dashboard:
 
 
 _NO_CACHE = {"Cache-Control": "no-cache"}
-
-
-async def _scan(
-    writer: Writer, statuses: frozenset[Status], owner: str, prefix: str,
-    after: str | None, before: str | None, match: Callable[[Record], bool], limit: int,
-) -> tuple[list[Record], bool]:
-    """Up to ``limit`` matching records past ``after`` (or, backwards, below
-    ``before``) among the ids starting with ``prefix``, and whether another
-    match lies beyond them. Walks the narrowest index (index.py) a chunk at a
-    time, reading finished runs that memory no longer holds in bulk; each chunk
-    walks afresh from the last id seen, as the index may move meanwhile."""
-    page: list[Record] = []
-    while True:
-        walk = writer.state.index.walk(statuses, owner, prefix=prefix, after=after,
-                                       before=before, reverse=before is not None)
-        chunk = list(itertools.islice(walk, limit + 1 - len(page)))
-        if not chunk:
-            return page, False
-        if before is not None:
-            before = chunk[-1]
-        else:
-            after = chunk[-1]
-        records = await writer.read_runs(chunk)
-        for k in chunk:
-            rec = records.get(k)
-            if rec is None or not match(rec):
-                continue
-            if len(page) == limit:
-                return page, True
-            page.append(rec)
 
 
 def _sse(event: str, data: Any) -> bytes:

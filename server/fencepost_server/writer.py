@@ -29,7 +29,7 @@ from .core import codec
 from .core import fence as F
 from .core import ledger as L
 from .core.errors import Code, LedgerError, in_transaction, validation
-from .core.records import TERMINAL, Record
+from .core.records import TERMINAL, Record, Status
 from .index import RunIndex
 from .storage.sqlite import (
     KIND_DELETE,
@@ -314,10 +314,6 @@ class Writer:
 
     # -- the API -----------------------------------------------------------------
 
-    def get_hot(self, run_id: str) -> Record | None:
-        """The run's record if memory holds it (every unfinished run)."""
-        return self.state.runs.get(run_id)
-
     def is_cold(self, run_id: str) -> bool:
         """A finished run that memory no longer holds (``read_runs`` reads it)."""
         return run_id not in self.state.runs and run_id in self.state.index
@@ -354,6 +350,47 @@ class Writer:
                 if rec is not None:
                     out[run_id] = rec
         return out
+
+    async def page_runs(
+        self,
+        statuses: frozenset[Status],
+        owner: str,
+        limit: int,
+        *,
+        prefix: str = "",
+        after: str | None = None,
+        before: str | None = None,
+    ) -> tuple[list[Record], bool]:
+        """Up to ``limit`` committed records with one of ``statuses`` (any:
+        empty) and lease ``owner`` (any: ""), in run-id order past ``after``
+        (or, backwards, below ``before``) among the ids starting with
+        ``prefix``; and whether another match lies beyond them. Walks the
+        narrowest index the filters allow (index.py), a chunk at a time,
+        reading finished runs memory no longer holds in bulk, so a page costs
+        its matches plus what that index holds that the other filter refuses,
+        not the size of the table. Each chunk walks afresh from the last id
+        seen: the index may move while a read is awaited."""
+        page: list[Record] = []
+        while True:
+            walk = self.state.index.walk(statuses, owner, prefix=prefix, after=after,
+                                         before=before, reverse=before is not None)
+            chunk = list(itertools.islice(walk, limit + 1 - len(page)))
+            if not chunk:
+                return page, False
+            if before is not None:
+                before = chunk[-1]
+            else:
+                after = chunk[-1]
+            records = await self.read_runs(chunk)
+            for k in chunk:
+                rec = records.get(k)  # None: deleted meanwhile
+                if rec is None or (statuses and rec.status not in statuses):
+                    continue
+                if owner and (rec.lease is None or rec.lease.owner != owner):
+                    continue
+                if len(page) == limit:
+                    return page, True
+                page.append(rec)
 
     def _read_cold(self, run_ids: list[str]) -> dict[str, Record]:
         return read_runs(self._read_only(), run_ids)

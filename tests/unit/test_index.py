@@ -87,3 +87,29 @@ def test_the_same_move_twice_changes_nothing_more() -> None:
     for _ in range(2):
         index.update(done, None)
     assert len(index) == 0 and not index.by_status and not index.by_owner
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, statuses=st.frozensets(st.sampled_from(list(Status)), max_size=3),
+       owner=st.sampled_from(OWNERS), prefix=st.sampled_from(["", "run-0", "run-1", "x"]),
+       bound=st.none() | st.sampled_from(IDS), reverse=st.booleans())
+def test_a_prefixed_walk_either_way_equals_a_full_scan(
+    ops: list, statuses: frozenset[Status], owner: str, prefix: str, bound: str | None,
+    reverse: bool,
+) -> None:
+    runs: dict[str, Record] = {}
+    index = RunIndex()
+    for run_id, put in ops:
+        old, new = runs.get(run_id), (_record(run_id, *put) if put is not None else None)
+        if old is None and new is None:
+            continue
+        index.update(old, new)
+        runs.pop(run_id, None) if new is None else runs.__setitem__(run_id, new)
+    keys = [k for k in sorted(runs) if k.startswith(prefix) and _admits(runs[k], statuses, owner)]
+    if reverse:
+        expected = [k for k in reversed(keys) if bound is None or k < bound]
+        walk = index.walk(statuses, owner, prefix=prefix, before=bound, reverse=True)
+    else:
+        expected = [k for k in keys if bound is None or k > bound]
+        walk = index.walk(statuses, owner, prefix=prefix, after=bound)
+    assert [k for k in walk if _admits(runs[k], statuses, owner)] == expected

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import itertools
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -56,37 +55,12 @@ def decode_page_token(token: str, fkey: str) -> str:
 async def list_page(
     writer: Writer, statuses: frozenset[Status], owner: str, page_size: int, page_token: str
 ) -> tuple[list[Record], str]:
-    """One page of runs ordered by run_id from the committed state. Walks the
-    narrowest index the filters allow (all ids, one status's, or one owner's;
-    index.py) from the token's position and stops at the first match past a
-    full page, so a page costs the matches it returns plus what the chosen
-    index holds that the other filter refuses, not the size of the table.
-    Finished runs that memory no longer holds are read in bulk, a chunk of
-    candidates at a time."""
+    """One page of runs ordered by run_id from the committed state, from the
+    token's position (``Writer.page_runs``: a page costs what it matches)."""
     fkey = _filter_key(statuses, owner)
     after = decode_page_token(page_token, fkey) if page_token else None
-    index = writer.state.index
-    out: list[Record] = []
-    while True:
-        # a fresh walk from the last id seen each time: the index may move
-        # while this awaits a read
-        walk = index.candidates(after, statuses, owner)
-        chunk = list(itertools.islice(walk, page_size + 1 - len(out)))
-        if not chunk:
-            return out, ""
-        after = chunk[-1]
-        records = await writer.read_runs(chunk)
-        for k in chunk:
-            rec = records.get(k)
-            if rec is None:  # deleted meanwhile
-                continue
-            if statuses and rec.status not in statuses:
-                continue
-            if owner and (rec.lease is None or rec.lease.owner != owner):
-                continue
-            if len(out) == page_size:  # one more match exists: there is a next page
-                return out, encode_page_token(out[-1].run_id, fkey)
-            out.append(rec)
+    out, more = await writer.page_runs(statuses, owner, page_size, after=after)
+    return out, encode_page_token(out[-1].run_id, fkey) if more else ""
 
 
 class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServicer):
@@ -197,7 +171,7 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         validate.run_id(request.run_id)
         st = self.writer.state
         revision = st.revision
-        rec = self.writer.get_hot(request.run_id) or await self.writer.read_run(request.run_id)
+        rec = await self.writer.read_run(request.run_id)
         if rec is None:
             raise LedgerError(Code.RUN_NOT_FOUND, f"run {request.run_id!r} not found")
         return pb.GetRunResponse(
@@ -243,7 +217,7 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         validate.fencing_token(request.fencing_token)
         st = self.writer.state
         revision = st.revision
-        rec = self.writer.get_hot(request.run_id) or await self.writer.read_run(request.run_id)
+        rec = await self.writer.read_run(request.run_id)
         if rec is None:
             return pb.ValidateFenceResponse(current=False, found=False, revision=revision)
         revision = max(revision, rec.revision)

@@ -32,7 +32,7 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
     ) -> pb.GetResponse:
         validate.run_id(request.run_id)
         revision = self.writer.state.revision
-        rec = self.writer.get_hot(request.run_id) or await self.writer.read_run(request.run_id)
+        rec = await self.writer.read_run(request.run_id)
         if rec is None:
             return pb.GetResponse(found=False, revision=revision)
         return pb.GetResponse(
