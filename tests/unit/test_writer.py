@@ -312,7 +312,9 @@ async def test_a_pruning_backlog_goes_in_bounded_chunks(
     leaving one contiguous history."""
     from fencepost_server.storage import sqlite as storage_sqlite
 
-    monkeypatch.setattr(storage_sqlite, "PRUNE_CHUNK", 4)
+    from fencepost_server.storage import sql as storage_sql
+
+    monkeypatch.setattr(storage_sql, "PRUNE_CHUNK", 4)
     path = tmp_path / "chunks.db"
     clock = ManualClock()
     w = Writer(SqliteStorage(path), clock, history_revisions=10, prune_every_ms=3_600_000,
