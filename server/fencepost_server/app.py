@@ -64,13 +64,20 @@ EXIT_DEPOSED = 3  # fencepost serve: this coordinator lost leadership (restart i
 
 def _migrate(storage: PostgresStorage) -> None:
     """Create or upgrade the PostgreSQL schema on a short-lived connection."""
+    import psycopg
+
     from .storage import postgres
 
-    db = postgres.connect(storage.url, f"fencepost-migrate {storage.name}")
     try:
-        postgres.migrate(db, storage.path)
-    finally:
-        db.close()
+        db = postgres.connect(storage.url, f"fencepost-migrate {storage.name}")
+        try:
+            postgres.migrate(db, storage.path)
+        finally:
+            db.close()
+    except psycopg.Error as exc:  # unreachable, no such database, no permission...
+        raise RuntimeError(
+            f"{storage.path}: {postgres.first_line(exc)}; refusing to start"
+        ) from None
 
 
 class ConfigError(RuntimeError):

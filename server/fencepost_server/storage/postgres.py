@@ -280,13 +280,14 @@ def connect(url: str, role: str, *, read_only: bool = False, snapshot: bool = Fa
 
 
 def storage_error(exc: BaseException) -> LedgerError:
-    why = f"write not made durable, nothing changed: {_first_line(exc)}"
+    why = f"write not made durable, nothing changed: {first_line(exc)}"
     if isinstance(exc, pg_errors.DiskFull | pg_errors.OutOfMemory):
         return LedgerError(Code.STORAGE_FULL, why)
     return LedgerError(Code.STORAGE_UNAVAILABLE, why)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of a driver error (psycopg's messages run on)."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
@@ -328,7 +329,7 @@ class PostgresStorage(SqlStorage):
             migrate(self._db, self.path)
         except psycopg.Error as exc:
             self.close()
-            raise RuntimeError(f"{self.path}: {_first_line(exc)}") from exc
+            raise RuntimeError(f"{self.path}: {first_line(exc)}") from exc
         except BaseException:
             self.close()
             raise
