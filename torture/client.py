@@ -259,22 +259,6 @@ class Client:
             conn = self._conns[self.ep] = _Endpoint(self.endpoints[self.ep], self._credentials)
         return conn
 
-    @property
-    def channel(self) -> grpc.Channel:
-        return self._conn().channel
-
-    @property
-    def ledger(self) -> ledger_pb2_grpc.LedgerStub:
-        return self._conn().ledger
-
-    @property
-    def store(self) -> run_store_pb2_grpc.RunStoreStub:
-        return self._conn().store
-
-    @property
-    def engine(self) -> engine_store_pb2_grpc.EngineStoreStub:
-        return self._conn().engine
-
     def _switch(self, ep: int) -> None:
         if ep != self.ep and self._stream is not None:  # the stream was to the old one
             self._stream.close()
@@ -314,7 +298,7 @@ class Client:
             self._stream.close()
             self._stream = None
         if self._stream is None:
-            self._stream = ExecuteStream(self.ledger, self.name)
+            self._stream = ExecuteStream(self._conn().ledger, self.name)
             self.streams_opened += 1
         kind = COMMAND_KINDS.get(f) or SNAPSHOT_KINDS[f]
         return self._stream.execute(kind, req, CALL_TIMEOUT_S)
@@ -345,7 +329,7 @@ class Client:
             tries += 1
             entry["ep"], entry["at"] = self.ep, time.monotonic_ns()
             got = (self._execute(f, req) if streamed
-                   else self._unary(getattr(getattr(self, service), name), req))
+                   else self._unary(getattr(getattr(self._conn(), service), name), req))
             if got.refusal is not None and status_reason(got.refusal) == "NOT_LEADER":
                 # nothing was done here: on to the leader, same request id
                 entry["nl"] += 1
