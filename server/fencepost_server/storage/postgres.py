@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -212,6 +213,9 @@ def _pg_sql(sql: str) -> str:
     return sql.replace("%", "%%").replace("?", "%s")
 
 
+# INSERT INTO t (a, b) VALUES (?,?): no ON CONFLICT, no RETURNING
+_PLAIN_INSERT = re.compile(r"INSERT INTO (\w+) \(([\w, ]+)\) VALUES \(\?(?:, ?\?)*\)")
+
 _IN_TX = (TransactionStatus.INTRANS, TransactionStatus.INERROR, TransactionStatus.ACTIVE)
 
 
@@ -237,6 +241,14 @@ class PgConnection:
 
     def executemany(self, sql: str, rows: Any) -> psycopg.Cursor[Any]:
         cur = self.conn.cursor()
+        plain = _PLAIN_INSERT.fullmatch(sql)
+        if plain is not None:
+            # a plain INSERT (a batch's change rows): one COPY, about 5x faster
+            # than a statement per row, even pipelined as executemany sends them
+            with cur.copy(f"COPY {plain[1]} ({plain[2]}) FROM STDIN") as copy:  # type: ignore[arg-type]
+                for row in rows:
+                    copy.write_row(row)
+            return cur
         cur.executemany(_pg_sql(sql), list(rows))  # type: ignore[arg-type]
         return cur
 
