@@ -186,7 +186,7 @@ async def amain(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 rounds.append(got)
                 print(f"  {size:>9,} runs stored, round {r + 1}: takeover {got['takeover_s']:.2f} "
                       f"s after the SIGKILL; load {got['load_s']:.2f} s ({got['runs_loaded']:,} "
-                      f"runs in memory), gap {got['gap_ms']} ms, RSS {got['rss_mib']} MiB; "
+                      f"runs known), gap {got['gap_ms']} ms, RSS {got['rss_mib']} MiB; "
                       f"standby back in {got['standby_back_s']:.1f} s", flush=True)
             db_mib, rows = await asyncio.to_thread(_db_size, group)
             entry = {
