@@ -104,8 +104,8 @@ def test_stop_and_close_leave_nothing_running() -> None:
         workdir = given / "pg"
         with Cluster.start(workdir) as pg:
             procs = pg.processes()
-            assert pg.pid is not None and len(_children(pg.pid)) >= 3  # its workers
-            assert sorted(procs) == sorted([pg.pid, *_children(pg.pid)])
+            assert pg.pid is not None and procs[0] == pg.pid
+            assert len(set(procs) & set(_children(pg.pid))) >= 3  # its workers
             pg.stop()
             assert not pg.running and pg.pid is None and pg.processes() == []
             assert _gone(procs, 0)
