@@ -5,6 +5,9 @@ own event loop: for tests (sync or async) and the SDK's pytest fixture.
         srv.address        # "127.0.0.1:PORT"
         srv.clock.advance(61_000)
         srv.restart()      # graceful stop + start on the same file and port
+
+``db_path`` may also be a ``postgresql://`` URL (the PostgreSQL store); with a
+``ManualClock`` the clock bound (``max_clock_skew``) is then off by default.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .app import App, Settings
-from .clock import Clock, SystemClock
+from .clock import Clock, ManualClock, SystemClock
+
+PG_SCHEMES = ("postgresql://", "postgres://")
 
 T = TypeVar("T")
 
@@ -32,6 +37,10 @@ class ServerThread:
     ) -> None:
         self.db_path = str(db_path)
         self.clock: Any = clock or SystemClock()
+        if isinstance(self.clock, ManualClock) and self.db_path.startswith(PG_SCHEMES):
+            # a test clock is nowhere near the database's: the clock bound would
+            # keep this coordinator from ever leading
+            settings.setdefault("max_clock_skew", "0")
         self._listen = listen
         settings.setdefault("http_listen", "127.0.0.1:0")  # the dashboard on a free port
         self._settings = settings

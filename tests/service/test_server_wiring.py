@@ -40,6 +40,7 @@ def test_state_survives_a_graceful_restart(server, ledger) -> None:  # type: ign
     assert ledger.Acquire(pb.AcquireRequest(run_id="next", owner="w")).run.revision == rev + 1
 
 
+@pytest.mark.sqlite_only
 def test_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
     bad = tmp_path / "junk.db"
     bad.write_bytes(b"this is not sqlite" * 100)
@@ -48,6 +49,7 @@ def test_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
     assert bad.read_bytes() == b"this is not sqlite" * 100  # never silently recreated
 
 
+@pytest.mark.sqlite_only
 def test_refuses_a_foreign_database_and_a_newer_schema(tmp_path: Path) -> None:
     foreign = tmp_path / "foreign.db"
     db = sqlite3.connect(foreign)
@@ -65,6 +67,7 @@ def test_refuses_a_foreign_database_and_a_newer_schema(tmp_path: Path) -> None:
         SqliteStorage(newer).open()
 
 
+@pytest.mark.sqlite_only  # PRAGMA synchronous / journal_mode
 def test_server_runs_at_synchronous_full_by_default(server) -> None:  # type: ignore[no-untyped-def]
     sync = server.call(lambda: _pragma(server, "synchronous"))
     mode = server.call(lambda: _pragma(server, "journal_mode"))
@@ -99,6 +102,7 @@ def test_cancelled_call_with_request_id_acquires_at_most_once(server, channel) -
         ledger.Acquire(pb.AcquireRequest(run_id="c", owner="other"))
 
 
+@pytest.mark.sqlite_only
 def test_refuses_an_unreadable_stored_record(tmp_path: Path) -> None:
     path = tmp_path / "bad-record.db"
     st = SqliteStorage(path)
