@@ -6,9 +6,10 @@ Backends. The ledger, stream, engine-store and SDK suites (``tests/service``,
 reach ``backend`` (through ``server``, ``db``, ``make_server``, ``databases``
 or ``module_databases``) runs as ``test_x[sqlite]`` and ``test_x[postgres]``.
 One PostgreSQL cluster serves the whole session (started when the first test
-asks for it, from Debian's binaries: ``make postgres``); every test gets fresh
-databases on it. A test about the SQLite file itself (its bytes, pragmas, WAL,
-locking) is marked ``@pytest.mark.sqlite_only`` and runs as ``[sqlite]`` alone.
+asks for it, from Debian's binaries: ``make postgres``); every test gets empty
+databases on it (emptied for reuse after a test: ``PgPool``). A test about the
+SQLite file itself (its bytes, pragmas, WAL, locking) is marked
+``@pytest.mark.sqlite_only`` and runs as ``[sqlite]`` alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
-from _db import Databases
+from _db import Databases, PgPool
 
 from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
 from fencepost_server import pgcluster
@@ -61,15 +62,21 @@ def pg_cluster() -> Iterator[pgcluster.Cluster]:
         yield cluster
 
 
-def _cluster(backend: str, request: pytest.FixtureRequest) -> pgcluster.Cluster | None:
-    return request.getfixturevalue("pg_cluster") if backend == "postgres" else None
+@pytest.fixture(scope="session")
+def pg_pool(pg_cluster: pgcluster.Cluster) -> PgPool:
+    """Empty fencepost databases on the session's cluster, reused (see ``PgPool``)."""
+    return PgPool(pg_cluster)
+
+
+def _pool(backend: str, request: pytest.FixtureRequest) -> PgPool | None:
+    return request.getfixturevalue("pg_pool") if backend == "postgres" else None
 
 
 @pytest.fixture
 def databases(backend: str, tmp_path: Path, request: pytest.FixtureRequest
               ) -> Iterator[Databases]:
     """This test's databases on its backend (see ``Databases``)."""
-    dbs = Databases(tmp_path, _cluster(backend, request), request.node.name)
+    dbs = Databases(tmp_path, _pool(backend, request))
     yield dbs
     dbs.close()
 
@@ -78,8 +85,7 @@ def databases(backend: str, tmp_path: Path, request: pytest.FixtureRequest
 def module_databases(backend: str, tmp_path_factory: pytest.TempPathFactory,
                      request: pytest.FixtureRequest) -> Iterator[Databases]:
     """Databases for a module's shared servers, on the module's backend."""
-    dbs = Databases(tmp_path_factory.mktemp("module"), _cluster(backend, request),
-                    request.module.__name__.rsplit(".", 1)[-1])
+    dbs = Databases(tmp_path_factory.mktemp("module"), _pool(backend, request))
     yield dbs
     dbs.close()
 

@@ -22,8 +22,7 @@ from typing import Any, TypeVar
 
 from .app import App, Settings
 from .clock import Clock, ManualClock, SystemClock
-
-PG_SCHEMES = ("postgresql://", "postgres://")
+from .storage.postgres import is_url
 
 T = TypeVar("T")
 
@@ -44,7 +43,7 @@ class ServerThread:
         self.db_path = str(db_path)
         self.wait_leading = wait_leading
         self.clock: Any = clock or SystemClock()
-        if isinstance(self.clock, ManualClock) and self.db_path.startswith(PG_SCHEMES):
+        if isinstance(self.clock, ManualClock) and is_url(self.db_path):
             # a test clock is nowhere near the database's: the clock bound would
             # keep this coordinator from ever leading
             settings.setdefault("max_clock_skew", "0")

@@ -523,6 +523,16 @@ class Cluster:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
                 sql.Identifier(name)))
 
+    def sessions(self, dbname: str, application_name_like: str = "%") -> list[tuple[int, str]]:
+        """(pid, application_name) of every other session on ``dbname`` whose
+        application_name matches the LIKE pattern."""
+        with self.connect() as conn:
+            return [(int(pid), str(name)) for pid, name in conn.execute(
+                "SELECT pid, application_name FROM pg_stat_activity WHERE datname = %s "
+                "AND application_name LIKE %s AND pid <> pg_backend_pid() ORDER BY pid",
+                (dbname, application_name_like),
+            )]
+
     def terminate_connections(self, dbname: str, application_name_like: str = "%") -> int:
         """pg_terminate_backend every session on ``dbname`` whose application_name
         matches the LIKE pattern (waiting up to 5 s for each to end); how many."""

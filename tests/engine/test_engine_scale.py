@@ -74,7 +74,9 @@ def server_proc(tmp_path: Path, db: str) -> Iterator[tuple[str, int]]:
     try:
         deadline = time.monotonic() + 30
         while True:
-            m = re.search(r"fencepost serving on (\S+)", log_path.read_text(errors="replace"))
+            # SQLite: "fencepost serving on ADDR"; PostgreSQL: "leading (epoch N) on ADDR"
+            m = re.search(r"(?:fencepost serving|leading \(epoch \d+\)) on (\S+)",
+                          log_path.read_text(errors="replace"))
             if m:
                 break
             assert proc.poll() is None, log_path.read_text()

@@ -177,6 +177,8 @@ def test_terminate_connections_cuts_the_matching_sessions_only(pg: Cluster) -> N
     bystander = psycopg.connect(url, autocommit=True, application_name="worker")
     elsewhere = psycopg.connect(other_db, autocommit=True, application_name="fencepost-coord-2")
     try:
+        assert sorted(name for _, name in pg.sessions("c")) == ["fencepost-coord-1", "worker"]
+        assert [name for _, name in pg.sessions("c", "fencepost-%")] == ["fencepost-coord-1"]
         assert pg.terminate_connections("c", "fencepost-%") == 1
         with pytest.raises(psycopg.OperationalError):
             coord.execute("SELECT 1")
