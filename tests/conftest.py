@@ -37,8 +37,8 @@ BOTH_BACKENDS = ("service", "engine", "sdk")  # the suites that run on every bac
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" not in metafunc.fixturenames:
         return
-    parts = Path(metafunc.definition.path).resolve().relative_to(TESTS).parts
-    if not parts or parts[0] not in BOTH_BACKENDS:
+    path = Path(metafunc.definition.path).resolve()
+    if not path.is_relative_to(TESTS) or path.relative_to(TESTS).parts[0] not in BOTH_BACKENDS:
         return
     sqlite_only = metafunc.definition.get_closest_marker("sqlite_only") is not None
     metafunc.parametrize("backend", ["sqlite"] if sqlite_only else list(BACKENDS),
