@@ -7,8 +7,10 @@
    another owner, a lock-delay or a suspension is waited out, a finished run
    is refused).
 2. Run CMD with ``FENCEPOST_RUN_ID``, ``FENCEPOST_OWNER``,
-   ``FENCEPOST_FENCING_TOKEN`` and ``FENCEPOST_ADDR`` in its environment; the
-   lease is renewed in the background while it runs. SIGINT, SIGTERM and
+   ``FENCEPOST_FENCING_TOKEN`` and ``FENCEPOST_ADDR`` (the leader's address)
+   in its environment, and ``FENCEPOST_ENDPOINTS`` when ``--endpoints`` named
+   several; the lease is renewed in the background while it runs, on
+   whichever coordinator leads. SIGINT, SIGTERM and
    SIGHUP sent to ``hold`` are passed on to CMD.
 3. When CMD exits: finish the run ``completed`` (status 0) or ``failed`` with
    the outcome code ``EXIT_<status>`` (a CMD killed by signal N has status
@@ -98,15 +100,17 @@ async def _hold(args: argparse.Namespace, retry: fencepost.RetryPolicy, err: Tex
     kwargs: dict[str, Any] = {"retry": retry, **_security(args)}
     if args.ttl_ms is not None:
         kwargs["default_ttl_ms"] = args.ttl_ms
-    async with fencepost.Client(args.addr, owner=args.owner, **kwargs) as client:
+    async with fencepost.Client(args.endpoints, owner=args.owner, **kwargs) as client:
         lease = await _acquire(client, args, err)
         env = dict(
             os.environ,
             FENCEPOST_RUN_ID=lease.run_id,
             FENCEPOST_OWNER=lease.owner,
             FENCEPOST_FENCING_TOKEN=str(lease.fencing_token),
-            FENCEPOST_ADDR=args.addr,
+            FENCEPOST_ADDR=client.address,  # the leader
         )
+        if len(args.endpoints) > 1:
+            env["FENCEPOST_ENDPOINTS"] = ",".join(args.endpoints)
         try:
             proc = await asyncio.create_subprocess_exec(*args.cmd, env=env)
         except OSError as exc:
