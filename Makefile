@@ -44,7 +44,14 @@ browser:  ## install chromium + chromium-driver (Debian) for the browser tests, 
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; }
 
-test: $(STAMP) lint browser  ## lint, then every test (slow ones included)
+# The PostgreSQL store's tests start their own throwaway servers from Debian's binaries.
+.PHONY: postgres
+postgres:  ## install Debian's postgresql (the tests start their own servers from it), when missing
+	@ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends postgresql; }
+
+test: $(STAMP) lint browser postgres  ## lint, then every test (slow ones included)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-ts
 

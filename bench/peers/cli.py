@@ -326,7 +326,7 @@ def _one_run(
     finally:
         code = srv.stop()
         if code not in (0, None, -srv.stop_signal):  # etcd dies by the signal it is sent
-            print(f"  note: {b} exited with {code}; its log ends:\n{srv.server.log_tail()}",
+            print(f"  note: {b} exited with {code}; its log ends:\n{srv.log_tail()}",
                   flush=True)
 
 

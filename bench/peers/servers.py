@@ -5,7 +5,8 @@ Durable settings (every acknowledgement survives power loss):
 
 * fencepost: ``fencepost serve --durability full`` (SQLite WAL, synchronous=FULL);
 * etcd: defaults (the WAL is fsynced before a write is acknowledged);
-* PostgreSQL: ``fsync=on``, ``synchronous_commit=on`` (the defaults, spelled out);
+* PostgreSQL: a throwaway cluster (``fencepost_server.pgcluster``): ``fsync=on``,
+  ``synchronous_commit=on`` (the defaults, spelled out);
 * Redis: ``appendonly yes``, ``appendfsync always``, no RDB snapshots.
 
 Every process started here is a child of this process, stopped by its pid:
@@ -15,10 +16,7 @@ then any of its descendants still alive, by pid.
 
 from __future__ import annotations
 
-import asyncio
-import glob
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -32,6 +30,8 @@ from typing import Any
 import psutil
 from benchlib import BIN, HOST, ServerProcess, free_port, start_server
 
+from fencepost_server.pgcluster import Cluster, find_binary
+
 from .semantics import PG_SCHEMA, PG_USER
 
 APT_PACKAGES = {"etcd": "etcd-server", "postgres": "postgresql", "redis": "redis-server"}
@@ -41,16 +41,10 @@ PY_MODULES = {"postgres": "asyncpg", "redis": "redis"}
 # -- binaries ----------------------------------------------------------------------
 
 
-def _pg_bin(name: str) -> str | None:
-    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
-                   key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
-    return found[-1] if found else shutil.which(name)
-
-
 def binaries() -> dict[str, dict[str, str | None]]:
     return {
         "etcd": {"etcd": shutil.which("etcd")},
-        "postgres": {"postgres": _pg_bin("postgres"), "initdb": _pg_bin("initdb")},
+        "postgres": {"postgres": find_binary("postgres"), "initdb": find_binary("initdb")},
         "redis": {"redis-server": shutil.which("redis-server")},
     }
 
@@ -92,7 +86,7 @@ def install(peers: list[str]) -> None:
 def versions() -> dict[str, str]:
     out: dict[str, str] = {}
     for peer, argv in (("etcd", ["etcd", "--version"]),
-                       ("postgres", [_pg_bin("postgres") or "postgres", "--version"]),
+                       ("postgres", [find_binary("postgres") or "postgres", "--version"]),
                        ("redis", ["redis-server", "--version"])):
         try:
             text = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
@@ -141,19 +135,36 @@ def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
 
 @dataclass
 class Running:
+    """A started server: a child process, or (PostgreSQL) a throwaway cluster."""
+
     backend: str
     address: str
-    server: ServerProcess
+    server: ServerProcess | None = None
     stop_signal: int = signal.SIGTERM
     info: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = None
+    cluster: Cluster | None = None
 
     @property
     def pid(self) -> int:
+        if self.cluster is not None:
+            return self.cluster.pid or 0
+        assert self.server is not None
         return self.server.proc.pid
 
-    def stop(self, timeout: float = 15.0) -> int:
+    def log_tail(self) -> str:
+        if self.cluster is not None:
+            return self.cluster.log_tail()
+        assert self.server is not None
+        return self.server.log_tail()
+
+    def stop(self, timeout: float = 15.0) -> int | None:
         """Stop the server and then any descendant it left behind (by pid)."""
+        if self.cluster is not None:
+            code = self.cluster.stop(timeout)
+            self.cluster.close()
+            return code
+        assert self.server is not None
         try:
             kids = psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -248,85 +259,19 @@ def start_etcd(workdir: Path, tag: str) -> Running:
     return Running("etcd", address, srv)
 
 
-def _pg_os_user() -> str | None:
-    """The OS user PostgreSQL runs as: ourselves, or (as root) ``postgres``."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        pwd.getpwnam("postgres")
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", "postgres"], check=True)
-    return "postgres"
-
-
-def _chown(path: Path, user: str | None) -> None:
-    if user is not None:
-        subprocess.run(["chown", "-R", f"{user}:", str(path)], check=True)
-
-
-def pg_template(workdir: Path) -> Path:
-    """initdb once per invocation; each run copies it (a fresh cluster each time)."""
-    tpl = workdir / "pg-template"
-    if tpl.exists():
-        return tpl
-    user = _pg_os_user()
-    tpl.mkdir()
-    _chown(tpl, user)
-    initdb = binaries()["postgres"]["initdb"]
-    log = workdir / "pg-initdb.log"
-    with open(log, "wb") as f:
-        rc = subprocess.run(
-            [str(initdb), "-D", str(tpl), "-U", PG_USER, "-A", "trust", "-E", "UTF8",
-             "--no-instructions", "--no-sync"],
-            stdout=f, stderr=subprocess.STDOUT, user=user, cwd="/", timeout=300,
-        ).returncode
-    if rc != 0:
-        raise RuntimeError(f"initdb failed ({rc}):\n{log.read_text(errors='replace')[-2000:]}")
-    return tpl
-
-
 def start_postgres(workdir: Path, tag: str) -> Running:
-    user = _pg_os_user()
-    tpl = pg_template(workdir)
-    data = workdir / f"pg-{tag}"
-    subprocess.run(["cp", "-a", str(tpl), str(data)], check=True)
-    sock = workdir / f"pg-{tag}-sock"
-    sock.mkdir()
-    _chown(sock, user)
-    port = free_port()
-    argv = [
-        str(binaries()["postgres"]["postgres"]), "-D", str(data),
-        "-h", HOST, "-p", str(port), "-k", str(sock),
-        "-c", "fsync=on", "-c", "synchronous_commit=on", "-c", "full_page_writes=on",
-        "-c", "max_connections=200", "-c", "shared_buffers=128MB",
-        "-c", "logging_collector=off",
-    ]
-    log_path = workdir / f"pg-{tag}.log"
-    log_file = open(log_path, "wb")  # closed by Running.stop
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                            stderr=subprocess.STDOUT, user=user, cwd="/")
-    srv = ServerProcess("postgres", proc, log_path, log_file)
-    _wait_log(srv, r"database system is ready to accept connections")
-    address = f"{HOST}:{port}"
-
-    async def schema() -> None:
-        import asyncpg
-
-        con = await asyncpg.connect(host=HOST, port=port, user=PG_USER, database="postgres")
-        try:
-            await con.execute(PG_SCHEMA)
-            info = await con.fetch(
+    cluster = Cluster.start(workdir / f"pg-{tag}", role=PG_USER,
+                            settings={"shared_buffers": "128MB"})
+    running = Running("postgres", f"{HOST}:{cluster.port}", stop_signal=signal.SIGINT,
+                      cluster=cluster)
+    try:
+        with cluster.connect() as conn:
+            conn.execute(PG_SCHEMA)
+            info = conn.execute(
                 "SELECT name, setting FROM pg_settings WHERE name IN "
                 "('fsync', 'synchronous_commit', 'wal_sync_method', 'server_version')"
-            )
-        finally:
-            await con.close()
-        running.info.update({r["name"]: r["setting"] for r in info})
-
-    running = Running("postgres", address, srv, stop_signal=signal.SIGINT)
-    try:
-        asyncio.run(schema())
+            ).fetchall()
+        running.info.update(dict(info))
     except BaseException:
         running.stop()
         raise

@@ -5,9 +5,11 @@ commits -> database closes)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,14 +31,19 @@ from .auth import (
     is_loopback,
 )
 from .clock import Clock, OffsetClock, SystemClock
+from .core import ledger as L
+from .core.errors import Code, LedgerError
+from .leadership import Leadership, default_identity
 from .metrics import Metrics
 from .retention import Retention, parse_duration_ms
 from .services._registry import add_service
-from .services.engine_store import EngineStoreService, start_engine_store
+from .services.engine_store import EngineStoreService, start_engine_store, sweep_uploads
 from .services.ledger import LedgerService
 from .services.run_store import RunStoreService
 from .storage.engine_sql import EngineReader
-from .storage.sqlite import Durability, HistoryReader, SqliteStorage
+from .storage.postgres import NotLeader, PostgresStorage, is_url
+from .storage.sql import HistoryReader, SqlStorage
+from .storage.sqlite import Durability, SqliteStorage
 from .streams import FenceHub
 from .writer import Writer
 
@@ -50,6 +57,27 @@ log = logging.getLogger("fencepost")
 # TEST-ONLY broken builds (``--fault``), honoured only with ``--test-hooks``.
 FAULTS = ("ack-before-commit", "fence-ignores-owner")
 UNSAFE_ACK_DELAY_S = 0.2  # ack-before-commit: how long an answered batch stays uncommitted
+
+
+EXIT_DEPOSED = 3  # fencepost serve: this coordinator lost leadership (restart it)
+
+
+def _migrate(storage: PostgresStorage) -> None:
+    """Create or upgrade the PostgreSQL schema on a short-lived connection."""
+    import psycopg
+
+    from .storage import postgres
+
+    try:
+        db = postgres.connect(storage.url, f"fencepost-migrate {storage.name}")
+        try:
+            postgres.migrate(db, storage.path)
+        finally:
+            db.close()
+    except psycopg.Error as exc:  # unreachable, no such database, no permission...
+        raise RuntimeError(
+            f"{storage.path}: {postgres.first_line(exc)}; refusing to start"
+        ) from None
 
 
 class ConfigError(RuntimeError):
@@ -106,6 +134,13 @@ class Settings:
     http_listen: str = "127.0.0.1:8233"
     # Only /metrics and /healthz, e.g. on 0.0.0.0 for a scraper; "" is off.
     metrics_listen: str = ""
+    # Coordinators on one PostgreSQL database (leadership.py, docs/OPERATIONS.md):
+    # the address clients reach this one at ("": the listen address), the
+    # leader row's lease and renewal interval, and the clock bound ("0": off).
+    advertise: str = ""
+    leader_lease: str = "5s"
+    leader_renew: str = "1s"
+    max_clock_skew: str = "500ms"
     # TEST-ONLY (torture harness): OffsetClock + the TestHooks service; never by default.
     test_hooks: bool = False
     test_clock_offset_ms: int = 0  # with test_hooks: start the clock this far ahead
@@ -142,6 +177,10 @@ class Settings:
             "FENCEPOST_MAX_INFLIGHT_PER_STREAM": ("max_inflight_per_stream", int),
             "FENCEPOST_HTTP_LISTEN": ("http_listen", str),
             "FENCEPOST_METRICS_LISTEN": ("metrics_listen", str),
+            "FENCEPOST_ADVERTISE": ("advertise", str),
+            "FENCEPOST_LEADER_LEASE": ("leader_lease", str),
+            "FENCEPOST_LEADER_RENEW": ("leader_renew", str),
+            "FENCEPOST_MAX_CLOCK_SKEW": ("max_clock_skew", str),
         }
         for var, (name, typ) in mapping.items():
             if var in env and env[var] != "":
@@ -177,6 +216,9 @@ _CHECKS = {
     "http_listen": "FENCEPOST_HTTP_LISTEN",
     "metrics_listen": "FENCEPOST_METRICS_LISTEN",
     "retain_terminal": "FENCEPOST_RETAIN_TERMINAL",
+    "leader_lease": "FENCEPOST_LEADER_LEASE",
+    "leader_renew": "FENCEPOST_LEADER_RENEW",
+    "max_clock_skew": "FENCEPOST_MAX_CLOCK_SKEW",
 }
 _FLAGS = {"shutdown_grace_s": "--shutdown-grace", "db_path": "--db"}
 _EXPECTED = {
@@ -209,6 +251,18 @@ def split_address(text: str, default_port: int) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def duration_ms(text: str, name: str = "") -> int:
+    """A leadership duration in ms ("500ms", "5s", "1m" or seconds); the clock
+    bound may also be "0" or "off" (no check). ValueError otherwise."""
+    t = text.strip().lower()
+    if name == "max_clock_skew" and t in ("0", "off", "0ms", "0s"):
+        return 0
+    try:
+        return parse_duration_ms(t, name)
+    except RuntimeError:
+        raise ValueError("is not a positive duration (for example 500ms, 5s, 1m)") from None
+
+
 def _check(name: str, value: Any, from_env: bool) -> Any:
     """The value normalised, or SettingsError naming the flag or variable."""
     where = _CHECKS[name] if from_env else _FLAGS.get(name, "--" + name.replace("_", "-"))
@@ -234,6 +288,9 @@ def _normalise(name: str, value: Any) -> Any:
                 raise ValueError(
                     "is not a positive duration (for example 90s, 30m, 12h, 7d)"
                 ) from None
+        return str(value).strip()
+    if name in ("leader_lease", "leader_renew", "max_clock_skew"):
+        duration_ms(str(value), name)
         return str(value).strip()
     if name == "log_level":
         if str(value).upper() not in LOG_LEVELS:
@@ -273,6 +330,13 @@ class App:
     metrics: Metrics | None = None
     dashboard: Dashboard | None = None
     serving: bool = False
+    leadership: Leadership | None = None  # PostgreSQL: who leads (leadership.py)
+    identity: str = ""
+    # set when this coordinator stops leading; ``serve`` then exits with code 3
+    deposed: asyncio.Event = field(default_factory=asyncio.Event)
+    _leading: bool = False
+    _lead_task: asyncio.Task[None] | None = None
+    _retain_ms: int = 0
 
     async def start(self) -> App:
         s = self.settings
@@ -281,7 +345,14 @@ class App:
         authn, credentials = security(s)  # before anything opens: a bad flag changes nothing
         retain_ms = parse_duration_ms(s.retain_terminal, "--retain-terminal") \
             if s.retain_terminal else 0
-        storage = SqliteStorage(s.db_path, s.durability)
+        self._retain_ms = retain_ms
+        storage: SqlStorage
+        if is_url(s.db_path):
+            self.identity = default_identity()
+            storage = PostgresStorage(s.db_path, durable=s.durability is Durability.FULL,
+                                      name=self.identity)
+        else:
+            storage = SqliteStorage(s.db_path, s.durability)
         self.writer = Writer(
             storage,
             self.clock,
@@ -292,14 +363,21 @@ class App:
             history_max_age_ms=s.history_max_age_s * 1000,
             prune_every_ms=int(s.prune_every_s * 1000),
         )
-        await self.writer.start()
-        self.engine_store, self._engine_reader = await start_engine_store(self.writer, s.db_path)
+        self.writer.on_failed_commit = self._on_failed_commit
+        if isinstance(storage, PostgresStorage):
+            # the schema first (standbys need the leader row), then only the
+            # leader loads the state (``_lead``)
+            await asyncio.to_thread(_migrate, storage)
+        else:
+            await self.writer.start()
+        self.engine_store, self._engine_reader = start_engine_store(self.writer, storage.reader)
         self.hub = FenceHub(self.writer, self.clock, queue_limit=s.stream_queue_limit)
         self.hub.start()
         self.metrics = Metrics(self.writer, self.hub, self.clock, version())
+        self.metrics.leadership = self._leader_gauge
         instrument = self.metrics.instrument
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
-        self._history = HistoryReader(s.db_path)
+        self._history = HistoryReader(storage.reader)
         options = [
             # Our own limit (services/_registry.py) answers an oversized message
             # with RUN_VALIDATION_ERROR and keeps the stream; gRPC's, above it,
@@ -310,7 +388,8 @@ class App:
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options)
-        guarded: dict[str, Any] = {"authn": authn, "max_message_bytes": s.max_message_bytes}
+        guarded: dict[str, Any] = {"authn": authn, "max_message_bytes": s.max_message_bytes,
+                                   "gate": self._gate}
         add_service(
             self.server,
             LedgerService(
@@ -337,7 +416,7 @@ class App:
             instrument=instrument,
         )
         if s.test_hooks or s.fault:
-            self._test_hooks(guarded)
+            self._test_hooks({**guarded, "gate": None})
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -350,9 +429,6 @@ class App:
         if self.port == 0:
             raise RuntimeError(f"could not listen on {s.listen}")
         await self.server.start()
-        if retain_ms:
-            self.retention = Retention(self.writer, self.clock, retain_ms)
-            self.retention.start()
         if s.health_listen:
             self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
@@ -360,17 +436,102 @@ class App:
             if self.health_port == 0:
                 raise RuntimeError(f"could not listen on {s.health_listen} (--health-listen)")
             await self.health_server.start()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if isinstance(storage, PostgresStorage):
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.leadership = Leadership(
+                storage.url, self.clock, address=s.advertise or self.address,
+                identity=self.identity,
+                lease_ms=duration_ms(s.leader_lease), renew_ms=duration_ms(s.leader_renew),
+                max_skew_ms=duration_ms(s.max_clock_skew, "max_clock_skew"),
+            )
+            self._lead_task = asyncio.create_task(self._lead(storage), name="fencepost-leader")
+            log.info("fencepost standby on %s (db=%s, advertised as %s): waiting to lead",
+                     self.address, storage.path, self.leadership.address)
+        else:
+            await self._serve_as_leader()
+            log.info(
+                "fencepost serving on %s (db=%s, durability=%s, revision=%d, runs=%d)",
+                self.address,
+                Path(s.db_path),
+                s.durability.value,
+                self.writer.state.revision,
+                len(self.writer.state.index),
+            )
         await self._start_http()
-        log.info(
-            "fencepost serving on %s (db=%s, durability=%s, revision=%d, runs=%d)",
-            self.address,
-            Path(s.db_path),
-            s.durability.value,
-            self.writer.state.revision,
-            len(self.writer.state.index),
-        )
         return self
+
+    async def _serve_as_leader(self) -> None:
+        """The writer runs: sweep what a crash left, start retention, SERVING."""
+        assert self.writer is not None
+        await sweep_uploads(self.writer)
+        if self._retain_ms:
+            self.retention = Retention(self.writer, self.clock, self._retain_ms)
+            self.retention.start()
+        self._leading = True
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _lead(self, storage: PostgresStorage) -> None:
+        """Standby until this coordinator takes over; then load, extend the
+        live leases by the time the coordinator was unavailable, serve, and
+        renew until leadership is lost (then ``deposed`` is set)."""
+        ld = self.leadership
+        assert ld is not None and self.writer is not None
+        try:
+            takeover = await ld.campaign()
+            storage.epoch = takeover.epoch
+            keeper = asyncio.create_task(ld.keep(), name="fencepost-leader-renewal")
+            started = time.perf_counter()
+            await self.writer.start()
+            if takeover.gap_ms:
+                await self.writer.submit(
+                    L.ExtendLeases(takeover.gap_ms, self.clock.now_ms() - takeover.gap_ms)
+                )
+            if ld.leading:
+                await self._serve_as_leader()
+                log.info(
+                    "leading (epoch %d) on %s after %s; loaded revision %d, %d runs in %.2f s; "
+                    "leases extended by %d ms",
+                    takeover.epoch, ld.address, takeover.previous or "a fresh database",
+                    self.writer.state.revision, len(self.writer.state.index),
+                    time.perf_counter() - started, takeover.gap_ms,
+                )
+            why = await keeper
+        except asyncio.CancelledError:
+            raise
+        except (LedgerError, Exception) as exc:  # could not load or extend: not leading
+            why = f"could not take over: {exc}"
+            log.exception("taking over failed")
+        self._depose(why)
+
+    def _depose(self, why: str) -> None:
+        """Leadership is lost: refuse everything from now on (``deposed``)."""
+        if self.leadership is not None:
+            self.leadership.lose(why)
+        self._leading = False
+        if self.hub is not None:
+            self.hub.shutdown()  # streams end with UNAVAILABLE: clients go to the new leader
+        if self.health is not None:
+            asyncio.get_running_loop().create_task(
+                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self.deposed.set()
+
+    def _on_failed_commit(self, exc: LedgerError) -> None:
+        if exc.code is Code.NOT_LEADER and self.leadership is not None:
+            self._depose("a batch found the epoch moved: another coordinator took over")
+
+    def _leader_gauge(self) -> tuple[int, int]:
+        ld = self.leadership
+        if ld is None:
+            return int(self._leading), 0
+        return int(self._leading and ld.leading), ld.epoch or 0
+
+    def _gate(self) -> LedgerError | None:
+        """None while this coordinator leads; else why it refuses (NOT_LEADER)."""
+        ld = self.leadership
+        if ld is None or (self._leading and ld.leading):
+            return None
+        leader = ld.leader_address
+        return NotLeader("" if leader == ld.address else leader)
 
     def _test_hooks(self, guarded: dict[str, Any]) -> None:
         """TEST-ONLY: register TestHooks and switch on a broken build (torture/)."""
@@ -475,6 +636,10 @@ class App:
             core_ledger.UNSAFE_SKIP_OWNER_CHECK = False  # process-global: undo for in-process use
         if self.health is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._lead_task is not None:
+            self._lead_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._lead_task
         if self.retention is not None:
             await self.retention.stop()
         if self.dashboard is not None:
@@ -494,6 +659,11 @@ class App:
             self.metrics.close()
         if self.writer is not None:
             await self.writer.close()
+        if self.leadership is not None:
+            if self._leading and self.leadership.leading:
+                await self.leadership.resign()  # a standby takes over at once
+            self._leading = False
+            await self.leadership.close()
         if self._engine_reader is not None:
             await asyncio.to_thread(self._engine_reader.close)
         if self._history_executor is not None and self._history is not None:
@@ -523,6 +693,11 @@ def security(s: Settings) -> tuple[Authenticator | None, grpc.ServerCredentials 
                         ("--max-inflight-per-stream", s.max_inflight_per_stream)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, not {value}")
+    if is_url(s.db_path) and duration_ms(s.leader_renew) >= duration_ms(s.leader_lease):
+        raise ConfigError(
+            f"--leader-renew {s.leader_renew} must be shorter than --leader-lease "
+            f"{s.leader_lease} (the leader renews several times per lease)"
+        )
     if not s.tls_cert and not s.allow_insecure and not is_loopback(s.listen):
         raise ConfigError(
             f"refusing to serve plaintext on {s.listen}: anyone who can reach it could hold "
@@ -564,6 +739,15 @@ async def serve(settings: Settings, clock: Clock | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopped, deposed = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(app.deposed.wait())
+    await asyncio.wait((stopped, deposed), return_when=asyncio.FIRST_COMPLETED)
+    if app.deposed.is_set():
+        # Crash-only: everything in memory may be stale now. Exit at once
+        # (nothing more is acknowledged); the supervisor restarts this
+        # coordinator, which comes back as a standby.
+        log.error("exiting with code %d: lost leadership (%s)", EXIT_DEPOSED,
+                  app.leadership.lost if app.leadership else "?")
+        logging.shutdown()
+        os._exit(EXIT_DEPOSED)
     log.info("signal received; draining")
     await app.stop()

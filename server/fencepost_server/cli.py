@@ -1,6 +1,6 @@
 """The ``fencepost`` command.
 
-    fencepost serve [--listen ADDR] [--db PATH] [--durability full|normal] ...
+    fencepost serve [--listen ADDR] [--db PATH|postgresql://...] [--durability full|normal] ...
     fencepost get RUN_ID            fencepost ls [--status S]... [--owner O]
     fencepost cancel RUN_ID [-m M]  fencepost resume RUN_ID   fencepost delete RUN_ID
     fencepost hold RUN_ID [--ttl MS] [--wait] [--release] -- CMD ARGS...
@@ -82,7 +82,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument(
         "--db",
         dest="db_path",
-        help="SQLite database file (env FENCEPOST_DB; default ./fencepost.db)",
+        help="SQLite database file, or a postgresql://USER@HOST:PORT/DBNAME URL for "
+        "coordinators sharing one PostgreSQL database, one leading at a time "
+        "(env FENCEPOST_DB; default ./fencepost.db)",
     )
     p.add_argument(
         "--durability",
@@ -130,6 +132,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="seconds in-flight calls get on SIGTERM (default 5)",
     )
     _security_flags(p)
+    _leadership_flags(p)
     p.add_argument(
         "--retain-terminal",
         dest="retain_terminal",
@@ -151,6 +154,21 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="TEST ONLY: a deliberately broken build proving the torture checkers can "
         "fail; honoured only with --test-hooks (env FENCEPOST_FAULT)",
     )
+
+
+def _leadership_flags(p: argparse.ArgumentParser) -> None:
+    """Several coordinators on one PostgreSQL database (docs/OPERATIONS.md)."""
+    g = p.add_argument_group("coordinators on PostgreSQL (docs/OPERATIONS.md)")
+    g.add_argument("--advertise", metavar="ADDR", help="the address clients reach this "
+                   "coordinator at, told to them by the standbys (env FENCEPOST_ADVERTISE; "
+                   "default the listen address)")
+    g.add_argument("--leader-lease", metavar="DURATION", help="a leader that has not renewed "
+                   "for this long is replaced (env FENCEPOST_LEADER_LEASE; default 5s)")
+    g.add_argument("--leader-renew", metavar="DURATION", help="how often the leader renews "
+                   "(env FENCEPOST_LEADER_RENEW; default 1s)")
+    g.add_argument("--max-clock-skew", metavar="DURATION", help="refuse to lead while this "
+                   "coordinator's clock differs from the database's by more "
+                   "(env FENCEPOST_MAX_CLOCK_SKEW; default 500ms; 0: no check)")
 
 
 def _security_flags(p: argparse.ArgumentParser) -> None:
@@ -230,6 +248,10 @@ def _serve_settings(args: argparse.Namespace, settings_cls: type[Settings]) -> S
         max_concurrent_streams=args.max_concurrent_streams,
         max_tracked_per_stream=args.max_tracked_per_stream,
         max_inflight_per_stream=args.max_inflight_per_stream,
+        advertise=args.advertise,
+        leader_lease=args.leader_lease,
+        leader_renew=args.leader_renew,
+        max_clock_skew=args.max_clock_skew,
         **_web_overrides(args),
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -28,9 +29,15 @@ class ServerThread:
         db_path: str | Path,
         clock: Clock | None = None,
         listen: str = "127.0.0.1:0",
+        *,
+        wait_leading: float = 30.0,
         **settings: Any,
     ) -> None:
+        """``db_path``: a SQLite file or a PostgreSQL URL; with a URL, ``start``
+        waits up to ``wait_leading`` seconds for this coordinator to lead
+        (0: return at once, e.g. for a standby)."""
         self.db_path = str(db_path)
+        self.wait_leading = wait_leading
         self.clock: Any = clock or SystemClock()
         self._listen = listen
         settings.setdefault("http_listen", "127.0.0.1:0")  # the dashboard on a free port
@@ -53,6 +60,12 @@ class ServerThread:
         settings = Settings(listen=listen, db_path=self.db_path, **self._settings)
         self.app = self.call(lambda: App(settings, self.clock).start())
         self.port = self.app.port
+        if self.app.leadership is not None and self.wait_leading:
+            deadline = time.monotonic() + self.wait_leading
+            while not self.app.serving:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not leading after {self.wait_leading:g} s")
+                time.sleep(0.01)
         if self.app.http_port and self._settings["http_listen"].endswith(":0"):
             self._settings["http_listen"] = f"127.0.0.1:{self.app.http_port}"  # same on restart
         return self

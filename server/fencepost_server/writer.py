@@ -10,7 +10,7 @@ callers answered, the in-memory committed state moved and the change feed
 published. A refused command does not disturb its neighbours; a failed commit
 fails every command of the batch and moves nothing.
 
-Only this module (through ``SqliteStorage.open``) opens a write connection.
+Only this module (through the storage's ``open``) opens a write connection.
 """
 
 from __future__ import annotations
@@ -31,15 +31,7 @@ from .core import ledger as L
 from .core.errors import Code, LedgerError, in_transaction, validation
 from .core.records import TERMINAL, Record, Status
 from .index import RunIndex
-from .storage.sqlite import (
-    KIND_DELETE,
-    KIND_PUT,
-    Batch,
-    SqliteStorage,
-    finished_before,
-    open_read_only,
-    read_runs,
-)
+from .storage.sql import KIND_DELETE, KIND_PUT, Batch, SqlStorage, read_runs
 
 log = logging.getLogger("fencepost.writer")
 
@@ -131,7 +123,7 @@ COMMIT_GATHER = 32
 MATERIALIZE_CHUNK = 4096  # runs copied into the runs table per batch, at most
 MAX_PENDING = 65_536  # past this many unwritten runs, copy without waiting
 
-Executor = Callable[[Any, Any, int], Any]  # (sqlite3.Connection, command, now) -> result
+Executor = Callable[[Any, Any, int], Any]  # (connection, command, now) -> result
 
 
 class _Step:
@@ -183,7 +175,7 @@ class _Step:
 class Writer:
     def __init__(
         self,
-        storage: SqliteStorage,
+        storage: SqlStorage,
         clock: Clock,
         *,
         max_batch: int = 1024,
@@ -248,6 +240,12 @@ class Writer:
         # Checks a lock fence against its row (registered with the engine
         # store's executors): (sqlite3.Connection, Fence) -> None or raise.
         self.lock_fence: Callable[[Any, F.Fence], None] | None = None
+        # Extends the engine store's live claims and locks at a takeover
+        # (registered with its executors): (connection, by_ms, alive_at) -> count.
+        self.extend_other_leases: Callable[[Any, int, int], int] | None = None
+        # Called on the loop with the error of a batch that could not commit
+        # (app.py: a NOT_LEADER there means this coordinator was deposed).
+        self.on_failed_commit: Callable[[LedgerError], None] | None = None
         # TEST-ONLY broken build (``--test-hooks --fault ack-before-commit``, set by
         # app.py): seconds between answering a batch and committing it. 0: never.
         self.unsafe_ack_before_commit_s = 0.0
@@ -397,7 +395,7 @@ class Writer:
 
     def _read_only(self) -> Any:
         if self._reader_db is None:
-            self._reader_db = open_read_only(self.storage.path)
+            self._reader_db = self.storage.reader()
         return self._reader_db
 
     async def finished_before(
@@ -408,7 +406,8 @@ class Writer:
         retention), read off the loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._reader, lambda: finished_before(self._read_only(), cutoff_ms, limit, after)
+            self._reader,
+            lambda: self.storage.finished_before(self._read_only(), cutoff_ms, limit, after),
         )
 
     async def submit(self, cmd: L.Command) -> L.Result:
@@ -556,7 +555,9 @@ class Writer:
             self.stats.failed_commits += 1
             log.error("commit failed for %d commands: %s", len(batch), exc.message)
             for item in batch:
-                item.deliver(LedgerError(exc.code, exc.message))
+                item.deliver(LedgerError(exc.code, exc.message, metadata=exc.metadata))
+            if self.on_failed_commit is not None:
+                self.on_failed_commit(exc)
             return
         except BaseException as exc:  # a bug: fail the batch, keep serving
             self.stats.failed_commits += 1
@@ -662,6 +663,8 @@ class Writer:
                         answer = self.storage.run_isolated(executor, cmd, now)
                 elif type(cmd) is L.Transaction:
                     answer = self._transaction(cmd, st, now)  # type: ignore[arg-type]
+                elif type(cmd) is L.ExtendLeases:
+                    answer = self._extend_leases(cmd, st, now)  # type: ignore[arg-type]
                 else:
                     try:
                         answer = self._decide(cmd, st, now)
@@ -747,10 +750,7 @@ class Writer:
                 st.changed[run_id] = rev
             out = st.out
             if isinstance(change, L.Put):
-                overlay[run_id] = change.record
-                out.deletes.pop(run_id, None)
-                out.changes.append((rev, run_id, KIND_PUT, change.record))
-                st.events.append(ChangeEvent(rev, KIND_PUT, run_id, change.record, cur, type(cmd)))
+                self._put(st, rev, change.record, cur, type(cmd))
             else:
                 overlay[run_id] = None
                 st.tombs[run_id] = max(tomb, change.fencing_token)
@@ -758,6 +758,37 @@ class Writer:
                 out.changes.append((rev, run_id, KIND_DELETE, None))
                 st.events.append(ChangeEvent(rev, KIND_DELETE, run_id, None, cur, type(cmd)))
         return decision.result
+
+    @staticmethod
+    def _put(st: _Step, rev: int, rec: Record, cur: Record | None, cause: type) -> None:
+        """Add a PUT of ``rec`` (revision ``rev``, already taken) to the batch."""
+        run_id = rec.run_id
+        st.overlay[run_id] = rec
+        st.out.deletes.pop(run_id, None)
+        st.out.changes.append((rev, run_id, KIND_PUT, rec))
+        st.events.append(ChangeEvent(rev, KIND_PUT, run_id, rec, cur, cause))
+
+    def _extend_leases(self, cmd: L.ExtendLeases, st: _Step, now: int) -> L.LeasesExtended:
+        """A new leader's extension of every live lease (leadership.py): the
+        ledger's leases in memory (every leased run is held there), then the
+        engine store's claims and locks in their tables. Writer thread."""
+        runs = 0
+        for run_id, committed in list(st.committed.runs.items()):
+            cur = st.overlay[run_id] if run_id in st.overlay else committed
+            if cur is None:
+                continue
+            rec = L.extend_lease(cur, cmd, now, st.rev + 1)
+            if rec is None:
+                continue
+            rev = st.rev = st.rev + 1
+            if run_id not in st.changed:
+                st.changed[run_id] = rev
+            self._put(st, rev, rec, cur, L.ExtendLeases)
+            runs += 1
+        others = 0
+        if self.extend_other_leases is not None:
+            others = self.extend_other_leases(self.storage.db, cmd.by_ms, cmd.alive_at)
+        return L.LeasesExtended(runs, others)
 
     def _check_fence(self, fence: F.Fence, st: _Step) -> None:
         """Raise unless ``fence`` holds right now: a run fence against the

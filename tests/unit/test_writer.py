@@ -310,9 +310,10 @@ async def test_a_pruning_backlog_goes_in_bounded_chunks(
     """A batch prunes at most PRUNE_CHUNK changes; a backlog is pruned in the
     batches that follow (not one stall every prune_every_ms), oldest first,
     leaving one contiguous history."""
+    from fencepost_server.storage import sql as storage_sql
     from fencepost_server.storage import sqlite as storage_sqlite
 
-    monkeypatch.setattr(storage_sqlite, "PRUNE_CHUNK", 4)
+    monkeypatch.setattr(storage_sql, "PRUNE_CHUNK", 4)
     path = tmp_path / "chunks.db"
     clock = ManualClock()
     w = Writer(SqliteStorage(path), clock, history_revisions=10, prune_every_ms=3_600_000,

@@ -38,6 +38,9 @@ class Code(StrEnum):
     OWNER_NOT_PERMITTED = "OWNER_NOT_PERMITTED"
     # A per-connection limit (tracked leases per KeepAlive stream) was reached.
     STREAM_LIMIT_EXCEEDED = "STREAM_LIMIT_EXCEEDED"
+    # This coordinator does not lead (a standby, or deposed): nothing was
+    # done; metadata "leader" is the leader's advertised address ("" unknown).
+    NOT_LEADER = "NOT_LEADER"
 
 
 class LedgerError(Exception):

@@ -170,6 +170,34 @@ class TransactionDone:
 MAX_TRANSACTION_COMMANDS = 100
 
 
+@dataclass(slots=True)
+class ExtendLeases:
+    """A new leader's first command (leadership.py): every lease that had not
+    expired at ``alive_at`` (when the coordinator became unavailable) is
+    extended by ``by_ms`` (how long it was unavailable), so no holder loses a
+    lease because the coordinator changed: a change of leader only ever
+    extends leases. The engine store's claims and keyed locks likewise."""
+
+    by_ms: int
+    alive_at: int
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class LeasesExtended:
+    runs: int  # ledger leases extended
+    others: int  # engine-store claims and keyed locks extended
+
+
+def extend_lease(cur: Record, cmd: ExtendLeases, now: int, rev: int) -> Record | None:
+    """The record with its lease extended as ``cmd`` says, or None when it has
+    no lease that was live at ``cmd.alive_at``."""
+    lease = cur.lease
+    if lease is None or lease.expires_at <= cmd.alive_at or is_terminal(cur.status):
+        return None
+    return _write(cur, now, rev, lease=_extend(lease, lease.expires_at + cmd.by_ms))
+
+
 Command = (
     Acquire
     | Renew
@@ -185,6 +213,7 @@ Command = (
     | RawCompareAndSet
     | RawDelete
     | Transaction
+    | ExtendLeases
 )
 HandleCommand = Renew | RecordCheckpoint | Suspend | Finish | Release
 

@@ -34,6 +34,7 @@ from google.protobuf.descriptor import (
 from google.protobuf.message import DecodeError, Message
 
 from ..auth import Authenticator, guard
+from ..core.errors import LedgerError
 
 _STRING = descriptor_pb2.FieldDescriptorProto.TYPE_STRING
 _BYTES = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
@@ -128,6 +129,22 @@ def _strings_to_bytes(messages: Any) -> None:
 Instrument = Callable[[str, str, Callable[..., Any]], Callable[..., Any]]
 
 
+def _gated(gate: Callable[[], LedgerError | None], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, refused with ``gate()``'s error while it returns one (unary
+    calls and streams alike, before anything is read or done)."""
+    from ._errors import to_status
+
+    @functools.wraps(fn)
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        refusal = gate()
+        if refusal is not None:
+            await context.abort_with_status(to_status(refusal))  # type: ignore[attr-defined]
+            return None
+        return await fn(request, context)
+
+    return wrapper
+
+
 def add_service(
     server: grpc.aio.Server,
     servicer: object,
@@ -136,9 +153,12 @@ def add_service(
     authn: Authenticator | None = None,
     max_message_bytes: int | None = None,
     instrument: Instrument | None = None,
+    gate: Callable[[], LedgerError | None] | None = None,
 ) -> None:
-    """``authn`` guards each handler (auth.py); ``instrument(service, method,
-    fn)`` may wrap it in turn (metrics: refusals by the guard are counted)."""
+    """``authn`` guards each handler (auth.py); ``gate()``, before it, refuses
+    every call while it returns an error (a standby coordinator: NOT_LEADER);
+    ``instrument(service, method, fn)`` may wrap it in turn (metrics:
+    refusals by the guard are counted)."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
         req_cls = message_factory.GetMessageClass(method.input_type)
@@ -147,6 +167,8 @@ def add_service(
         if authn is not None:
             fn = guard(authn, f"/{service.full_name}/{method.name}", fn,
                        unary_request=not method.client_streaming)
+        if gate is not None:
+            fn = _gated(gate, fn)
         if instrument is not None:
             fn = instrument(service.full_name, method.name, fn)
         kind = {

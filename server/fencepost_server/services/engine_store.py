@@ -815,14 +815,19 @@ def _consume(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-async def start_engine_store(
-    writer: Writer, db_path: str
+def start_engine_store(
+    writer: Writer, connect: Callable[[], Any]
 ) -> tuple[EngineStoreService, EngineReader]:
-    """Register the executors, sweep uploads a crash left behind, and build
-    the servicer with its reader (call before the server starts serving)."""
+    """Register the executors and build the servicer with its reader over
+    ``connect`` (the storage's read-only connections); call before the server
+    starts serving, and ``sweep_uploads`` once the writer runs."""
     Q.register(writer)
+    reader = EngineReader(connect)
+    return EngineStoreService(writer, reader), reader
+
+
+async def sweep_uploads(writer: Writer) -> None:
+    """Remove the artifact uploads a crash left unfinished (the writer runs)."""
     swept: Any = await writer.submit(E.SweepUploads())  # type: ignore[arg-type]
     if swept.ok:
         log.info("removed %d unfinished artifact uploads", swept.at)
-    reader = EngineReader(db_path)
-    return EngineStoreService(writer, reader), reader

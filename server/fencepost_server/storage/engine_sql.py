@@ -1,15 +1,15 @@
-"""The engine store on SQLite: the writer's executors, and the read side.
+"""The engine store's SQL (SQLite and PostgreSQL alike): the writer's executors, and the read side.
 
 Executors run in the writer thread, inside the batch's transaction and a
 savepoint of their own (``Writer.register``): each reads the rows it needs,
 calls the pure decision in ``core.engine``, and writes the outcome. Nothing
 else writes these tables.
 
-Reads go through ``EngineReader``: read-only connections (``mode=ro``) used
-from a thread pool of their own, never the writer's thread and never the
-event loop. WAL lets them read committed state while the writer commits; a
-listing reads one snapshot (one read transaction) from its first page to its
-last.
+Reads go through ``EngineReader``: read-only connections (the storage's
+``reader``) used from a thread pool of their own, never the writer's thread
+and never the event loop. They read committed state while the writer
+commits; a listing reads one snapshot (one read transaction) from its first
+page to its last.
 
 Artifacts are stored as the chunks they arrived in (``engine_chunks``, keyed
 by an upload id), one writer command per chunk, so no artifact is ever held
@@ -24,16 +24,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
 
 from ..core import engine as E
 from ..core import fence as F
-from .sqlite import open_read_only
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -63,12 +60,12 @@ def _artifact(row: Sequence[Any]) -> E.Artifact:
     return E.Artifact(*row)
 
 
-def _get_run(db: sqlite3.Connection, run_id: str) -> E.Run | None:
+def _get_run(db: Any, run_id: str) -> E.Run | None:
     row = db.execute(f"SELECT {RUN_COLS} FROM engine_runs WHERE id = ?", (run_id,)).fetchone()
     return None if row is None else _run(row)
 
 
-def _put_run(db: sqlite3.Connection, r: E.Run) -> None:
+def _put_run(db: Any, r: E.Run) -> None:
     db.execute(
         f"INSERT INTO engine_runs ({RUN_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
         "ON CONFLICT (id) DO UPDATE SET agent=excluded.agent, status=excluded.status, "
@@ -93,7 +90,7 @@ def _put_run(db: sqlite3.Connection, r: E.Run) -> None:
     )
 
 
-def _get_artifact(db: sqlite3.Connection, art_id: str) -> E.Artifact | None:
+def _get_artifact(db: Any, art_id: str) -> E.Artifact | None:
     row = db.execute(
         f"SELECT {ARTIFACT_COLS} FROM engine_artifacts WHERE id = ?", (art_id,)
     ).fetchone()
@@ -103,34 +100,34 @@ def _get_artifact(db: sqlite3.Connection, art_id: str) -> E.Artifact | None:
 # -- executors (writer thread) -------------------------------------------------------------
 
 
-def create_run(db: sqlite3.Connection, cmd: E.CreateRun, now: int) -> E.RunCreated:
+def create_run(db: Any, cmd: E.CreateRun, now: int) -> E.RunCreated:
     row, result = E.decide_create_run(_get_run(db, cmd.id), cmd, now)
     if row is not None:
         _put_run(db, row)
     return result
 
 
-def update_run(db: sqlite3.Connection, cmd: E.UpdateRun, now: int) -> E.Run:
+def update_run(db: Any, cmd: E.UpdateRun, now: int) -> E.Run:
     run = E.decide_update_run(_get_run(db, cmd.id), cmd, now)
     _put_run(db, run)
     return run
 
 
-def claim_run(db: sqlite3.Connection, cmd: E.ClaimRun, now: int) -> E.RunClaimed:
+def claim_run(db: Any, cmd: E.ClaimRun, now: int) -> E.RunClaimed:
     row, result = E.decide_claim_run(_get_run(db, cmd.id), cmd, now)
     if row is not None:
         _put_run(db, row)
     return result
 
 
-def renew_claim(db: sqlite3.Connection, cmd: E.RenewClaim, now: int) -> E.RunClaimed:
+def renew_claim(db: Any, cmd: E.RenewClaim, now: int) -> E.RunClaimed:
     row, result = E.decide_renew_claim(_get_run(db, cmd.id), cmd, now)
     if row is not None:
         _put_run(db, row)
     return result
 
 
-def append_step(db: sqlite3.Connection, cmd: E.AppendStep, now: int) -> E.Step:
+def append_step(db: Any, cmd: E.AppendStep, now: int) -> E.Step:
     (last,) = db.execute(
         "SELECT coalesce(max(seq), 0) FROM engine_steps WHERE run_id = ?", (cmd.run_id,)
     ).fetchone()
@@ -152,7 +149,7 @@ def append_step(db: sqlite3.Connection, cmd: E.AppendStep, now: int) -> E.Step:
     return step
 
 
-def save_checkpoint(db: sqlite3.Connection, cmd: E.SaveCheckpoint, now: int) -> E.CheckpointSaved:
+def save_checkpoint(db: Any, cmd: E.SaveCheckpoint, now: int) -> E.CheckpointSaved:
     row = db.execute(
         "SELECT run_id, step_index, state, saved_at FROM engine_checkpoints WHERE run_id = ?",
         (cmd.run_id,),
@@ -160,14 +157,15 @@ def save_checkpoint(db: sqlite3.Connection, cmd: E.SaveCheckpoint, now: int) -> 
     new, result = E.decide_save_checkpoint(E.Checkpoint(*row) if row else None, cmd, now)
     if new is not None:
         db.execute(
-            "INSERT OR REPLACE INTO engine_checkpoints (run_id, step_index, state, saved_at) "
-            "VALUES (?,?,?,?)",
+            "INSERT INTO engine_checkpoints (run_id, step_index, state, saved_at) "
+            "VALUES (?,?,?,?) ON CONFLICT (run_id) DO UPDATE SET "
+            "step_index=excluded.step_index, state=excluded.state, saved_at=excluded.saved_at",
             (new.run_id, new.step_index, new.state, new.saved_at),
         )
     return result
 
 
-def claim_key(db: sqlite3.Connection, cmd: E.ClaimKey, now: int) -> E.KeyClaimed:
+def claim_key(db: Any, cmd: E.ClaimKey, now: int) -> E.KeyClaimed:
     row = db.execute(
         "SELECT scope, key, run_id, expires_at FROM engine_keys WHERE scope = ? AND key = ?",
         (cmd.scope, cmd.key),
@@ -175,72 +173,80 @@ def claim_key(db: sqlite3.Connection, cmd: E.ClaimKey, now: int) -> E.KeyClaimed
     new, result = E.decide_claim_key(E.KeyHold(*row) if row else None, cmd, now)
     if new is not None:
         db.execute(
-            "INSERT OR REPLACE INTO engine_keys (scope, key, run_id, expires_at) VALUES (?,?,?,?)",
+            "INSERT INTO engine_keys (scope, key, run_id, expires_at) VALUES (?,?,?,?) "
+            "ON CONFLICT (scope, key) DO UPDATE SET run_id=excluded.run_id, "
+            "expires_at=excluded.expires_at",
             (new.scope, new.key, new.run_id, new.expires_at),
         )
     return result
 
 
-def _get_lock(db: sqlite3.Connection, key: str) -> E.Lock | None:
+def _get_lock(db: Any, key: str) -> E.Lock | None:
     row = db.execute(
         "SELECT key, owner, fencing_token, expires_at FROM engine_locks WHERE key = ?", (key,)
     ).fetchone()
     return E.Lock(*row) if row else None
 
 
-def _put_lock(db: sqlite3.Connection, lock: E.Lock) -> None:
+def _put_lock(db: Any, lock: E.Lock) -> None:
     db.execute(
-        "INSERT OR REPLACE INTO engine_locks (key, owner, fencing_token, expires_at) "
-        "VALUES (?,?,?,?)",
+        "INSERT INTO engine_locks (key, owner, fencing_token, expires_at) VALUES (?,?,?,?) "
+        "ON CONFLICT (key) DO UPDATE SET owner=excluded.owner, "
+        "fencing_token=excluded.fencing_token, expires_at=excluded.expires_at",
         (lock.key, lock.owner, lock.fencing_token, lock.expires_at),
     )
 
 
-def acquire_lock(db: sqlite3.Connection, cmd: E.AcquireLock, now: int) -> E.LockAnswer:
+def acquire_lock(db: Any, cmd: E.AcquireLock, now: int) -> E.LockAnswer:
     new, result = E.decide_acquire_lock(_get_lock(db, cmd.key), cmd, now)
     if new is not None:
         _put_lock(db, new)
     return result
 
 
-def release_lock(db: sqlite3.Connection, cmd: E.ReleaseLock, now: int) -> E.Done:
+def release_lock(db: Any, cmd: E.ReleaseLock, now: int) -> E.Done:
     new, result = E.decide_release_lock(_get_lock(db, cmd.key), cmd, now)
     if new is not None:
         _put_lock(db, new)
     return result
 
 
-def put_effect(db: sqlite3.Connection, cmd: E.PutEffect, now: int) -> E.Done:
+def put_effect(db: Any, cmd: E.PutEffect, now: int) -> E.Done:
     db.execute(
-        "INSERT OR REPLACE INTO engine_effects (key, result, recorded_at) VALUES (?,?,?)",
+        "INSERT INTO engine_effects (key, result, recorded_at) VALUES (?,?,?) "
+        "ON CONFLICT (key) DO UPDATE SET result=excluded.result, "
+        "recorded_at=excluded.recorded_at",
         (cmd.key, cmd.result, now),
     )
     return E.Done(True, now)
 
 
-def kv_set(db: sqlite3.Connection, cmd: E.KvSet, now: int) -> E.Done:
+def kv_set(db: Any, cmd: E.KvSet, now: int) -> E.Done:
     db.execute(
-        "INSERT OR REPLACE INTO engine_kv (agent, key, value, updated_at) VALUES (?,?,?,?)",
+        "INSERT INTO engine_kv (agent, key, value, updated_at) VALUES (?,?,?,?) "
+        "ON CONFLICT (agent, key) DO UPDATE SET value=excluded.value, "
+        "updated_at=excluded.updated_at",
         (cmd.agent, cmd.key, cmd.value, now),
     )
     return E.Done(True, now)
 
 
-def doc_upsert(db: sqlite3.Connection, cmd: E.DocUpsert, now: int) -> E.DocUpserted:
+def doc_upsert(db: Any, cmd: E.DocUpsert, now: int) -> E.DocUpserted:
     row = db.execute(
         "SELECT id, doc, updated_at FROM engine_docs WHERE agent = ? AND collection = ? AND id = ?",
         (cmd.agent, cmd.collection, cmd.id),
     ).fetchone()
     doc, result = E.decide_doc_upsert(E.Doc(*row) if row else None, cmd, now)
     db.execute(
-        "INSERT OR REPLACE INTO engine_docs (agent, collection, id, doc, updated_at) "
-        "VALUES (?,?,?,?,?)",
+        "INSERT INTO engine_docs (agent, collection, id, doc, updated_at) VALUES (?,?,?,?,?) "
+        "ON CONFLICT (agent, collection, id) DO UPDATE SET doc=excluded.doc, "
+        "updated_at=excluded.updated_at",
         (cmd.agent, cmd.collection, doc.id, doc.doc, doc.updated_at),
     )
     return result
 
 
-def doc_delete(db: sqlite3.Connection, cmd: E.DocDelete, now: int) -> E.Done:
+def doc_delete(db: Any, cmd: E.DocDelete, now: int) -> E.Done:
     cur = db.execute(
         "DELETE FROM engine_docs WHERE agent = ? AND collection = ? AND id = ?",
         (cmd.agent, cmd.collection, cmd.id),
@@ -248,7 +254,7 @@ def doc_delete(db: sqlite3.Connection, cmd: E.DocDelete, now: int) -> E.Done:
     return E.Done(cur.rowcount > 0, now)
 
 
-def stage_chunk(db: sqlite3.Connection, cmd: E.StageChunk, now: int) -> E.Staged:
+def stage_chunk(db: Any, cmd: E.StageChunk, now: int) -> E.Staged:
     db.execute(
         "INSERT INTO engine_uploads (upload_id, started_at) VALUES (?, ?) "
         "ON CONFLICT (upload_id) DO NOTHING",
@@ -261,7 +267,7 @@ def stage_chunk(db: sqlite3.Connection, cmd: E.StageChunk, now: int) -> E.Staged
     return E.Staged(cmd.upload_id, cmd.seq, len(cmd.data))
 
 
-def _drop_upload(db: sqlite3.Connection, upload_id: str) -> None:
+def _drop_upload(db: Any, upload_id: str) -> None:
     """Delete an upload's chunks unless an artifact points at them."""
     adopted = db.execute(
         "SELECT 1 FROM engine_artifacts WHERE upload_id = ?", (upload_id,)
@@ -271,7 +277,7 @@ def _drop_upload(db: sqlite3.Connection, upload_id: str) -> None:
     db.execute("DELETE FROM engine_uploads WHERE upload_id = ?", (upload_id,))
 
 
-def commit_artifact(db: sqlite3.Connection, cmd: E.CommitArtifact, now: int) -> E.ArtifactCommitted:
+def commit_artifact(db: Any, cmd: E.CommitArtifact, now: int) -> E.ArtifactCommitted:
     staged, chunks = 0, 0
     if cmd.upload_id:
         staged, chunks = db.execute(
@@ -303,19 +309,19 @@ def commit_artifact(db: sqlite3.Connection, cmd: E.CommitArtifact, now: int) -> 
     return result
 
 
-def discard_upload(db: sqlite3.Connection, cmd: E.DiscardUpload, now: int) -> E.Done:
+def discard_upload(db: Any, cmd: E.DiscardUpload, now: int) -> E.Done:
     _drop_upload(db, cmd.upload_id)
     return E.Done(True, now)
 
 
-def sweep_uploads(db: sqlite3.Connection, cmd: E.SweepUploads, now: int) -> E.Done:
+def sweep_uploads(db: Any, cmd: E.SweepUploads, now: int) -> E.Done:
     ids = [r[0] for r in db.execute("SELECT upload_id FROM engine_uploads")]
     for upload_id in ids:
         _drop_upload(db, upload_id)
     return E.Done(bool(ids), len(ids))
 
 
-EXECUTORS: dict[type, Callable[[sqlite3.Connection, Any, int], Any]] = {
+EXECUTORS: dict[type, Callable[[Any, Any, int], Any]] = {
     E.CreateRun: create_run,
     E.UpdateRun: update_run,
     E.ClaimRun: claim_run,
@@ -336,22 +342,40 @@ EXECUTORS: dict[type, Callable[[sqlite3.Connection, Any, int], Any]] = {
 }
 
 
-def check_lock_fence(db: sqlite3.Connection, fence: F.Fence) -> None:
+def check_lock_fence(db: Any, fence: F.Fence) -> None:
     """A lock fence against the lock's row as the writer's transaction sees it."""
     E.check_lock_fence(fence, _get_lock(db, fence.lock_key))
 
 
+def extend_leases(db: Any, by_ms: int, alive_at: int) -> int:
+    """A new leader's extension (core.ledger.ExtendLeases) of every claim and
+    keyed lock still live at ``alive_at``, by ``by_ms``; how many."""
+    claims = db.execute(
+        "UPDATE engine_runs SET claim_expires_at = claim_expires_at + ? "
+        "WHERE claim_owner IS NOT NULL AND claim_expires_at > ?",
+        (by_ms, alive_at),
+    ).rowcount
+    locks = db.execute(
+        "UPDATE engine_locks SET expires_at = expires_at + ? "
+        "WHERE owner IS NOT NULL AND expires_at > ?",
+        (by_ms, alive_at),
+    ).rowcount
+    return int(claims) + int(locks)
+
+
 def register(writer: Any) -> None:
-    """Route every engine-store command to its executor, and lock fences to
-    their check."""
+    """Route every engine-store command to its executor, lock fences to their
+    check, and a takeover's lease extension to ``extend_leases``."""
     for cmd_type, executor in EXECUTORS.items():
         writer.register(cmd_type, executor)
     writer.lock_fence = check_lock_fence
+    writer.extend_other_leases = extend_leases
 
 
 # -- reads (reader threads, read-only connections) -------------------------------------------
 
 PAGE_ITEMS = 1000
+NO_LIMIT = 2**62  # LIMIT for "all" in both dialects
 PAGE_BYTES = 1 << 20
 
 
@@ -390,12 +414,12 @@ def _pages(
         yield make_page(page)
 
 
-def get_run(db: sqlite3.Connection, run_id: str) -> E.Run | None:
+def get_run(db: Any, run_id: str) -> E.Run | None:
     return _get_run(db, run_id)
 
 
 def list_runs(
-    db: sqlite3.Connection,
+    db: Any,
     make_page: Callable[[list[E.Run], int], P],
     *,
     agent: str | None,
@@ -419,13 +443,13 @@ def list_runs(
     (total,) = db.execute(f"SELECT count(*) FROM engine_runs {where}", params).fetchone()
     cur = db.execute(
         f"SELECT {RUN_COLS} FROM engine_runs {where} ORDER BY created_at, id LIMIT ? OFFSET ?",
-        (*params, -1 if limit is None else limit, offset),
+        (*params, NO_LIMIT if limit is None else limit, offset),
     )
     return _pages(cur, _run, lambda items: make_page(items, total))
 
 
 def list_steps(
-    db: sqlite3.Connection, make_page: Callable[[list[E.Step]], P], run_id: str
+    db: Any, make_page: Callable[[list[E.Step]], P], run_id: str
 ) -> Iterator[P]:
     cur = db.execute(
         f"SELECT {STEP_COLS} FROM engine_steps WHERE run_id = ? ORDER BY seq", (run_id,)
@@ -433,7 +457,7 @@ def list_steps(
     return _pages(cur, _step, make_page)
 
 
-def latest_checkpoint(db: sqlite3.Connection, run_id: str) -> E.Checkpoint | None:
+def latest_checkpoint(db: Any, run_id: str) -> E.Checkpoint | None:
     row = db.execute(
         "SELECT run_id, step_index, state, saved_at FROM engine_checkpoints WHERE run_id = ?",
         (run_id,),
@@ -441,14 +465,14 @@ def latest_checkpoint(db: sqlite3.Connection, run_id: str) -> E.Checkpoint | Non
     return E.Checkpoint(*row) if row else None
 
 
-def get_effect(db: sqlite3.Connection, key: str) -> tuple[str, int] | None:
+def get_effect(db: Any, key: str) -> tuple[str, int] | None:
     row = db.execute(
         "SELECT result, recorded_at FROM engine_effects WHERE key = ?", (key,)
     ).fetchone()
     return (row[0], row[1]) if row else None
 
 
-def kv_get(db: sqlite3.Connection, agent: str, key: str) -> tuple[str, int] | None:
+def kv_get(db: Any, agent: str, key: str) -> tuple[str, int] | None:
     row = db.execute(
         "SELECT value, updated_at FROM engine_kv WHERE agent = ? AND key = ?", (agent, key)
     ).fetchone()
@@ -456,7 +480,7 @@ def kv_get(db: sqlite3.Connection, agent: str, key: str) -> tuple[str, int] | No
 
 
 def doc_list(
-    db: sqlite3.Connection,
+    db: Any,
     make_page: Callable[[list[E.Doc]], P],
     *,
     agent: str,
@@ -478,16 +502,16 @@ def doc_list(
     )
 
 
-def get_artifact(db: sqlite3.Connection, art_id: str) -> E.Artifact | None:
+def get_artifact(db: Any, art_id: str) -> E.Artifact | None:
     return _get_artifact(db, art_id)
 
 
-def artifact_exists(db: sqlite3.Connection, art_id: str) -> bool:
+def artifact_exists(db: Any, art_id: str) -> bool:
     row = db.execute("SELECT 1 FROM engine_artifacts WHERE id = ?", (art_id,)).fetchone()
     return row is not None
 
 
-def artifact_layout(db: sqlite3.Connection, art_id: str) -> tuple[E.Artifact, str, int] | None:
+def artifact_layout(db: Any, art_id: str) -> tuple[E.Artifact, str, int] | None:
     """The metadata, the upload holding the bytes, and its chunk count."""
     row = db.execute(
         f"SELECT {ARTIFACT_COLS}, upload_id, chunks FROM engine_artifacts WHERE id = ?",
@@ -498,7 +522,7 @@ def artifact_layout(db: sqlite3.Connection, art_id: str) -> tuple[E.Artifact, st
     return _artifact(row[:8]), row[8], row[9]
 
 
-def read_chunk(db: sqlite3.Connection, upload_id: str, seq: int) -> bytes:
+def read_chunk(db: Any, upload_id: str, seq: int) -> bytes:
     row = db.execute(
         "SELECT data FROM engine_chunks WHERE upload_id = ? AND seq = ?", (upload_id, seq)
     ).fetchone()
@@ -508,7 +532,7 @@ def read_chunk(db: sqlite3.Connection, upload_id: str, seq: int) -> bytes:
 
 
 def list_artifacts(
-    db: sqlite3.Connection, make_page: Callable[[list[E.Artifact]], P], run_id: str
+    db: Any, make_page: Callable[[list[E.Artifact]], P], run_id: str
 ) -> Iterator[P]:
     cur = db.execute(
         f"SELECT {ARTIFACT_COLS} FROM engine_artifacts WHERE run_id = ? ORDER BY created_at, id",
@@ -517,7 +541,7 @@ def list_artifacts(
     return _pages(cur, _artifact, make_page)
 
 
-def count_rows(db: sqlite3.Connection, table: str) -> int:
+def count_rows(db: Any, table: str) -> int:
     """For tests and operators: rows in one of the engine tables."""
     if not table.startswith("engine_") or not table.replace("_", "").isalnum():
         raise ValueError(f"not an engine table: {table}")
@@ -535,27 +559,27 @@ class EngineReader:
     snapshot and never sits whole in memory.
     """
 
-    def __init__(self, path: str | Path, threads: int = 4, keep_idle: int = 8) -> None:
-        self.path = str(path)
+    def __init__(self, connect: Callable[[], Any], threads: int = 4, keep_idle: int = 8) -> None:
+        self._connect = connect  # the storage's ``reader``
         self.keep_idle = keep_idle
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fencepost-engine-read")
-        self._idle: list[sqlite3.Connection] = []
+        self._idle: list[Any] = []
         self._lock = threading.Lock()
         self._closed = False
 
-    def _checkout(self) -> sqlite3.Connection:
+    def _checkout(self) -> Any:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine reader is closed")
             if self._idle:
                 return self._idle.pop()
-        return open_read_only(self.path)
+        return self._connect()
 
-    def _checkin(self, conn: sqlite3.Connection) -> None:
+    def _checkin(self, conn: Any) -> None:
         try:
             if conn.in_transaction:
                 conn.rollback()
-        except sqlite3.Error:
+        except Exception:  # a broken connection: drop it
             conn.close()
             return
         with self._lock:
@@ -577,7 +601,7 @@ class EngineReader:
 
     def _open(
         self, fn: Callable[..., Iterator[P]], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[sqlite3.Connection, Iterator[P]]:
+    ) -> tuple[Any, Iterator[P]]:
         conn = self._checkout()
         try:
             conn.execute("BEGIN")  # one snapshot for the whole listing
@@ -586,7 +610,7 @@ class EngineReader:
             self._checkin(conn)
             raise
 
-    def _finish(self, conn: sqlite3.Connection, it: Iterator[Any]) -> None:
+    def _finish(self, conn: Any, it: Iterator[Any]) -> None:
         with contextlib.suppress(Exception):
             close = getattr(it, "close", None)
             if close is not None:
@@ -624,7 +648,7 @@ class EngineReader:
             else:
                 step.add_done_callback(finish)
 
-    def _submit_finish(self, conn: sqlite3.Connection, it: Iterator[Any]) -> None:
+    def _submit_finish(self, conn: Any, it: Iterator[Any]) -> None:
         try:
             self._pool.submit(self._finish, conn, it)
         except RuntimeError:  # the reader is closing: finish here

@@ -1,0 +1,307 @@
+"""Leadership among coordinators sharing one PostgreSQL database.
+
+One row (``fencepost_leader``) names the leader: its identity, its advertised
+address, an epoch that increases on every change of leader, and an expiry the
+leader renews every ``renew_ms``. Times in the row are the database's clock,
+so taking over never depends on two coordinators' clocks agreeing.
+
+- A coordinator that does not lead is a *standby*: it polls the row and takes
+  over once the row has expired (``campaign``). Taking over locks the row,
+  bumps the epoch and sets this coordinator as holder in one transaction;
+  only then does it load the state, so it loads every batch the old leader
+  committed, and every later batch of the old leader finds the epoch moved
+  (storage/postgres.py checks it inside each batch's transaction).
+- The leader renews the row on condition that it still holds its epoch
+  (``keep``). It counts itself the leader only until ``valid_until``: the
+  monotonic time it sent its last successful renewal plus the lease, less a
+  margin. The row cannot expire, by the database's clock, before that renewal
+  reached it plus the lease, so (with clocks that run at about the same rate)
+  the old leader stops serving before anyone can take over — even after a
+  pause (SIGSTOP, a long GC, a VM migration): on waking it finds
+  ``valid_until`` passed and serves nothing more.
+- Lease expiry stays decided by each coordinator's own injected clock. A
+  coordinator refuses to lead while that clock differs from the database's
+  by more than ``max_skew_ms`` (checked at takeover and at every renewal),
+  so the leaders that follow one another agree on time.
+
+All database calls run in one thread of their own, on their own connection
+(not the writer's), so a slow renewal never delays a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from .clock import Clock
+from .storage.postgres import PgConnection, connect, first_line
+
+log = logging.getLogger("fencepost.leadership")
+
+_DB_NOW = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+
+class LeadershipLost(Exception):
+    """This coordinator no longer leads (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What a won campaign learned: the new epoch, the previous leader, and
+    how long the coordinator was unavailable (the database's clock, ms: from
+    the old leader's last renewal, or the moment it gave leadership up, to
+    this takeover; 0 on a fresh database)."""
+
+    epoch: int
+    previous: str
+    gap_ms: int
+
+
+def default_identity() -> str:
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+
+
+class Leadership:
+    def __init__(
+        self,
+        url: str,
+        clock: Clock,
+        *,
+        address: str,
+        identity: str | None = None,
+        lease_ms: int = 5000,
+        renew_ms: int = 1000,
+        max_skew_ms: int = 500,
+    ) -> None:
+        if not 0 < renew_ms < lease_ms:
+            raise ValueError("the leader renewal interval must be shorter than the leader lease")
+        self.url = url
+        self.clock = clock
+        self.address = address
+        self.identity = identity or default_identity()
+        self.lease_ms = lease_ms
+        self.renew_ms = renew_ms
+        self.max_skew_ms = max_skew_ms
+        # a leader serves until this monotonic time unless it renews again
+        self.margin_s = min(lease_ms * 0.2, 1000) / 1000
+        self.epoch: int | None = None
+        self.valid_until = 0.0
+        self.leader_address = ""  # the leader's advertised address, as last read
+        self.lost: str | None = None  # why this coordinator stopped leading
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fencepost-leadership")
+        self._db: PgConnection | None = None
+
+    # -- state -------------------------------------------------------------------
+
+    @property
+    def leading(self) -> bool:
+        """Leads right now: won, not lost, and renewed recently enough."""
+        return self.epoch is not None and self.lost is None and \
+            time.monotonic() < self.valid_until
+
+    # -- the campaign (standby) --------------------------------------------------
+
+    async def campaign(self) -> Takeover:
+        """Wait until this coordinator takes over; returns what it learned."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                won, wait_ms = await loop.run_in_executor(self._thread, self._try_take_over)
+            except psycopg.Error as exc:
+                log.warning("leader election: %s", first_line(exc))
+                self._drop()
+                won, wait_ms = None, self.renew_ms
+            if won is not None:
+                return won
+            await asyncio.sleep(max(0.05, min(wait_ms, self.renew_ms) / 1000))
+
+    def _try_take_over(self) -> tuple[Takeover | None, int]:
+        """One attempt: (the takeover, 0) or (None, ms until the row expires)."""
+        db = self._conn()
+        skew = self._skew(db)
+        db.execute("BEGIN")
+        try:
+            try:
+                row = db.execute(
+                    f"SELECT epoch, holder, address, renewed_at, expires_at, {_DB_NOW} "
+                    "FROM fencepost_leader WHERE id = 1 FOR UPDATE"
+                ).fetchone()
+            except pg_errors.LockNotAvailable:
+                db.execute("ROLLBACK")
+                return None, self._unblock(db)
+            assert row is not None, "the leader row is created by the schema migration"
+            epoch, holder, address, renewed_at, expires_at, now = row
+            if expires_at > now and holder != self.identity:
+                db.execute("ROLLBACK")
+                self.leader_address = address
+                return None, expires_at - now + 50
+            if skew is not None:
+                db.execute("ROLLBACK")
+                self.leader_address = address if expires_at > now else ""
+                log.error("refusing to lead: %s", skew)
+                return None, self.renew_ms
+            sent = time.monotonic()
+            db.execute(
+                "UPDATE fencepost_leader SET epoch = ?, holder = ?, address = ?, "
+                f"renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} + ? WHERE id = 1",
+                (epoch + 1, self.identity, self.address, self.lease_ms),
+            )
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        self.epoch = epoch + 1
+        self.valid_until = sent + self.lease_ms / 1000 - self.margin_s
+        self.leader_address = self.address
+        gap = max(0, now - renewed_at) if holder and renewed_at else 0
+        return Takeover(epoch + 1, holder, gap), 0
+
+    # -- keeping it (leader) -----------------------------------------------------
+
+    async def keep(self) -> str:
+        """Renew until leadership is lost; returns why (never raises)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.renew_ms / 1000)
+            if self.lost is not None:
+                return self.lost
+            if time.monotonic() >= self.valid_until:
+                return self._lose("the leader row was not renewed within the leader lease")
+            sent = time.monotonic()
+            try:
+                fut = loop.run_in_executor(self._thread, self._renew)
+                why = await asyncio.wait_for(fut, max(0.01, self.valid_until - time.monotonic()))
+            except TimeoutError:
+                return self._lose("the leader row was not renewed within the leader lease")
+            except psycopg.Error as exc:
+                log.warning("leader renewal failed: %s", first_line(exc))
+                self._drop()
+                continue
+            if why:
+                return self._lose(why)
+            self.valid_until = max(self.valid_until, sent + self.lease_ms / 1000 - self.margin_s)
+
+    def _renew(self) -> str:
+        """Renew the row; '' on success, else why leadership is lost."""
+        db = self._conn()
+        skew = self._skew(db)
+        if skew is not None:
+            return skew
+        row = db.execute(
+            f"UPDATE fencepost_leader SET renewed_at = {_DB_NOW}, "
+            f"expires_at = {_DB_NOW} + ? WHERE id = 1 AND epoch = ? AND holder = ? "
+            "RETURNING epoch",
+            (self.lease_ms, self.epoch, self.identity),
+        ).fetchone()
+        if row is None:
+            current = db.execute(
+                "SELECT epoch, address FROM fencepost_leader WHERE id = 1"
+            ).fetchone()
+            if current is not None:
+                self.leader_address = current[1]
+            return f"another coordinator took over (epoch {current[0] if current else '?'})"
+        return ""
+
+    def lose(self, why: str) -> None:
+        """Stop counting as leader (a batch found the epoch moved...)."""
+        self._lose(why)
+
+    def _lose(self, why: str) -> str:
+        if self.lost is None:
+            self.lost = why
+            self.valid_until = 0.0
+            log.error("lost leadership (epoch %s): %s", self.epoch, why)
+        return self.lost
+
+    async def resign(self) -> None:
+        """Give leadership up at once (a clean stop): the row expires now, so
+        a standby takes over without waiting for the lease."""
+        if self.epoch is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self._thread, self._resign), 2)
+        except (TimeoutError, psycopg.Error) as exc:
+            log.warning("could not give leadership up: %r", exc)
+
+    def _resign(self) -> None:
+        self._conn().execute(  # renewed_at: when it stopped (the next leader's gap)
+            f"UPDATE fencepost_leader SET renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} - 1 "
+            "WHERE id = 1 AND epoch = ? AND holder = ?",
+            (self.epoch, self.identity),
+        )
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._thread, self._drop)
+        self._thread.shutdown(wait=False)
+
+    # -- helpers (leadership thread) --------------------------------------------
+
+    def _conn(self) -> PgConnection:
+        if self._db is None or self._db.broken:
+            self._drop()
+            self._db = connect(self.url, f"fencepost-leadership {self.identity}")
+            # a takeover waits this long for a batch holding the leader row
+            self._db.execute(f"SET lock_timeout = {max(100, self.renew_ms)}")
+        return self._db
+
+    def _drop(self) -> None:
+        if self._db is not None:
+            try:
+                self._db.close()
+            except psycopg.Error:
+                pass
+            self._db = None
+
+    def _unblock(self, db: PgConnection) -> int:
+        """The row is locked by a batch of the leader that has not finished
+        within ``lock_timeout``: if the row has expired meanwhile, that
+        leader was paused or cut off mid-batch while holding the lock, and
+        waiting for it would wait for as long as its connection lives, so
+        end its sessions (the open batch rolls back: it was never
+        acknowledged). Returns the ms to wait before trying again."""
+        holder, expires_at, now = db.execute(
+            f"SELECT holder, expires_at, {_DB_NOW} FROM fencepost_leader WHERE id = 1"
+        ).fetchone() or ("", 0, 0)
+        if expires_at > now:
+            return min(self.renew_ms, expires_at - now + 50)
+        ended = db.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = ?",
+            (writer_name(holder),),
+        ).fetchone()
+        log.warning("the expired leader %s held the leader row mid-batch: ended %s of its "
+                    "sessions", holder, ended[0] if ended else 0)
+        return 50
+
+    def _skew(self, db: PgConnection) -> str | None:
+        """None while this coordinator's clock is within the bound of the
+        database's, else why not (the round trip is the uncertainty)."""
+        if not self.max_skew_ms:
+            return None
+        before = self.clock.now_ms()
+        row: Any = db.execute(f"SELECT {_DB_NOW}").fetchone()
+        after = self.clock.now_ms()
+        offset = row[0] - (before + after) / 2
+        if abs(offset) - (after - before) / 2 > self.max_skew_ms:
+            return (f"this coordinator's clock differs from the database's by {offset:+.0f} ms, "
+                    f"more than --max-clock-skew {self.max_skew_ms} ms")
+        return None
+
+
+def writer_name(identity: str) -> str:
+    """The ``application_name`` of a coordinator's write connection."""
+    return f"fencepost-writer {identity}"[:63]
+

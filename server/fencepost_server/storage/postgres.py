@@ -1,0 +1,442 @@
+"""PostgreSQL storage: connections, schema, migrations, and the leader's epoch.
+
+The writer thread owns one connection (psycopg 3, synchronous: the writer
+already decides and writes a whole batch in its own thread, so a blocking
+driver keeps the event loop free without a second scheduler). Every batch is
+one ``BEGIN ... COMMIT`` with ``synchronous_commit=on``: COMMIT returns once
+the commit record is flushed to disk (and to synchronous standbys, if the
+cluster has any), and only then does the writer answer anyone. A broken
+connection fails its batch (STORAGE_UNAVAILABLE, nothing changed) and the next
+batch reconnects.
+
+Leadership (leadership.py): while this storage serves a leader, every batch
+first updates the leader row on condition that it still holds this
+coordinator's epoch. The update takes the row's lock until COMMIT, and a
+takeover locks that row before it bumps the epoch, so a batch either commits
+before the takeover (and the new leader loads it) or finds the epoch moved and
+commits nothing: a deposed leader — paused, partitioned or just slow — never
+commits one batch after another coordinator took over.
+
+Tables live in their own schema (``fencepost``) of the database the URL
+names, so one database may hold other applications' tables; the schema
+version is ``fencepost_schema.version``, migrated under an advisory lock, so
+coordinators starting at the same moment migrate once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import TransactionStatus
+
+from ..core.errors import Code, LedgerError
+from .sql import SqlStorage
+
+log = logging.getLogger("fencepost.storage")
+
+SCHEMA = "fencepost"
+SCHEMA_VERSION = 1
+_MIGRATE_LOCK = 0x66656E63  # pg_advisory_xact_lock key: "fenc"
+
+_TEXT = 'TEXT COLLATE "C"'  # byte order, as SQLite and the in-memory index sort
+
+# Each entry migrates fencepost_schema.version i -> i + 1. Append; never edit a shipped one.
+MIGRATIONS: list[list[str]] = [
+    [
+        f"CREATE TABLE meta (key {_TEXT} PRIMARY KEY, value BIGINT NOT NULL)",
+        "INSERT INTO meta (key, value) VALUES ('revision', 0), ('materialized', 0)",
+        f"""CREATE TABLE runs (
+               run_id        {_TEXT} PRIMARY KEY,
+               version       BIGINT NOT NULL,
+               status        INTEGER NOT NULL,
+               fencing_token BIGINT NOT NULL,
+               owner         {_TEXT},
+               revision      BIGINT NOT NULL,
+               record        TEXT NOT NULL
+           )""",
+        "CREATE INDEX runs_by_status ON runs (status, owner)",
+        "CREATE INDEX runs_finished_at ON runs (((record::jsonb ->> 'updated_at')::bigint), "
+        "run_id) WHERE status IN (4, 5, 6)",
+        f"""CREATE TABLE tombstones (
+               run_id        {_TEXT} PRIMARY KEY,
+               fencing_token BIGINT NOT NULL,
+               deleted_at    BIGINT NOT NULL
+           )""",
+        f"""CREATE TABLE changes (
+               revision     BIGINT PRIMARY KEY,
+               run_id       {_TEXT} NOT NULL,
+               kind         INTEGER NOT NULL,
+               record       TEXT,
+               committed_at BIGINT NOT NULL
+           )""",
+        f"""CREATE TABLE requests (
+               request_id  {_TEXT} PRIMARY KEY,
+               fingerprint TEXT NOT NULL,
+               answer      TEXT NOT NULL,
+               created_at  BIGINT NOT NULL
+           )""",
+        "CREATE INDEX requests_by_age ON requests (created_at)",
+        f"""CREATE TABLE engine_runs (
+               id               {_TEXT} PRIMARY KEY,
+               agent            {_TEXT} NOT NULL,
+               status           {_TEXT} NOT NULL,
+               concurrency_key  {_TEXT},
+               input            TEXT,
+               output           TEXT,
+               error            TEXT,
+               metadata         TEXT,
+               claim_owner      {_TEXT},
+               claim_expires_at BIGINT,
+               created_at       BIGINT NOT NULL,
+               updated_at       BIGINT NOT NULL
+           )""",
+        "CREATE INDEX engine_runs_by_created ON engine_runs (created_at, id)",
+        "CREATE INDEX engine_runs_by_agent ON engine_runs (agent, created_at, id)",
+        "CREATE INDEX engine_runs_by_status ON engine_runs (status, created_at, id)",
+        """CREATE INDEX engine_runs_by_concurrency_key ON engine_runs
+               (concurrency_key, created_at, id) WHERE concurrency_key IS NOT NULL""",
+        f"""CREATE TABLE engine_steps (
+               run_id     {_TEXT} NOT NULL,
+               seq        BIGINT NOT NULL,
+               name       TEXT NOT NULL,
+               status     TEXT,
+               input      TEXT,
+               output     TEXT,
+               error      TEXT,
+               metadata   TEXT,
+               created_at BIGINT NOT NULL,
+               PRIMARY KEY (run_id, seq)
+           )""",
+        f"""CREATE TABLE engine_checkpoints (
+               run_id     {_TEXT} PRIMARY KEY,
+               step_index BIGINT NOT NULL,
+               state      TEXT NOT NULL,
+               saved_at   BIGINT NOT NULL
+           )""",
+        f"""CREATE TABLE engine_keys (
+               scope      {_TEXT} NOT NULL,
+               key        {_TEXT} NOT NULL,
+               run_id     {_TEXT} NOT NULL,
+               expires_at BIGINT NOT NULL,
+               PRIMARY KEY (scope, key)
+           )""",
+        f"""CREATE TABLE engine_locks (
+               key           {_TEXT} PRIMARY KEY,
+               owner         {_TEXT},
+               fencing_token BIGINT NOT NULL,
+               expires_at    BIGINT NOT NULL
+           )""",
+        f"""CREATE TABLE engine_effects (
+               key         {_TEXT} PRIMARY KEY,
+               result      TEXT NOT NULL,
+               recorded_at BIGINT NOT NULL
+           )""",
+        f"""CREATE TABLE engine_kv (
+               agent      {_TEXT} NOT NULL,
+               key        {_TEXT} NOT NULL,
+               value      TEXT NOT NULL,
+               updated_at BIGINT NOT NULL,
+               PRIMARY KEY (agent, key)
+           )""",
+        f"""CREATE TABLE engine_docs (
+               agent      {_TEXT} NOT NULL,
+               collection {_TEXT} NOT NULL,
+               id         {_TEXT} NOT NULL,
+               doc        TEXT NOT NULL,
+               updated_at BIGINT NOT NULL,
+               PRIMARY KEY (agent, collection, id)
+           )""",
+        f"""CREATE TABLE engine_artifacts (
+               id           {_TEXT} PRIMARY KEY,
+               run_id       {_TEXT} NOT NULL,
+               name         TEXT NOT NULL,
+               content_type TEXT NOT NULL,
+               size_bytes   BIGINT NOT NULL,
+               sha256       TEXT NOT NULL,
+               metadata     TEXT,
+               upload_id    {_TEXT} NOT NULL,
+               chunks       BIGINT NOT NULL,
+               created_at   BIGINT NOT NULL
+           )""",
+        "CREATE INDEX engine_artifacts_by_run ON engine_artifacts (run_id, created_at, id)",
+        "CREATE INDEX engine_artifacts_by_upload ON engine_artifacts (upload_id)",
+        f"""CREATE TABLE engine_chunks (
+               upload_id {_TEXT} NOT NULL,
+               seq       BIGINT NOT NULL,
+               size      BIGINT NOT NULL,
+               data      BYTEA NOT NULL,
+               PRIMARY KEY (upload_id, seq)
+           )""",
+        f"""CREATE TABLE engine_uploads (
+               upload_id  {_TEXT} PRIMARY KEY,
+               started_at BIGINT NOT NULL
+           )""",
+        # Leadership (leadership.py): one row. The epoch increases on every
+        # change of leader; times are the database's clock, in ms.
+        """CREATE TABLE fencepost_leader (
+               id         INTEGER PRIMARY KEY CHECK (id = 1),
+               epoch      BIGINT NOT NULL,
+               holder     TEXT NOT NULL,
+               address    TEXT NOT NULL,
+               renewed_at BIGINT NOT NULL,
+               expires_at BIGINT NOT NULL
+           )""",
+        "INSERT INTO fencepost_leader VALUES (1, 0, '', '', 0, 0)",
+    ],
+]
+
+
+def is_url(target: str) -> bool:
+    """Whether ``--db`` names a PostgreSQL database rather than a file."""
+    return target.startswith(("postgresql://", "postgres://"))
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs and messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+
+
+@functools.lru_cache(maxsize=512)
+def _pg_sql(sql: str) -> str:
+    """``?`` placeholders as psycopg's ``%s`` (a literal ``%`` doubled)."""
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+_IN_TX = (TransactionStatus.INTRANS, TransactionStatus.INERROR, TransactionStatus.ACTIVE)
+
+
+class PgConnection:
+    """The ``sqlite3.Connection`` methods the shared SQL uses, over a psycopg
+    connection in autocommit mode (transactions are the statements' own
+    ``BEGIN``/``COMMIT``). ``snapshot``: a reader's ``BEGIN`` opens a
+    repeatable-read snapshot (a listing reads one state from first page to last)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], *, snapshot: bool = False) -> None:
+        self.conn = conn
+        self._begin = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if snapshot else "BEGIN"
+
+    def execute(self, sql: str, params: Any = ()) -> psycopg.Cursor[Any]:
+        cur = self.conn.cursor()
+        if sql == "BEGIN":
+            sql = self._begin
+        if params:
+            cur.execute(_pg_sql(sql), tuple(params))  # type: ignore[arg-type]
+        else:
+            cur.execute(sql)  # type: ignore[arg-type]
+        return cur
+
+    def executemany(self, sql: str, rows: Any) -> psycopg.Cursor[Any]:
+        cur = self.conn.cursor()
+        cur.executemany(_pg_sql(sql), list(rows))  # type: ignore[arg-type]
+        return cur
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.conn.info.transaction_status in _IN_TX
+
+    @property
+    def broken(self) -> bool:
+        return self.conn.closed or self.conn.broken
+
+    def rollback(self) -> None:
+        if self.in_transaction:
+            self.execute("ROLLBACK")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def connect(url: str, role: str, *, read_only: bool = False, snapshot: bool = False,
+            synchronous_commit: str = "on") -> PgConnection:
+    """A connection with the session settings fencepost relies on; ``role``
+    goes into ``application_name`` (fencepost-writer, fencepost-reader...), so
+    an operator sees who holds which connection."""
+    options = [
+        f"-c search_path={SCHEMA}",
+        f"-c synchronous_commit={synchronous_commit}",
+        "-c TimeZone=UTC",
+    ]
+    if read_only:
+        options.append("-c default_transaction_read_only=on")
+    conn = psycopg.connect(
+        url,
+        autocommit=True,
+        application_name=role[:63],  # PostgreSQL keeps 63 bytes
+        options=" ".join(options),
+        connect_timeout=5,
+        keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
+    )
+    return PgConnection(conn, snapshot=snapshot)
+
+
+def storage_error(exc: BaseException) -> LedgerError:
+    why = f"write not made durable, nothing changed: {first_line(exc)}"
+    if isinstance(exc, pg_errors.DiskFull | pg_errors.OutOfMemory):
+        return LedgerError(Code.STORAGE_FULL, why)
+    return LedgerError(Code.STORAGE_UNAVAILABLE, why)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of a driver error (psycopg's messages run on)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+class NotLeader(LedgerError):
+    def __init__(self, leader: str) -> None:
+        where = f"the leader is at {leader}" if leader else "no leader is known yet"
+        super().__init__(
+            Code.NOT_LEADER,
+            f"this coordinator is a standby; {where}: nothing was done",
+            metadata={"leader": leader},
+        )
+
+
+class PostgresStorage(SqlStorage):
+    """The PostgreSQL backend. Not thread-safe: the writer thread owns it.
+
+    ``epoch``: set by the leadership once this coordinator leads; every batch
+    then checks it inside its own transaction (None: no check, a coordinator
+    that does not lead never writes)."""
+
+    backend = "postgresql"
+    GREATEST = "GREATEST"
+    ERRORS = (psycopg.Error,)
+
+    def __init__(self, url: str, *, durable: bool = True, name: str = "fencepost") -> None:
+        self.url = url
+        self.path = redact(url)
+        self.name = name
+        self.synchronous_commit = "on" if durable else "off"
+        self.epoch: int | None = None
+        self._db: PgConnection | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect and migrate (the schema only: no leader check here)."""
+        try:
+            self._db = self._connect_writer()
+            migrate(self._db, self.path)
+        except psycopg.Error as exc:
+            self.close()
+            raise RuntimeError(f"{self.path}: {first_line(exc)}") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect_writer(self) -> PgConnection:
+        return connect(self.url, f"fencepost-writer {self.name}",
+                       synchronous_commit=self.synchronous_commit)
+
+    def close(self) -> None:
+        if self._db is not None:
+            try:
+                self._db.close()
+            except psycopg.Error:
+                pass
+            self._db = None
+
+    def reader(self) -> PgConnection:
+        return connect(self.url, f"fencepost-reader {self.name}", read_only=True, snapshot=True)
+
+    # -- the batch ---------------------------------------------------------------
+
+    def _connection(self) -> PgConnection:
+        db = self.db
+        if db.broken:  # the last batch lost it: this one reconnects (or fails)
+            log.warning("reconnecting to %s", self.path)
+            try:
+                db.close()
+            except psycopg.Error:
+                pass
+            self._db = db = self._connect_writer()
+        return db
+
+    def _begin(self, db: PgConnection) -> None:
+        db.execute("BEGIN")
+        if self.epoch is None:
+            return
+        held = db.execute(
+            "UPDATE fencepost_leader SET epoch = epoch WHERE id = 1 AND epoch = ?",
+            (self.epoch,),
+        ).rowcount
+        if held != 1:
+            row = db.execute("SELECT address FROM fencepost_leader WHERE id = 1").fetchone()
+            raise NotLeader(row[0] if row else "")
+
+    def _storage_error(self, exc: BaseException) -> LedgerError:
+        return storage_error(exc)
+
+    def finished_before(
+        self, db: Any, cutoff_ms: int, limit: int, after: tuple[int, str] | None = None
+    ) -> list[tuple[str, int, int]]:
+        at, run_id = after if after is not None else (-(2**62), "")
+        expr = "((record::jsonb ->> 'updated_at')::bigint)"
+        rows = db.execute(
+            f"SELECT run_id, version, {expr} FROM runs WHERE status IN (4, 5, 6) "
+            f"AND {expr} < ? AND ({expr}, run_id) > (?, ?) ORDER BY {expr}, run_id LIMIT ?",
+            (cutoff_ms, at, run_id, limit),
+        ).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+
+def migrate(db: PgConnection, where: str) -> None:
+    """Create or upgrade the schema, one transaction per step, under an
+    advisory lock (coordinators starting together migrate once). Refuses a
+    schema written by a newer release, and a ``fencepost`` schema holding
+    tables that are not ours."""
+    db.execute("BEGIN")
+    try:
+        db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATE_LOCK,))
+        db.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
+        has_version = _one(db.execute(
+            "SELECT to_regclass(?) IS NOT NULL", (f"{SCHEMA}.fencepost_schema",)
+        ))
+        if has_version:
+            version = _one(db.execute("SELECT version FROM fencepost_schema"))
+        else:
+            tables = _one(db.execute(
+                "SELECT count(*) FROM pg_tables WHERE schemaname = ?", (SCHEMA,)
+            ))
+            if tables:
+                raise RuntimeError(
+                    f"{where}: schema {SCHEMA!r} holds tables but no fencepost schema "
+                    "version; refusing to start"
+                )
+            db.execute("CREATE TABLE fencepost_schema (version INTEGER NOT NULL)")
+            db.execute("INSERT INTO fencepost_schema VALUES (0)")
+            version = 0
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{where} has schema {version}; this fencepost knows up to "
+                f"{SCHEMA_VERSION}. Refusing to start (upgrade fencepost)."
+            )
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            for stmt in MIGRATIONS[target - 1]:
+                db.execute(stmt)
+            db.execute("UPDATE fencepost_schema SET version = ?", (target,))
+            log.info("%s: schema migrated to version %d", where, target)
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+
+
+
+
+def _one(cur: psycopg.Cursor[Any]) -> Any:
+    """The single value of a one-row, one-column result."""
+    row = cur.fetchone()
+    assert row is not None
+    return row[0]

@@ -1,0 +1,462 @@
+"""The SQL both backends share: loading the ledger, reading runs and stored
+answers, and the one write path of a batch (storage/sqlite.py and
+storage/postgres.py add opening, schema and their dialect's few differences).
+
+The change log is the source of truth for the ledger; the ``runs`` table is a
+checkpoint of it. A batch appends its changes (sequential pages) and does not
+touch ``runs``; the writer copies each changed run's latest record into
+``runs`` about a second later (``Batch.materialize``, in some later batch's
+transaction) and moves ``meta.materialized``: every change at or below it is
+reflected in ``runs``. Changes above the mark are never pruned, and ``load``
+replays them. Updating ``runs`` in every batch wrote one page per command
+(concurrently active runs rarely share a page), which doubled the commit time
+and its fsync.
+
+Statements are written once, with ``?`` placeholders; a connection is
+anything with the ``sqlite3.Connection`` methods used here (``execute``,
+``executemany``, ``in_transaction``); ``postgres.PgConnection`` is one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ..core import codec
+from ..core.errors import LedgerError
+from ..core.records import Record, record_from_dict, record_to_dict
+
+# Statuses whose runs are held in memory ("hot"); the terminal ones are read
+# from the runs table on demand once it reflects them.
+HOT_STATUSES = (1, 2, 3)  # queued, running, suspended
+COLD_STATUSES = (4, 5, 6)  # completed, failed, cancelled
+
+KIND_PUT = 1
+KIND_DELETE = 2
+
+
+@dataclass
+class LoadedState:
+    # the runs held in memory: unfinished ones, and any the change log
+    # replayed; ``cold`` names the rest (id, status, lease owner)
+    runs: dict[str, Record] = field(default_factory=dict)
+    cold: list[tuple[str, int, str | None]] = field(default_factory=list)
+    tombstones: dict[str, int] = field(default_factory=dict)
+    revision: int = 0
+    compacted: int = 0
+    replayed: int = 0  # changes above the materialized mark, replayed (and materialized)
+
+
+@dataclass
+class Batch:
+    """Everything one group commit writes."""
+
+    deletes: dict[str, tuple[int, int]] = field(default_factory=dict)  # run_id -> (token, at)
+    changes: list[tuple[int, str, int, Record | None]] = field(default_factory=list)
+    # (request id, fingerprint, answer: a result or LedgerError, created at)
+    requests: list[tuple[str, str, Any, int]] = field(default_factory=list)
+    revision: int = 0
+    now: int = 0
+    # Runs to copy into the runs table (None: deleted), and the new mark: once
+    # this commits, every change at or below it is reflected in runs.
+    materialize: list[tuple[str, Record | None]] = field(default_factory=list)
+    materialized: int | None = None
+    # (request cutoff ms, keep changes from revision, optional change age cutoff ms,
+    # the materialized mark): no change above the mark is ever dropped.
+    prune: tuple[int, int, int | None, int] | None = None
+    compacted: int | None = None  # set by write() when it pruned
+    # set by write(): the prune stopped at PRUNE_CHUNK rows of a table and more
+    # is due (the writer prunes again in its next batch, not in prune_every_ms)
+    prune_more: bool = False
+
+
+# Rows one batch prunes from each of changes and requests, at most. Pruning
+# everything due in one statement every prune_every_ms (150 000 rows at 5 000
+# renewals/s and 30 s) stalled that batch and every caller queued behind it;
+# in chunks the backlog goes in a few batches of a few milliseconds each.
+PRUNE_CHUNK = 8192
+
+
+def _dumps(obj: Any) -> str:
+    """Compact JSON text, UTF-8 unescaped (orjson: about 5x the stdlib encoder,
+    which was a fifth of the writer thread's time)."""
+    return orjson.dumps(obj).decode()
+
+
+_loads = orjson.loads
+
+
+def _answer_text(answer: Any, encoded: dict[int, str]) -> str:
+    """A request id's stored answer. A record this batch wrote is already JSON
+    (its runs row): splice that text into ``codec.encode``'s record form
+    instead of encoding the record a second time."""
+    if type(answer) is Record:
+        text = encoded.get(id(answer))
+        if text is not None:
+            return '{"t":"record","r":' + text + "}"
+    return _dumps(codec.encode(answer))
+
+
+class SqlStorage:
+    """What the writer needs of a database (the storage seam): ``open``,
+    ``load``, ``read_runs``, ``lookup_requests``, ``transaction`` /
+    ``run_isolated`` / ``write`` for one batch, ``reader`` for read-only
+    connections (history, finished runs, the engine store), ``close``. The
+    subclass opens the connection and supplies the dialect. Not thread-safe:
+    the writer thread owns it."""
+
+    backend = ""
+    path = ""  # what to name in messages: the file, or the URL without its password
+    # the dialect: the larger of two values, and an index hint for the
+    # finished runs' ids at start-up (SQLite's planner needs it)
+    GREATEST = "max"
+    STATUS_INDEX = ""
+    # the driver's error class: a batch that hits one fails as STORAGE_*
+    ERRORS: tuple[type[BaseException], ...] = ()
+    _db: Any = None
+
+    def open(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def reader(self) -> Any:
+        """A new read-only connection (committed state only)."""
+        raise NotImplementedError
+
+    def _storage_error(self, exc: BaseException) -> LedgerError:
+        raise NotImplementedError
+
+    def _connection(self) -> Any:
+        """The write connection for the next batch (PostgreSQL: reconnected
+        when the last one broke)."""
+        return self.db
+
+    def _begin(self, db: Any) -> None:
+        db.execute("BEGIN")
+
+    @property
+    def is_open(self) -> bool:
+        return self._db is not None
+
+    @property
+    def db(self) -> Any:
+        if self._db is None:
+            raise RuntimeError("storage is not open")
+        return self._db
+
+    def finished_before(
+        self, db: Any, cutoff_ms: int, limit: int, after: tuple[int, str] | None = None
+    ) -> list[tuple[str, int, int]]:
+        """(run id, version, finished at) of finished runs of the runs table last
+        changed before ``cutoff_ms``, oldest first, past ``after`` (the last
+        (finished at, run id) a previous call returned), on ``db`` (a reader)."""
+        raise NotImplementedError
+
+
+    def load(self) -> LoadedState:
+        """The committed ledger: the unfinished runs of the runs table, plus the
+        changes above its materialized mark replayed in order — which are then
+        written to runs (one transaction), so the writer starts with nothing
+        pending. Finished runs are not read: ``cold`` lists their ids (from
+        the status index alone); ``read_runs`` reads them when asked."""
+        db = self.db
+        state = LoadedState()
+        marks = ",".join("?" * len(HOT_STATUSES))
+        for run_id, text in db.execute(
+            f"SELECT run_id, record FROM runs WHERE status IN ({marks})", HOT_STATUSES
+        ):
+            state.runs[run_id] = self._readable(text, f"the stored record of run {run_id!r}")
+        state.tombstones = dict(db.execute("SELECT run_id, fencing_token FROM tombstones"))
+        state.revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0]
+        mark = self.materialized_mark()
+        replay: dict[str, Record | None] = {}
+        for rev, run_id, kind, text in db.execute(
+            "SELECT revision, run_id, kind, record FROM changes WHERE revision > ? "
+            "ORDER BY revision",
+            (mark,),
+        ):
+            if kind == KIND_PUT:
+                replay[run_id] = self._readable(text, f"the change at revision {rev}")
+            else:
+                replay[run_id] = None
+            state.replayed += 1
+        for run_id, rec in replay.items():
+            if rec is None:
+                state.runs.pop(run_id, None)
+            else:
+                state.runs[run_id] = rec
+        marks = ",".join("?" * len(COLD_STATUSES))
+        state.cold = [
+            row for row in db.execute(
+                f"SELECT run_id, status, owner FROM runs {self.STATUS_INDEX} "
+                f"WHERE status IN ({marks})", COLD_STATUSES,
+            )
+            if row[0] not in replay
+        ]
+        if mark != state.revision:
+            with self.transaction():
+                self._materialize(db, list(replay.items()), state.revision, state.revision)
+        for run_id, rec in replay.items():  # now reflected in runs: finished ones go cold
+            if rec is not None and rec.status in COLD_STATUSES:
+                del state.runs[run_id]
+                state.cold.append((run_id, int(rec.status), rec.lease.owner if rec.lease else None))
+        state.compacted = self._compacted(db, state.revision)
+        return state
+
+    def read_runs(self, run_ids: list[str]) -> dict[str, Record]:
+        """The runs table's records of those ids that have one (writer thread:
+        inside a batch it sees what earlier batches committed)."""
+        return read_runs(self.db, run_ids)
+
+    def _readable(self, text: Any, what: str) -> Record:
+        try:
+            return record_from_dict(_loads(text))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise RuntimeError(
+                f"{self.path}: {what} is unreadable ({exc!r}); refusing to start and "
+                "leaving the file untouched"
+            ) from exc
+
+    def materialized_mark(self) -> int:
+        return int(
+            self.db.execute("SELECT value FROM meta WHERE key='materialized'").fetchone()[0]
+        )
+
+    @staticmethod
+    def _materialize(
+        db: Any, runs: list[tuple[str, Record | None]], mark: int, revision: int
+    ) -> None:
+        """Copy runs into the runs table and set the mark (and the revision: one
+        statement for both meta rows)."""
+        puts = [rec for _, rec in runs if rec is not None]
+        if puts:
+            db.executemany(
+                "INSERT INTO runs (run_id, version, status, fencing_token, owner, "
+                "revision, record) VALUES (?,?,?,?,?,?,?) ON CONFLICT (run_id) DO "
+                "UPDATE SET version=excluded.version, status=excluded.status, "
+                "fencing_token=excluded.fencing_token, owner=excluded.owner, "
+                "revision=excluded.revision, record=excluded.record",
+                [
+                    (
+                        r.run_id,
+                        r.version,
+                        int(r.status),
+                        r.fencing_token,
+                        r.lease.owner if r.lease else None,
+                        r.revision,
+                        _dumps(record_to_dict(r)),
+                    )
+                    for r in puts
+                ],
+            )
+        gone = [(run_id,) for run_id, rec in runs if rec is None]
+        if gone:
+            db.executemany("DELETE FROM runs WHERE run_id = ?", gone)
+        db.execute(
+            "UPDATE meta SET value = CASE key WHEN 'revision' THEN ? ELSE ? END "
+            "WHERE key IN ('revision', 'materialized')",
+            (revision, mark),
+        )
+
+    @staticmethod
+    def _compacted(db: Any, revision: int) -> int:
+        """Everything at or below this revision is gone from the history."""
+        low = db.execute("SELECT min(revision) FROM changes").fetchone()[0]
+        return revision if low is None else low - 1
+
+    def lookup_requests(self, request_ids: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+        """The stored (fingerprint, answer) of those of ``request_ids``
+        answered before: one query per 500 ids, not one per command."""
+        found: dict[str, tuple[str, dict[str, Any]]] = {}
+        for i in range(0, len(request_ids), 500):
+            chunk = request_ids[i : i + 500]
+            rows = self.db.execute(
+                "SELECT request_id, fingerprint, answer FROM requests WHERE request_id IN "
+                f"({','.join('?' * len(chunk))})",
+                chunk,
+            )
+            for rid, fp, answer in rows:
+                found[rid] = (fp, _loads(answer))
+        return found
+
+    # -- the one write path ------------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One batch: BEGIN ... COMMIT, durable when COMMIT returns. On any
+        failure rolls back and raises LedgerError(STORAGE_*) for driver errors."""
+        try:
+            db = self._connection()
+            try:
+                self._begin(db)
+                yield
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+        except self.ERRORS as exc:
+            raise self._storage_error(exc) from exc
+
+    def run_isolated(self, executor: Any, cmd: Any, now: int) -> Any:
+        """Run an executor inside a savepoint: its refusal (LedgerError) rolls
+        back its own writes and becomes its answer; SQLite errors fail the batch."""
+        db = self.db
+        db.execute("SAVEPOINT cmd")
+        try:
+            result = executor(db, cmd, now)
+        except LedgerError as exc:
+            db.execute("ROLLBACK TO cmd")
+            db.execute("RELEASE cmd")
+            return exc
+        except BaseException:
+            db.execute("ROLLBACK TO cmd")
+            db.execute("RELEASE cmd")
+            raise
+        db.execute("RELEASE cmd")
+        return result
+
+    def write(self, batch: Batch) -> None:
+        """Write the ledger part of a batch; call inside ``transaction()``."""
+        db = self.db
+        # encode each record once: its history row and a request's answer share it
+        encoded = {
+            id(rec): _dumps(record_to_dict(rec))
+            for _, _, _, rec in batch.changes
+            if rec is not None
+        }
+        if batch.deletes:  # tombstones at once: a deleted run's tokens are never reused
+            db.executemany(
+                "INSERT INTO tombstones (run_id, fencing_token, deleted_at) "
+                "VALUES (?,?,?) ON CONFLICT (run_id) DO UPDATE SET "
+                f"fencing_token={self.GREATEST}(tombstones.fencing_token, "
+                "excluded.fencing_token), deleted_at=excluded.deleted_at",
+                [(k, tok, at) for k, (tok, at) in batch.deletes.items()],
+            )
+        if batch.changes:
+            db.executemany(
+                "INSERT INTO changes (revision, run_id, kind, record, committed_at) "
+                "VALUES (?,?,?,?,?)",
+                [
+                    (
+                        rev,
+                        run_id,
+                        kind,
+                        encoded[id(rec)] if rec is not None else None,
+                        batch.now,
+                    )
+                    for rev, run_id, kind, rec in batch.changes
+                ],
+            )
+        if batch.materialized is not None:
+            self._materialize(db, batch.materialize, batch.materialized, batch.revision)
+        elif batch.changes:
+            db.execute("UPDATE meta SET value = ? WHERE key = 'revision'", (batch.revision,))
+        if batch.requests:
+            db.executemany(
+                "INSERT INTO requests (request_id, fingerprint, answer, created_at) "
+                "VALUES (?,?,?,?) ON CONFLICT (request_id) DO UPDATE SET "
+                "fingerprint=excluded.fingerprint, answer=excluded.answer, "
+                "created_at=excluded.created_at",
+                [
+                    (rid, fp, _answer_text(ans, encoded), at)
+                    for rid, fp, ans, at in batch.requests
+                ],
+            )
+        if batch.prune is not None:
+            request_cutoff, keep_from, age_cutoff, mark = batch.prune
+            more = db.execute(
+                "DELETE FROM requests WHERE request_id IN (SELECT request_id FROM requests "
+                "WHERE created_at < ? ORDER BY created_at LIMIT ?)",
+                (request_cutoff, PRUNE_CHUNK),
+            ).rowcount >= PRUNE_CHUNK
+            # changes are deleted oldest first and never above the mark: the
+            # history stays one contiguous range of revisions
+            floor = db.execute("SELECT min(revision) FROM changes").fetchone()[0]
+            if floor is not None:
+                ceiling = mark + 1  # never a change above the mark
+                limit = min(floor + PRUNE_CHUNK, ceiling)
+                below = min(keep_from, ceiling)  # what the count limit prunes
+                old_window = False
+                if age_cutoff is not None:
+                    # the age limit prunes up to the first change (within this
+                    # chunk) committed at or after the cutoff
+                    young = db.execute(
+                        "SELECT min(revision) FROM changes WHERE revision >= ? AND "
+                        "revision < ? AND committed_at >= ?",
+                        (floor, limit, age_cutoff),
+                    ).fetchone()[0]
+                    old_window = young is None
+                    below = max(below, limit if young is None else young)
+                stop = min(below, limit)
+                if stop > floor:
+                    db.execute("DELETE FROM changes WHERE revision < ?", (stop,))
+                more = more or (stop == limit < ceiling and (stop < below or old_window))
+            batch.prune_more = more
+            batch.compacted = self._compacted(db, batch.revision)
+
+
+
+
+def read_runs(db: Any, run_ids: list[str]) -> dict[str, Record]:
+    """Records of the runs table by id, in chunks the statement can bind."""
+    out: dict[str, Record] = {}
+    for i in range(0, len(run_ids), 500):
+        chunk = run_ids[i:i + 500]
+        for run_id, text in db.execute(
+            f"SELECT run_id, record FROM runs WHERE run_id IN ({','.join('?' * len(chunk))})",
+            chunk,
+        ):
+            out[run_id] = record_from_dict(_loads(text))
+    return out
+
+
+class HistoryReader:
+    """Reads the retained change history on its own read-only connection (for
+    WatchRuns replay), so replay never runs on the writer's connection; it
+    reads committed history while the writer commits."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect  # a storage's ``reader``
+        self._db: Any = None
+
+    def read(
+        self, from_revision: int, to_revision: int, limit: int = 1000
+    ) -> list[tuple[int, str, int, Record | None]]:
+        if self._db is None:
+            self._db = self._connect()
+        rows = self._db.execute(
+            "SELECT revision, run_id, kind, record FROM changes "
+            "WHERE revision >= ? AND revision <= ? ORDER BY revision LIMIT ?",
+            (from_revision, to_revision, limit),
+        ).fetchall()
+        return [
+            (rev, run_id, kind, record_from_dict(_loads(text)) if text else None)
+            for rev, run_id, kind, text in rows
+        ]
+
+    def run_history(self, run_id: str, limit: int) -> list[tuple[int, int, Record | None]]:
+        """The last ``limit`` retained changes of one run, oldest first:
+        (revision, kind, record or None)."""
+        if self._db is None:
+            self._db = self._connect()
+        rows = self._db.execute(
+            "SELECT revision, kind, record FROM changes WHERE run_id = ? "
+            "ORDER BY revision DESC LIMIT ?",
+            (run_id, limit),
+        ).fetchall()
+        return [
+            (rev, kind, record_from_dict(_loads(text)) if text else None)
+            for rev, kind, text in reversed(rows)
+        ]
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
