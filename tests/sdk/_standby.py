@@ -75,22 +75,13 @@ class _Refuser(grpc.GenericRpcHandler):
                     request_id = msg.request_id  # type: ignore[attr-defined]
             standby.refused.append(Refused(method.name, request_id))
 
-        if method.client_streaming:
-            async def refuse_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                record(None)
-                await context.abort_with_status(not_leader_status(standby.leader))
-
-            if method.server_streaming:
-                return grpc.stream_stream_rpc_method_handler(refuse_stream)
-            return grpc.stream_unary_rpc_method_handler(refuse_stream)
-
-        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> Any:
-            record(request)
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            # HTTP/2 frames every kind of call alike: one streaming handler
+            # takes them all, reading the request of a unary-request call
+            record(None if method.client_streaming else await anext(aiter(requests)))
             await context.abort_with_status(not_leader_status(standby.leader))
 
-        if method.server_streaming:
-            return grpc.unary_stream_rpc_method_handler(refuse)
-        return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 class Standby:

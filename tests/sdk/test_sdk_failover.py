@@ -15,6 +15,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -91,6 +92,18 @@ async def raw_acquire(address: str, run_id: str, owner: str,
         req = ledger_pb2.AcquireRequest(run_id=run_id, owner=owner, lease_ttl_ms=60_000,
                                         request_id=request_id)
         return await stub.Acquire(req)  # type: ignore[no-any-return]
+
+
+async def holding_over_the_stream(
+    client: fencepost.Client, run_id: str = "run-1"
+) -> tuple[fencepost.Lease, Any]:
+    """A lease on ``run_id``, and the client's Execute dispatcher once its
+    stream is open (None with transport="unary")."""
+    lease = await client.acquire(run_id, ttl_ms=60_000)
+    dispatcher = client._dispatcher
+    if dispatcher is not None:
+        await until(lambda: dispatcher.is_open, "the Execute stream")
+    return lease, dispatcher
 
 
 # -- endpoints ---------------------------------------------------------------------------
@@ -236,12 +249,8 @@ async def test_a_command_whose_answer_was_lost_in_a_takeover_is_applied_once(
     with Proxy(first.address) as proxy:
         async with fencepost.Client([proxy.address, standby.address], owner="w",
                                     transport=transport) as client:  # type: ignore[arg-type]
-            warm = await client.acquire("warm")
+            warm, _ = await holding_over_the_stream(client, "warm")
             await warm.release()
-            if transport == "stream":
-                dispatcher = client._dispatcher
-                assert dispatcher is not None
-                await until(lambda: dispatcher.is_open, "the Execute stream")
             proxy.hold_replies()
             call = asyncio.ensure_future(client.acquire("run-1", ttl_ms=60_000))
             async with fencepost.Client(first.address) as direct:
@@ -319,10 +328,7 @@ async def test_the_execute_stream_reconnects_to_the_new_leader(
     coordinators: Coordinators, two_endpoints: tuple[str, str]
 ) -> None:
     async with fencepost.Client(list(two_endpoints), owner="w") as client:
-        dispatcher = client._dispatcher
-        assert dispatcher is not None
-        lease = await client.acquire("run-1", ttl_ms=60_000)
-        await until(lambda: dispatcher.is_open, "the Execute stream")
+        lease, dispatcher = await holding_over_the_stream(client)
         opened = dispatcher.streams_opened
         coordinators.stop()
         coordinators.start(two_endpoints[1])
@@ -398,10 +404,7 @@ async def test_a_call_that_a_frozen_leader_never_answers_moves_the_next_call(
     with Proxy(server.address) as proxy, Standby(leader=server.address) as standby:
         async with fencepost.Client([proxy.address, standby.address], owner="w",
                                     retry=policy) as client:
-            dispatcher = client._dispatcher
-            assert dispatcher is not None
-            lease = await client.acquire("run-1", ttl_ms=60_000)
-            await until(lambda: dispatcher.is_open, "the Execute stream")
+            lease, dispatcher = await holding_over_the_stream(client)
             opened = dispatcher.streams_opened
             proxy.hold_replies()
             with pytest.raises(fencepost.OutcomeUnknownError):
