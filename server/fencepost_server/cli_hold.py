@@ -1,7 +1,7 @@
 """``fencepost hold``: run a command while holding a run's lease (``flock``,
 ``etcdctl lock``, ``consul lock`` for fencepost).
 
-    fencepost hold RUN_ID [--ttl MS] [--wait] [--release] [--grace S] -- CMD ARGS...
+    fencepost hold RUN_ID [--ttl TTL] [--wait] [--release] [--grace S] -- CMD ARGS...
 
 1. Acquire RUN_ID (with ``--wait``: until it is acquirable; a lease held by
    another owner, a lock-delay or a suspension is waited out, a finished run
@@ -39,6 +39,7 @@ from fencepost import LeaseHeldError, LeaseLostError, RunSuspendedError
 
 from .cli import EXIT_LOST
 from .cli_ops import _positive_int
+from .retention import parse_duration_ms
 
 DEFAULT_GRACE_S = 10.0
 MAX_WAIT_STEP_S = 1.0  # --wait re-tries at least this often, watching the run in between
@@ -55,6 +56,17 @@ def _grace(text: str) -> float:
     return value
 
 
+def _ttl_ms(text: str) -> int:
+    """``--ttl``: plain milliseconds (``30000``), or a duration (``30s``, ``2m``, ``500ms``)."""
+    if text.strip().isdigit():
+        return _positive_int(text)
+    try:
+        return parse_duration_ms(text, "--ttl")
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"not milliseconds or a duration such as 30s or 2m: {text!r}") from None
+
+
 def add_hold_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "hold",
@@ -65,7 +77,8 @@ def add_hold_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument(
-        "--ttl", dest="ttl_ms", type=_positive_int, help="lease ttl in ms (default 60000)"
+        "--ttl", dest="ttl_ms", type=_ttl_ms, metavar="TTL",
+        help="lease ttl: milliseconds, or a duration such as 30s or 2m (default 60000)",
     )
     p.add_argument(
         "--wait", action="store_true", help="block until the run is acquirable instead of failing"

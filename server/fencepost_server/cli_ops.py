@@ -8,14 +8,15 @@
     fencepost watch [RUN_ID ...] [--from-revision N] [--limit N]
     fencepost ls --engine [--status S]... [--agent A] [--limit N]
     fencepost health [--service NAME]
-    fencepost hold RUN_ID [--ttl MS] [--wait] [--release] [--grace S] -- CMD ARGS...
+    fencepost hold RUN_ID [--ttl TTL] [--wait] [--release] [--grace S] -- CMD ARGS...
 
 Each takes ``--addr`` (env FENCEPOST_ADDR; see cli.default_addr) or
 ``--endpoints ADDR,ADDR...`` (env FENCEPOST_ENDPOINTS, which wins over
 FENCEPOST_ADDR): several coordinators of which one leads; the command goes to
 the leader, following a standby's NOT_LEADER as the SDK does. ``--timeout``
-(seconds to keep retrying an unreachable server, or waiting for a new leader,
-default 5) and ``--json``; for a server with TLS or tokens (docs/SECURITY.md),
+(seconds to keep retrying an unreachable server, or waiting for a new leader;
+default 5, and 15 with several endpoints: room for a takeover) and
+``--json``; for a server with TLS or tokens (docs/SECURITY.md),
 ``--cacert`` ``--cert`` ``--key`` ``--token`` (env FENCEPOST_CACERT,
 FENCEPOST_CERT, FENCEPOST_KEY, FENCEPOST_TOKEN; any of the first three turns
 TLS on).
@@ -87,6 +88,8 @@ from .cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
 
 COMMANDS = ("get", "ls", "cancel", "resume", "delete", "watch", "health", "hold")
 DEFAULT_TIMEOUT_S = 5.0
+# With several endpoints: room for a takeover (the default 5 s leader lease, then loading).
+FAILOVER_TIMEOUT_S = 15.0
 _STATUSES = [s.value for s in fencepost.RunStatus]
 
 
@@ -159,8 +162,8 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     common.add_argument(
         "--timeout",
         type=_positive_float,
-        default=DEFAULT_TIMEOUT_S,
-        help=f"seconds to keep retrying an unreachable server (default {DEFAULT_TIMEOUT_S:g})",
+        help="seconds to keep retrying an unreachable server, or waiting for a new leader "
+        f"(default {DEFAULT_TIMEOUT_S:g}; {FAILOVER_TIMEOUT_S:g} with several --endpoints)",
     )
 
     p = sub.add_parser("get", parents=[common], help="show one run")
@@ -299,6 +302,8 @@ def _resolve_endpoints(args: argparse.Namespace, env: Any) -> str:
         else:
             args.endpoints = [args.default_addr]
     args.addr = args.endpoints[0]
+    if args.timeout is None:
+        args.timeout = FAILOVER_TIMEOUT_S if len(args.endpoints) > 1 else DEFAULT_TIMEOUT_S
     return ""
 
 

@@ -4,6 +4,7 @@ endpoint, and bad endpoint lists are usage errors that change nothing."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -143,3 +144,25 @@ def test_hold_gives_the_command_the_leader_and_the_endpoints(
     with SyncClient(server.address) as c:
         assert c.get("run-h").status.value == "completed"
     assert os.environ.get("FENCEPOST_ENDPOINTS") is None
+
+
+def test_the_default_timeout_leaves_room_for_a_takeover_with_several_endpoints() -> None:
+    for argv, timeout in ((["ls", "--endpoints", "a:1,b:2"], cli_ops.FAILOVER_TIMEOUT_S),
+                          (["ls", "--addr", "a:1"], cli_ops.DEFAULT_TIMEOUT_S),
+                          (["ls", "--endpoints", "a:1"], cli_ops.DEFAULT_TIMEOUT_S),
+                          (["ls", "--endpoints", "a:1,b:2", "--timeout", "2"], 2.0)):
+        args = build_parser().parse_args(argv)
+        assert cli_ops._resolve_endpoints(args, {}) == ""
+        assert args.timeout == timeout, argv
+    assert cli_ops.FAILOVER_TIMEOUT_S > 5 + 5  # the default leader lease, and a takeover
+
+
+def test_hold_ttl_takes_milliseconds_or_a_duration(capsys: pytest.CaptureFixture[str]) -> None:
+    from fencepost_server.cli_hold import _ttl_ms
+
+    assert [_ttl_ms(t) for t in ("30000", "30s", "2m", "500ms")] == [30_000, 30_000, 120_000, 500]
+    for bad in ("0", "soon", "1.5s", "-3s"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"duration|>= 1"):
+            _ttl_ms(bad)
+    assert main(["hold", "run-1", "--ttl", "soon", "--", "true"]) == EXIT_USAGE
+    assert "--ttl" in capsys.readouterr().err

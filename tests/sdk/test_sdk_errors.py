@@ -49,6 +49,7 @@ EXPECTED_CLASS = {
     "UNAUTHENTICATED": fencepost.UnauthenticatedError,
     "PERMISSION_DENIED": fencepost.PermissionDeniedError,
     "OWNER_NOT_PERMITTED": fencepost.OwnerNotPermittedError,
+    "NOT_LEADER": fencepost.NotLeaderError,
 }
 
 

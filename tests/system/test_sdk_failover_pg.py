@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,6 +26,7 @@ from fencepost_server.pgcluster import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
+FENCEPOST = Path(sys.executable).parent / "fencepost"
 TTL_MS = 6_000  # the lease must be renewed on the new leader to survive
 BURST = 20  # acquires in flight when the leader dies
 
@@ -107,3 +110,37 @@ async def until(predicate: Callable[[], bool], what: str, within_s: float) -> No
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.05)
+
+
+def test_fencepost_hold_with_both_endpoints_survives_the_leader_killed(
+    group: Coordinators, tmp_path: Path
+) -> None:
+    """docs/OPERATIONS.md's walk-through: ``hold`` keeps its lease (and its
+    command running) across a SIGKILL of the leader, and finishes the run on
+    the new leader when the command ends."""
+    leader = group.wait_leader()
+    standby = next(p for p in group.procs if p is not leader)
+    endpoints = ",".join(p.address for p in group.procs)
+    started = tmp_path / "started"
+    script = (f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); "
+              "time.sleep(6)")  # two 3 s ttls: renewed on the new leader, or lost
+    hold = subprocess.Popen(
+        [str(FENCEPOST), "hold", "demo-run", "--endpoints", endpoints, "--ttl", "3s", "--",
+         sys.executable, "-c", script],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not started.exists():
+            assert hold.poll() is None and time.monotonic() < deadline, hold.communicate()
+            time.sleep(0.05)
+        leader.kill()
+        _, err = hold.communicate(timeout=60)
+    finally:
+        if hold.poll() is None:
+            hold.kill()
+    assert hold.returncode == 0, err.decode()
+    with fencepost.SyncClient(standby.address) as client:
+        rec = client.get("demo-run")
+    assert rec.status is fencepost.RunStatus.COMPLETED
+    assert (rec.fencing_token, rec.attempt) == (1, 1)  # one holder throughout
