@@ -324,6 +324,19 @@ async def test_keepalive_moves_to_the_next_endpoint_and_retracks_its_leases(
         await kept.finish()
 
 
+async def test_unary_renewals_follow_the_leader(
+    coordinators: Coordinators, two_endpoints: tuple[str, str]
+) -> None:
+    async with fencepost.Client(list(two_endpoints), owner="w", renewal="unary",
+                                transport="unary") as client:
+        lease = await client.acquire("run-1", ttl_ms=3_000)
+        coordinators.stop()
+        stopped_at = time.monotonic()
+        coordinators.start(two_endpoints[1])
+        await until(lambda: lease.safe_until > stopped_at + 3.0, "a renewal on the new leader")
+        assert lease.is_active and client.address == two_endpoints[1]
+
+
 async def test_the_execute_stream_reconnects_to_the_new_leader(
     coordinators: Coordinators, two_endpoints: tuple[str, str]
 ) -> None:
