@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import sys
 import time
@@ -144,3 +145,31 @@ def test_fencepost_hold_with_both_endpoints_survives_the_leader_killed(
         rec = client.get("demo-run")
     assert rec.status is fencepost.RunStatus.COMPLETED
     assert (rec.fencing_token, rec.attempt) == (1, 1)  # one holder throughout
+
+
+async def test_a_client_keeps_its_lease_when_the_leader_is_frozen(group: Coordinators) -> None:
+    """SIGSTOP: the leader's connections stay open and nothing comes back. The
+    KeepAlive stream gives up on it a third of a ttl after an unanswered
+    renewal, and renews on the standby once that has taken over."""
+    leader = group.wait_leader()
+    standby = next(p for p in group.procs if p is not leader)
+    ttl_ms = 9_000
+    async with fencepost.Client([p.address for p in group.procs], owner="worker",
+                                transport="unary") as client:
+        lease = await client.acquire("held", ttl_ms=ttl_ms)
+        renewed = lease.safe_until
+        await until(lambda: lease.safe_until > renewed, "a renewal on the old leader", 10)
+        assert leader.proc is not None
+        leader.proc.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            await until(lambda: lease.safe_until > frozen_at + ttl_ms / 1000,
+                        "a renewal on the new leader", 20)
+            assert lease.is_active and not lease.at_risk
+            assert client.address == standby.address
+            rec = await lease.record_checkpoint("ckpt/held/1", 1)
+            assert rec.fencing_token == 1
+        finally:
+            leader.proc.send_signal(signal.SIGCONT)  # it finds itself deposed and exits 3
+        assert leader.proc.wait(15) == 3
+        await lease.finish()

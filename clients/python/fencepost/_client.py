@@ -94,10 +94,12 @@ _DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 
+
 def _ledger_rpc(method: str) -> Callable[[Endpoint], Callable[..., Any]]:
     """The Ledger RPC ``method`` (a unary multi-callable of the generated
     stub: ``rpc(request, timeout=...)``) on an endpoint."""
     return lambda endpoint: getattr(endpoint.stub(ledger_pb2_grpc.LedgerStub), method)
+
 
 # What ``Client(on_lost=...)`` is called with: the lease and why it was lost.
 # It runs on the client's event loop and must not block; when it returns an
@@ -883,6 +885,10 @@ class Client:
     def _open_execute(self, endpoint: Endpoint) -> Any:
         """A new Execute call (write()/read() style) on ``endpoint``."""
         return endpoint.stub(ledger_pb2_grpc.LedgerStub).Execute()  # type: ignore[call-arg]
+
+    def _open_keepalive(self, endpoint: Endpoint) -> Any:
+        """A new KeepAlive call (write()/read() style) on ``endpoint``."""
+        return endpoint.stub(ledger_pb2_grpc.LedgerStub).KeepAlive()  # type: ignore[call-arg]
 
     # -- worker calls ------------------------------------------------------------------
 

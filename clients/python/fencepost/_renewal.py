@@ -48,7 +48,6 @@ from ._errors import (
 from ._records import lost_reason_from_pb, record_from_pb, time_from_pb
 from ._retry import RetryPolicy
 from .v1 import ledger_pb2 as pb
-from .v1.ledger_pb2_grpc import LedgerStub
 
 if TYPE_CHECKING:
     from ._client import Client, Lease
@@ -331,8 +330,7 @@ class StreamRenewer:
     async def _session(self, endpoint: Endpoint) -> None:
         """One stream to ``endpoint``: hello, renew or track every lease, then
         run until it ends."""
-        ledger = endpoint.stub(LedgerStub)
-        call: Any = ledger.KeepAlive()  # type: ignore[call-arg]  # write()/read()
+        call: Any = self._client._open_keepalive(endpoint)  # write()/read()
         self.sessions += 1
         outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]] = asyncio.Queue()
         outbox.put_nowait(
