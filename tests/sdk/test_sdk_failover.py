@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from _standby import Standby
 
 import fencepost
 from fencepost import LostReason, NotLeaderError, RetryPolicy, UnavailableError
-from fencepost._endpoints import parse_endpoints
+from fencepost._endpoints import CONNECT_WAIT_S, parse_endpoints
 from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
 from fencepost_server.harness import ServerThread
 
@@ -38,8 +39,6 @@ GIVES_UP_S = FAST.total_timeout_s + (FAST.attempt_timeout_s or 0) + 1.0
 
 
 def free_address() -> str:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
@@ -50,6 +49,24 @@ async def until(predicate: Callable[[], object], what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.01)
+
+
+class Blackhole:
+    """An address where connections are never completed: a listening socket
+    whose one-slot backlog is taken and never accepted, so the kernel drops
+    every further SYN. A coordinator whose machine died looks like this."""
+
+    def __enter__(self) -> Blackhole:
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(0)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._slot = socket.create_connection(self._listener.getsockname(), timeout=2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._slot.close()
+        self._listener.close()
 
 
 class Coordinators:
@@ -430,3 +447,65 @@ async def test_a_call_that_a_frozen_leader_never_answers_moves_the_next_call(
             # the checkpoint whose answer was lost was applied, once
             assert rec.checkpoint_ref is not None and rec.checkpoint_ref.key == "ckpt/1"
             assert rec.fencing_token == 1
+
+
+# -- a coordinator whose machine died: connection attempts go unanswered ----------------
+
+# gRPC's own connection timeout (20 s), instead of the SDK's quicker defaults:
+# the client must still move on after CONNECT_WAIT_S
+GRPC_CONNECT_DEFAULTS = [("grpc.min_reconnect_backoff_ms", 20_000),
+                         ("grpc.initial_reconnect_backoff_ms", 1_000),
+                         ("grpc.max_reconnect_backoff_ms", 120_000)]
+
+
+async def test_an_endpoint_that_takes_no_connection_is_passed_over(server: ServerThread) -> None:
+    with Blackhole() as dead:
+        async with fencepost.Client([dead.address, server.address], owner="w",
+                                    channel_options=GRPC_CONNECT_DEFAULTS) as client:
+            started = time.monotonic()
+            lease = await client.acquire("run-1")
+            assert time.monotonic() - started < CONNECT_WAIT_S + 2.0
+            assert client.address == server.address and lease.fencing_token == 1
+        async with fencepost.Client([dead.address, server.address],
+                                    channel_options=GRPC_CONNECT_DEFAULTS) as reader:
+            started = time.monotonic()
+            assert (await reader.get("run-1")).fencing_token == 1
+            assert time.monotonic() - started < CONNECT_WAIT_S + 2.0
+
+
+async def test_streams_pass_over_an_endpoint_that_takes_no_connection(
+    coordinators: Coordinators,
+) -> None:
+    first = coordinators.start()
+    later = free_address()
+    seen: list[int] = []
+    with Blackhole() as dead:
+        async with fencepost.Client([first.address, dead.address, later], owner="w",
+                                    transport="unary",
+                                    channel_options=GRPC_CONNECT_DEFAULTS) as client:
+            lease = await client.acquire("run-1", ttl_ms=6_000)
+
+            async def watch() -> None:
+                async for ev in client.watch(from_revision=1):
+                    seen.append(ev.revision)
+
+            task = asyncio.create_task(watch())
+            try:
+                await until(lambda: seen == [1], "the first change")
+                coordinators.stop()
+                stopped_at = time.monotonic()
+                second = coordinators.start(later)
+                # renewed on the new leader well within the ttl (gRPC alone
+                # would wait 20 s for the dead endpoint's connection)
+                await until(lambda: lease.safe_until > stopped_at + 6.0,
+                            "a renewal on the new leader")
+                assert lease.is_active and client.address == later
+                async with fencepost.Client(second.address, owner="other") as other:
+                    await other.acquire("run-2")
+                    last = (await other.list_all()).revision
+                await until(lambda: seen[-1] >= last, "the watch on the new leader")
+                assert seen == list(range(1, last + 1))
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task

@@ -42,6 +42,7 @@ from ._errors import (
     LeaseLostError,
     OutcomeUnknownError,
     StreamTooSlowError,
+    UnavailableError,
     from_rpc_error,
 )
 from ._execute import ExecuteDispatcher, attempt_of, check_window
@@ -1008,6 +1009,11 @@ class Client:
             # on the endpoint the revision came from: the leader, as far as
             # anyone knows (a standby refusing the stream moves it)
             endpoint = self._endpoint()
+            try:
+                await self._endpoints.reachable(endpoint, None)
+            except UnavailableError as unreachable:
+                self._endpoints.after_failure(endpoint, unreachable)
+                continue
             call = endpoint.stub(ledger_pb2_grpc.LedgerStub).WatchRuns(
                 ledger_pb2.WatchRunsRequest(run_ids=ids, from_revision=next_rev)
             )

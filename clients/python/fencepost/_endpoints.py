@@ -21,6 +21,10 @@ leads: the first one given, until a failure says otherwise.
   elsewhere), and a KeepAlive stream whose renewals stay unanswered
   (``_renewal``).
 
+An endpoint that takes no connection within ``CONNECT_WAIT_S`` (its
+machine died: nothing answers) is passed over the same way, by calls and
+streams alike.
+
 A standby did nothing with a call it refused, and a mutation carries one
 request id for all its attempts, so following the leader neither loses nor
 doubles a command: a new leader answers a request id the old one committed
@@ -37,11 +41,17 @@ from typing import Any, TypeVar
 
 import grpc
 
+from ._connect import until_connected
 from ._errors import FencepostError, NotLeaderError, OutcomeUnknownError, UnavailableError
 
 log = logging.getLogger("fencepost")
 
 S = TypeVar("S")
+
+# With several endpoints, how long an attempt or a stream waits for a
+# connection before it tries the next endpoint: a coordinator whose machine
+# died answers no connection attempt at all (gRPC would wait 20 s).
+CONNECT_WAIT_S = 2.0
 
 
 def parse_endpoints(value: str | Sequence[str], field: str = "address") -> tuple[str, ...]:
@@ -168,6 +178,22 @@ class Endpoints:
     def current(self) -> Endpoint:
         """Where the next attempt goes."""
         return self._current
+
+    async def reachable(self, endpoint: Endpoint, timeout_s: float | None) -> float | None:
+        """With several endpoints, wait (at most ``CONNECT_WAIT_S``, and
+        ``timeout_s``) until ``endpoint``'s channel is connected, or raise
+        ``UnavailableError`` (nothing was sent: the caller moves on). Returns
+        what is left of ``timeout_s``. A lone endpoint is waited for by the
+        call itself, as before."""
+        if len(self._all) < 2:
+            return timeout_s
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        wait = CONNECT_WAIT_S if timeout_s is None else min(timeout_s, CONNECT_WAIT_S)
+        await until_connected(endpoint.channel, wait)
+        if timeout_s is None:
+            return None
+        return max(timeout_s - (loop.time() - started), 0.001)
 
     def answered(self, endpoint: Endpoint) -> None:
         """``endpoint`` answered a call: a leader (standbys answer nothing)."""

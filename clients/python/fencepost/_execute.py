@@ -441,6 +441,7 @@ class ExecuteDispatcher:
             started = time.monotonic()
             at_once = False  # a standby named the leader: go there without waiting
             try:
+                await self._endpoints.reachable(endpoint, None)
                 call = self._open_call(endpoint)
                 self.streams_opened += 1
                 session = _Session(call, self._window_s, endpoint)
@@ -478,6 +479,10 @@ class ExecuteDispatcher:
                 if isinstance(exc, TimeoutError):  # could not connect: try the next endpoint
                     self._endpoints.after_failure(endpoint, UnavailableError(
                         message, code="UNAVAILABLE", grpc_code=grpc.StatusCode.UNAVAILABLE))
+            except UnavailableError as exc:  # no connection to it (``Endpoints.reachable``)
+                message = f"the Execute stream was not opened ({exc})"
+                log.info("%s; unary until it reconnects", message)
+                self._endpoints.after_failure(endpoint, exc)
             except Exception as exc:
                 message = f"the Execute stream crashed ({exc!r})"
                 log.exception("Execute stream crashed; unary until it reconnects")

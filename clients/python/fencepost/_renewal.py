@@ -307,6 +307,9 @@ class StreamRenewer:
             except grpc.RpcError as err:
                 failure = from_rpc_error(err, mutation=False)
                 log.info("KeepAlive stream dropped (%s); reconnecting", failure)
+            except FencepostError as exc:  # no connection to it (``Endpoints.reachable``)
+                failure = exc
+                log.info("KeepAlive stream not opened (%s); trying elsewhere", exc)
             except _Stalled as exc:
                 failure = UnavailableError(str(exc), code="UNAVAILABLE",
                                            grpc_code=grpc.StatusCode.UNAVAILABLE)
@@ -330,6 +333,7 @@ class StreamRenewer:
     async def _session(self, endpoint: Endpoint) -> None:
         """One stream to ``endpoint``: hello, renew or track every lease, then
         run until it ends."""
+        await self._client._endpoints.reachable(endpoint, None)
         call: Any = self._client._open_keepalive(endpoint)  # write()/read()
         self.sessions += 1
         outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]] = asyncio.Queue()

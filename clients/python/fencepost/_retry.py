@@ -125,7 +125,8 @@ async def call_with_retry(
         cause: BaseException | None
         endpoint = endpoints.current
         try:
-            result = await attempt(endpoint, policy.attempt_timeout_s)
+            timeout = await endpoints.reachable(endpoint, policy.attempt_timeout_s)
+            result = await attempt(endpoint, timeout)
         except grpc.RpcError as err:
             exc, cause = from_rpc_error(err, mutation=mutation), err
         except FencepostError as err:
