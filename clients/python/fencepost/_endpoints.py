@@ -183,8 +183,8 @@ class Endpoints:
         """With several endpoints, wait (at most ``CONNECT_WAIT_S``, and
         ``timeout_s``) until ``endpoint``'s channel is connected, or raise
         ``UnavailableError`` (nothing was sent: the caller moves on). Returns
-        what is left of ``timeout_s``. A lone endpoint is waited for by the
-        call itself, as before."""
+        what is left of ``timeout_s``. A lone endpoint has nowhere else to
+        go: the call itself waits for its connection."""
         if len(self._all) < 2:
             return timeout_s
         loop = asyncio.get_running_loop()
