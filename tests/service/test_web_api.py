@@ -210,6 +210,7 @@ async def test_event_stream_carries_changes_within_a_second(server: ServerThread
 
 
 @pytest.mark.slow
+@pytest.mark.sqlite_only  # in-memory index paging, the same on both stores; ~1 min each
 def test_paging_stays_fast_at_100_000_runs(make_server: Any) -> None:
     n = 100_000
     with make_server() as srv:

@@ -441,5 +441,7 @@ def migrate(db: PgConnection, where: str) -> None:
 def _one(cur: psycopg.Cursor[Any]) -> Any:
     """The single value of a one-row, one-column result."""
     row = cur.fetchone()
-    assert row is not None
+    if row is None:
+        raise RuntimeError("the fencepost schema is damaged (a row it keeps is missing); "
+                           "refusing to start")
     return row[0]
