@@ -64,13 +64,20 @@ EXIT_DEPOSED = 3  # fencepost serve: this coordinator lost leadership (restart i
 
 def _migrate(storage: PostgresStorage) -> None:
     """Create or upgrade the PostgreSQL schema on a short-lived connection."""
+    import psycopg
+
     from .storage import postgres
 
-    db = postgres.connect(storage.url, f"fencepost-migrate {storage.name}")
     try:
-        postgres.migrate(db, storage.path)
-    finally:
-        db.close()
+        db = postgres.connect(storage.url, f"fencepost-migrate {storage.name}")
+        try:
+            postgres.migrate(db, storage.path)
+        finally:
+            db.close()
+    except psycopg.Error as exc:  # unreachable, no such database, no permission...
+        raise RuntimeError(
+            f"{storage.path}: {postgres.first_line(exc)}; refusing to start"
+        ) from None
 
 
 class ConfigError(RuntimeError):
@@ -367,6 +374,7 @@ class App:
         self.hub = FenceHub(self.writer, self.clock, queue_limit=s.stream_queue_limit)
         self.hub.start()
         self.metrics = Metrics(self.writer, self.hub, self.clock, version())
+        self.metrics.leadership = self._leader_gauge
         instrument = self.metrics.instrument
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
         self._history = HistoryReader(storage.reader)
@@ -487,6 +495,9 @@ class App:
                     self.writer.state.revision, len(self.writer.state.index),
                     time.perf_counter() - started, takeover.gap_ms,
                 )
+                log.info("fencepost serving on %s (db=%s, durability=%s, revision=%d, runs=%d)",
+                         self.address, storage.path, self.settings.durability.value,
+                         self.writer.state.revision, len(self.writer.state.index))
             why = await keeper
         except asyncio.CancelledError:
             raise
@@ -510,6 +521,12 @@ class App:
     def _on_failed_commit(self, exc: LedgerError) -> None:
         if exc.code is Code.NOT_LEADER and self.leadership is not None:
             self._depose("a batch found the epoch moved: another coordinator took over")
+
+    def _leader_gauge(self) -> tuple[int, int]:
+        ld = self.leadership
+        if ld is None:
+            return int(self._leading), 0
+        return int(self._leading and ld.leading), ld.epoch or 0
 
     def _gate(self) -> LedgerError | None:
         """None while this coordinator leads; else why it refuses (NOT_LEADER)."""

@@ -44,7 +44,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from .clock import Clock
-from .storage.postgres import PgConnection, connect
+from .storage.postgres import PgConnection, connect, first_line
 
 log = logging.getLogger("fencepost.leadership")
 
@@ -118,7 +118,7 @@ class Leadership:
             try:
                 won, wait_ms = await loop.run_in_executor(self._thread, self._try_take_over)
             except psycopg.Error as exc:
-                log.warning("leader election: %s", _first_line(exc))
+                log.warning("leader election: %s", first_line(exc))
                 self._drop()
                 won, wait_ms = None, self.renew_ms
             if won is not None:
@@ -185,7 +185,7 @@ class Leadership:
             except TimeoutError:
                 return self._lose("the leader row was not renewed within the leader lease")
             except psycopg.Error as exc:
-                log.warning("leader renewal failed: %s", _first_line(exc))
+                log.warning("leader renewal failed: %s", first_line(exc))
                 self._drop()
                 continue
             if why:
@@ -305,6 +305,3 @@ def writer_name(identity: str) -> str:
     """The ``application_name`` of a coordinator's write connection."""
     return f"fencepost-writer {identity}"[:63]
 
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

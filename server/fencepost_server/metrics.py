@@ -70,6 +70,9 @@ class Metrics:
         self.writer = writer
         self.hub = hub
         self.clock = clock
+        # (serving as leader: 1 or 0, the leader epoch; 0 without PostgreSQL),
+        # set by app.py
+        self.leadership: Callable[[], tuple[int, int]] = lambda: (1, 0)
         self.registry = CollectorRegistry()
         r = self.registry
         self.rpc_seconds = Histogram(
@@ -213,6 +216,15 @@ class _StateCollector(Collector):
         )
         yield CounterMetricFamily(
             "fencepost_writer_failed_commits", "Commits that failed", value=w.stats.failed_commits
+        )
+        leading, epoch = self.m.leadership()
+        yield GaugeMetricFamily(
+            "fencepost_leader", "1 while this coordinator leads and serves, 0 on a standby",
+            value=leading,
+        )
+        yield GaugeMetricFamily(
+            "fencepost_leader_epoch", "The epoch this coordinator leads in (0: SQLite, or none)",
+            value=epoch,
         )
         yield GaugeMetricFamily("fencepost_revision", "Server revision", value=w.state.revision)
         yield GaugeMetricFamily("fencepost_runs", "Runs stored", value=len(w.state.index))

@@ -99,7 +99,7 @@ class ServerProc:
 
     def __init__(
         self,
-        db_path: Path,
+        db_path: Path | str,  # a SQLite file or a postgresql:// URL
         log_path: Path,
         port: int | None = None,
         *,
@@ -135,7 +135,9 @@ class ServerProc:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 15.0) -> ServerProc:
+    def start(self, timeout: float = 15.0, *, serving: bool = True) -> ServerProc:
+        """Start and wait until health says SERVING (``serving=False``: until it
+        answers at all, e.g. a standby coordinator's NOT_SERVING)."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self._log = open(self.log_path, "ab")  # closed in _reap
         self._log.write(f"\n=== start #{self.starts + 1} ===\n".encode())
@@ -154,10 +156,10 @@ class ServerProc:
             env=env,
         )
         self.starts += 1
-        self._wait_serving(timeout)
+        self._wait_serving(timeout, serving)
         return self
 
-    def _wait_serving(self, timeout: float) -> None:
+    def _wait_serving(self, timeout: float, serving: bool = True) -> None:
         deadline = time.monotonic() + timeout
         with self.channel() as ch:
             stub = health_pb2_grpc.HealthStub(ch)
@@ -170,7 +172,7 @@ class ServerProc:
                     )
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING or not serving:
                         return
                 except grpc.RpcError:
                     pass

@@ -10,12 +10,14 @@ connection fails its batch (STORAGE_UNAVAILABLE, nothing changed) and the next
 batch reconnects.
 
 Leadership (leadership.py): while this storage serves a leader, every batch
-first updates the leader row on condition that it still holds this
-coordinator's epoch. The update takes the row's lock until COMMIT, and a
-takeover locks that row before it bumps the epoch, so a batch either commits
-before the takeover (and the new leader loads it) or finds the epoch moved and
-commits nothing: a deposed leader — paused, partitioned or just slow — never
-commits one batch after another coordinator took over.
+first reads the leader row FOR KEY SHARE and checks that it still holds this
+coordinator's epoch. That lock is held until COMMIT, and a takeover locks the
+row FOR UPDATE (which waits for it) before it bumps the epoch, so a batch
+either commits before the takeover (and the new leader loads it) or finds the
+epoch moved and commits nothing: a deposed leader — paused, partitioned or
+just slow — never commits one batch after another coordinator took over. The
+leader's renewals only update non-key columns, which FOR KEY SHARE allows, so
+a long batch never holds a renewal up.
 
 Tables live in their own schema (``fencepost``) of the database the URL
 names, so one database may hold other applications' tables; the schema
@@ -292,13 +294,14 @@ def connect(url: str, role: str, *, read_only: bool = False, snapshot: bool = Fa
 
 
 def storage_error(exc: BaseException) -> LedgerError:
-    why = f"write not made durable, nothing changed: {_first_line(exc)}"
+    why = f"write not made durable, nothing changed: {first_line(exc)}"
     if isinstance(exc, pg_errors.DiskFull | pg_errors.OutOfMemory):
         return LedgerError(Code.STORAGE_FULL, why)
     return LedgerError(Code.STORAGE_UNAVAILABLE, why)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of a driver error (psycopg's messages run on)."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
@@ -340,7 +343,7 @@ class PostgresStorage(SqlStorage):
             migrate(self._db, self.path)
         except psycopg.Error as exc:
             self.close()
-            raise RuntimeError(f"{self.path}: {_first_line(exc)}") from exc
+            raise RuntimeError(f"{self.path}: {first_line(exc)}") from exc
         except BaseException:
             self.close()
             raise
@@ -377,13 +380,14 @@ class PostgresStorage(SqlStorage):
         db.execute("BEGIN")
         if self.epoch is None:
             return
-        held = db.execute(
-            "UPDATE fencepost_leader SET epoch = epoch WHERE id = 1 AND epoch = ?",
-            (self.epoch,),
-        ).rowcount
-        if held != 1:
-            row = db.execute("SELECT address FROM fencepost_leader WHERE id = 1").fetchone()
-            raise NotLeader(row[0] if row else "")
+        # FOR KEY SHARE: held to COMMIT, it makes a takeover's FOR UPDATE wait
+        # for this batch, yet lets the leader's own renewals (non-key updates
+        # of the row) through, however long the batch.
+        row = db.execute(
+            "SELECT epoch, address FROM fencepost_leader WHERE id = 1 FOR KEY SHARE"
+        ).fetchone()
+        if row is None or row[0] != self.epoch:
+            raise NotLeader(row[1] if row else "")
 
     def _storage_error(self, exc: BaseException) -> LedgerError:
         return storage_error(exc)
@@ -449,5 +453,7 @@ def migrate(db: PgConnection, where: str) -> None:
 def _one(cur: psycopg.Cursor[Any]) -> Any:
     """The single value of a one-row, one-column result."""
     row = cur.fetchone()
-    assert row is not None
+    if row is None:
+        raise RuntimeError("the fencepost schema is damaged (a row it keeps is missing); "
+                           "refusing to start")
     return row[0]
