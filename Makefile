@@ -87,9 +87,11 @@ DURATION  ?= 60
 SEED      ?= 1
 TRANSPORT ?= mixed
 SNAPSHOTS ?= fenced
+STORE     ?= sqlite
+COORDINATORS ?= 3
 .PHONY: torture
-torture: $(STAMP)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed SNAPSHOTS=fenced|unfenced|off (docs/RELIABILITY.md)
-	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT) --snapshots $(SNAPSHOTS)
+torture: $(STAMP) $(if $(filter postgres,$(STORE)),postgres)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed SNAPSHOTS=fenced|unfenced|off STORE=sqlite|postgres COORDINATORS=3 (docs/RELIABILITY.md)
+	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT) --snapshots $(SNAPSHOTS) --store $(STORE) --coordinators $(COORDINATORS)
 
 # TypeScript clients (clients/typescript, docs/TYPESCRIPT.md): Node >= 20 and npm,
 # installed from Debian when missing; dependencies exactly as package-lock.json.

@@ -27,9 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=3, help="client threads per worker (3)")
     p.add_argument("--runs", type=int, default=6, help="run ids everybody contends on (6)")
     p.add_argument("--profile", default="default", help="workload mix: default, fencing")
-    p.add_argument("--nemesis", default="default", help="fault mix: default, kills, none")
+    p.add_argument("--nemesis", default="default",
+                   help="fault mix: default, kills, none (postgres: also stops)")
     p.add_argument("--fault", default="", help="TEST ONLY: run a deliberately broken server "
-                   "(ack-before-commit, fence-ignores-owner); the run must then FAIL")
+                   "(ack-before-commit, fence-ignores-owner; postgres: no-epoch-check); the "
+                   "run must then FAIL")
+    p.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite",
+                   help="sqlite: one server on a file (default); postgres: several "
+                   "coordinators on a throwaway PostgreSQL, one leading, the workers "
+                   "following it, the nemesis killing, pausing and cutting off the leader "
+                   "and the database")
+    p.add_argument("--coordinators", type=int, default=3,
+                   help="coordinators with --store postgres (3)")
+    p.add_argument("--leader-lease", default="2s", help="with --store postgres (2s)")
+    p.add_argument("--leader-renew", default="400ms", help="with --store postgres (400ms)")
+    p.add_argument("--max-clock-skew", default="500ms", help="with --store postgres (500ms)")
     p.add_argument("--snapshots", choices=("fenced", "unfenced", "off"), default="fenced",
                    help="every checkpoint also writes the run's snapshot, under the handle's "
                    "fence or unfenced (the residual window left open: stale snapshots are "
@@ -43,13 +55,19 @@ def main(argv: list[str] | None = None) -> int:
         outcome = check_dir(a.check_only)
         print(outcome.summary())
         return 0 if outcome.ok else 1
+    pg = a.store == "postgres"
+    if pg and not 1 <= a.coordinators <= 5:
+        p.error("--coordinators must be 1..5")
     out = a.out or REPO / "build" / "torture" / (
         f"seed-{a.seed}-{a.duration:g}s-{a.transport}"
-        + ("" if a.snapshots == "fenced" else f"-{a.snapshots}"))
+        + ("" if a.snapshots == "fenced" else f"-{a.snapshots}")
+        + (f"-pg{a.coordinators}" if pg else ""))
     cfg = Config(duration_s=a.duration, seed=a.seed, out=out, workers=a.workers,
                  threads=a.threads, runs=a.runs, profile=a.profile, nemesis=a.nemesis,
                  fault=a.fault, transport=a.transport, tls=a.tls,
-                 snapshots="" if a.snapshots == "off" else a.snapshots)
+                 snapshots="" if a.snapshots == "off" else a.snapshots, store=a.store,
+                 coordinators=a.coordinators if pg else 1, leader_lease=a.leader_lease,
+                 leader_renew=a.leader_renew, max_clock_skew=a.max_clock_skew)
     try:
         outcome = run(cfg)
     except Exception as exc:

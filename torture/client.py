@@ -16,6 +16,17 @@ failure exactly like a unary UNAVAILABLE/DEADLINE_EXCEEDED (retried with the
 same request id on a new stream); a result's ``error`` is the unary call's
 status, read by the same helpers. Entries are the same either way, plus
 ``tp``, the transport the call went over.
+
+Several coordinators (the PostgreSQL mode): a client is given every
+coordinator's address and follows the leader. A refusal ``NOT_LEADER`` (a
+standby, or a deposed leader: nothing was done) sends the call on to the
+address its ``leader`` metadata names, or to the next coordinator when it
+names none; a transport failure moves on to the next coordinator too. Either
+way the call is retried with the *same* request id, so it stays one
+operation, and a call whose outcome is unknown stays unknown. An entry also
+records ``ep`` (the index of the coordinator address that gave the final
+answer), ``at`` (when that attempt was sent) and ``nl`` (NOT_LEADER
+redirects on the way).
 """
 
 from __future__ import annotations
@@ -26,12 +37,13 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
 import grpc
 from _proc import CHANNEL_OPTIONS, call_status, status_reason, status_record
-from google.rpc import status_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from fencepost.v1 import engine_store_pb2 as epb
 from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2_grpc, run_store_pb2_grpc
@@ -75,6 +87,17 @@ class Attempt:
     refusal: status_pb2.Status | None = None
     failure: str = ""
     detail: str = ""  # what a protocol anomaly was (the stream answered out of turn...)
+
+
+def leader_hint(status: status_pb2.Status | None) -> str:
+    """The ``leader`` metadata of a NOT_LEADER refusal ("" when none is known)."""
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == "fencepost" and info.reason == "NOT_LEADER":
+                return str(info.metadata.get("leader", ""))
+    return ""
 
 
 def _status_attempt(status: status_pb2.Status) -> Attempt:
@@ -133,6 +156,10 @@ class ExecuteStream:
             return Attempt(failure="DEADLINE_EXCEEDED", detail="no answer on the stream")
         if isinstance(got, grpc.RpcError):
             self.broken = True
+            status = call_status(got)
+            if status_reason(status) == "NOT_LEADER":  # refused at stream start: nothing done
+                assert status is not None
+                return Attempt(refusal=status)
             code = got.code()  # type: ignore[attr-defined]
             return Attempt(failure=code.name if code is not None else "UNKNOWN",
                            detail="the stream broke")
@@ -157,13 +184,30 @@ class ExecuteStream:
         self._call.cancel()
 
 
+class _Endpoint:
+    """One coordinator address: a channel and the three stubs on it."""
+
+    def __init__(self, addr: str, credentials: grpc.ChannelCredentials | None) -> None:
+        if credentials is not None:
+            self.channel = grpc.secure_channel(addr, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.ledger = ledger_pb2_grpc.LedgerStub(self.channel)
+        self.store = run_store_pb2_grpc.RunStoreStub(self.channel)
+        self.engine = engine_store_pb2_grpc.EngineStoreStub(self.channel)
+
+
 class Client:
-    """A sequential client with its own channel; thread-confined."""
+    """A sequential client with its own channel per coordinator; thread-confined.
+
+    ``addr`` is one address or every coordinator's (the client follows the
+    leader); ``aliases`` maps an address a NOT_LEADER names to the one to dial
+    (the harness's own probes skip the proxies)."""
 
     def __init__(
         self,
         name: str,
-        addr: str,
+        addr: str | Sequence[str],
         out: IO[str],
         *,
         seed: int,
@@ -173,6 +217,7 @@ class Client:
         transport: str = "unary",
         snap_out: IO[str] | None = None,
         certs: str | None = None,
+        aliases: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.snap_out = snap_out  # where snapshot operations are recorded
@@ -184,23 +229,54 @@ class Client:
         self.lock = lock
         self.hard_stop_ns = hard_stop_ns
         self.abandon_p = abandon_p
+        self._credentials: grpc.ChannelCredentials | None = None
         if certs:  # mutual TLS: this client's certificate names it (CN = name)
             from .certs import client_credentials
 
-            self.channel = grpc.secure_channel(addr, client_credentials(certs, name),
-                                               options=CHANNEL_OPTIONS)
-        else:
-            self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
-        self.ledger = ledger_pb2_grpc.LedgerStub(self.channel)
-        self.store = run_store_pb2_grpc.RunStoreStub(self.channel)
-        self.engine = engine_store_pb2_grpc.EngineStoreStub(self.channel)
+            self._credentials = client_credentials(certs, name)
+        self.endpoints = [addr] if isinstance(addr, str) else list(addr)
+        self.aliases = dict(aliases or {})
+        self._conns: dict[int, _Endpoint] = {}
+        # where to start (a generator of its own: the workload's draws are unchanged)
+        self.ep = random.Random(f"endpoint-{seed}").randrange(len(self.endpoints))
+        self.redirects = 0
         self.seq = 0
         self.counts: dict[str, int] = {}
 
     def close(self) -> None:
         if self._stream is not None:
             self._stream.close()
-        self.channel.close()
+            self._stream = None
+        for conn in self._conns.values():
+            conn.channel.close()
+        self._conns.clear()
+
+    # -- coordinators -----------------------------------------------------------
+
+    def _conn(self) -> _Endpoint:
+        conn = self._conns.get(self.ep)
+        if conn is None:
+            conn = self._conns[self.ep] = _Endpoint(self.endpoints[self.ep], self._credentials)
+        return conn
+
+    def _switch(self, ep: int) -> None:
+        if ep != self.ep and self._stream is not None:  # the stream was to the old one
+            self._stream.close()
+            self._stream = None
+        self.ep = ep
+
+    def follow(self, leader: str) -> bool:
+        """After NOT_LEADER: go to ``leader`` (an address it named), else to the
+        next coordinator. True when a leader was named."""
+        self.redirects += 1
+        addr = self.aliases.get(leader, leader)
+        if not addr:
+            self._switch((self.ep + 1) % len(self.endpoints))
+            return False
+        if addr not in self.endpoints:
+            self.endpoints.append(addr)
+        self._switch(self.endpoints.index(addr))
+        return True
 
     # -- the two transports -----------------------------------------------------
 
@@ -222,7 +298,7 @@ class Client:
             self._stream.close()
             self._stream = None
         if self._stream is None:
-            self._stream = ExecuteStream(self.ledger, self.name)
+            self._stream = ExecuteStream(self._conn().ledger, self.name)
             self.streams_opened += 1
         kind = COMMAND_KINDS.get(f) or SNAPSHOT_KINDS[f]
         return self._stream.execute(kind, req, CALL_TIMEOUT_S)
@@ -230,10 +306,12 @@ class Client:
     # -- the one call path ------------------------------------------------------
 
     def call(
-        self, f: str, run: str, method: Any, req: Any, args: dict[str, Any],
+        self, f: str, run: str, method: str, req: Any, args: dict[str, Any],
         *, may_abandon: bool = False,
     ) -> dict[str, Any]:
-        """Make one logical call and record it. Returns the recorded entry."""
+        """Make one logical call and record it; ``method`` is "service.Method"
+        (ledger, store or engine), resolved on the coordinator each attempt
+        goes to. Returns the recorded entry."""
         self.seq += 1
         write = f in WRITES or f in SNAPSHOT_KINDS
         rid = uuid.uuid4().hex if write else ""
@@ -242,12 +320,27 @@ class Client:
         streamed = self.transport == "stream" and (f in COMMAND_KINDS or f in SNAPSHOT_KINDS)
         entry: dict[str, Any] = {"id": f"{self.name}:{self.seq}", "c": self.name, "run": run,
                                  "f": f, "a": args, "rid": rid, "rec": None, "x": {},
-                                 "code": "", "tf": 0, "tp": "stream" if streamed else "unary"}
+                                 "code": "", "tf": 0, "tp": "stream" if streamed else "unary",
+                                 "nl": 0}
+        service, name = method.split(".")
         entry["inv"] = time.monotonic_ns()
         tries = 0
         while True:
             tries += 1
-            got = self._execute(f, req) if streamed else self._unary(method, req)
+            entry["ep"], entry["at"] = self.ep, time.monotonic_ns()
+            got = (self._execute(f, req) if streamed
+                   else self._unary(getattr(getattr(self._conn(), service), name), req))
+            if got.refusal is not None and status_reason(got.refusal) == "NOT_LEADER":
+                # nothing was done here: on to the leader, same request id
+                entry["nl"] += 1
+                named = self.follow(leader_hint(got.refusal))
+                if time.monotonic_ns() > self.hard_stop_ns:
+                    entry["st"] = "unknown" if entry["tf"] else "fail"
+                    if not entry["tf"]:
+                        entry["code"] = "NOT_LEADER"
+                    break
+                time.sleep(self.rng.uniform(0, 0.01) if named else self.rng.uniform(0.05, 0.15))
+                continue
             if got.refusal is not None:  # a definite refusal, with the record it saw
                 entry.update(st="fail", code=status_reason(got.refusal))
                 seen = status_record(got.refusal)
@@ -268,6 +361,8 @@ class Client:
                 if give_up:
                     entry["st"] = "unknown"
                     break
+                if len(self.endpoints) > 1:  # it may be down: try the next coordinator
+                    self._switch((self.ep + 1) % len(self.endpoints))
                 time.sleep(self.rng.uniform(0.03, 0.15))
                 continue
             entry["st"] = "ok"
@@ -330,7 +425,7 @@ class Client:
     # -- typed helpers ------------------------------------------------------------
 
     def acquire(self, run: str, owner: str, ttl: int, delay: int = 0) -> dict[str, Any]:
-        return self.call("acquire", run, self.ledger.Acquire,
+        return self.call("acquire", run, "ledger.Acquire",
                          lpb.AcquireRequest(run_id=run, owner=owner, lease_ttl_ms=ttl,
                                             lock_delay_ms=delay),
                          {"owner": owner, "ttl": ttl, "delay": delay})
@@ -343,69 +438,69 @@ class Client:
         base = {"run_id": run, "owner": owner, "fencing_token": token}
         if f == "renew":
             req: Any = lpb.RenewRequest(**base)
-            method = self.ledger.Renew
+            method = "ledger.Renew"
         elif f == "checkpoint":
             args.update(key=kw["key"], snapshot_version=kw["snapshot_version"])
             req = lpb.RecordCheckpointRequest(**base, key=kw["key"],
                                               snapshot_version=kw["snapshot_version"])
-            method = self.ledger.RecordCheckpoint
+            method = "ledger.RecordCheckpoint"
         elif f == "suspend":
             args["approvals"] = kw.get("approvals", [])
             req = lpb.SuspendRequest(**base, pending_approval_ids=args["approvals"])
-            method = self.ledger.Suspend
+            method = "ledger.Suspend"
         elif f == "finish":
             args["status"] = kw["status"]
             req = lpb.FinishRequest(**base, status=kw["status"])
             if kw.get("outcome"):
                 args["outcome"] = kw["outcome"]
                 req.outcome.code = kw["outcome"]
-            method = self.ledger.Finish
+            method = "ledger.Finish"
         elif f == "release":
             req = lpb.ReleaseRequest(**base)
-            method = self.ledger.Release
+            method = "ledger.Release"
         else:  # pragma: no cover
             raise ValueError(f)
         return self.call(f, run, method, req, args, may_abandon=True)
 
     def cancel(self, run: str) -> dict[str, Any]:
-        return self.call("cancel", run, self.ledger.Cancel,
+        return self.call("cancel", run, "ledger.Cancel",
                          lpb.CancelRequest(run_id=run, message=f"by {self.name}"), {})
 
     def resume(self, run: str) -> dict[str, Any]:
-        return self.call("resume", run, self.ledger.RequestResume,
+        return self.call("resume", run, "ledger.RequestResume",
                          lpb.RequestResumeRequest(run_id=run), {})
 
     def delete_run(self, run: str) -> dict[str, Any]:
-        return self.call("delete_run", run, self.ledger.DeleteRun,
+        return self.call("delete_run", run, "ledger.DeleteRun",
                          lpb.DeleteRunRequest(run_id=run), {})
 
     def get_run(self, run: str) -> dict[str, Any]:
-        return self.call("get_run", run, self.ledger.GetRun, lpb.GetRunRequest(run_id=run), {})
+        return self.call("get_run", run, "ledger.GetRun", lpb.GetRunRequest(run_id=run), {})
 
     def validate(self, run: str, token: int) -> dict[str, Any]:
-        return self.call("validate", run, self.ledger.ValidateFence,
+        return self.call("validate", run, "ledger.ValidateFence",
                          lpb.ValidateFenceRequest(run_id=run, fencing_token=token),
                          {"token": token})
 
     def list_runs(self) -> dict[str, Any]:
-        return self.call("list", "*", self.ledger.ListRuns, lpb.ListRunsRequest(page_size=1000),
+        return self.call("list", "*", "ledger.ListRuns", lpb.ListRunsRequest(page_size=1000),
                          {})
 
     def raw_get(self, run: str) -> dict[str, Any]:
-        return self.call("raw_get", run, self.store.Get, spb.GetRequest(run_id=run), {})
+        return self.call("raw_get", run, "store.Get", spb.GetRequest(run_id=run), {})
 
     def raw_create(self, record: dict[str, Any]) -> dict[str, Any]:
-        return self.call("raw_create", record["run_id"], self.store.Create,
+        return self.call("raw_create", record["run_id"], "store.Create",
                          spb.CreateRequest(run=dict_to_run(record)), {"record": record})
 
     def raw_cas(self, run: str, expected: int, nxt: dict[str, Any]) -> dict[str, Any]:
-        return self.call("raw_cas", run, self.store.CompareAndSet,
+        return self.call("raw_cas", run, "store.CompareAndSet",
                          spb.CompareAndSetRequest(run_id=run, expected_version=expected,
                                                   next=dict_to_run(nxt)),
                          {"expected": expected, "next": nxt}, may_abandon=True)
 
     def raw_delete(self, run: str) -> dict[str, Any]:
-        return self.call("raw_delete", run, self.store.Delete, spb.DeleteRequest(run_id=run), {})
+        return self.call("raw_delete", run, "store.Delete", spb.DeleteRequest(run_id=run), {})
 
     # -- snapshots (the engine store's checkpoint of a run) ------------------------
 
@@ -428,13 +523,13 @@ class Client:
             ])
             if fenced:
                 req.fence.CopyFrom(fence)
-            return self.call("snapshot_tx", run, self.ledger.Transact, req, args,
+            return self.call("snapshot_tx", run, "ledger.Transact", req, args,
                              may_abandon=True)
         if fenced:
             save.fence.CopyFrom(fence)
-        return self.call("snapshot", run, self.engine.SaveCheckpoint, save, args,
+        return self.call("snapshot", run, "engine.SaveCheckpoint", save, args,
                          may_abandon=True)
 
     def read_snapshot(self, run: str) -> dict[str, Any]:
-        return self.call("read_snapshot", run, self.engine.LatestCheckpoint,
+        return self.call("read_snapshot", run, "engine.LatestCheckpoint",
                          epb.EngineLatestCheckpointRequest(run_id=run), {})

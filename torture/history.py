@@ -20,6 +20,14 @@ answered is one operation spanning from its first invocation to that answer.
 ``tp`` is the transport the call went over: a unary RPC, or a command on a
 ``Ledger.Execute`` stream (torture/client.py); the checkers do not look at it.
 A line may also carry ``err``, what the last transport failure was.
+
+With several coordinators (the PostgreSQL mode) a line also carries ``ep``,
+the index of the coordinator address that gave the final answer, ``at``, when
+that final attempt was sent, and ``nl``, how many NOT_LEADER refusals sent the
+call on to another coordinator (torture/client.py). The harness adds one more
+kind of operation, ``extend``: a new leader's extension of a live lease at its
+takeover, a write no client asked for (read from the committed history,
+torture/failover.py).
 """
 
 from __future__ import annotations
@@ -38,13 +46,15 @@ READS = ("get_run", "raw_get", "validate", "list")
 FENCED = ("renew", "checkpoint", "suspend", "finish", "release")
 CONVERGING = ("suspend", "finish", "release", "cancel", "resume")
 WRITES = LEDGER_WRITES + RAW_WRITES
+EXTEND = "extend"  # a new leader's lease extension (no client's operation)
 
 # statuses (fencepost.v1.RunStatus)
 QUEUED, RUNNING, SUSPENDED, COMPLETED, FAILED, CANCELLED = 1, 2, 3, 4, 5, 6
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
 
 # refusals the server promises change nothing, with no record attached
-NO_EFFECT_CODES = frozenset({"STORAGE_FULL", "STORAGE_UNAVAILABLE", "RUN_VALIDATION_ERROR"})
+NO_EFFECT_CODES = frozenset({"STORAGE_FULL", "STORAGE_UNAVAILABLE", "RUN_VALIDATION_ERROR",
+                             "NOT_LEADER"})
 
 
 def canon(rec: dict[str, Any] | None) -> str:
@@ -148,6 +158,9 @@ class Op:
     tries: int = 1
     tf: int = 0
     tp: str = "unary"  # the transport: "unary" or "stream" (recordings before it: unary)
+    ep: int = 0  # which coordinator address gave the final answer
+    at: int = 0  # when the final attempt was sent (0: not recorded, use inv)
+    nl: int = 0  # NOT_LEADER redirects
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Op:
@@ -155,14 +168,15 @@ class Op:
             id=d["id"], client=d["c"], run=d["run"], f=d["f"], inv=d["inv"], cmp=d.get("cmp"),
             st=d["st"], code=d.get("code") or "", a=d.get("a") or {}, rec=d.get("rec"),
             x=d.get("x") or {}, rid=d.get("rid") or "", tries=d.get("tries", 1),
-            tf=d.get("tf", 0), tp=d.get("tp") or "unary",
+            tf=d.get("tf", 0), tp=d.get("tp") or "unary", ep=d.get("ep", 0),
+            at=d.get("at", 0), nl=d.get("nl", 0),
         )
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "c": self.client, "run": self.run, "f": self.f, "inv": self.inv,
                 "cmp": self.cmp, "st": self.st, "code": self.code, "a": self.a,
                 "rec": self.rec, "x": self.x, "rid": self.rid, "tries": self.tries,
-                "tf": self.tf, "tp": self.tp}
+                "tf": self.tf, "tp": self.tp, "ep": self.ep, "at": self.at, "nl": self.nl}
 
     @property
     def ok(self) -> bool:
@@ -179,7 +193,8 @@ class Op:
 
     def brief(self) -> str:
         """A one-line description for violation reports."""
-        args = ",".join(f"{k}={v}" for k, v in self.a.items() if k not in ("next", "record"))
+        args = ",".join(f"{k}={v}" for k, v in self.a.items()
+                        if k not in ("next", "record", "pre"))
         if "next" in self.a:
             nx = self.a["next"]
             args += (f",next=(v{nx['version']},tok{nx['fencing_token']},"

@@ -15,6 +15,13 @@ revision included). Every recorded operation becomes one of:
   record unchanged): then they are a read of the returned value.
 * **delete** (DeleteRun, raw Delete): present -> absent; DeleteRun's answered
   token must be the deleted record's.
+* **extend** (a new leader's lease extension at its takeover, read from the
+  committed history: torture/failover.py): a compare-and-set from exactly the
+  record before it to exactly the extended one. The expiry itself is not
+  part of the model (acquisitions are checked against the previous lease's
+  expiry in the committed history, extensions included: checkers.py); the
+  extension is one more write of the register, made by no client, within
+  the window the harness saw the takeover in.
 * **unknown** (the client never learned the outcome): may take effect at any
   point after its invocation, or never. If it does, the new value is not known;
   the state becomes a *placeholder* for "the value this op wrote" that carries
@@ -42,6 +49,7 @@ from typing import Any
 
 from .history import (
     CONVERGING,
+    EXTEND,
     FENCED,
     NO_EFFECT_CODES,
     QUEUED,
@@ -58,6 +66,7 @@ State = tuple[Any, ...]
 ABSENT: State = ("A",)
 
 READ, VALIDATE, WRITE, DELETE, UNKNOWN = "read", "validate", "write", "delete", "unknown"
+EXTENDS = "extends"  # a takeover's lease extension: exact record -> exact record
 
 
 class BudgetExceeded(Exception):
@@ -80,6 +89,7 @@ class COp:
     found: bool = True
     vstatus: int = 0
     current: bool | None = None
+    pre: str | None = None  # extends: the exact record it replaced
 
 
 def normalize(ops: list[Op], run: str) -> list[COp]:
@@ -96,6 +106,10 @@ def normalize(ops: list[Op], run: str) -> list[COp]:
                 add(op, UNKNOWN)
             continue
         rec = op.rec
+        if f == EXTEND:
+            assert rec is not None, op
+            add(op, EXTENDS, val=canon(rec), version=rec["version"], pre=canon(op.a["pre"]))
+            continue
         if op.st == "fail":
             if op.code in NO_EFFECT_CODES and rec is None:
                 continue
@@ -254,13 +268,20 @@ class Model:
         return None
 
     def apply(self, s: State, c: COp) -> State | None:
-        """Apply a known write or delete. None: illegal here."""
+        """Apply a known write, delete or extension. None: illegal here."""
         if c.kind == WRITE:
             if c.version == 1:
                 return ("R", c.val) if s[0] == "A" else None
             if s[0] == "A" or self.version(s) != c.version - 1:
                 return None
             return ("R", c.val)
+        if c.kind == EXTENDS:
+            if s[0] == "R":
+                return ("R", c.val) if s[1] == c.pre else None
+            if s[0] == "W" and c.pre is not None:
+                compat = self.compat(self.cops[s[3]], self.rec(c.pre), s)
+                return ("R", c.val) if compat else None
+            return None
         if c.kind == DELETE:
             if s[0] == "A":
                 return None
@@ -436,7 +457,7 @@ class _Search:
             mr = min_ret(mask)
             for j in candidates(mask):
                 c = finite[j]
-                if c.kind in (WRITE, DELETE):
+                if c.kind in (WRITE, DELETE, EXTENDS):
                     s2 = m.apply(s, c)
                     if s2 is not None:
                         choices.append((mask | 1 << j, s2, prune(pool, s2), (c, s, s2)))

@@ -3,6 +3,18 @@ inflict it — SIGKILL + restart of the server, SIGSTOP/SIGCONT of worker
 processes past their ttl, cut client connections (through a loopback TCP proxy
 every worker talks through), and forward jumps of the server's clock (the
 TestHooks service of a ``--test-hooks`` server).
+
+With coordinators on PostgreSQL (``--store postgres``, torture/coordinators.py)
+the faults aim at the leader and at the database instead: SIGKILL the leader
+(a standby takes over; the supervisor restarts the killed one, which comes
+back as a standby), SIGSTOP the leader for longer than the leader lease and
+then SIGCONT it (it must find itself deposed and exit 3), jump the leader's
+clock (past ``--max-clock-skew`` it must step down; within it, leases expire
+early on its clock as with one server), kill -9 PostgreSQL and restart it,
+restart it cleanly, and end a coordinator's database sessions
+(``pg_terminate_backend``: the leader's write connection, its leadership
+connection, all of its sessions, or every coordinator's write connection).
+Worker pauses and client connection cuts stay as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +40,26 @@ NEMESIS_PROFILES: dict[str, tuple[tuple[float, float, float, float], float]] = {
     "kills": ((0.80, 0.05, 0.10, 0.05), 1.5),
     "none": ((0.0, 0.0, 0.0, 0.0), 0.0),
 }
+
+
+# the PostgreSQL mode's faults (see the module docstring)
+PG_KINDS = ("kill", "stop", "pause", "cut", "clock", "pg-kill", "pg-restart", "pg-cut",
+            "pg-stall")
+ALL_KINDS = (*KINDS, *(k for k in PG_KINDS if k not in KINDS))
+PG_PROFILES: dict[str, tuple[dict[str, float], float]] = {
+    "default": ({"kill": 0.14, "stop": 0.14, "pause": 0.10, "cut": 0.08, "clock": 0.10,
+                 "pg-kill": 0.08, "pg-restart": 0.08, "pg-cut": 0.16, "pg-stall": 0.12}, 3.0),
+    "kills": ({"kill": 0.6, "stop": 0.2, "pg-kill": 0.2}, 3.0),
+    # a leader deposed mid-batch, paused or with its database sessions stalled
+    # (the self-test of the build without the epoch check)
+    "deposed": ({"stop": 0.4, "pg-stall": 0.6}, 3.0),
+    "none": ({}, 0.0),
+}
+# pg-cut: whose sessions end (LIKE patterns over application_name; {id}: the
+# leader row's holder, i.e. the leader's identity)
+PG_CUTS = ("fencepost-writer {id}", "fencepost-leadership {id}", "fencepost-%{id}",
+           "fencepost-writer %")
+CLOCK_SLACK_MS = 250  # past the skew bound by this much, a leader must step down
 
 
 @dataclass(frozen=True)
@@ -60,6 +92,51 @@ def schedule(seed: int, duration_s: float, profile: str, workers: int,
             param = 0.0
         out.append(Fault(round(t, 3), kind, round(param, 3), rng.randrange(max(workers, 1))))
         t += rng.uniform(0.3, 2 * gap - 0.3)
+    return out
+
+
+def schedule_pg(seed: int, duration_s: float, profile: str, workers: int, max_ttl_ms: int,
+                lease_s: float, skew_ms: int) -> list[Fault]:
+    """The PostgreSQL mode's schedule, a pure function of the seed like ``schedule``.
+    ``param``: kill and pg-kill: downtime s; stop and pg-stall: s (longer
+    than the leader lease); pause: s; clock: ms (half of the jumps within the skew bound, half
+    past it); ``target``: pause: worker index; pg-cut: which sessions (PG_CUTS);
+    stop: odd = while the leader's writer has a transaction open (mid-batch);
+    pg-stall: odd = mid-batch, even = mid-COMMIT."""
+    weights, gap = PG_PROFILES[profile]
+    if gap <= 0:
+        return []
+    kinds = list(weights)
+    rng = random.Random(f"nemesis-pg-{seed}")
+    out: list[Fault] = []
+    t = rng.uniform(1.0, 2.0)
+    while t < duration_s - 1.0:
+        kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
+        target = rng.randrange(max(workers, 1))
+        if kind == "kill":
+            param = rng.uniform(0.05, 0.8)
+        elif kind == "stop":
+            param = lease_s + rng.uniform(0.3, 2.0)
+        elif kind == "pause":
+            param = max_ttl_ms / 1000 + rng.uniform(0.2, 1.5)
+        elif kind == "clock":
+            bound = skew_ms or max_ttl_ms
+            if rng.random() < 0.5:
+                param = float(int(rng.uniform(0.1, 0.6) * bound))
+            else:
+                param = float(int(rng.uniform(1.5 * bound, max(2 * bound, 3 * max_ttl_ms))))
+        elif kind == "pg-kill":
+            param = rng.uniform(0.05, 1.5)
+        elif kind == "pg-cut":
+            param, target = 0.0, rng.randrange(len(PG_CUTS))
+        elif kind == "pg-stall":
+            param = lease_s + rng.uniform(0.3, 2.0)
+        else:
+            param = 0.0
+        if kind in ("stop", "pg-stall") and profile == "deposed":
+            target = 1  # the self-test: always mid-batch
+        out.append(Fault(round(t, 3), kind, round(param, 3), target))
+        t += rng.uniform(0.5, 2 * gap - 0.5)
     return out
 
 
@@ -167,15 +244,26 @@ class Nemesis:
     worker processes and the proxy; logs every fault as a JSON line."""
 
     server: Any
-    proxy: Proxy
+    proxy: Proxy | None
     workers: list[Any]  # subprocess.Popen
     log: IO[str]
     after_restart: Callable[[int, int], None]  # (restart number, kill time ns)
     clock_offset_ms: int = 0
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALL_KINDS, 0))
     cut_connections: int = 0
     paused: dict[int, float] = field(default_factory=dict)  # worker index -> resume at
     restarts: int = 0
+    # the PostgreSQL mode: the coordinators (torture/coordinators.PgCluster)
+    # instead of ``server``, and the SIGSTOPped ones: slot -> (resume at, pid)
+    cluster: Any = None
+    stopped: dict[int, tuple[float, int]] = field(default_factory=dict)
+    stalled: list[tuple[float, list[int]]] = field(default_factory=list)  # (resume at, backends)
+
+    @property
+    def proxies(self) -> list[Proxy]:
+        if self.cluster is not None:
+            return list(self.cluster.proxies)
+        return [self.proxy] if self.proxy is not None else []
 
     def record(self, **entry: Any) -> None:
         self.log.write(json.dumps(entry) + "\n")
@@ -199,6 +287,9 @@ class Nemesis:
     def inflict(self, fault: Fault) -> None:
         self.counts[fault.kind] += 1
         t = time.monotonic_ns()
+        if self.cluster is not None and fault.kind != "pause":
+            self.inflict_pg(fault, t)
+            return
         if fault.kind == "kill":
             self.kill_restart(fault.param)
         elif fault.kind == "pause":
@@ -210,7 +301,7 @@ class Nemesis:
             else:
                 self.counts["pause"] -= 1
         elif fault.kind == "cut":
-            n = self.proxy.cut()
+            n = sum(p.cut() for p in self.proxies)
             self.cut_connections += n
             self.record(kind="cut", t=t, connections=n)
         elif fault.kind == "clock":
@@ -224,6 +315,7 @@ class Nemesis:
 
     def kill_restart(self, downtime_s: float) -> None:
         t = time.monotonic_ns()
+        assert self.proxy is not None
         self.proxy.held = True  # workers stay away until the probes have read
         self.server.kill()  # SIGKILL, reaped
         killed = time.monotonic_ns()
@@ -254,11 +346,140 @@ class Nemesis:
             self.clock_offset_ms += ms
         return int(now)
 
+    # -- the PostgreSQL mode ---------------------------------------------------------
+
+    def inflict_pg(self, fault: Fault, t: int) -> None:
+        cl = self.cluster
+        kind = fault.kind
+        if kind == "cut":
+            n = sum(p.cut() for p in self.proxies)
+            self.cut_connections += n
+            self.record(kind="cut", t=t, connections=n)
+        elif kind == "pg-kill":
+            cl.pg.kill()
+            killed = time.monotonic_ns()
+            time.sleep(fault.param)
+            cl.pg.restart()
+            self.record(kind="pg-kill", t=t, killed=killed, up=time.monotonic_ns(),
+                        downtime_s=fault.param)
+        elif kind == "pg-restart":
+            cl.pg.restart()
+            self.record(kind="pg-restart", t=t, up=time.monotonic_ns())
+        elif kind == "pg-cut":
+            holder = cl.holder
+            pattern = PG_CUTS[fault.target % len(PG_CUTS)]
+            if "{id}" in pattern and not holder:
+                self.skip(fault, t, "no leader has been elected yet")
+                return
+            like = pattern.format(id=holder)[:63]
+            try:
+                n = cl.cut_database(like)
+            except Exception as exc:  # PostgreSQL is down or restarting: nothing was cut
+                self.skip(fault, t, f"PostgreSQL did not answer: {exc!r}")
+                return
+            self.record(kind="pg-cut", t=t, pattern=like, holder=holder, connections=n)
+        elif kind == "pg-stall":
+            c = self._wait_leader(10.0)
+            for _ in range(20):  # the watcher has read the leader row since it took over
+                if c is None or f"/{c.pid}/" in cl.holder:
+                    break
+                time.sleep(0.05)
+            if c is None or f"/{c.pid}/" not in cl.holder:
+                self.skip(fault, t, "no coordinator was leading")
+                return
+            mid_commit = fault.target % 2 == 0
+            backends = cl.stall(cl.holder, mid_commit=mid_commit, within_s=2.0)
+            if not backends:
+                self.skip(fault, t, "the leader wrote nothing within 2 s")
+                return
+            self.stalled.append((time.monotonic() + fault.param, backends))
+            self.record(kind="pg-stall", t=t, slot=c.slot, pid=c.pid, backends=backends,
+                        seconds=fault.param, mid_commit=mid_commit)
+        else:  # kill, stop, clock: aimed at the leader
+            c = self._wait_leader(10.0)
+            if c is None:
+                self.skip(fault, t, "no coordinator was leading")
+                return
+            if kind == "kill":
+                self.kill_leader(c, fault.param, t)
+            elif kind == "stop":
+                pid = c.pid
+                mid = bool(fault.target % 2) and f"/{pid}/" in cl.holder
+                if not (mid and cl.stop_mid_batch(c, cl.holder, 2.0)):
+                    mid = False
+                    cl.stop(c)
+                self.stopped[c.slot] = (time.monotonic() + fault.param, pid)
+                self.record(kind="stop", t=t, slot=c.slot, pid=pid, seconds=fault.param,
+                            mid_batch=mid)
+            elif kind == "clock":
+                try:
+                    now = cl.jump_clock(c, int(fault.param))
+                except Exception as exc:  # it may or may not have moved: no expectation
+                    self.record(kind="clock-failed", t=t, slot=c.slot, pid=c.pid,
+                                ms=int(fault.param), error=repr(exc))
+                    return
+                self.record(kind="clock", t=t, slot=c.slot, pid=c.pid, ms=int(fault.param),
+                            offset=c.offset_ms, server_now=now)
+
+    def kill_leader(self, c: Any, downtime_s: float, t: int) -> None:
+        """SIGKILL the leader; once another serves, the probes read every run
+        through it before any worker may reconnect (as ``kill_restart``)."""
+        cl = self.cluster
+        for p in self.proxies:
+            p.held = True
+        try:
+            pid = cl.kill(c, downtime_s)
+            killed = time.monotonic_ns()
+            new = self._wait_leader(30.0)
+            up = time.monotonic_ns()
+            self.restarts += 1
+            if new is not None:
+                self.after_restart(self.restarts, killed)
+        finally:
+            for p in self.proxies:
+                p.held = False
+        self.record(kind="kill", t=t, slot=c.slot, pid=pid, killed=killed,
+                    up=up if new is not None else None, restart=self.restarts,
+                    downtime_s=downtime_s, leader=None if new is None else new.slot)
+
+    def _wait_leader(self, timeout: float) -> Any:
+        """The coordinator serving now, waiting up to ``timeout`` s (resuming
+        paused processes on time meanwhile); None if none came."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._resume_due()
+            c = self.cluster.leader(0.0)
+            if c is not None or time.monotonic() >= deadline:
+                return c
+            time.sleep(0.05)
+
+    def skip(self, fault: Fault, t: int, why: str) -> None:
+        self.counts[fault.kind] -= 1
+        self.record(kind="skipped", t=t, fault=fault.kind, why=why)
+
     def _resume_due(self) -> None:
         now = time.monotonic()
         for idx, at in list(self.paused.items()):
             if now >= at:
                 self._cont(idx)
+        for slot, (at, pid) in list(self.stopped.items()):
+            if now >= at:
+                self._cont_coordinator(slot, pid)
+        for stall in list(self.stalled):
+            if now >= stall[0]:
+                self._unstall(stall)
+
+    def _unstall(self, stall: tuple[float, list[int]]) -> None:
+        self.cluster.unstall(stall[1])
+        self.stalled.remove(stall)
+        self.record(kind="pg-unstall", t=time.monotonic_ns(), backends=stall[1])
+
+    def _cont_coordinator(self, slot: int, pid: int) -> None:
+        c = self.cluster.coordinators[slot]
+        if c.pid == pid:
+            self.cluster.cont(c)
+        self.stopped.pop(slot, None)
+        self.record(kind="cont", t=time.monotonic_ns(), slot=slot, pid=pid)
 
     def _cont(self, idx: int) -> None:
         proc = self.workers[idx]
@@ -270,6 +491,10 @@ class Nemesis:
     def resume_all(self) -> None:
         for idx in list(self.paused):
             self._cont(idx)
+        for slot, (_, pid) in list(self.stopped.items()):
+            self._cont_coordinator(slot, pid)
+        for stall in list(self.stalled):
+            self._unstall(stall)
         for proc in self.workers:  # belt and braces: nobody stays stopped
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

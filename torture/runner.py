@@ -1,6 +1,12 @@
 """One torture run: a ``--test-hooks`` server, a proxy, worker processes, the
 nemesis, then the liveness phase, a graceful stop, and the checkers.
 
+``store="postgres"``: a throwaway PostgreSQL and several coordinators on it
+instead of the one server on SQLite (torture/coordinators.py), each behind a
+proxy of its own, a supervisor restarting whichever exits; the workers follow
+the leader, the nemesis aims at the leader and at the database, and the
+checkers see one history across every failover (torture/failover.py).
+
 Everything runs on loopback, is bounded in time, and every process started is
 stopped on the way out, failure or not.
 """
@@ -20,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from . import REPO
-from .checkers import MAX_PER_CHECK, Checked, check_all
+from .checkers import MAX_PER_CHECK, Checked, Violation, check_all
 from .client import Client
 from .history import LEDGER_WRITES, SUSPENDED, TERMINAL, Op, read_ops
-from .nemesis import KINDS, Nemesis, Proxy, schedule
+from .nemesis import CLOCK_SLACK_MS, KINDS, PG_KINDS, Nemesis, Proxy, schedule, schedule_pg
 from .snapshots import check_snapshots
 from .worker import LOCK_DELAY_MS, MAX_TTL_MS
 
@@ -51,6 +57,14 @@ class Config:
     # "fenced" (under the handle's fence), "unfenced" (the window left open:
     # the run then finds stale snapshots), or "" (no snapshots)
     snapshots: str = "fenced"
+    # "sqlite": one server on a file; "postgres": ``coordinators`` coordinators
+    # on one throwaway PostgreSQL, with a short leader lease so a run sees
+    # many failovers
+    store: str = "sqlite"
+    coordinators: int = 1
+    leader_lease: str = "2s"
+    leader_renew: str = "400ms"
+    max_clock_skew: str = "500ms"
 
 
 @dataclass
@@ -69,6 +83,7 @@ class Outcome:
     wall_seconds: float
     server_starts: int
     snapshots: dict[str, Any] = field(default_factory=dict)
+    cluster: dict[str, Any] = field(default_factory=dict)  # the PostgreSQL mode's figures
 
     @property
     def ok(self) -> bool:
@@ -80,6 +95,8 @@ class Outcome:
             f"torture seed={c['seed']} duration={c['duration_s']:.0f}s workers={c['workers']}x"
             f"{c['threads']} runs={c['runs']} profile={c['profile']} nemesis={c['nemesis']}"
             f" transport={c.get('transport', 'unary')}"
+            + (f" store=postgres coordinators={c['coordinators']}"
+               if c.get("store") == "postgres" else "")
             + (f" FAULT={c['fault']}" if c["fault"] else ""),
             f"  operations: {self.ops} "
             f"({', '.join(f'{k} {sum(v.values())}' for k, v in self.ops_by_function.items())})",
@@ -94,6 +111,7 @@ class Outcome:
             f"  faults: {', '.join(f'{k} {v}' for k, v in self.faults['by_kind'].items())}; "
             f"{self.faults['cut_connections']} connections cut; server started "
             f"{self.server_starts} times",
+            *([self._cluster_line()] if self.cluster else []),
             f"  checkers: {sum(self.checker_seconds.values()):.1f} s ("
             + ", ".join(f"{k} {v:.2f}" for k, v in self.checker_seconds.items()) + ")",
             f"  linearizability: {self.linearizability['ops']} ops in "
@@ -109,6 +127,16 @@ class Outcome:
         return "\n".join(lines)
 
 
+    def _cluster_line(self) -> str:
+        c = self.cluster
+        k = c["kill_to_serving_s"]
+        return (f"  coordinators: {c['epochs']} epochs, {c['failovers']} failovers, "
+                f"{c['coordinator_starts']} processes (exits by code {c['exits_by_code']}); "
+                f"leader SIGKILL -> another serving: median {k['median']} s, max {k['max']} s "
+                f"over {k['n']}; {c['leases_extended']} leases extended at takeovers; "
+                f"{c['answers_attributed']} answers tied to their coordinator "
+                f"({c['answers_unattributed']} not)")
+
     def _snapshot_line(self) -> str:
         s = self.snapshots
         return (f"  snapshots ({s['mode']}): {s['writes']} written ({s['accepted']} accepted, "
@@ -118,15 +146,108 @@ class Outcome:
                 f"{s['reads']} snapshot reads")
 
 
-def run(cfg: Config) -> Outcome:
-    from _proc import ServerProc
+class _Single:
+    """The one ``fencepost serve`` on an SQLite file, behind one proxy."""
 
+    def __init__(self, out: Path, args: tuple[str, ...], admin_creds: Any) -> None:
+        from _proc import ServerProc
+
+        self.srv = ServerProc(out / "fencepost.db", out / "server.log", args=args,
+                              env={"FENCEPOST_HISTORY_REVISIONS": str(10**12),
+                                   "FENCEPOST_TEST_CLOCK_OFFSET_MS": "0"},
+                              credentials=admin_creds)
+        self.proxy: Proxy | None = None
+
+    def start(self) -> None:
+        self.srv.start(timeout=60)
+        self.proxy = Proxy(self.srv.port).start()
+
+    @property
+    def worker_addrs(self) -> str:
+        assert self.proxy is not None
+        return self.proxy.address
+
+    def probe_addrs(self) -> tuple[str | list[str], dict[str, str], int]:
+        return self.srv.address, {}, 0
+
+    def nemesis(self, procs: list[Any], log: Any, probe: Any) -> Nemesis:
+        return Nemesis(self.srv, self.proxy, procs, log, probe)
+
+    def check_alive(self) -> None:
+        if self.srv.proc is None or self.srv.proc.poll() is not None:
+            raise RuntimeError("the server is not running after the nemesis:\n"
+                               + self.srv.log_tail())
+
+    def stop(self, problems: list[str], faults_log: Any) -> None:
+        stopped = self.srv.stop()
+        if stopped != 0:
+            problems.append(f"graceful stop of the server exited {stopped}")
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        self.srv.kill()
+
+
+class _Coordinators:
+    """Several coordinators on one throwaway PostgreSQL (torture/coordinators.py)."""
+
+    def __init__(self, cfg: Config, args: tuple[str, ...]) -> None:
+        self.cfg = cfg
+        self.args = args
+        self.cl: Any = None
+
+    def start(self) -> None:
+        from .coordinators import PgCluster
+
+        cfg = self.cfg
+        self.cl = PgCluster(cfg.out, cfg.coordinators, args=self.args,
+                            env={"FENCEPOST_HISTORY_REVISIONS": str(10**12),
+                                 "FENCEPOST_TEST_CLOCK_OFFSET_MS": "0"},
+                            lease=cfg.leader_lease, renew=cfg.leader_renew,
+                            max_clock_skew=cfg.max_clock_skew).start()
+
+    @property
+    def worker_addrs(self) -> list[str]:
+        return list(self.cl.addresses)
+
+    def probe_addrs(self) -> tuple[str | list[str], dict[str, str], int]:
+        """The coordinators themselves (the proxies are held while probes read),
+        in slot order, and the leader's slot to start at."""
+        c = self.cl.leader(5.0)
+        return list(self.cl.direct), self.cl.aliases, 0 if c is None else c.slot
+
+    def nemesis(self, procs: list[Any], log: Any, probe: Any) -> Nemesis:
+        return Nemesis(None, None, procs, log, probe, cluster=self.cl)
+
+    def check_alive(self) -> None:
+        if self.cl.leader(30.0) is None:
+            raise RuntimeError("no coordinator leads after the nemesis:\n" + "\n".join(
+                c.log_tail(2000) for c in self.cl.coordinators))
+
+    def stop(self, problems: list[str], faults_log: Any) -> None:
+        faults_log.write(json.dumps({"kind": "stop-all", "t": time.monotonic_ns()}) + "\n")
+        faults_log.flush()
+        codes = self.cl.stop_all()
+        self.cl.export(self.cfg.out / "committed.db")
+        # -15: SIGTERM before a just-restarted coordinator had set its handlers up
+        bad = {slot: rc for slot, rc in codes.items() if rc not in (0, 3, -15, None)}
+        if bad:
+            problems.append(f"graceful stop of the coordinators: exit codes {bad}")
+
+    def close(self) -> None:
+        if self.cl is not None:
+            self.cl.close()
+
+
+def run(cfg: Config) -> Outcome:
     started = time.monotonic()
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
     for old in (*out.glob("ops-*.jsonl"), *out.glob("snapshots-*.jsonl"), out / "faults.jsonl",
                 out / "fencepost.db", out / "fencepost.db-wal", out / "fencepost.db-shm",
-                out / "server.log"):
+                out / "server.log", *out.glob("coordinator-*.log"), out / "cluster.jsonl",
+                out / "committed.db", out / "postgres.log"):
         old.unlink(missing_ok=True)
     runs = [f"t{i}" for i in range(cfg.runs)]
     args: tuple[str, ...] = ("--test-hooks",)
@@ -146,11 +267,13 @@ def run(cfg: Config) -> Outcome:
         args += ("--tls-cert", str(cdir / "server.pem"), "--tls-key", str(cdir / "server-key.pem"),
                  "--client-ca", str(cdir / "ca.pem"))
         admin_creds = client_credentials(cdir, "admin")
-    srv = ServerProc(out / "fencepost.db", out / "server.log", args=args,
-                     env={"FENCEPOST_HISTORY_REVISIONS": str(10**12),
-                          "FENCEPOST_TEST_CLOCK_OFFSET_MS": "0"},
-                     credentials=admin_creds)
-    proxy: Proxy | None = None
+    target: _Single | _Coordinators
+    if cfg.store == "postgres":
+        if cfg.tls:
+            raise ValueError("--tls is not supported with --store postgres")
+        target = _Coordinators(cfg, args)
+    else:
+        target = _Single(out, args, admin_creds)
     procs: list[subprocess.Popen[bytes]] = []
     files: list[Any] = []
     stop = threading.Event()
@@ -159,13 +282,12 @@ def run(cfg: Config) -> Outcome:
     liveness: list[dict[str, Any]] = []
     worker_problems: list[str] = []
     try:
-        srv.start(timeout=60)
-        proxy = Proxy(srv.port).start()
+        target.start()
         now = time.monotonic_ns()
         deadline = now + int(cfg.duration_s * 1e9)
         hard_stop = deadline + int(cfg.drain_s * 1e9)
         for i in range(cfg.workers):
-            wcfg = {"index": i, "threads": cfg.threads, "addr": proxy.address,
+            wcfg = {"index": i, "threads": cfg.threads, "addr": target.worker_addrs,
                     "seed": cfg.seed * 100 + i, "runs": runs, "deadline_ns": deadline,
                     "hard_stop_ns": hard_stop, "out_dir": str(out), "profile": cfg.profile,
                     "transport": cfg.transport, "snapshots": cfg.snapshots,
@@ -182,17 +304,26 @@ def run(cfg: Config) -> Outcome:
         files.append(probe_out)
 
         def probe(n: int, killed: int) -> None:
-            c = Client(f"probe{n % MAX_PROBES}", srv.address, probe_out, seed=n,
+            addrs, aliases, first = target.probe_addrs()
+            c = Client(f"probe{n % MAX_PROBES}", addrs, probe_out, seed=n,
                        hard_stop_ns=time.monotonic_ns() + int(30e9), transport=cfg.transport,
-                       certs=certs)
+                       certs=certs, aliases=aliases)
+            c.ep = first
             try:
                 for r in runs:
                     c.get_run(r)
             finally:
                 c.close()
 
-        nemesis = Nemesis(srv, proxy, procs, faults_log, probe)
-        plan = schedule(cfg.seed, cfg.duration_s, cfg.nemesis, cfg.workers, MAX_TTL_MS)
+        nemesis = target.nemesis(procs, faults_log, probe)
+        if cfg.store == "postgres":
+            from fencepost_server.app import duration_ms
+
+            plan = schedule_pg(cfg.seed, cfg.duration_s, cfg.nemesis, cfg.workers, MAX_TTL_MS,
+                               duration_ms(cfg.leader_lease) / 1000,
+                               duration_ms(cfg.max_clock_skew))
+        else:
+            plan = schedule(cfg.seed, cfg.duration_s, cfg.nemesis, cfg.workers, MAX_TTL_MS)
         (out / "schedule.json").write_text(json.dumps([asdict(f) for f in plan], indent=0))
         nem_failure: list[BaseException] = []
 
@@ -213,9 +344,7 @@ def run(cfg: Config) -> Outcome:
         nemesis.resume_all()
         if nem_failure:
             raise RuntimeError(f"the nemesis failed: {nem_failure[0]!r}") from nem_failure[0]
-        if srv.proc is None or srv.proc.poll() is not None:
-            raise RuntimeError("the server is not running after the nemesis:\n"
-                               + srv.log_tail())
+        target.check_alive()
         for i, p in enumerate(procs):
             try:
                 rc = p.wait(max(1.0, (hard_stop - time.monotonic_ns()) / 1e9 + 15))
@@ -228,21 +357,20 @@ def run(cfg: Config) -> Outcome:
                                        + (out / f"worker-{i}.log").read_text()[-3000:])
         live_out = open(out / "ops-live.jsonl", "w", buffering=1)
         files.append(live_out)
-        liveness = drive_to_completion(srv.address, runs, cfg.liveness_bound_s, live_out,
-                                       cfg.transport, certs)
+        liveness = drive_to_completion(target.worker_addrs, runs, cfg.liveness_bound_s,
+                                       live_out, cfg.transport, certs)
         if cfg.snapshots:  # what a holder resuming now would read
             snap_final = open(out / "snapshots-final.jsonl", "w", buffering=1)
             files.append(snap_final)
-            reader = Client("final", srv.address, live_out, seed=0, snap_out=snap_final,
-                            hard_stop_ns=time.monotonic_ns() + int(30e9), certs=certs)
+            reader = Client("final", target.worker_addrs, live_out, seed=0,
+                            snap_out=snap_final, certs=certs,
+                            hard_stop_ns=time.monotonic_ns() + int(30e9))
             try:
                 for r in runs:
                     reader.read_snapshot(r)
             finally:
                 reader.close()
-        stopped = srv.stop()
-        if stopped != 0:
-            worker_problems.append(f"graceful stop of the server exited {stopped}")
+        target.stop(worker_problems, faults_log)
     finally:
         stop.set()
         if nemesis is not None:
@@ -252,9 +380,7 @@ def run(cfg: Config) -> Outcome:
                 p.kill()
             with contextlib.suppress(Exception):
                 p.wait(10)
-        if proxy is not None:
-            proxy.stop()
-        srv.kill()
+        target.close()
         for f in files:
             f.close()
     if worker_problems:
@@ -282,11 +408,50 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
               if line.strip()]
     kills = [f for f in faults if f["kind"] == "kill"]
     liveness = json.loads((out / "liveness.json").read_text())
-    snap = load(out / "fencepost.db")
-    checked = check_all(ops, runs=runs, kills=kills, snap=snap, liveness=liveness,
-                        liveness_bound_s=cfg.liveness_bound_s,
-                        server_log=(out / "server.log").read_text(errors="replace"),
-                        budget=cfg.budget)
+    pg = cfg.store == "postgres"
+    snap = load(out / ("committed.db" if pg else "fencepost.db"))
+    extra: list[Violation] = []
+    figures: dict[str, Any] = {}
+    extends: list[Op] = []
+    if pg:
+        from .failover import (
+            Timeline,
+            check_deposed,
+            check_epochs,
+            check_tenures,
+            extensions,
+            summary,
+        )
+
+        t = time.perf_counter()
+        tl = Timeline.load(out / "cluster.jsonl")
+        extends, extra = extensions(tl, snap)
+        t_ext = time.perf_counter() - t
+        server_log = "\n".join(f.read_text(errors="replace")
+                               for f in sorted(out.glob("coordinator-*.log")))
+        checked = check_all(ops + extends, runs=runs, kills=kills, snap=snap, liveness=liveness,
+                            liveness_bound_s=cfg.liveness_bound_s, server_log=server_log,
+                            budget=cfg.budget)
+        from fencepost_server.app import duration_ms
+
+        t = time.perf_counter()
+        epochs, attributed = check_epochs(ops, tl)
+        epochs += check_tenures(tl, snap)
+        deposed = check_deposed(faults, tl, skew_ms=duration_ms(cfg.max_clock_skew),
+                                clock_slack_ms=CLOCK_SLACK_MS)
+        checked.timings["epochs"] = time.perf_counter() - t + t_ext
+        figures = {**summary(tl, faults), "answers_attributed": attributed["attributed"],
+                   "answers_unattributed": attributed["unattributed"]}
+        extra += epochs + deposed
+    else:
+        checked = check_all(ops, runs=runs, kills=kills, snap=snap, liveness=liveness,
+                            liveness_bound_s=cfg.liveness_bound_s,
+                            server_log=(out / "server.log").read_text(errors="replace"),
+                            budget=cfg.budget)
+    for v in extra:
+        checked.counts[v.check] = checked.counts.get(v.check, 0) + 1
+        if sum(1 for k in checked.violations if k.check == v.check) < MAX_PER_CHECK:
+            checked.violations.append(v)
     if cfg.snapshots:
         snap_ops = read_ops(sorted(out.glob("snapshots-*.jsonl")))
         t = time.perf_counter()
@@ -296,6 +461,9 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
         if stale:
             checked.counts["stale-snapshot"] = len(stale)
     outcome = _outcome(cfg, ops, faults, checked, liveness, wall)
+    if pg:
+        outcome.cluster = {**figures, "extend_ops": len(extends)}
+        outcome.server_starts = figures["coordinator_starts"]
     if cfg.snapshots:
         outcome.snapshots = {"mode": cfg.snapshots, **stats.as_dict()}
     (out / "report.json").write_text(json.dumps(asdict(outcome), indent=1, default=str))
@@ -309,7 +477,7 @@ def _config(cfg: Config) -> dict[str, Any]:
     return conf
 
 
-def drive_to_completion(addr: str, runs: list[str], bound_s: float, out: Any,
+def drive_to_completion(addr: str | list[str], runs: list[str], bound_s: float, out: Any,
                         transport: str = "unary", certs: str | None = None,
                         ) -> list[dict[str, Any]]:
     """Liveness: with the nemesis stopped, every run can be acquired and
@@ -377,7 +545,8 @@ def _outcome(cfg: Config, ops: list[Op], faults: list[dict[str, Any]], checked: 
             writers.setdefault(o.tp, set()).add(o.client)
     for tp, t in by_tp.items():
         t["clients"] = len(writers.get(tp, ()))
-    by_kind = {k: sum(1 for f in faults if f["kind"] == k) for k in KINDS}
+    kinds = PG_KINDS if cfg.store == "postgres" else KINDS
+    by_kind = {k: sum(1 for f in faults if f["kind"] == k) for k in kinds}
     clocks = [f for f in faults if f["kind"] == "clock"]
     return Outcome(
         config=_config(cfg),

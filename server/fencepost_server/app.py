@@ -55,7 +55,7 @@ log = logging.getLogger("fencepost")
 
 
 # TEST-ONLY broken builds (``--fault``), honoured only with ``--test-hooks``.
-FAULTS = ("ack-before-commit", "fence-ignores-owner")
+FAULTS = ("ack-before-commit", "fence-ignores-owner", "no-epoch-check")
 UNSAFE_ACK_DELAY_S = 0.2  # ack-before-commit: how long an answered batch stays uncommitted
 
 
@@ -482,10 +482,16 @@ class App:
             keeper = asyncio.create_task(ld.keep(), name="fencepost-leader-renewal")
             started = time.perf_counter()
             await self.writer.start()
+            log.info("taking over (epoch %d): loaded revision %d, %d runs in %.2f s",
+                     takeover.epoch, self.writer.state.revision, len(self.writer.state.index),
+                     time.perf_counter() - started)
             if takeover.gap_ms:
-                await self.writer.submit(
+                extended = await self.writer.submit(
                     L.ExtendLeases(takeover.gap_ms, self.clock.now_ms() - takeover.gap_ms)
                 )
+                assert isinstance(extended, L.LeasesExtended)
+                log.info("epoch %d: extended %d leases and %d claims and locks by %d ms",
+                         takeover.epoch, extended.runs, extended.others, takeover.gap_ms)
             if ld.leading:
                 await self._serve_as_leader()
                 log.info(
@@ -501,7 +507,10 @@ class App:
             why = await keeper
         except asyncio.CancelledError:
             raise
-        except (LedgerError, Exception) as exc:  # could not load or extend: not leading
+        except (LedgerError, RuntimeError, *PostgresStorage.ERRORS) as exc:  # a database failure
+            why = f"could not take over: {exc}"
+            log.error("taking over failed: %s", exc)
+        except Exception as exc:  # could not load or extend: not leading
             why = f"could not take over: {exc}"
             log.exception("taking over failed")
         self._depose(why)
@@ -561,6 +570,8 @@ class App:
             core_ledger.UNSAFE_SKIP_OWNER_CHECK = True
         elif s.fault == "ack-before-commit":
             self.writer.unsafe_ack_before_commit_s = UNSAFE_ACK_DELAY_S
+        elif s.fault == "no-epoch-check" and isinstance(self.writer.storage, PostgresStorage):
+            self.writer.storage.unsafe_skip_epoch_check = True
         if s.fault:
             log.warning(
                 "BROKEN BUILD --fault %s: this server violates its guarantees on purpose "

@@ -16,6 +16,7 @@ Only this module (through the storage's ``open``) opens a write connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -31,7 +32,7 @@ from .core import ledger as L
 from .core.errors import Code, LedgerError, in_transaction, validation
 from .core.records import TERMINAL, Record, Status
 from .index import RunIndex
-from .storage.sql import KIND_DELETE, KIND_PUT, Batch, SqlStorage, read_runs
+from .storage.sql import KIND_DELETE, KIND_PUT, Batch, SqlStorage, broken, read_runs
 
 log = logging.getLogger("fencepost.writer")
 
@@ -397,6 +398,10 @@ class Writer:
         return read_runs(self._read_only(), run_ids)
 
     def _read_only(self) -> Any:
+        if self._reader_db is not None and broken(self._reader_db):
+            with contextlib.suppress(Exception):
+                self._reader_db.close()
+            self._reader_db = None
         if self._reader_db is None:
             self._reader_db = self.storage.reader()
         return self._reader_db

@@ -119,3 +119,35 @@ def test_mixed_picks_each_transport_by_the_seed(tmp_path: Path) -> None:
     assert pick_transport("stream", 7) == "stream" and pick_transport("unary", 7) == "unary"
     with pytest.raises(ValueError):
         pick_transport("carrier-pigeon", 1)
+
+
+@pytest.fixture(scope="module")
+def coordinators(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A leader and a standby on one PostgreSQL database (in process)."""
+    from fencepost_server.pgcluster import Cluster
+
+    with Cluster.start() as pg:
+        url = pg.create_database("follow")
+        with ServerThread(url, max_clock_skew="0") as leader, \
+                ServerThread(url, max_clock_skew="0", wait_leading=0) as standby:
+            yield leader, standby
+
+
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_a_call_to_a_standby_follows_the_leader_it_names(coordinators: Any,
+                                                        transport: str) -> None:
+    leader, standby = coordinators
+    out = io.StringIO()
+    c = Client("F", [standby.address, leader.address], out, seed=1, hard_stop_ns=2**62,
+               transport=transport)
+    try:
+        c.ep = 0  # the standby first
+        e = c.acquire(f"r-follow-{transport}", "F", 60_000)
+        assert (e["st"], e["nl"], e["ep"], e["tf"]) == ("ok", 1, 1, 0), e
+        assert e["rec"]["fencing_token"] == 1
+        c.ep = 0  # a read follows too
+        g = c.get_run(f"r-follow-{transport}")
+        assert (g["st"], g["nl"], g["ep"], g["rec"]) == ("ok", 1, 1, e["rec"])
+        assert e["at"] > e["inv"]  # the answering attempt was the second
+    finally:
+        c.close()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import psycopg
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -18,6 +20,9 @@ from ._registry import Malformed
 
 DOMAIN = "fencepost"
 log = logging.getLogger("fencepost.services")
+# A read the database could not answer (PostgreSQL restarting, a session it
+# ended): STORAGE_UNAVAILABLE, retryable, like a write that could not commit.
+READ_ERRORS = (sqlite3.Error, psycopg.Error)
 
 GRPC_CODE: dict[Code, grpc.StatusCode] = {
     Code.RUN_VALIDATION_ERROR: grpc.StatusCode.INVALID_ARGUMENT,
@@ -96,6 +101,12 @@ def handler(fn: H) -> H:
             await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
+        except READ_ERRORS as exc:
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            log.warning("%s: the database could not answer: %s", fn.__name__, why)
+            refusal = LedgerError(Code.STORAGE_UNAVAILABLE,
+                                  f"the database could not answer; nothing changed: {why}")
+            await context.abort_with_status(to_status(refusal))  # type: ignore[attr-defined]
         except Exception as exc:
             log.exception("unexpected error in %s", fn.__name__)
             await context.abort_with_status(internal_status(exc))  # type: ignore[attr-defined]

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from ..core import engine as E
 from ..core import fence as F
+from .sql import broken
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -577,6 +578,8 @@ class EngineReader:
 
     def _checkin(self, conn: Any) -> None:
         try:
+            if broken(conn):  # PostgreSQL restarted or ended the session
+                raise ConnectionError
             if conn.in_transaction:
                 conn.rollback()
         except Exception:  # a broken connection: drop it

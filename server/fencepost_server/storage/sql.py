@@ -140,6 +140,9 @@ class SqlStorage:
     def _begin(self, db: Any) -> None:
         db.execute("BEGIN")
 
+    def _commit(self, db: Any) -> None:
+        db.execute("COMMIT")
+
     @property
     def is_open(self) -> bool:
         return self._db is not None
@@ -296,7 +299,7 @@ class SqlStorage:
             try:
                 self._begin(db)
                 yield
-                db.execute("COMMIT")
+                self._commit(db)
             except BaseException:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
@@ -417,6 +420,12 @@ def read_runs(db: Any, run_ids: list[str]) -> dict[str, Record]:
     return out
 
 
+def broken(conn: Any) -> bool:
+    """Whether a reader's connection can no longer be used (PostgreSQL: the
+    server restarted or ended the session); the reader then opens a new one."""
+    return bool(getattr(conn, "broken", False))
+
+
 class HistoryReader:
     """Reads the retained change history on its own read-only connection (for
     WatchRuns replay), so replay never runs on the writer's connection; it
@@ -426,12 +435,17 @@ class HistoryReader:
         self._connect = connect  # a storage's ``reader``
         self._db: Any = None
 
+    def _conn(self) -> Any:
+        if self._db is not None and broken(self._db):
+            self.close()
+        if self._db is None:
+            self._db = self._connect()
+        return self._db
+
     def read(
         self, from_revision: int, to_revision: int, limit: int = 1000
     ) -> list[tuple[int, str, int, Record | None]]:
-        if self._db is None:
-            self._db = self._connect()
-        rows = self._db.execute(
+        rows = self._conn().execute(
             "SELECT revision, run_id, kind, record FROM changes "
             "WHERE revision >= ? AND revision <= ? ORDER BY revision LIMIT ?",
             (from_revision, to_revision, limit),
@@ -444,9 +458,7 @@ class HistoryReader:
     def run_history(self, run_id: str, limit: int) -> list[tuple[int, int, Record | None]]:
         """The last ``limit`` retained changes of one run, oldest first:
         (revision, kind, record or None)."""
-        if self._db is None:
-            self._db = self._connect()
-        rows = self._db.execute(
+        rows = self._conn().execute(
             "SELECT revision, kind, record FROM changes WHERE run_id = ? "
             "ORDER BY revision DESC LIMIT ?",
             (run_id, limit),
@@ -458,5 +470,6 @@ class HistoryReader:
 
     def close(self) -> None:
         if self._db is not None:
-            self._db.close()
+            with contextlib.suppress(Exception):
+                self._db.close()
             self._db = None
