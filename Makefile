@@ -75,6 +75,14 @@ bench-peers: $(STAMP)  ## fencepost vs etcd, PostgreSQL, Redis, same load (insta
 bench-scale: $(STAMP)  ## costs as runs pile up: new-run cost, restart, RSS, filtered listing (1M runs; ~10 min)
 	$(BIN)/python bench/scale.py
 
+.PHONY: bench-failover
+bench-failover: $(STAMP) postgres  ## failover on PostgreSQL: leader SIGKILL/SIGSTOP -> first ack on the new leader, 2 lease settings (~15 min)
+	$(BIN)/python bench/failover.py
+
+.PHONY: bench-takeover
+bench-takeover: $(STAMP) postgres  ## how long a standby takes to lead with 1k, 100k and 1M runs stored (~15 min)
+	$(BIN)/python bench/takeover.py
+
 DURATION  ?= 60
 SEED      ?= 1
 TRANSPORT ?= mixed

@@ -21,6 +21,9 @@ fencepost-fleet    1        the public SDK as a fleet uses it: one ``fencepost.C
 fencepost-engine   1 / n    the public SDK as an engine process uses it: one
                             ``fencepost.Client`` per process for all its runs, so the
                             SDK coalesces the process's commands into shared messages
+fencepost-pg-*     as       the two SDK shapes above (``fencepost-pg-fleet``,
+                   above    ``fencepost-pg-engine``) against one coordinator whose store
+                            is PostgreSQL (``--db postgresql://...``), not a SQLite file
 etcd               2        Range, then Txn(compare mod_revision == read, put);
                             a lost compare returns the current value in the Txn's
                             failure branch and the command re-decides (1 more trip)
@@ -54,14 +57,19 @@ RPC_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 20.0
 
 BACKENDS = ("fencepost-unary", "fencepost-stream", "fencepost-fleet", "fencepost-engine",
-            "etcd", "postgres", "redis")
-SDK_BACKENDS = ("fencepost-fleet", "fencepost-engine")
+            "fencepost-pg-fleet", "fencepost-pg-engine", "etcd", "postgres", "redis")
+SDK_BACKENDS = ("fencepost-fleet", "fencepost-engine", "fencepost-pg-fleet",
+                "fencepost-pg-engine")
+# fencepost with its PostgreSQL store: they need PostgreSQL's binaries, like the peer
+PG_BACKENDS = ("fencepost-pg-fleet", "fencepost-pg-engine")
 PEERS = ("etcd", "postgres", "redis")
 ROUND_TRIPS = {
     "fencepost-unary": "1",
     "fencepost-stream": "1 shared (raw)",
     "fencepost-fleet": "1 (SDK)",
     "fencepost-engine": "1 shared (SDK)",
+    "fencepost-pg-fleet": "1 (SDK)",
+    "fencepost-pg-engine": "1 shared (SDK)",
     "etcd": "2",
     "postgres": "1",
     "redis": "1",
@@ -640,7 +648,7 @@ async def open_backend(name: str, address: str, clients: int, options: dict[str,
     elif name == "fencepost-stream":
         b = FencepostStream(address, streams=int(options.get("streams", 1)))
     elif name in SDK_BACKENDS:
-        b = FencepostSdk(address, shape=name.removeprefix("fencepost-"))
+        b = FencepostSdk(address, shape=name.rsplit("-", 1)[1])
     elif name == "etcd":
         b = Etcd(address)
     elif name == "postgres":

@@ -5,7 +5,9 @@ fencepost is measured four ways (backends.py): through the public SDK as a
 fleet connects (``fencepost-fleet``: one Client per worker) and as an engine
 process does (``fencepost-engine``: one Client per process), and over the raw
 protocol (``fencepost-unary``; ``fencepost-stream``, one Execute stream shared
-by all of a process's owners, which no SDK user can do).
+by all of a process's owners, which no SDK user can do); and with its
+PostgreSQL store (one coordinator, ``--db postgresql://...``) through the same
+two SDK shapes (``fencepost-pg-fleet``, ``fencepost-pg-engine``).
 
 For each of ``--rounds`` rounds (default 3), every backend in a rotated order
 gets a fresh server on fresh data, a warm-up (default 2 s) and a measured
@@ -39,8 +41,10 @@ from typing import Any
 
 from benchlib import REPO, fmt_rate, machine, median
 
+from fencepost_server import pgcluster
+
 from . import servers
-from .backends import BACKENDS, PEERS, ROUND_TRIPS
+from .backends import BACKENDS, PEERS, PG_BACKENDS, ROUND_TRIPS
 from .history import check
 from .load import ContentionResult, RaceConfig, RunResult, drive
 
@@ -200,16 +204,20 @@ def _choose_backends(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if unknown or not wanted:
         raise SystemExit(f"--backends: pick from {', '.join(BACKENDS)}")
     peers = [b for b in wanted if b in PEERS]
+    # fencepost on PostgreSQL needs PostgreSQL's server binaries (not the peer's client)
+    pg_store = any(b in PG_BACKENDS for b in wanted)
     missing = [p for p in servers.missing_peers() if p in peers]
-    if missing and args.install:
-        servers.install(missing)
+    if (missing or (pg_store and not pgcluster.available())) and args.install:
+        servers.install([*missing, *(["postgres"] if pg_store else [])])
         missing = [p for p in servers.missing_peers() if p in peers]
-    skipped = [b for b in wanted if b in missing]
+    skipped = [b for b in wanted
+               if b in missing or (b in PG_BACKENDS and not pgcluster.available())]
     for b in skipped:
         why = servers.PY_MODULES.get(b)
-        print(f"note: skipping {b}: its server binary"
-              + (f" or the Python module {why}" if why else "")
-              + " is missing (make bench-peers installs them)", flush=True)
+        print(f"note: skipping {b}: "
+              + ("PostgreSQL's server binaries are" if b in PG_BACKENDS else
+                 "its server binary" + (f" or the Python module {why}" if why else "") + " is")
+              + " missing (make bench-peers installs them)", flush=True)
     return [b for b in wanted if b not in skipped], skipped
 
 
@@ -254,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for attempt in range(1 + args.retry_noisy):
                     tag = f"r{rnd}" + (f"-{attempt}" if attempt else "")
                     # the engine shape has one owner per process: no contention run
-                    contend = race if last and b != "fencepost-engine" else None
+                    contend = race if last and not b.endswith("-engine") else None
                     got = _one_run(b, rnd, tag, workdir, args, opts, contend, failures)
                     if got is None:
                         break

@@ -40,7 +40,7 @@ from e2e import _Window as _E2EWindow
 
 from .backends import CONNECT_TIMEOUT_S, RPC_TIMEOUT_S, open_backend
 from .semantics import Refused
-from .servers import Running, cpu_delta, tree_cpu
+from .servers import Running, cpu_delta, trees_cpu
 
 THROUGHPUT_TTL_MS = 60_000  # fencepost's default; nothing expires during a run
 RACE_GAP_S = 0.3  # between the throughput window and the contention run
@@ -413,10 +413,10 @@ def drive(
         begin, end = t0 + warmup_s, t0 + warmup_s + duration_s
         _sleep_until(begin)
         load0 = os.getloadavg()[0]
-        cpu0, snap0 = tree_cpu(server.pid), _CpuSnapshot.take()
+        cpu0, snap0 = trees_cpu(server.pids), _CpuSnapshot.take()
         m0 = scrape_counters(server.metrics_port, WRITER_COUNTERS) if server.metrics_port else None
         _sleep_until(end)
-        cpu1, snap1 = tree_cpu(server.pid), _CpuSnapshot.take()
+        cpu1, snap1 = trees_cpu(server.pids), _CpuSnapshot.take()
         m1 = scrape_counters(server.metrics_port, WRITER_COUNTERS) if server.metrics_port else None
         load1 = os.getloadavg()[0]
         wait = RPC_TIMEOUT_S + 30 + (race.duration_s + RACE_GAP_S if race else 0.0)

@@ -4,6 +4,9 @@ dir with durable settings, measure its CPU, stop it and everything it forked.
 Durable settings (every acknowledgement survives power loss):
 
 * fencepost: ``fencepost serve --durability full`` (SQLite WAL, synchronous=FULL);
+  the ``fencepost-pg-*`` backends: the same with ``--db postgresql://...``, one
+  coordinator on a throwaway cluster set up as the PostgreSQL peer's (below),
+  each acknowledged batch committed with ``synchronous_commit=on``;
 * etcd: defaults (the WAL is fsynced before a write is acknowledged);
 * PostgreSQL: a throwaway cluster (``fencepost_server.pgcluster``): ``fsync=on``,
   ``synchronous_commit=on`` (the defaults, spelled out);
@@ -32,8 +35,11 @@ from benchlib import BIN, HOST, ServerProcess, free_port, start_server
 
 from fencepost_server.pgcluster import Cluster, find_binary
 
+from .backends import PG_BACKENDS
 from .semantics import PG_SCHEMA, PG_USER
 
+# both PostgreSQL servers (the peer's, and fencepost-pg-*'s store) run with these
+PG_SETTINGS = {"shared_buffers": "128MB"}
 APT_PACKAGES = {"etcd": "etcd-server", "postgres": "postgresql", "redis": "redis-server"}
 PY_MODULES = {"postgres": "asyncpg", "redis": "redis"}
 
@@ -106,6 +112,16 @@ def versions() -> dict[str, str]:
 # -- CPU of a process tree -------------------------------------------------------------
 
 
+def trees_cpu(pids: list[int]) -> dict[int, float]:
+    """``tree_cpu`` of several roots (separate trees), the reaped children's
+    totals added up under key -1."""
+    out: dict[int, float] = {}
+    for pid in pids:
+        for k, v in tree_cpu(pid).items():
+            out[k] = out.get(k, 0.0) + v if k == -1 else v
+    return out
+
+
 def tree_cpu(pid: int) -> dict[int, float]:
     """CPU seconds (user + system) of ``pid`` and every descendant, by pid; key -1
     holds the reaped children's total (PostgreSQL backends that exited)."""
@@ -144,26 +160,44 @@ class Running:
     info: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = None
     cluster: Cluster | None = None
+    # fencepost on PostgreSQL: the coordinator runs in ``server``, its store in
+    # ``cluster``; both are the server whose CPU is counted
+    coordinator_store: bool = False
+
+    @property
+    def pids(self) -> list[int]:
+        """The roots of the process trees that serve this backend."""
+        if self.coordinator_store:
+            assert self.server is not None and self.cluster is not None
+            return [self.server.proc.pid, self.cluster.pid or 0]
+        return [self.pid]
 
     @property
     def pid(self) -> int:
-        if self.cluster is not None:
+        if self.cluster is not None and not self.coordinator_store:
             return self.cluster.pid or 0
         assert self.server is not None
         return self.server.proc.pid
 
     def log_tail(self) -> str:
-        if self.cluster is not None:
+        if self.cluster is not None and not self.coordinator_store:
             return self.cluster.log_tail()
         assert self.server is not None
         return self.server.log_tail()
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """Stop the server and then any descendant it left behind (by pid)."""
-        if self.cluster is not None:
+        if self.cluster is not None and not self.coordinator_store:
             code = self.cluster.stop(timeout)
             self.cluster.close()
             return code
+        try:
+            return self._stop_server(timeout)
+        finally:
+            if self.cluster is not None:
+                self.cluster.close()
+
+    def _stop_server(self, timeout: float) -> int | None:
         assert self.server is not None
         try:
             kids = psutil.Process(self.pid).children(recursive=True)
@@ -213,19 +247,43 @@ def _port_open(port: int) -> bool:
         return s.connect_ex((HOST, port)) == 0
 
 
-def start_fencepost(backend: str, workdir: Path, tag: str) -> Running:
-    metrics_port = free_port()
-    argv = [
+def _fencepost_argv(db: str, metrics_port: int) -> list[str]:
+    return [
         str(BIN / "fencepost"), "serve",
         "--listen", f"{HOST}:0",
-        "--db", str(workdir / f"{backend}-{tag}.db"),
+        "--db", db,
         "--durability", "full",
         "--metrics-port", str(metrics_port),
         "--log-level", "INFO",
     ]
+
+
+def start_fencepost(backend: str, workdir: Path, tag: str) -> Running:
+    metrics_port = free_port()
+    argv = _fencepost_argv(str(workdir / f"{backend}-{tag}.db"), metrics_port)
     srv = start_server(backend, argv, workdir / f"{backend}-{tag}.log")
     address = srv.wait_ready(r"fencepost serving on (\S+)")
     return Running(backend, address, srv, metrics_port=metrics_port)
+
+
+def start_fencepost_pg(backend: str, workdir: Path, tag: str) -> Running:
+    """One coordinator (it leads at once) on a fresh PostgreSQL set up as the peer's."""
+    cluster = Cluster.start(workdir / f"{backend}-pg-{tag}", settings=PG_SETTINGS)
+    try:
+        metrics_port = free_port()
+        argv = _fencepost_argv(cluster.create_database("fencepost"), metrics_port)
+        srv = start_server(backend, argv, workdir / f"{backend}-{tag}.log")
+    except BaseException:
+        cluster.close()
+        raise
+    running = Running(backend, "", srv, metrics_port=metrics_port, cluster=cluster,
+                      coordinator_store=True)
+    try:
+        running.address = srv.wait_ready(r"leading \(epoch \d+\) on (\S+)")
+    except BaseException:
+        running.stop()
+        raise
+    return running
 
 
 def start_etcd(workdir: Path, tag: str) -> Running:
@@ -260,8 +318,7 @@ def start_etcd(workdir: Path, tag: str) -> Running:
 
 
 def start_postgres(workdir: Path, tag: str) -> Running:
-    cluster = Cluster.start(workdir / f"pg-{tag}", role=PG_USER,
-                            settings={"shared_buffers": "128MB"})
+    cluster = Cluster.start(workdir / f"pg-{tag}", role=PG_USER, settings=PG_SETTINGS)
     running = Running("postgres", f"{HOST}:{cluster.port}", stop_signal=signal.SIGINT,
                       cluster=cluster)
     try:
@@ -296,6 +353,8 @@ def start_redis(workdir: Path, tag: str) -> Running:
 
 
 def start(backend: str, workdir: Path, tag: str) -> Running:
+    if backend in PG_BACKENDS:
+        return start_fencepost_pg(backend, workdir, tag)
     if backend.startswith("fencepost"):
         return start_fencepost(backend, workdir, tag)
     if backend == "etcd":

@@ -501,6 +501,9 @@ class App:
                     self.writer.state.revision, len(self.writer.state.index),
                     time.perf_counter() - started, takeover.gap_ms,
                 )
+                log.info("fencepost serving on %s (db=%s, durability=%s, revision=%d, runs=%d)",
+                         self.address, storage.path, self.settings.durability.value,
+                         self.writer.state.revision, len(self.writer.state.index))
             why = await keeper
         except asyncio.CancelledError:
             raise

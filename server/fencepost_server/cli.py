@@ -8,7 +8,9 @@
 
 Every operator command takes ``--addr`` (env FENCEPOST_ADDR, else the port
 of FENCEPOST_LISTEN on loopback, else 127.0.0.1:50051) and ``--json`` for
-machine-readable output. Flags are never abbreviated.
+machine-readable output; ``--endpoints A,B`` (env FENCEPOST_ENDPOINTS) names
+several coordinators instead, and the command follows the leader. Flags are
+never abbreviated.
 
 Exit codes (one table):
     0  ok

@@ -1,14 +1,16 @@
 """``fencepost hold``: run a command while holding a run's lease (``flock``,
 ``etcdctl lock``, ``consul lock`` for fencepost).
 
-    fencepost hold RUN_ID [--ttl MS] [--wait] [--release] [--grace S] -- CMD ARGS...
+    fencepost hold RUN_ID [--ttl TTL] [--wait] [--release] [--grace S] -- CMD ARGS...
 
 1. Acquire RUN_ID (with ``--wait``: until it is acquirable; a lease held by
    another owner, a lock-delay or a suspension is waited out, a finished run
    is refused).
 2. Run CMD with ``FENCEPOST_RUN_ID``, ``FENCEPOST_OWNER``,
-   ``FENCEPOST_FENCING_TOKEN`` and ``FENCEPOST_ADDR`` in its environment; the
-   lease is renewed in the background while it runs. SIGINT, SIGTERM and
+   ``FENCEPOST_FENCING_TOKEN`` and ``FENCEPOST_ADDR`` (the leader's address)
+   in its environment, and ``FENCEPOST_ENDPOINTS`` when ``--endpoints`` named
+   several; the lease is renewed in the background while it runs, on
+   whichever coordinator leads. SIGINT, SIGTERM and
    SIGHUP sent to ``hold`` are passed on to CMD.
 3. When CMD exits: finish the run ``completed`` (status 0) or ``failed`` with
    the outcome code ``EXIT_<status>`` (a CMD killed by signal N has status
@@ -37,6 +39,7 @@ from fencepost import LeaseHeldError, LeaseLostError, RunSuspendedError
 
 from .cli import EXIT_LOST
 from .cli_ops import _positive_int
+from .retention import parse_duration_ms
 
 DEFAULT_GRACE_S = 10.0
 MAX_WAIT_STEP_S = 1.0  # --wait re-tries at least this often, watching the run in between
@@ -53,6 +56,17 @@ def _grace(text: str) -> float:
     return value
 
 
+def _ttl_ms(text: str) -> int:
+    """``--ttl``: plain milliseconds (``30000``), or a duration (``30s``, ``2m``, ``500ms``)."""
+    if text.strip().isdigit():
+        return _positive_int(text)
+    try:
+        return parse_duration_ms(text, "--ttl")
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"not milliseconds or a duration such as 30s or 2m: {text!r}") from None
+
+
 def add_hold_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "hold",
@@ -63,7 +77,8 @@ def add_hold_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument(
-        "--ttl", dest="ttl_ms", type=_positive_int, help="lease ttl in ms (default 60000)"
+        "--ttl", dest="ttl_ms", type=_ttl_ms, metavar="TTL",
+        help="lease ttl: milliseconds, or a duration such as 30s or 2m (default 60000)",
     )
     p.add_argument(
         "--wait", action="store_true", help="block until the run is acquirable instead of failing"
@@ -98,15 +113,17 @@ async def _hold(args: argparse.Namespace, retry: fencepost.RetryPolicy, err: Tex
     kwargs: dict[str, Any] = {"retry": retry, **_security(args)}
     if args.ttl_ms is not None:
         kwargs["default_ttl_ms"] = args.ttl_ms
-    async with fencepost.Client(args.addr, owner=args.owner, **kwargs) as client:
+    async with fencepost.Client(args.endpoints, owner=args.owner, **kwargs) as client:
         lease = await _acquire(client, args, err)
         env = dict(
             os.environ,
             FENCEPOST_RUN_ID=lease.run_id,
             FENCEPOST_OWNER=lease.owner,
             FENCEPOST_FENCING_TOKEN=str(lease.fencing_token),
-            FENCEPOST_ADDR=args.addr,
+            FENCEPOST_ADDR=client.address,  # the leader
         )
+        if len(args.endpoints) > 1:
+            env["FENCEPOST_ENDPOINTS"] = ",".join(args.endpoints)
         try:
             proc = await asyncio.create_subprocess_exec(*args.cmd, env=env)
         except OSError as exc:

@@ -8,11 +8,15 @@
     fencepost watch [RUN_ID ...] [--from-revision N] [--limit N]
     fencepost ls --engine [--status S]... [--agent A] [--limit N]
     fencepost health [--service NAME]
-    fencepost hold RUN_ID [--ttl MS] [--wait] [--release] [--grace S] -- CMD ARGS...
+    fencepost hold RUN_ID [--ttl TTL] [--wait] [--release] [--grace S] -- CMD ARGS...
 
-Each takes ``--addr`` (env FENCEPOST_ADDR; see cli.default_addr),
-``--timeout`` (seconds to keep retrying an unreachable server, default 5)
-and ``--json``; for a server with TLS or tokens (docs/SECURITY.md),
+Each takes ``--addr`` (env FENCEPOST_ADDR; see cli.default_addr) or
+``--endpoints ADDR,ADDR...`` (env FENCEPOST_ENDPOINTS, which wins over
+FENCEPOST_ADDR): several coordinators of which one leads; the command goes to
+the leader, following a standby's NOT_LEADER as the SDK does. ``--timeout``
+(seconds to keep retrying an unreachable server, or waiting for a new leader;
+default 5, and 15 with several endpoints: room for a takeover) and
+``--json``; for a server with TLS or tokens (docs/SECURITY.md),
 ``--cacert`` ``--cert`` ``--key`` ``--token`` (env FENCEPOST_CACERT,
 FENCEPOST_CERT, FENCEPOST_KEY, FENCEPOST_TOKEN; any of the first three turns
 TLS on).
@@ -35,7 +39,9 @@ one document, newline-terminated):
     ls --engine           one JSON array of engine-store runs: {"id", "agent", "status",
                           "concurrency_key", "claim": {"owner", "expires_at"} | null,
                           "created_at", "updated_at"}
-    health                {"service", "status": "SERVING"|"NOT_SERVING"|...}
+    health                {"service", "status": "SERVING"|"NOT_SERVING"|...}; with several
+                          endpoints also "endpoints": [{"address", "status"}] (a status
+                          may be "UNREACHABLE") and "serving": [address...]
     delete                {"run_id", "deleted": true, "fencing_token", "revision"}
     watch                 one JSON object per line and change (JSON Lines):
                           {"revision", "kind": "put"|"delete", "run_id", "record"?}
@@ -75,12 +81,15 @@ from fencepost import (
     UnavailableError,
     WatchEvent,
 )
+from fencepost._endpoints import parse_endpoints
 from fencepost._records import format_time
 
 from .cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
 
 COMMANDS = ("get", "ls", "cancel", "resume", "delete", "watch", "health", "hold")
 DEFAULT_TIMEOUT_S = 5.0
+# With several endpoints: room for a takeover (the default 5 s leader lease, then loading).
+FAILOVER_TIMEOUT_S = 15.0
 _STATUSES = [s.value for s in fencepost.RunStatus]
 
 
@@ -104,6 +113,13 @@ def _revision(text: str) -> int:
     return value
 
 
+def _endpoints(text: str) -> list[str]:
+    try:
+        return list(parse_endpoints(text, field="--endpoints"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--endpoints: ")) from None
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -119,9 +135,16 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--addr",
-        default=default_addr,
         help=f"coordinator address (env FENCEPOST_ADDR; default {default_addr})",
     )
+    common.add_argument(
+        "--endpoints",
+        type=_endpoints,
+        metavar="ADDR,ADDR...",
+        help="instead of --addr: several coordinators, one of which leads; the command "
+        "follows the leader (env FENCEPOST_ENDPOINTS)",
+    )
+    common.set_defaults(default_addr=default_addr)
     common.add_argument(
         "--json", action="store_true", help="machine-readable output (see the module docs)"
     )
@@ -139,8 +162,8 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     common.add_argument(
         "--timeout",
         type=_positive_float,
-        default=DEFAULT_TIMEOUT_S,
-        help=f"seconds to keep retrying an unreachable server (default {DEFAULT_TIMEOUT_S:g})",
+        help="seconds to keep retrying an unreachable server, or waiting for a new leader "
+        f"(default {DEFAULT_TIMEOUT_S:g}; {FAILOVER_TIMEOUT_S:g} with several --endpoints)",
     )
 
     p = sub.add_parser("get", parents=[common], help="show one run")
@@ -172,7 +195,7 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     if health_only and not os.environ.get("FENCEPOST_ADDR"):
         from .cli import default_addr as _listen_addr
 
-        p.set_defaults(addr=_listen_addr({"FENCEPOST_LISTEN": health_only}))
+        p.set_defaults(default_addr=_listen_addr({"FENCEPOST_LISTEN": health_only}))
 
     from .cli_hold import add_hold_parser
 
@@ -218,6 +241,9 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     if args.command not in COMMANDS:
         print(f"fencepost: unknown command {args.command!r}", file=err)
         return EXIT_USAGE
+    problem = _resolve_endpoints(args, os.environ)
+    if problem:
+        return _usage(args, out, err, problem)
     retry = fencepost.RetryPolicy(
         total_timeout_s=args.timeout, attempt_timeout_s=max(args.timeout, 1.0)
     )
@@ -240,7 +266,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
 
     def one_shot() -> int:
         nonlocal doc, text
-        with fencepost.SyncClient(args.addr, retry=retry, **_security(args)) as client:
+        with fencepost.SyncClient(args.endpoints, retry=retry, **_security(args)) as client:
             doc, text = _dispatch(client, args)
         return EXIT_OK
 
@@ -256,6 +282,33 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     except BrokenPipeError:  # `fencepost ls | head`
         pass
     return EXIT_OK
+
+
+def _resolve_endpoints(args: argparse.Namespace, env: Any) -> str:
+    """Set ``args.endpoints`` (the coordinators to talk to) and ``args.addr``
+    (the first of them): --endpoints, else --addr, else FENCEPOST_ENDPOINTS,
+    else the default address (FENCEPOST_ADDR...). A usage problem, or ""."""
+    if args.endpoints is not None and args.addr is not None:
+        return "give --addr or --endpoints, not both"
+    if args.endpoints is None:
+        listed = env.get("FENCEPOST_ENDPOINTS", "").strip()
+        if args.addr is not None:
+            args.endpoints = [args.addr]
+        elif listed:
+            try:
+                args.endpoints = list(parse_endpoints(listed, field="FENCEPOST_ENDPOINTS"))
+            except ValueError as exc:
+                return str(exc)
+        else:
+            args.endpoints = [args.default_addr]
+    args.addr = args.endpoints[0]
+    if args.timeout is None:
+        args.timeout = FAILOVER_TIMEOUT_S if len(args.endpoints) > 1 else DEFAULT_TIMEOUT_S
+    return ""
+
+
+def _where(args: argparse.Namespace) -> str:
+    return ", ".join(getattr(args, "endpoints", None) or [args.addr])
 
 
 def _security(args: argparse.Namespace) -> dict[str, Any]:
@@ -279,11 +332,11 @@ def _guarded(args: argparse.Namespace, out: TextIO, err: TextIO, body: Any) -> i
     except UnavailableError as exc:
         if isinstance(exc, OutcomeUnknownError):
             msg = (
-                f"no answer from {args.addr}; the {args.command} may or may not have been "
+                f"no answer from {_where(args)}; the {args.command} may or may not have been "
                 f"applied ({exc.message})"
             )
         else:
-            msg = f"cannot reach the server at {args.addr} ({exc.message})"
+            msg = f"cannot reach the server at {_where(args)} ({exc.message})"
         _error(err, args.json, exc.code, msg, exc)
         return EXIT_UNREACHABLE
     except FencepostError as exc:
@@ -306,7 +359,7 @@ def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) 
         if ctrl_c.seen:
             return  # Ctrl-C before the loop ran
         printed = 0
-        async with fencepost.Client(args.addr, retry=retry, **_security(args)) as client:
+        async with fencepost.Client(args.endpoints, retry=retry, **_security(args)) as client:
             # aclosing: the stream's call is cancelled here, before the channel
             # closes, not by the generator's finalizer at some later point
             events = client.watch(args.run_ids, from_revision=args.from_revision)
@@ -595,32 +648,61 @@ def _usage(args: argparse.Namespace, out: TextIO, err: TextIO, message: str) -> 
 
 
 def _health(args: argparse.Namespace, out: TextIO) -> int:
-    """One gRPC health check: exit 0 when SERVING, 1 otherwise, 3 unreachable."""
+    """One gRPC health check: exit 0 when SERVING, 1 otherwise, 3 unreachable.
+    With several endpoints, every one is asked (at the same time) and
+    reported: exit 0 when one is SERVING (the leader), 3 when none could be
+    reached, 1 otherwise."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    request = health_pb2.HealthCheckRequest(service=args.service)
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name
+    channels = [_health_channel(args, address) for address in args.endpoints]
+    try:
+        calls = [health_pb2_grpc.HealthStub(ch).Check.future(request, timeout=args.timeout)
+                 for ch in channels]
+        answers: list[tuple[str, str]] = []
+        for address, call in zip(args.endpoints, calls, strict=True):
+            try:
+                answers.append((address, name(call.result().status)))
+            except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                if len(channels) == 1:
+                    if code == grpc.StatusCode.NOT_FOUND:
+                        msg = f"no such service {args.service!r}"
+                        raise FencepostError(msg, code="NOT_FOUND") from None
+                    raise UnavailableError(str(exc.details())) from None  # type: ignore[attr-defined]
+                unreachable = code in (grpc.StatusCode.UNAVAILABLE,
+                                       grpc.StatusCode.DEADLINE_EXCEEDED)
+                answers.append((address, "UNREACHABLE" if unreachable else code.name))
+    finally:
+        for ch in channels:
+            ch.close()
+    serving = [address for address, status in answers if status == "SERVING"]
+    if len(answers) == 1:
+        status = answers[0][1]
+        doc: dict[str, Any] = {"service": args.service, "status": status}
+        text = f"{status}\n"
+    else:
+        status = "SERVING" if serving else "NOT_SERVING"
+        doc = {"service": args.service, "status": status, "serving": serving,
+               "endpoints": [{"address": a, "status": st} for a, st in answers]}
+        width = max(len(a) for a, _ in answers)
+        text = "".join(f"{a:<{width}}  {st}\n" for a, st in answers)
+    out.write(json.dumps(doc) + "\n" if args.json else text)
+    out.flush()
+    if serving:
+        return EXIT_OK
+    if all(st == "UNREACHABLE" for _, st in answers):
+        return EXIT_UNREACHABLE
+    return EXIT_REFUSED
+
+
+def _health_channel(args: argparse.Namespace, address: str) -> Any:
+    import grpc
 
     from fencepost._security import channel_credentials
 
     sec = _security(args)
-    creds = channel_credentials(args.addr, sec["tls"], sec["token"])
-    channel = (grpc.insecure_channel(args.addr) if creds is None
-               else grpc.secure_channel(args.addr, creds))
-    with channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            resp = stub.Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
-            )
-        except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
-            if code == grpc.StatusCode.NOT_FOUND:
-                msg = f"no such service {args.service!r}"
-                raise FencepostError(msg, code="NOT_FOUND") from None
-            raise UnavailableError(str(exc.details())) from None  # type: ignore[attr-defined]
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    if args.json:
-        out.write(json.dumps({"service": args.service, "status": status}) + "\n")
-    else:
-        out.write(f"{status}\n")
-    out.flush()
-    return EXIT_OK if status == "SERVING" else EXIT_REFUSED
+    creds = channel_credentials(address, sec["tls"], sec["token"])
+    return grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)

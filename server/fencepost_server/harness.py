@@ -5,6 +5,9 @@ own event loop: for tests (sync or async) and the SDK's pytest fixture.
         srv.address        # "127.0.0.1:PORT"
         srv.clock.advance(61_000)
         srv.restart()      # graceful stop + start on the same file and port
+
+``db_path`` may also be a ``postgresql://`` URL (the PostgreSQL store); with a
+``ManualClock`` the clock bound (``max_clock_skew``) is then off by default.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .app import App, Settings
-from .clock import Clock, SystemClock
+from .clock import Clock, ManualClock, SystemClock
+from .storage.postgres import is_url
 
 T = TypeVar("T")
 
@@ -39,6 +43,10 @@ class ServerThread:
         self.db_path = str(db_path)
         self.wait_leading = wait_leading
         self.clock: Any = clock or SystemClock()
+        if isinstance(self.clock, ManualClock) and is_url(self.db_path):
+            # a test clock is nowhere near the database's: the clock bound would
+            # keep this coordinator from ever leading
+            settings.setdefault("max_clock_skew", "0")
         self._listen = listen
         settings.setdefault("http_listen", "127.0.0.1:0")  # the dashboard on a free port
         self._settings = settings

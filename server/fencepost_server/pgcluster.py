@@ -122,11 +122,29 @@ def _ids(user: str | None) -> tuple[int, int]:
     return pw.pw_uid, pw.pw_gid
 
 
-def _popen_identity(user: str | None) -> dict[str, Any]:
-    if user is None:
-        return {}
-    uid, gid = _ids(user)
-    return {"user": uid, "group": gid, "extra_groups": []}
+def _as_user(argv: list[str], user: str | None, *, die_with_us: bool = False
+             ) -> tuple[list[str], dict[str, Any]]:
+    """``argv`` to run as ``user`` (None: ourselves), and the Popen arguments for it.
+
+    The identity change goes through ``setpriv`` so that Popen need not change
+    it: that keeps subprocess on vfork(), where a plain fork() of a process
+    running gRPC now and then aborts the child before exec (gRPC's fork
+    handlers). ``die_with_us``: SIGKILL the child when this thread ends, e.g.
+    when this process is SIGKILLed.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:  # util-linux is essential on Debian; elsewhere: fork() it is
+        if user is None:
+            return argv, {}
+        uid, gid = _ids(user)
+        return argv, {"user": uid, "group": gid, "extra_groups": []}
+    prefix = [setpriv]
+    if user is not None:
+        uid, gid = _ids(user)
+        prefix += [f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+    if die_with_us:
+        prefix += ["--pdeathsig", "KILL"]
+    return ([*prefix, "--", *argv] if len(prefix) > 1 else argv), {}
 
 
 def _give(path: Path, user: str | None) -> None:
@@ -190,11 +208,12 @@ def _template(role: str) -> Path:
         log = root / "initdb.log"
         argv = [_binary("initdb"), "-D", str(data), "-U", role, "-A", "trust", "-E", "UTF8",
                 "--no-locale", "--no-instructions", "--no-sync"]
+        argv, identity = _as_user(argv, user)
         try:
             with open(log, "wb") as out:
                 rc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, cwd="/", timeout=300,
-                                    **_popen_identity(user)).returncode
+                                    **identity).returncode
         except (OSError, subprocess.SubprocessError) as exc:
             raise ClusterError(f"initdb could not run ({exc}):\n{_tail(log)}") from exc
         if rc != 0:
@@ -325,16 +344,15 @@ class Cluster:
                 "-c", f"unix_socket_directories={self.socket_dir}"]
         for name, value in self._settings.items():
             argv += ["-c", f"{name}={value}"]
-        setpriv = shutil.which("setpriv")
-        if setpriv and threading.current_thread() is threading.main_thread():
-            # die with this process even if it is SIGKILLed (the "parent" is this thread)
-            argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
+        # dies with this process even if it is SIGKILLed (the parent is this thread)
+        argv, identity = _as_user(
+            argv, self._user, die_with_us=threading.current_thread() is threading.main_thread())
         self._log_mark = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log = open(self.log_path, "ab")
         try:
             self._proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                cwd="/", start_new_session=True, **_popen_identity(self._user))
+                cwd="/", start_new_session=True, **identity)
         except OSError as exc:
             self._log.close()
             raise ClusterError(f"could not run {argv[0]}: {exc}") from exc
@@ -504,6 +522,16 @@ class Cluster:
         with self.connect() as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
                 sql.Identifier(name)))
+
+    def sessions(self, dbname: str, application_name_like: str = "%") -> list[tuple[int, str]]:
+        """(pid, application_name) of every other session on ``dbname`` whose
+        application_name matches the LIKE pattern."""
+        with self.connect() as conn:
+            return [(int(pid), str(name)) for pid, name in conn.execute(
+                "SELECT pid, application_name FROM pg_stat_activity WHERE datname = %s "
+                "AND application_name LIKE %s AND pid <> pg_backend_pid() ORDER BY pid",
+                (dbname, application_name_like),
+            )]
 
     def terminate_connections(self, dbname: str, application_name_like: str = "%") -> int:
         """pg_terminate_backend every session on ``dbname`` whose application_name

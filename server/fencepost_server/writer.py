@@ -256,23 +256,26 @@ class Writer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        loaded = await loop.run_in_executor(self._executor, self._open_and_load)
-        self.state = LedgerState(
+        self.state = await loop.run_in_executor(self._executor, self._open_and_load)
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(), name="fencepost-writer")
+
+    def _open_and_load(self) -> LedgerState:
+        """The committed state, index included, built in the writer thread: with
+        a million runs the index takes seconds, which on the event loop would
+        stall every call, and a new leader's renewals (leadership.py) for long
+        enough to lose the leadership it has just won."""
+        self.storage.open()
+        loaded = self.storage.load()
+        self._materialized = loaded.revision  # load() wrote every replayed change
+        self._pending.clear()
+        return LedgerState(
             runs=loaded.runs,
             tombstones=loaded.tombstones,
             revision=loaded.revision,
             index=RunIndex(loaded.runs.values(), cold=loaded.cold),
             compacted=loaded.compacted,
         )
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._run(), name="fencepost-writer")
-
-    def _open_and_load(self) -> Any:
-        self.storage.open()
-        loaded = self.storage.load()
-        self._materialized = loaded.revision  # load() wrote every replayed change
-        self._pending.clear()
-        return loaded
 
     async def close(self) -> None:
         """Stop accepting, finish everything queued, close the database."""

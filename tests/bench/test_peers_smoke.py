@@ -27,6 +27,8 @@ if str(REPO / "bench") not in sys.path:
 from peers import history, load  # noqa: E402
 from peers import semantics as S  # noqa: E402
 
+from fencepost_server import pgcluster  # noqa: E402
+
 
 class MemoryBackend:
     """The semantics module's rules over a dict; ``bug`` breaks one rule."""
@@ -120,10 +122,12 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
     summary = result["summary"]
     assert {"fencepost-unary", "fencepost-stream", "fencepost-fleet",
             "fencepost-engine"} <= set(summary), log
+    if pgcluster.available():  # fencepost on its PostgreSQL store
+        assert {"fencepost-pg-fleet", "fencepost-pg-engine"} <= set(summary), log
     for backend in result["backends"]:
         assert summary[backend]["ops_per_s"] > 0, (backend, log)
         assert summary[backend]["errors"] == 0, (backend, log)
-        if backend == "fencepost-engine":  # one owner per process: no contention run
+        if backend.endswith("-engine"):  # one owner per process: no contention run
             assert backend not in result["contention"], log
             continue
         race = result["contention"][backend]

@@ -4,16 +4,17 @@ expiry is checked) and once in real time (as a deployment without a test clock
 would run it). With the test clock it runs twice: with the unary RPCs and with
 every mutation sent over Ledger.Execute instead, so the stream cannot
 drift from the unary calls. (The transport does not touch the clock: real time
-over the stream would only repeat the real-time run, and slowly.)"""
+over the stream would only repeat the real-time run, and slowly.) All of it on
+each storage backend."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from _db import Databases
 from _stream_store import engine_client
 
 from fencepost.store_contract import *  # noqa: F403
@@ -30,12 +31,9 @@ def mode(request: pytest.FixtureRequest) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def embedded(
-    mode: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerThread]:
+def embedded(mode: tuple[str, str], module_databases: Databases) -> Iterator[ServerThread]:
     clock = ManualClock() if mode[0] == "test-clock" else SystemClock()
-    path: Path = tmp_path_factory.mktemp("contract") / "fencepost.db"
-    with ServerThread(path, clock=clock) as srv:
+    with module_databases.server("-".join(mode), clock=clock) as srv:
         yield srv
 
 

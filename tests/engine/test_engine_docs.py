@@ -7,14 +7,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from fencepost_server.harness import ServerThread
 from fencepost_server.storage.sqlite import Durability
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ENGINE_STORE.md"
 
 
-def test_the_documented_example_runs_and_prints_what_the_doc_says(tmp_path: Path) -> None:
+def test_the_documented_example_runs_and_prints_what_the_doc_says(make_server: Any) -> None:
     text = DOC.read_text()
     section = text[text.index("## A worker's typical use") :]
     code = re.search(r"```python\n(.*?)```", section, re.S)
@@ -22,7 +22,7 @@ def test_the_documented_example_runs_and_prints_what_the_doc_says(tmp_path: Path
     promised = re.search(r"It prints `([^`]*)`", section)
     assert promised is not None
     # durability does not matter to the example; spare it the fsyncs
-    with ServerThread(tmp_path / "fp.db", durability=Durability.NORMAL) as server:
+    with make_server(durability=Durability.NORMAL) as server:
         env = {**os.environ, "FENCEPOST_ADDR": server.address}
         out = subprocess.run(
             [sys.executable, "-c", code.group(1)],

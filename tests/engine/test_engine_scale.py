@@ -61,12 +61,12 @@ def test_list_runs_without_limit_returns_100_000_runs(server: ServerThread) -> N
 
 
 @pytest.fixture
-def server_proc(tmp_path: Path) -> Iterator[tuple[str, int]]:
+def server_proc(tmp_path: Path, db: str) -> Iterator[tuple[str, int]]:
     """``fencepost serve`` in a child process (its RSS is the server's alone)."""
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [str(FENCEPOST), "serve", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "fp.db")],
+            [str(FENCEPOST), "serve", "--listen", "127.0.0.1:0", "--db", db],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -74,7 +74,9 @@ def server_proc(tmp_path: Path) -> Iterator[tuple[str, int]]:
     try:
         deadline = time.monotonic() + 30
         while True:
-            m = re.search(r"fencepost serving on (\S+)", log_path.read_text(errors="replace"))
+            # SQLite: "fencepost serving on ADDR"; PostgreSQL: "leading (epoch N) on ADDR"
+            m = re.search(r"(?:fencepost serving|leading \(epoch \d+\)) on (\S+)",
+                          log_path.read_text(errors="replace"))
             if m:
                 break
             assert proc.poll() is None, log_path.read_text()

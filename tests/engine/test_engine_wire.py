@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _db import count_rows, raw
 from _stream_store import engine_client
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -65,11 +66,7 @@ def settle(server: ServerThread) -> None:
 
 
 def counts(server: ServerThread) -> dict[str, int]:
-    db = open_read_only(server.db_path)
-    try:
-        return {t: engine_sql.count_rows(db, t) for t in ENGINE_TABLES}
-    finally:
-        db.close()
+    return count_rows(server.db_path, ENGINE_TABLES)
 
 
 def error_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str, str, str]:
@@ -343,22 +340,18 @@ def test_a_cancelled_upload_leaves_nothing(server: ServerThread, es_unary: Any) 
     assert not es_unary.GetArtifact(pb.EngineGetArtifactRequest(id="c")).found
 
 
-def test_uploads_a_crash_left_behind_are_swept_at_start(tmp_path: Path) -> None:
-    path = tmp_path / "fencepost.db"
-    srv = ServerThread(path)
+def test_uploads_a_crash_left_behind_are_swept_at_start(make_server: Any) -> None:
+    srv = make_server()
     srv.start()
     with grpc.insecure_channel(srv.address) as ch:
         es = engine_store_pb2_grpc.EngineStoreStub(ch)
         assert es.PutArtifact(iter([header("kept", 3), pb.EnginePutArtifactRequest(chunk=b"abc")]))
     srv.close()
-    db = sqlite3.connect(path)  # what a kill -9 mid-upload leaves
-    db.execute("INSERT INTO engine_uploads VALUES ('orphan', 0)")
-    db.executemany(
-        "INSERT INTO engine_chunks VALUES ('orphan', ?, 1, x'00')", [(i,) for i in range(5)]
-    )
-    db.commit()
-    db.close()
-    with ServerThread(path) as srv2:
+    with raw(srv.db_path, write=True) as db:  # what a kill -9 mid-upload leaves
+        db.run("INSERT INTO engine_uploads VALUES ('orphan', 0)")
+        for i in range(5):
+            db.run("INSERT INTO engine_chunks VALUES ('orphan', ?, 1, ?)", (i, b"\x00"))
+    with make_server() as srv2:
         c = counts(srv2)
         assert c["engine_uploads"] == 0 and c["engine_chunks"] == 1
         with grpc.insecure_channel(srv2.address) as ch:
@@ -372,6 +365,7 @@ def test_uploads_a_crash_left_behind_are_swept_at_start(tmp_path: Path) -> None:
 # -- schema and threads ------------------------------------------------------------------------
 
 
+@pytest.mark.sqlite_only  # SQLite's own migrations
 def test_a_schema_1_database_is_migrated_and_keeps_its_runs(tmp_path: Path) -> None:
     path = tmp_path / "old.db"
     db = sqlite3.connect(path, isolation_level=None)
@@ -429,6 +423,7 @@ def test_big_listings_stream_in_pages_under_the_message_limit(es: Any) -> None:
     assert len(empty) == 1 and empty[0].total == 0 and not empty[0].runs
 
 
+@pytest.mark.sqlite_only  # proven by a WAL checkpoint that no reader blocks
 def test_a_listing_abandoned_mid_stream_ends_its_read_transaction(
     server: ServerThread, es: Any
 ) -> None:

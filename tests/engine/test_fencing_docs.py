@@ -8,19 +8,18 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-
-from fencepost_server.harness import ServerThread
+from typing import Any
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "FENCING.md"
 
 
-def test_the_example_runs_twice_and_prints_what_the_doc_says(tmp_path: Path) -> None:
+def test_the_example_runs_twice_and_prints_what_the_doc_says(make_server: Any) -> None:
     text = DOC.read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S)
               if not b.startswith("# fragment")]
     assert len(blocks) == 1
     promised = text[text.index("It prints:"):].split("```")[1].strip()
-    with ServerThread(tmp_path / "fp.db") as server:
+    with make_server() as server:
         env = {**os.environ, "FENCEPOST_ADDR": server.address}
         for _ in range(2):
             out = subprocess.run([sys.executable, "-c", blocks[0]], env=env,

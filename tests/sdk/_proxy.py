@@ -14,8 +14,10 @@ class Proxy:
 
     ``cut()`` resets every open connection and refuses new ones (accepted,
     then closed at once: the client sees UNAVAILABLE), ``mend()`` lets
-    connections through again. Runs on its own loop thread, so it works the
-    same under sync and async tests."""
+    connections through again. ``hold_replies()`` keeps passing what clients
+    send but drops what the server answers: requests are applied, their
+    answers lost (until ``cut()``). Runs on its own loop thread, so it works
+    the same under sync and async tests."""
 
     def __init__(self, target: str) -> None:
         host, port = target.rsplit(":", 1)
@@ -26,6 +28,7 @@ class Proxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
         self.down = False
+        self.replies_held = False
         self.port = 0
 
     def __enter__(self) -> Proxy:
@@ -49,6 +52,9 @@ class Proxy:
     def mend(self) -> None:
         self.down = False
 
+    def hold_replies(self) -> None:
+        self.replies_held = True
+
     # -- on the proxy's loop ------------------------------------------------------------
 
     def _call(self, coro: Any) -> Any:
@@ -61,6 +67,7 @@ class Proxy:
 
     async def _cut(self) -> None:
         self.down = True
+        self.replies_held = False
         for w in list(self._writers):
             w.transport.abort()
         self._writers.clear()
@@ -80,11 +87,15 @@ class Proxy:
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        await asyncio.gather(self._pipe(reader, up_writer),
+                             self._pipe(up_reader, writer, replies=True))
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    replies: bool = False) -> None:
         try:
             while data := await reader.read(65536):
+                if replies and self.replies_held:
+                    continue  # the server's answer never reaches the client
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):

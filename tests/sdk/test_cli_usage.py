@@ -10,6 +10,7 @@ import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -132,9 +133,9 @@ def test_health(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_ls_marks_expired_and_lock_delay_leases_in_local_time(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    make_server: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with ServerThread(tmp_path / "wall.db") as srv, SyncClient(srv.address, owner="w") as c:
+    with make_server() as srv, SyncClient(srv.address, owner="w") as c:
         c.acquire("live", ttl_ms=60_000)
         c.acquire("quiet").release()
         _short_lease(srv.address, "gone", 0)

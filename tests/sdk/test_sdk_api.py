@@ -31,11 +31,12 @@ PUBLIC_API = {
     "Stubs", "Suspension", "SyncClient", "SyncLease", "SyncStubs", "UnauthenticatedError",
     "UnavailableError", "ValidationError", "WatchEvent",
     "__version__", "can_transition", "is_terminal",
-    "LockLostError", "StoreTransaction", "SyncStoreTransaction",
+    "LockLostError", "StoreTransaction", "SyncStoreTransaction", "NotLeaderError",
 }
 
 CLIENT_API = {
-    "acquire", "address", "cancel", "closed", "default_ttl_ms", "delete", "get", "list",
+    "acquire", "address", "cancel", "closed", "default_ttl_ms", "delete", "endpoints", "get",
+    "list",
     "list_all",
     "owner", "renewal", "request_resume", "retry", "store", "stubs", "validate_fence", "watch",
 }

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,8 +227,8 @@ def test_watch_errors(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) 
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "UNAVAILABLE"
 
 
-def test_watch_compacted_exits_1(tmp_path: Path) -> None:
-    with ServerThread(tmp_path / "short.db", history_revisions=3, prune_every_s=0) as srv:
+def test_watch_compacted_exits_1(make_server: Any) -> None:
+    with make_server(history_revisions=3, prune_every_s=0) as srv:
         with SyncClient(srv.address) as client:
             lease = client.acquire("run-1")
             for i in range(5):

@@ -10,7 +10,6 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -92,10 +91,10 @@ def test_the_default_owner_names_this_host_this_process_and_a_random_part() -> N
 
 
 async def test_leaving_a_guarded_block_during_an_outage_is_bounded_and_explained(
-    tmp_path: Path, transport: str, caplog: pytest.LogCaptureFixture
+    make_server: Any, transport: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="fencepost")
-    with ServerThread(tmp_path / "fp.db", durability=Durability.NORMAL) as server, \
+    with make_server(durability=Durability.NORMAL) as server, \
             Proxy(server.address) as proxy:
         async with fencepost.Client(proxy.address, owner="w-outage",
                                     transport=transport) as client:  # type: ignore[arg-type]

@@ -49,6 +49,7 @@ EXPECTED_CLASS = {
     "UNAUTHENTICATED": fencepost.UnauthenticatedError,
     "PERMISSION_DENIED": fencepost.PermissionDeniedError,
     "OWNER_NOT_PERMITTED": fencepost.OwnerNotPermittedError,
+    "NOT_LEADER": fencepost.NotLeaderError,
 }
 
 
@@ -246,11 +247,11 @@ async def test_explicit_request_id_through_the_internal_call_path(
         return ledger_pb2.AcquireRequest(run_id="run-1", owner="worker-a", lease_ttl_ms=ttl_ms,
                                          request_id="my-request-1")
 
-    first = await client._call(client.stubs.ledger.Acquire, request(10_000), mutation=True)
-    again = await client._call(client.stubs.ledger.Acquire, request(10_000), mutation=True)
+    first = await client._call("Acquire", request(10_000), mutation=True)
+    again = await client._call("Acquire", request(10_000), mutation=True)
     assert again == first and again.run.fencing_token == 1
     with pytest.raises(fencepost.ValidationError) as info:
-        await client._call(client.stubs.ledger.Acquire, request(20_000), mutation=True)
+        await client._call("Acquire", request(20_000), mutation=True)
     assert info.value.field == "request_id"
 
 

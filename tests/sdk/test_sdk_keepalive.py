@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -434,8 +433,8 @@ async def test_guard_keeps_the_blocks_own_lease_lost_error(
 
 
 @pytest.fixture
-def live_server(tmp_path: Path) -> Iterator[ServerThread]:
-    with ServerThread(tmp_path / "live.db") as srv:  # SystemClock
+def live_server(make_server: Any) -> Iterator[ServerThread]:
+    with make_server() as srv:  # SystemClock
         yield srv
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,8 +18,8 @@ TTL_MS = 300
 
 
 @pytest.fixture
-def live_server(tmp_path: Path) -> Iterator[ServerThread]:
-    with ServerThread(tmp_path / "live.db", listen="127.0.0.1:0") as srv:  # SystemClock
+def live_server(make_server: Any) -> Iterator[ServerThread]:
+    with make_server(listen="127.0.0.1:0") as srv:  # SystemClock
         yield srv
 
 

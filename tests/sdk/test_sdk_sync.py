@@ -87,10 +87,18 @@ def test_closed_sync_client_refuses_calls(server: ServerThread) -> None:
         client.get("run-1")
 
 
+@pytest.fixture
+def fencepost_db(db: str) -> str:
+    """fencepost.testing's hook: its server runs on this test's backend."""
+    return db
+
+
 def test_testing_fixtures(
+    fencepost_db: str,
     fencepost_server: ServerThread,  # noqa: F811
     fencepost_client: SyncClient,  # noqa: F811
 ) -> None:
+    assert fencepost_server.db_path == fencepost_db
     assert isinstance(fencepost_server.clock, ManualClock)
     lease = fencepost_client.acquire("run-1", ttl_ms=60_000)  # no renewal due during the test
     assert lease.owner == "test-worker"

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _db import Databases
 
 import fencepost
 
@@ -26,18 +27,21 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Iterator[ServerThread]:
+def server(tmp_path_factory: pytest.TempPathFactory, certs: Certs,
+           module_databases: Databases) -> Iterator[ServerThread]:
     tmp = tmp_path_factory.mktemp("srv")
-    with ServerThread(tmp / "db", tls_cert=str(certs.server.cert), tls_key=str(certs.server.key),
-                      client_ca=str(certs.ca.cert),
-                      authz=str(write_policy(tmp / "policy.toml"))) as srv:
+    with module_databases.server("tls", tls_cert=str(certs.server.cert),
+                                 tls_key=str(certs.server.key), client_ca=str(certs.ca.cert),
+                                 authz=str(write_policy(tmp / "policy.toml"))) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
-def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+def token_server(tmp_path_factory: pytest.TempPathFactory,
+                 module_databases: Databases) -> Iterator[ServerThread]:
     tmp = tmp_path_factory.mktemp("tok")
-    with ServerThread(tmp / "db", authz=str(write_policy(tmp / "policy.toml"))) as srv:
+    with module_databases.server("tokens",
+                                 authz=str(write_policy(tmp / "policy.toml"))) as srv:
         yield srv
 
 

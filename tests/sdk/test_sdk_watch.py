@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -149,12 +149,12 @@ async def test_resumes_after_a_server_restart_without_gap_or_duplicate(
 
 
 async def test_resumes_after_stream_too_slow(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    make_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A watcher that stops reading while a burst is committed is dropped by
     the server (its queue holds 5); the SDK resumes from its last revision."""
     caplog.set_level(logging.INFO, logger="fencepost")
-    with ServerThread(tmp_path / "slow.db", clock=ManualClock(), stream_queue_limit=5) as srv:
+    with make_server(clock=ManualClock(), stream_queue_limit=5) as srv:
         async with (
             fencepost.Client(srv.address, owner="watcher") as client,
             fencepost.Client(srv.address, owner="writer") as writer,
@@ -170,9 +170,8 @@ async def test_resumes_after_stream_too_slow(
     assert "STREAM_TOO_SLOW" in caplog.text  # it did drop, and the watch went on
 
 
-async def test_a_compacted_revision_raises_a_typed_error(tmp_path: Path) -> None:
-    with ServerThread(tmp_path / "short.db", clock=ManualClock(), history_revisions=10,
-                      prune_every_s=0) as srv:
+async def test_a_compacted_revision_raises_a_typed_error(make_server: Any) -> None:
+    with make_server(clock=ManualClock(), history_revisions=10, prune_every_s=0) as srv:
         async with fencepost.Client(srv.address, owner="w") as client:
             lease = await client.acquire("run-1")
             for i in range(14):

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _db import Databases
 from _tls import (
     ADMIN_TOKEN,
     PRINCIPALS,
@@ -78,28 +79,28 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return make_certs(tmp_path_factory.mktemp("certs"))
 
 
-def _server(tmp: Path, certs: Certs, **kw: Any) -> ServerThread:
+def _server(dbs: Databases, certs: Certs, name: str = "fencepost", **kw: Any) -> ServerThread:
     settings: dict[str, Any] = {"tls_cert": str(certs.server.cert),
                                 "tls_key": str(certs.server.key)}
     settings.update(kw)
-    return ServerThread(tmp / "fencepost.db", **settings).start()
+    return dbs.server(name, **settings).start()
 
 
 @pytest.fixture(scope="module")
-def authz_server(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Iterator[ServerThread]:
+def authz_server(tmp_path_factory: pytest.TempPathFactory, certs: Certs,
+                 module_databases: Databases) -> Iterator[ServerThread]:
     """Mutual TLS + a policy with every role."""
     tmp = tmp_path_factory.mktemp("authz")
-    srv = _server(tmp, certs, client_ca=str(certs.ca.cert),
+    srv = _server(module_databases, certs, "authz", client_ca=str(certs.ca.cert),
                   authz=str(write_policy(tmp / "policy.toml")))
     yield srv
     srv.close()
 
 
 @pytest.fixture(scope="module")
-def mtls_server(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Iterator[ServerThread]:
+def mtls_server(certs: Certs, module_databases: Databases) -> Iterator[ServerThread]:
     """Mutual TLS, no policy: every caller has every role; owners still bound."""
-    tmp = tmp_path_factory.mktemp("mtls")
-    srv = _server(tmp, certs, client_ca=str(certs.ca.cert))
+    srv = _server(module_databases, certs, "mtls", client_ca=str(certs.ca.cert))
     yield srv
     srv.close()
 
@@ -456,9 +457,9 @@ def test_no_untrusted_or_expired_client_certificate(mtls_server: ServerThread, c
         assert _health(ch) is OK
 
 
-def test_tls_without_client_certificates_changes_nothing_else(tmp_path: Path,
+def test_tls_without_client_certificates_changes_nothing_else(databases: Databases,
                                                               certs: Certs) -> None:
-    srv = _server(tmp_path, certs)
+    srv = _server(databases, certs)
     try:
         with grpc.secure_channel(srv.address, certs.creds(None)) as ch:
             led = ledger_pb2_grpc.LedgerStub(ch)
@@ -473,10 +474,11 @@ def test_tls_without_client_certificates_changes_nothing_else(tmp_path: Path,
 
 
 @pytest.fixture(scope="module")
-def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+def token_server(tmp_path_factory: pytest.TempPathFactory,
+                 module_databases: Databases) -> Iterator[ServerThread]:
     """Plaintext on loopback with a [tokens] table: callers need a token."""
     tmp = tmp_path_factory.mktemp("tokens")
-    srv = ServerThread(tmp / "fencepost.db", authz=str(write_policy(tmp / "p.toml"))).start()
+    srv = module_databases.server("tokens", authz=str(write_policy(tmp / "p.toml"))).start()
     yield srv
     srv.close()
 
@@ -532,10 +534,11 @@ def _principal_seen(ch: grpc.Channel) -> str:
     ("dns", "a.workers.example"),
     ("cn", "cn-a"),
 ])
-def test_identity_sources(tmp_path: Path, certs: Certs, source: str, expected: str) -> None:
+def test_identity_sources(databases: Databases, certs: Certs, source: str, expected: str
+                          ) -> None:
     full = certs.ca.issue(f"full-{source}", cn="cn-a", dns=("a.workers.example", "b.example"),
                           uris=("spiffe://example.org/worker/a",))
-    srv = _server(tmp_path, certs, client_ca=str(certs.ca.cert), identity_from=source)
+    srv = _server(databases, certs, client_ca=str(certs.ca.cert), identity_from=source)
     try:
         creds = grpc.ssl_channel_credentials(certs.ca.cert_pem, full.key_pem, full.cert_pem)
         with grpc.secure_channel(srv.address, creds) as ch:
@@ -614,7 +617,7 @@ def test_bad_security_flags_are_refused(tmp_path: Path, certs: Certs) -> None:
 
 
 def test_renewed_certificate_files_are_picked_up_without_dropping_connections(
-        tmp_path: Path, certs: Certs) -> None:
+        tmp_path: Path, certs: Certs, databases: Databases) -> None:
     from torture.certs import CA
 
     live = tmp_path / "live"
@@ -622,8 +625,8 @@ def test_renewed_certificate_files_are_picked_up_without_dropping_connections(
     for src, dst in ((certs.server.cert, "cert.pem"), (certs.server.key, "key.pem"),
                      (certs.ca.cert, "ca.pem")):
         shutil.copy(src, live / dst)
-    srv = ServerThread(tmp_path / "fencepost.db", tls_cert=str(live / "cert.pem"),
-                       tls_key=str(live / "key.pem"), client_ca=str(live / "ca.pem")).start()
+    srv = databases.server(tls_cert=str(live / "cert.pem"), tls_key=str(live / "key.pem"),
+                           client_ca=str(live / "ca.pem")).start()
     try:
         old = grpc.secure_channel(srv.address, certs.creds("w1"))
         stream_req = pb.KeepAliveRequest(hello=pb.KeepAliveHello(owner="w1"))
@@ -662,9 +665,9 @@ def test_renewed_certificate_files_are_picked_up_without_dropping_connections(
 
 
 
-def test_a_plaintext_health_port_for_probes_beside_mutual_tls(tmp_path: Path,
+def test_a_plaintext_health_port_for_probes_beside_mutual_tls(databases: Databases,
                                                               certs: Certs) -> None:
-    srv = _server(tmp_path, certs, client_ca=str(certs.ca.cert), health_listen="127.0.0.1:0")
+    srv = _server(databases, certs, client_ca=str(certs.ca.cert), health_listen="127.0.0.1:0")
     try:
         assert srv.app is not None and srv.app.health_port
         with grpc.insecure_channel(f"127.0.0.1:{srv.app.health_port}") as ch:

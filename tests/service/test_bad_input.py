@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sqlite3
 from typing import Any
 
 import grpc
 import pytest
+from _db import snapshot
 from _records import bump, raw_run
 from _wire import expect, wire_error
 
@@ -177,15 +177,6 @@ STORE_CASES: list[tuple[str, str, Any, str]] = [
     ("get oversized id", "Get", spb.GetRequest(run_id=LONG_ID), "run_id"),
     ("delete empty id", "Delete", spb.DeleteRequest(run_id=""), "run_id"),
 ]
-
-
-def snapshot(path: str) -> dict[str, list[Any]]:
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-        return {t: sorted(db.execute(f"SELECT * FROM {t}").fetchall(), key=repr) for t in tables}
-    finally:
-        db.close()
 
 
 @pytest.fixture

@@ -150,14 +150,13 @@ async def test_tracking_a_cold_run_reports_it_finished(
         call.cancel()
 
 
-def test_a_restart_loads_only_unfinished_runs(tmp_path: Any) -> None:
+def test_a_restart_loads_only_unfinished_runs(make_server: Any) -> None:
     clock = ManualClock(1_700_000_000_000)
-    path = tmp_path / "fencepost.db"
-    with ServerThread(path, clock=clock) as srv, grpc.insecure_channel(srv.address) as ch:
+    with make_server(clock=clock) as srv, grpc.insecure_channel(srv.address) as ch:
         ledger = ledger_pb2_grpc.LedgerStub(ch)
         finished = {f"f{i}": _finish(ledger, f"f{i}") for i in range(5)}
         ledger.Acquire(pb.AcquireRequest(run_id="u1", owner="w"))
-    with ServerThread(path, clock=clock) as srv, grpc.insecure_channel(srv.address) as ch:
+    with make_server(clock=clock) as srv, grpc.insecure_channel(srv.address) as ch:
         ledger = ledger_pb2_grpc.LedgerStub(ch)
         assert set(srv.app.writer.state.runs) == {"u1"}
         assert len(srv.app.writer.state.index) == 6

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import grpc
+import pytest
 from _wire import expect
 
 from fencepost.v1 import ledger_pb2 as pb
@@ -23,6 +24,7 @@ def _on_writer(server: ServerThread, sql: str) -> Any:
     return server.call(run)
 
 
+@pytest.mark.sqlite_only  # fills the file by shrinking SQLite's max_page_count
 def test_disk_full_fails_cleanly_and_recovers(server, ledger) -> None:  # type: ignore[no-untyped-def]
     held = ledger.Acquire(pb.AcquireRequest(run_id="held", owner="w")).run
     pages = _on_writer(server, "PRAGMA page_count")[0]

@@ -140,8 +140,8 @@ def test_operations_md_lists_exactly_what_the_endpoint_exposes(
     assert exposed(text) == doc
 
 
-def test_unknown_paths_are_404_and_the_metrics_only_listener(tmp_path: Path) -> None:
-    with ServerThread(tmp_path / "m.db", metrics_listen="127.0.0.1:0") as srv:
+def test_unknown_paths_are_404_and_the_metrics_only_listener(make_server: Any) -> None:
+    with make_server(metrics_listen="127.0.0.1:0") as srv:
         app = srv.app
         assert app is not None and app.dashboard is not None
         dash_port, metrics_port = app.dashboard.ports
@@ -157,13 +157,13 @@ def test_unknown_paths_are_404_and_the_metrics_only_listener(tmp_path: Path) -> 
             assert e.value.code == 404
 
 
-def test_metrics_port_still_serves_on_loopback(tmp_path: Path) -> None:
+def test_metrics_port_still_serves_on_loopback(make_server: Any) -> None:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with ServerThread(tmp_path / "p.db", metrics_port=port, http_listen=""):
+    with make_server(metrics_port=port, http_listen=""):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             assert b"fencepost_writer_queue_depth" in r.read()
 
@@ -181,7 +181,7 @@ def test_the_grafana_dashboard_only_queries_documented_series() -> None:
             assert used in names or base in names, (used, expr)
 
 
-def test_a_taken_http_port_stops_the_start_unless_it_is_the_default(tmp_path: Path) -> None:
+def test_a_taken_http_port_stops_the_start_unless_it_is_the_default(make_server: Any) -> None:
     import socket
 
     from fencepost_server.app import Settings
@@ -191,7 +191,7 @@ def test_a_taken_http_port_stops_the_start_unless_it_is_the_default(tmp_path: Pa
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(RuntimeError, match="could not listen"):
-            ServerThread(tmp_path / "a.db", http_listen=f"127.0.0.1:{port}").start()
+            make_server("a", http_listen=f"127.0.0.1:{port}").start()
     default = Settings.http_listen
     holder = socket.socket()
     try:
@@ -200,7 +200,7 @@ def test_a_taken_http_port_stops_the_start_unless_it_is_the_default(tmp_path: Pa
             holder.listen()
         except OSError:
             pass  # already taken by someone else: the case under test either way
-        with ServerThread(tmp_path / "b.db", http_listen=default) as srv:
+        with make_server("b", http_listen=default) as srv:
             assert srv.app is not None and srv.app.http_port == 0  # served without it
             with grpc.insecure_channel(srv.address) as ch:
                 ledger_pb2_grpc.LedgerStub(ch).Acquire(pb.AcquireRequest(run_id="x", owner="o"))

@@ -98,7 +98,7 @@ async def test_a_takeover_ends_an_expired_leader_holding_the_row_mid_batch(url: 
     # the old leader's writer is paused inside a batch: it holds the row's lock
     stuck = psycopg.connect(url, autocommit=True, application_name=writer_name("stuck"))
     stuck.execute("BEGIN")
-    stuck.execute("UPDATE fencepost.fencepost_leader SET epoch = epoch WHERE id = 1")
+    stuck.execute("SELECT epoch FROM fencepost.fencepost_leader WHERE id = 1 FOR KEY SHARE")
     try:
         await asyncio.sleep(0.7)  # its row expires
         new = Leadership(url, clock, address="new:1", identity="new", lease_ms=600,

@@ -5,7 +5,7 @@ runs and runs changed since the pass read them are kept."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -17,7 +17,6 @@ from fencepost.v1 import record_pb2 as rpb
 from fencepost_server.clock import ManualClock
 from fencepost_server.core import ledger as L
 from fencepost_server.core.records import Status
-from fencepost_server.harness import ServerThread
 from fencepost_server.retention import parse_duration_ms
 
 COMPLETED = rpb.RUN_STATUS_COMPLETED
@@ -30,10 +29,10 @@ def _finish(ledger: ledger_pb2_grpc.LedgerStub, run_id: str) -> rpb.Run:
 
 
 def test_finished_runs_past_the_retention_are_deleted_with_their_tombstones(
-    tmp_path: Path,
+    make_server: Any,
 ) -> None:
     clock = ManualClock(1_700_000_000_000)
-    with ServerThread(tmp_path / "r.db", clock=clock, retain_terminal="60s") as srv, \
+    with make_server(clock=clock, retain_terminal="60s") as srv, \
             grpc.insecure_channel(srv.address) as ch:
         ledger = ledger_pb2_grpc.LedgerStub(ch)
         assert srv.app.retention is not None and srv.app.retention.retain_ms == 60_000
@@ -59,10 +58,10 @@ def test_finished_runs_past_the_retention_are_deleted_with_their_tombstones(
         assert srv.call(retention.run_once) == 0
 
 
-def test_a_run_changed_since_the_pass_read_it_is_kept(tmp_path: Path) -> None:
+def test_a_run_changed_since_the_pass_read_it_is_kept(make_server: Any) -> None:
     """Retire deletes only a run still finished at the version read."""
     clock = ManualClock(1_700_000_000_000)
-    with ServerThread(tmp_path / "k.db", clock=clock) as srv, \
+    with make_server(clock=clock) as srv, \
             grpc.insecure_channel(srv.address) as ch:
         ledger = ledger_pb2_grpc.LedgerStub(ch)
         done = _finish(ledger, "r")

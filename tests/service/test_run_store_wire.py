@@ -16,9 +16,10 @@ from fencepost.v1 import run_store_pb2_grpc
 OK = grpc.StatusCode
 
 
-def test_describe(store) -> None:  # type: ignore[no-untyped-def]
+def test_describe(store, backend: str) -> None:  # type: ignore[no-untyped-def]
     d = store.Describe(spb.DescribeRequest())
-    assert d.atomicity == spb.ATOMICITY_CROSS_PROCESS and d.backend == "sqlite" and d.schema == 1
+    name = {"sqlite": "sqlite", "postgres": "postgresql"}[backend]
+    assert d.atomicity == spb.ATOMICITY_CROSS_PROCESS and d.backend == name and d.schema == 1
 
 
 def test_create_once_and_get(store) -> None:  # type: ignore[no-untyped-def]

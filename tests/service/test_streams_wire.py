@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -266,9 +265,9 @@ async def test_watch_replays_then_goes_live_without_gap_or_dup(aio) -> None:  # 
     call.cancel()
 
 
-async def test_watch_rejects_compacted_revisions(tmp_path: Path) -> None:
+async def test_watch_rejects_compacted_revisions(make_server: Any) -> None:
     clock = ManualClock()
-    with ServerThread(tmp_path / "db", clock=clock, history_revisions=10, prune_every_s=0) as srv:
+    with make_server(clock=clock, history_revisions=10, prune_every_s=0) as srv:
         async with grpc.aio.insecure_channel(srv.address) as ch:
             ledger = ledger_pb2_grpc.LedgerStub(ch)
             for i in range(25):
@@ -282,8 +281,8 @@ async def test_watch_rejects_compacted_revisions(tmp_path: Path) -> None:
             ok.cancel()
 
 
-async def test_a_watcher_that_never_reads_is_dropped_not_the_writer(tmp_path: Path) -> None:
-    with ServerThread(tmp_path / "db", stream_queue_limit=200) as srv:
+async def test_a_watcher_that_never_reads_is_dropped_not_the_writer(make_server: Any) -> None:
+    with make_server(stream_queue_limit=200) as srv:
         # no BDP probing: the window stays at 64 KiB, as for a client that stalled
         async with grpc.aio.insecure_channel(
             srv.address, options=[("grpc.http2.bdp_probe", 0)]

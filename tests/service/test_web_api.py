@@ -9,7 +9,6 @@ import statistics
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -141,8 +140,8 @@ def test_timeline_tells_who_did_what(server: ServerThread, channel: grpc.Channel
     assert doc["timeline"][5]["detail"] == "enough"
 
 
-def test_timeline_after_compaction(tmp_path: Path) -> None:
-    with ServerThread(tmp_path / "c.db", history_revisions=3, prune_every_s=0) as srv:
+def test_timeline_after_compaction(make_server: Any) -> None:
+    with make_server(history_revisions=3, prune_every_s=0) as srv:
         with SyncClient(srv.address, owner="w") as c:
             lease = c.acquire("old")
             for i in range(8):
@@ -211,9 +210,10 @@ async def test_event_stream_carries_changes_within_a_second(server: ServerThread
 
 
 @pytest.mark.slow
-def test_paging_stays_fast_at_100_000_runs(tmp_path: Path) -> None:
+@pytest.mark.sqlite_only  # in-memory index paging, the same on both stores; ~1 min each
+def test_paging_stays_fast_at_100_000_runs(make_server: Any) -> None:
     n = 100_000
-    with ServerThread(tmp_path / "big.db") as srv:
+    with make_server() as srv:
 
         async def seed() -> None:
             async with fencepost.Client(srv.address, owner="bulk") as c:

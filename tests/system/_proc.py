@@ -99,7 +99,7 @@ class ServerProc:
 
     def __init__(
         self,
-        db_path: Path,
+        db_path: Path | str,  # a SQLite file or a postgresql:// URL
         log_path: Path,
         port: int | None = None,
         *,

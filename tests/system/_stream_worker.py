@@ -217,18 +217,6 @@ class _SpyCall:
         return getattr(self._call, name)
 
 
-class _SpyLedger:
-    def __init__(self, stub: Any, wire: list[list[Any]]) -> None:
-        self._stub = stub
-        self._wire = wire
-
-    def KeepAlive(self, *args: Any, **kwargs: Any) -> _SpyCall:
-        return _SpyCall(self._stub.KeepAlive(*args, **kwargs), self._wire)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stub, name)
-
-
 class _LeaseWatch:
     """Counts a lease's at-risk episodes with the public API only."""
 
@@ -282,10 +270,9 @@ class Holder:
         threading.Thread(target=read_stdin, daemon=True).start()
         async with client:
             if cfg.get("spy"):
-                stubs = client.stubs
-                client._stubs = fencepost.Stubs(  # type: ignore[misc]
-                    ledger=_SpyLedger(stubs.ledger, self.wire),  # type: ignore[arg-type]
-                    run_store=stubs.run_store)
+                opened = client._open_keepalive
+                client._open_keepalive = (  # type: ignore[method-assign]
+                    lambda endpoint: _SpyCall(opened(endpoint), self.wire))
             t0 = time.monotonic()
             for prefix, count, ttl_ms in cfg["groups"]:
                 ids = [f"{prefix}{i:04d}" for i in range(count)]

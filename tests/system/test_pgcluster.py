@@ -104,8 +104,8 @@ def test_stop_and_close_leave_nothing_running() -> None:
         workdir = given / "pg"
         with Cluster.start(workdir) as pg:
             procs = pg.processes()
-            assert pg.pid is not None and len(_children(pg.pid)) >= 3  # its workers
-            assert sorted(procs) == sorted([pg.pid, *_children(pg.pid)])
+            assert pg.pid is not None and procs[0] == pg.pid
+            assert len(set(procs) & set(_children(pg.pid))) >= 3  # its workers
             pg.stop()
             assert not pg.running and pg.pid is None and pg.processes() == []
             assert _gone(procs, 0)
@@ -177,6 +177,8 @@ def test_terminate_connections_cuts_the_matching_sessions_only(pg: Cluster) -> N
     bystander = psycopg.connect(url, autocommit=True, application_name="worker")
     elsewhere = psycopg.connect(other_db, autocommit=True, application_name="fencepost-coord-2")
     try:
+        assert sorted(name for _, name in pg.sessions("c")) == ["fencepost-coord-1", "worker"]
+        assert [name for _, name in pg.sessions("c", "fencepost-%")] == ["fencepost-coord-1"]
         assert pg.terminate_connections("c", "fencepost-%") == 1
         with pytest.raises(psycopg.OperationalError):
             coord.execute("SELECT 1")

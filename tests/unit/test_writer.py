@@ -368,3 +368,37 @@ async def test_the_age_limit_prunes_old_changes_and_keeps_young_ones(tmp_path: P
         assert w.state.compacted >= 5
     finally:
         await w.close()
+
+
+async def test_start_builds_the_index_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading the state, the run index included, runs in the writer thread:
+    with a million runs the index takes seconds, and the event loop must go on
+    serving (a new leader's renewals run on it) meanwhile."""
+    w = Writer(SqliteStorage(tmp_path / "w.db"), ManualClock())
+    await w.start()
+    for i in range(20):
+        await w.submit(L.Acquire(f"r{i}", "o", ttl_ms=60_000))
+    await w.close()
+
+    import threading
+
+    from fencepost_server import writer as writer_module
+
+    built_on: list[threading.Thread] = []
+    real = writer_module.RunIndex
+
+    class Spy(real):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built_on.append(threading.current_thread())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "RunIndex", Spy)
+    again = Writer(SqliteStorage(tmp_path / "w.db"), ManualClock())
+    await again.start()
+    try:
+        assert len(again.state.index) == 20
+        assert built_on and threading.main_thread() not in built_on, built_on
+    finally:
+        await again.close()

@@ -35,12 +35,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 
+from ._endpoints import Endpoint, Endpoints, parse_endpoints
 from ._errors import (
     FencepostError,
     LeaseAtRiskError,
     LeaseLostError,
     OutcomeUnknownError,
     StreamTooSlowError,
+    UnavailableError,
     from_rpc_error,
 )
 from ._execute import ExecuteDispatcher, attempt_of, check_window
@@ -93,8 +95,12 @@ _DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 
-# A unary multi-callable of a generated async stub: rpc(request, timeout=...).
-_UnaryRpc = Callable[..., Any]
+
+def _ledger_rpc(method: str) -> Callable[[Endpoint], Callable[..., Any]]:
+    """The Ledger RPC ``method`` (a unary multi-callable of the generated
+    stub: ``rpc(request, timeout=...)``) on an endpoint."""
+    return lambda endpoint: getattr(endpoint.stub(ledger_pb2_grpc.LedgerStub), method)
+
 
 # What ``Client(on_lost=...)`` is called with: the lease and why it was lost.
 # It runs on the client's event loop and must not block; when it returns an
@@ -317,7 +323,7 @@ class Lease:
         ttl = self._ttl_ms if ttl_ms is None else ttl_ms
         req = ledger_pb2.RenewRequest(run_id=self._run_id, owner=self._owner,
                                       fencing_token=self._token, lease_ttl_ms=ttl)
-        rec = await self._fenced(self._client._ledger.Renew, req)
+        rec = await self._fenced("Renew", req)
         self._ttl_ms = ttl
         return rec
 
@@ -327,7 +333,7 @@ class Lease:
             run_id=self._run_id, owner=self._owner, fencing_token=self._token, key=key,
             snapshot_version=snapshot_version,
         )
-        return await self._fenced(self._client._ledger.RecordCheckpoint, req)
+        return await self._fenced("RecordCheckpoint", req)
 
     async def suspend(self, pending_approval_ids: Sequence[str] = ()) -> RunRecord:
         """Park the run (-> suspended) and give up the lease."""
@@ -335,7 +341,7 @@ class Lease:
             run_id=self._run_id, owner=self._owner, fencing_token=self._token,
             pending_approval_ids=builtins.list(pending_approval_ids),
         )
-        return await self._fenced(self._client._ledger.Suspend, req, drops_lease=True)
+        return await self._fenced("Suspend", req, drops_lease=True)
 
     async def finish(
         self,
@@ -359,13 +365,13 @@ class Lease:
             if message is not None:
                 outcome.message = message
             req.outcome.CopyFrom(outcome)
-        return await self._fenced(self._client._ledger.Finish, req, drops_lease=True)
+        return await self._fenced("Finish", req, drops_lease=True)
 
     async def release(self) -> RunRecord:
         """Give the run back unfinished (-> queued); it is acquirable at once."""
         req = ledger_pb2.ReleaseRequest(run_id=self._run_id, owner=self._owner,
                                         fencing_token=self._token)
-        return await self._fenced(self._client._ledger.Release, req, drops_lease=True)
+        return await self._fenced("Release", req, drops_lease=True)
 
     # -- internals: state ------------------------------------------------------------
 
@@ -512,7 +518,7 @@ class Lease:
 
     async def _fenced(
         self,
-        rpc: _UnaryRpc,
+        method: str,
         request: Any,
         *,
         drops_lease: bool = False,
@@ -527,7 +533,7 @@ class Lease:
             await renewer.stop(self)
         sent_at = time.monotonic()
         try:
-            resp = await self._client._call(rpc, request, mutation=True, policy=policy)
+            resp = await self._client._call(method, request, mutation=True, policy=policy)
         except LeaseLostError as exc:
             exc.reason = derive_lost_reason(exc.record, self._token)
             self._mark_lost(exc.record, exc.reason)
@@ -549,7 +555,7 @@ class Lease:
     async def _renew_in_background(self, policy: RetryPolicy) -> None:
         req = ledger_pb2.RenewRequest(run_id=self._run_id, owner=self._owner,
                                       fencing_token=self._token, lease_ttl_ms=self._ttl_ms)
-        await self._fenced(self._client._ledger.Renew, req, policy=policy)
+        await self._fenced("Renew", req, policy=policy)
 
     async def _exit_block(self, failed: bool) -> None:
         """Leaving ``async with client.acquire(...)``: release unless finished,
@@ -560,7 +566,7 @@ class Lease:
         policy = _AT_RISK_CLEANUP_RETRY if self.at_risk else _CLEANUP_RETRY
         req = ledger_pb2.ReleaseRequest(run_id=self._run_id, owner=self._owner,
                                         fencing_token=self._token)
-        release = self._fenced(self._client._ledger.Release, req, drops_lease=True,
+        release = self._fenced("Release", req, drops_lease=True,
                                policy=policy)
         try:
             await self._client._cleanup(release, CLEANUP_TIMEOUT_S)
@@ -673,6 +679,19 @@ class Client:
     Use as ``async with Client(...) as client`` or call ``aclose()``. The
     channel is opened on first use and binds the client to that event loop.
 
+    ``address`` is one coordinator (``"10.0.0.1:50051"``) or several, of
+    which one leads (``["10.0.0.1:50051", "10.0.0.2:50051"]``, or
+    ``"10.0.0.1:50051,10.0.0.2:50051"``). With several, the client keeps one
+    channel per endpoint (each opened on first use) and follows the leader:
+    a standby's NOT_LEADER sends the call to the leader it names, an endpoint
+    that cannot be reached to the next one, and the KeepAlive, Execute and
+    watch streams reconnect there (leases re-tracked, commands resent with
+    their request ids, the watch resumed from its last revision + 1). A call
+    waits for a new leader as long as ``retry`` retries (``total_timeout_s``,
+    10 s by default: a 5 s leader lease expiring and a standby taking over),
+    then raises ``UnavailableError`` naming the endpoints tried and the last
+    leader hint (docs/SDK.md).
+
     ``renewal="stream"`` (default) keeps every lease of the client alive over
     one KeepAlive stream (renewals at a third of each ttl; ``lost`` and
     ``expiring`` pushed by the server; reconnects with jittered backoff and
@@ -699,7 +718,7 @@ class Client:
 
     def __init__(
         self,
-        address: str = DEFAULT_ADDRESS,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
         *,
         owner: str | None = None,
         default_ttl_ms: int = DEFAULT_TTL_MS,
@@ -714,18 +733,21 @@ class Client:
         token: str | None = None,
     ) -> None:
         window_s = check_window(command_window_ms)
-        channel_credentials(address, tls, token)  # refuse bad combinations now
+        addresses = parse_endpoints(address)
+        for one in addresses:
+            channel_credentials(one, tls, token)  # refuse bad combinations now
         if transport not in ("stream", "unary"):
             raise ValueError(f"transport must be 'stream' or 'unary', not {transport!r}")
-        self._address = address
         self._owner = owner if owner is not None else default_owner()
         self._default_ttl_ms = default_ttl_ms
         self._retry = retry
         self._channel_options = merge_channel_options(channel_options)
         self._interceptors = builtins.list(interceptors)
         self._tls, self._token = tls, token
-        self._channel: grpc.aio.Channel | None = None
-        self._stubs: Stubs | None = None
+        self._endpoints = Endpoints(
+            addresses, self._open_channel,
+            check=lambda one: channel_credentials(one, self._tls, self._token),
+        )
         self._store: AsyncStore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._renewer: Renewer
@@ -740,14 +762,14 @@ class Client:
         self._dispatcher: ExecuteDispatcher | None = None
         if transport == "stream":
             self._dispatcher = ExecuteDispatcher(
-                self._open_execute, window_s=window_s, retry=retry
+                self._open_execute, self._endpoints, window_s=window_s, retry=retry
             )
         self._on_lost = on_lost
         self._cleanups: set[asyncio.Task[Any]] = set()
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"<Client {self._address} owner={self._owner!r}>"
+        return f"<Client {','.join(self._endpoints.listed)} owner={self._owner!r}>"
 
     async def __aenter__(self) -> Client:
         self.stubs  # noqa: B018 - open the channel on this loop
@@ -775,14 +797,21 @@ class Client:
             await asyncio.wait(builtins.list(self._cleanups))
         if self._dispatcher is not None:
             await self._dispatcher.aclose()
-        if self._channel is not None:
-            await self._channel.close(None)
+        await self._endpoints.aclose()
 
     # -- configuration ---------------------------------------------------------------
 
     @property
     def address(self) -> str:
-        return self._address
+        """The endpoint calls go to now: the one believed to lead (the first
+        one given, until a standby or a failure says otherwise)."""
+        return self._endpoints.current.address
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The endpoints given, in order (``address`` is one of them, or a
+        leader a standby named)."""
+        return self._endpoints.listed
 
     @property
     def owner(self) -> str:
@@ -808,48 +837,59 @@ class Client:
 
     @property
     def store(self) -> AsyncStore:
-        """The engine store (docs/SPEC.md §11) on this client's channel. Its mutations
-        share this client's Execute stream (``transport``); the rest is unary."""
+        """The engine store (docs/SPEC.md §11) on this client's channels. Its mutations
+        share this client's Execute stream (``transport``); the rest is unary.
+        It follows the leader with the client."""
         if self._store is None:
-            store = AsyncStore(self._store_channel, retry=self._retry)
+            store = AsyncStore(self._endpoints, retry=self._retry)
             store._dispatcher = self._dispatcher
             self._store = store
         return self._store
 
-    def _store_channel(self) -> grpc.aio.Channel:
-        self.stubs  # opens the channel on the running loop  # noqa: B018
-        assert self._channel is not None
-        return self._channel
-
     @property
     def stubs(self) -> Stubs:
-        """The raw generated stubs on this client's channel (no retries, no
-        error mapping). Opens the channel on first use."""
+        """The raw generated stubs on the channel of the endpoint believed to
+        lead (no retries, no error mapping, no following). Opens the channel
+        on first use."""
+        endpoint = self._endpoint()
+        return Stubs(
+            ledger=endpoint.stub(ledger_pb2_grpc.LedgerStub),
+            run_store=endpoint.stub(run_store_pb2_grpc.RunStoreStub),
+        )
+
+    def _endpoint(self) -> Endpoint:
+        """The current endpoint, its channel open (on this loop)."""
+        self._bound()
+        endpoint = self._endpoints.current
+        endpoint.channel  # noqa: B018 - opens it
+        return endpoint
+
+    def _bound(self) -> None:
+        """Refuse a closed client, or a loop other than the one it was first used on."""
         if self._closed:
             raise RuntimeError("the client is closed")
         loop = asyncio.get_running_loop()
-        if self._stubs is None:
-            self._channel = aio_channel(
-                self._address, tls=self._tls, token=self._token,
-                options=self._channel_options, interceptors=self._interceptors or None,
-            )
+        if self._loop is None:
             self._loop = loop
-            self._stubs = Stubs(
-                ledger=ledger_pb2_grpc.LedgerStub(self._channel),
-                run_store=run_store_pb2_grpc.RunStoreStub(self._channel),
-            )
         elif loop is not self._loop:
             raise RuntimeError("a fencepost Client is bound to the event loop it was first "
                                "used on")
-        return self._stubs
 
-    def _open_execute(self) -> Any:
-        """A new Execute call (write()/read() style) on this client's channel."""
-        return self.stubs.ledger.Execute()  # type: ignore[call-arg]
+    def _open_channel(self, address: str) -> grpc.aio.Channel:
+        """The channel of one endpoint, opened the first time it is used."""
+        self._bound()
+        return aio_channel(
+            address, tls=self._tls, token=self._token,
+            options=self._channel_options, interceptors=self._interceptors or None,
+        )
 
-    @property
-    def _ledger(self) -> LedgerAsyncStub:
-        return self.stubs.ledger
+    def _open_execute(self, endpoint: Endpoint) -> Any:
+        """A new Execute call (write()/read() style) on ``endpoint``."""
+        return endpoint.stub(ledger_pb2_grpc.LedgerStub).Execute()  # type: ignore[call-arg]
+
+    def _open_keepalive(self, endpoint: Endpoint) -> Any:
+        """A new KeepAlive call (write()/read() style) on ``endpoint``."""
+        return endpoint.stub(ledger_pb2_grpc.LedgerStub).KeepAlive()  # type: ignore[call-arg]
 
     # -- worker calls ------------------------------------------------------------------
 
@@ -870,7 +910,7 @@ class Client:
 
     async def get(self, run_id: str) -> RunRecord:
         """The run's record; ``RunNotFoundError`` when there is none."""
-        resp = await self._call(self._ledger.GetRun, ledger_pb2.GetRunRequest(run_id=run_id),
+        resp = await self._call("GetRun", ledger_pb2.GetRunRequest(run_id=run_id),
                                 mutation=False)
         return record_from_pb(resp.run)
 
@@ -917,18 +957,18 @@ class Client:
         req = ledger_pb2.CancelRequest(run_id=run_id)
         if message is not None:
             req.message = message
-        resp = await self._call(self._ledger.Cancel, req, mutation=True)
+        resp = await self._call("Cancel", req, mutation=True)
         return record_from_pb(resp.run)
 
     async def request_resume(self, run_id: str) -> RunRecord:
         """Make a suspended run (or one whose lease expired) queued again."""
-        resp = await self._call(self._ledger.RequestResume,
+        resp = await self._call("RequestResume",
                                 ledger_pb2.RequestResumeRequest(run_id=run_id), mutation=True)
         return record_from_pb(resp.run)
 
     async def delete(self, run_id: str) -> DeleteResult:
         """Hard-delete a run, fencing any holder."""
-        resp = await self._call(self._ledger.DeleteRun,
+        resp = await self._call("DeleteRun",
                                 ledger_pb2.DeleteRunRequest(run_id=run_id), mutation=True)
         return DeleteResult(fencing_token=resp.fencing_token, revision=resp.revision)
 
@@ -946,7 +986,9 @@ class Client:
         ``RevisionCompactedError`` when the revision to resume from is older
         than the server's retained history (re-list, then watch from the
         list's revision + 1: ``list_all`` gives it), and ``UnavailableError`` when the server stays
-        unreachable for longer than the client's retry policy allows.
+        unreachable for longer than the client's retry policy allows. With
+        several endpoints it resumes on the new leader the same way: revisions
+        continue across leaders.
         """
         ids = builtins.list(run_ids)
         if from_revision < 0:
@@ -964,7 +1006,15 @@ class Client:
             current = await self._current_revision()
             if next_rev == 0:
                 next_rev = current + 1
-            call = self._ledger.WatchRuns(
+            # on the endpoint the revision came from: the leader, as far as
+            # anyone knows (a standby refusing the stream moves it)
+            endpoint = self._endpoint()
+            try:
+                await self._endpoints.reachable(endpoint, None)
+            except UnavailableError as unreachable:
+                self._endpoints.after_failure(endpoint, unreachable)
+                continue
+            call = endpoint.stub(ledger_pb2_grpc.LedgerStub).WatchRuns(
                 ledger_pb2.WatchRunsRequest(run_ids=ids, from_revision=next_rev)
             )
             try:
@@ -979,6 +1029,7 @@ class Client:
                 if not (exc.grpc_code is grpc.StatusCode.UNAVAILABLE
                         or isinstance(exc, StreamTooSlowError)):
                     raise exc from err
+                self._endpoints.after_failure(endpoint, exc)
                 log.info("watch stream ended (%s); resuming from revision %d", exc, next_rev)
             else:
                 log.info("watch stream closed by the server; resuming from revision %d",
@@ -990,7 +1041,7 @@ class Client:
         """Whether ``fencing_token`` is still the run's current one (for a
         downstream resource that must refuse stale writers)."""
         req = ledger_pb2.ValidateFenceRequest(run_id=run_id, fencing_token=fencing_token)
-        resp = await self._call(self._ledger.ValidateFence, req, mutation=False)
+        resp = await self._call("ValidateFence", req, mutation=False)
         return FenceStatus(
             current=resp.current,
             found=resp.found,
@@ -1006,13 +1057,13 @@ class Client:
         req = ledger_pb2.AcquireRequest(run_id=run_id, owner=self._owner, lease_ttl_ms=ttl,
                                         lock_delay_ms=lock_delay_ms)
         sent_at = time.monotonic()  # before the first attempt: a retry only makes it safer
-        resp = await self._call(self._ledger.Acquire, req, mutation=True)
+        resp = await self._call("Acquire", req, mutation=True)
         lease = Lease(self, record_from_pb(resp.run), ttl, sent_at=sent_at)
         self._renewer.start(lease)
         return lease
 
     async def _current_revision(self) -> int:
-        resp = await self._call(self._ledger.ListRuns, ledger_pb2.ListRunsRequest(page_size=1),
+        resp = await self._call("ListRuns", ledger_pb2.ListRunsRequest(page_size=1),
                                 mutation=False)
         return int(resp.revision)
 
@@ -1048,28 +1099,28 @@ class Client:
             page_size=page_size,
             page_token=page_token,
         )
-        resp = await self._call(self._ledger.ListRuns, req, mutation=False)
+        resp = await self._call("ListRuns", req, mutation=False)
         return [record_from_pb(r) for r in resp.runs], resp.next_page_token, resp.revision
 
     async def _call(
         self,
-        rpc: _UnaryRpc,
+        method: str,
         request: Any,
         *,
         mutation: bool,
         policy: RetryPolicy | None = None,
     ) -> Any:
-        """One logical call: a mutation gets one request id, reused by every
-        retry; only UNAVAILABLE is retried; errors are mapped once. A ledger
-        mutation's attempts go over the Execute stream when it is up (a broken
-        stream counts as UNAVAILABLE), else unary."""
-        if self._closed:
-            raise RuntimeError("the client is closed")
+        """One logical call of the Ledger RPC ``method``: a mutation gets one
+        request id, reused by every retry; only UNAVAILABLE is retried, each
+        attempt on the endpoint believed to lead (``_endpoints``); errors are
+        mapped once. A ledger mutation's attempts go over the Execute stream
+        when it is up (a broken stream counts as UNAVAILABLE), else unary."""
+        self._bound()
         if mutation and not request.request_id:
             request.request_id = new_request_id()
-        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation,
-                             channel=self._channel)
-        return await call_with_retry(attempt, policy or self._retry, mutation=mutation)
+        attempt = attempt_of(self._dispatcher, _ledger_rpc(method), request, mutation=mutation)
+        return await call_with_retry(attempt, policy or self._retry, mutation=mutation,
+                                     endpoints=self._endpoints)
 
     async def _cleanup(self, coro: Any, limit_s: float) -> Any:
         """Run cleanup work shielded from the caller's cancellation and bounded

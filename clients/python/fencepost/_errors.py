@@ -49,6 +49,11 @@ The tree::
         │                           channel never connected): nothing was applied
         ├── ShuttingDownError       SHUTTING_DOWN: the server is stopping and did
         │                           nothing with this call; retried like UNAVAILABLE
+        ├── NotLeaderError          NOT_LEADER: a standby coordinator refused the call
+        │                           and did nothing with it (.leader: the address it
+        │                           named, or ""); the SDK follows it by itself and
+        │                           raises it only when every endpoint kept refusing
+        │                           until the retry policy gave up
         └── OutcomeUnknownError     a mutation got no answer: it may or may not have
                                     been applied. Retrying it with a fresh call is
                                     safe for the converging commands (finish,
@@ -279,6 +284,21 @@ class ShuttingDownError(UnavailableError):
     code = "SHUTTING_DOWN"
 
 
+class NotLeaderError(UnavailableError):
+    """A standby coordinator refused the call (it did nothing with it): another
+    coordinator leads, at ``.leader`` (empty while none is known, e.g. during
+    a takeover). The client follows the leader by itself (``Client`` with
+    several endpoints, docs/SDK.md); this is raised only when no endpoint
+    would take the call before the retry policy gave up."""
+
+    code = "NOT_LEADER"
+
+    @property
+    def leader(self) -> str:
+        """The leader's advertised address as the standby knew it, or ""."""
+        return self.metadata.get("leader", "")
+
+
 class OutcomeUnknownError(UnavailableError):
     """A mutation got no answer, so it may or may not have been applied."""
 
@@ -303,6 +323,7 @@ _BY_REASON: dict[str, type[FencepostError]] = {
         RevisionCompactedError,
         StreamTooSlowError,
         ShuttingDownError,
+        NotLeaderError,
         UnauthenticatedError,
         PermissionDeniedError,
         OwnerNotPermittedError,

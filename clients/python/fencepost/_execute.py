@@ -20,10 +20,16 @@ the dispatcher knows no kind by name. Reads, listings, artifact streams and
   ``error`` is the unary call's status, mapped by ``from_status``: the same
   function, hence the same exception, as the unary path.
 - **Fallback.** The stream is opened on the first command, in the
-  background; until it is connected, and whenever it is down (broken, server
-  unreachable, a server without Execute), commands go over the unary RPCs.
-  A manager task reconnects with the retry policy's jittered backoff (a
-  server answering UNIMPLEMENTED is asked again only every minute).
+  background, once the endpoint believed to lead has answered a call; until
+  it is connected, and whenever it is down (broken, server unreachable, a
+  server without Execute), commands go over the unary RPCs. A manager task
+  reconnects with the retry policy's jittered backoff (a server answering
+  UNIMPLEMENTED is asked again only every minute).
+- **Following the leader.** With several endpoints (``_endpoints``) the
+  stream goes to the current one; when the client's calls move elsewhere (a
+  standby named the leader, the stream's coordinator stopped answering) the
+  stream is ended and opened there, its unanswered commands retried with
+  their request ids like those of a broken stream.
 - **Unknown outcomes.** A command written on a stream that then breaks got
   no answer: its attempt fails as UNAVAILABLE does for a unary call (an
   ``OutcomeUnknownError``), so ``call_with_retry`` retries it with the same
@@ -47,15 +53,18 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.rpc import status_pb2
 
 from ._connect import until_connected
-from ._errors import from_status
+from ._errors import UnavailableError, from_rpc_error, from_status
 from ._retry import RetryPolicy
 from .v1 import ledger_pb2 as pb
+
+if TYPE_CHECKING:
+    from ._endpoints import Endpoint, Endpoints
 
 log = logging.getLogger("fencepost.execute")
 
@@ -107,37 +116,36 @@ def check_window(command_window_ms: float) -> float:
 
 def attempt_of(
     dispatcher: ExecuteDispatcher | None,
-    rpc: Callable[..., Any],
+    rpc_of: Callable[[Endpoint], Callable[..., Any]],
     request: Any,
     *,
     mutation: bool,
-    channel: grpc.aio.Channel | None = None,
-) -> Callable[[float | None], Awaitable[Any]]:
-    """One attempt of a call, for ``call_with_retry``: a mutation the
-    ``dispatcher`` carries goes over its Execute stream (unary while the stream
-    is down), anything else is the unary ``rpc`` with the attempt's timeout.
-    Given the ``channel``, a mutation is sent only once it is connected, so
-    one that cannot have left fails as ``UnavailableError``, not as an unknown
-    outcome (``_connect``). The ledger client and the engine store both call
-    through here."""
-    send: Callable[[float | None], Awaitable[Any]]
-    if mutation and dispatcher is not None and dispatcher.carries(request):
-        send = lambda deadline_s: dispatcher.execute(rpc, request, deadline_s)  # noqa: E731
-    else:
-        send = lambda deadline_s: rpc(request, timeout=deadline_s)  # noqa: E731
-    if not mutation or channel is None:
-        return send
-    on = channel
+) -> Callable[[Endpoint, float | None], Awaitable[Any]]:
+    """One attempt of a call on an endpoint, for ``call_with_retry``: a
+    mutation the ``dispatcher`` carries goes over its Execute stream (unary
+    while the stream is down), anything else is the unary ``rpc_of(endpoint)``
+    with the attempt's timeout. A mutation is sent only once the endpoint's
+    channel is connected, so one that cannot have left fails as
+    ``UnavailableError``, not as an unknown outcome (``_connect``), and the
+    next attempt tries the next endpoint. The ledger client and the engine
+    store both call through here."""
+    streamed = mutation and dispatcher is not None and dispatcher.carries(request)
 
-    async def connected_then_send(deadline_s: float | None) -> Any:
+    async def attempt(endpoint: Endpoint, deadline_s: float | None) -> Any:
+        rpc = rpc_of(endpoint)
+        if not mutation:
+            return await rpc(request, timeout=deadline_s)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        await until_connected(on, deadline_s)
+        await until_connected(endpoint.channel, deadline_s)
         if deadline_s is not None:
             deadline_s = max(deadline_s - (loop.time() - started), 0.001)
-        return await send(deadline_s)
+        if streamed:
+            assert dispatcher is not None
+            return await dispatcher.execute(rpc, request, deadline_s, endpoint)
+        return await rpc(request, timeout=deadline_s)
 
-    return connected_then_send
+    return attempt
 
 
 def _status(code: grpc.StatusCode, message: str) -> status_pb2.Status:
@@ -157,14 +165,23 @@ class _Unanswered(Exception):
         self.code = code
 
 
+class _Moved(_Unanswered):
+    """The calls of the client go to another endpoint than the stream's (it
+    stopped answering, or a standby named another leader): the stream ends,
+    its unanswered commands are retried with their request ids, and the next
+    stream goes to the new endpoint."""
+
+
 class _Session:
     """One Execute call: ``run()`` drives a writer task (the only one to call
     ``write``; it sends the buffer) and a reader task (routes each result to
     its command's future) until the stream ends."""
 
-    def __init__(self, call: Any, window_s: float) -> None:
+    def __init__(self, call: Any, window_s: float, endpoint: Endpoint) -> None:
         self.call = call
         self.window_s = window_s
+        self.endpoint = endpoint  # where the stream goes
+        self.moved = asyncio.Event()  # calls go to another endpoint now: end the stream
         self.buffer: list[tuple[pb.Command, int]] = []  # not written yet, with sizes
         self.waiting: dict[int, asyncio.Future[pb.CommandResult]] = {}  # unanswered
         self.wake = asyncio.Event()
@@ -176,7 +193,7 @@ class _Session:
 
     @property
     def usable(self) -> bool:
-        return not self.ended and not self.closing
+        return not self.ended and not self.closing and not self.moved.is_set()
 
     def submit(self, cid: int, kind: str, request: Any, size: int) -> asyncio.Future[Any]:
         cmd = pb.Command(id=cid)
@@ -197,11 +214,17 @@ class _Session:
         completed, raises what else ended it."""
         writer = asyncio.create_task(self._write(), name="fencepost-execute-write")
         reader = asyncio.create_task(self._read(), name="fencepost-execute-read")
+        mover: asyncio.Task[Any] = asyncio.create_task(self.moved.wait(),
+                                                       name="fencepost-execute-move")
         try:
-            done, _ = await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({writer, reader, mover},
+                                         return_when=asyncio.FIRST_COMPLETED)
             for task in (reader, writer):
                 if task in done and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
+            if mover in done:
+                raise _Moved(grpc.StatusCode.UNAVAILABLE,
+                             f"calls go to another endpoint than {self.endpoint.address} now")
             if writer in done:
                 # the writer ends only after a half-close: the server answers
                 # every command it took, then ends the stream
@@ -209,9 +232,10 @@ class _Session:
                 return
             raise _Unanswered(grpc.StatusCode.UNAVAILABLE, "the server ended the Execute stream")
         finally:
-            for task in (writer, reader):
+            tasks: set[asyncio.Task[Any]] = {writer, reader, mover}
+            for task in tasks:
                 task.cancel()
-            await asyncio.wait({writer, reader})
+            await asyncio.wait(tasks)
 
     async def _write(self) -> None:
         while True:
@@ -281,9 +305,15 @@ class ExecuteDispatcher:
     """
 
     def __init__(
-        self, open_call: Callable[[], Any], *, window_s: float, retry: RetryPolicy
+        self,
+        open_call: Callable[[Endpoint], Any],
+        endpoints: Endpoints,
+        *,
+        window_s: float,
+        retry: RetryPolicy,
     ) -> None:
         self._open_call = open_call
+        self._endpoints = endpoints
         self._window_s = window_s
         self._retry = retry
         self._ids = itertools.count(1)
@@ -310,13 +340,17 @@ class ExecuteDispatcher:
             and request.ByteSize() <= _MAX_MESSAGE_BYTES
         )
 
-    async def execute(self, rpc: Callable[..., Any], request: Any, deadline_s: float | None) -> Any:
-        """One attempt of ``request``, given ``deadline_s`` (the gRPC timeout
-        of a unary attempt): its unary response message, or a
+    async def execute(
+        self, rpc: Callable[..., Any], request: Any, deadline_s: float | None, endpoint: Endpoint
+    ) -> Any:
+        """One attempt of ``request`` to ``endpoint``, given ``deadline_s`` (the
+        gRPC timeout of a unary attempt): its unary response message, or a
         ``FencepostError`` (a result's error, a broken stream as UNAVAILABLE,
-        a passed deadline), or the unary call's ``grpc.RpcError``."""
+        a passed deadline), or the unary call's ``grpc.RpcError``. A stream
+        to another endpoint is ended (and reopened to the current one) and
+        the attempt goes unary."""
         timeout = deadline_s
-        session = self._current()
+        session = self._current(endpoint)
         if session is not None:
             loop = asyncio.get_running_loop()
             deadline = None if timeout is None else loop.time() + timeout
@@ -351,14 +385,22 @@ class ExecuteDispatcher:
                 return getattr(result, kind)
         return await rpc(request, timeout=timeout)
 
-    def _current(self) -> _Session | None:
-        """The open session, if any; starts the manager on the first command."""
+    def _current(self, endpoint: Endpoint) -> _Session | None:
+        """The open session to ``endpoint``, if any; starts the manager on the
+        first command, and ends a session to another endpoint."""
         if self._closed:
             return None
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="fencepost-execute")
         session = self._session
-        return session if session is not None and session.usable else None
+        if session is None or not session.usable:
+            return None
+        if session.endpoint is not endpoint:
+            log.info("calls go to %s now: moving the Execute stream off %s",
+                     endpoint.address, session.endpoint.address)
+            session.moved.set()
+            return None
+        return session
 
     async def aclose(self) -> None:
         """Send what is buffered, half-close, wait (at most ``CLOSE_WAIT_S``)
@@ -387,16 +429,22 @@ class ExecuteDispatcher:
 
     async def _run(self) -> None:
         backoff = self._retry.backoffs()
+        hops = 0  # reconnects straight to a named leader, in a row
         while not self._closed:
             session: _Session | None = None
             call: Any = None
             code, message = grpc.StatusCode.UNAVAILABLE, "the Execute stream broke"
             applied_unknown = True
+            # only where a call was answered: a stream a standby refuses would
+            # take the commands written meanwhile down with an unknown outcome
+            endpoint = await self._endpoints.answering()
             started = time.monotonic()
+            at_once = False  # a standby named the leader: go there without waiting
             try:
-                call = self._open_call()
+                await self._endpoints.reachable(endpoint, None)
+                call = self._open_call(endpoint)
                 self.streams_opened += 1
-                session = _Session(call, self._window_s)
+                session = _Session(call, self._window_s, endpoint)
                 async with asyncio.timeout(_CONNECT_TIMEOUT_S):
                     await call.wait_for_connection()
                 self._session = session
@@ -417,14 +465,24 @@ class ExecuteDispatcher:
                 else:
                     log.info("Execute stream ended (%s: %s); unary until it reconnects",
                              getattr(status, "name", status), _details(err))
+                    at_once = self._endpoints.after_failure(
+                        endpoint, from_rpc_error(err, mutation=False))
                 message = (f"the Execute stream broke ({getattr(status, 'name', status)}: "
                            f"{_details(err)})")
             except _Unanswered as ended:
                 code, message = ended.code, str(ended)
                 log.info("%s; unary until it reconnects", message)
+                at_once = isinstance(ended, _Moved)
             except (TimeoutError, OSError, RuntimeError, asyncio.InvalidStateError) as exc:
                 message = f"the Execute stream failed ({exc!r})"
                 log.info("%s; unary until it reconnects", message)
+                if isinstance(exc, TimeoutError):  # could not connect: try the next endpoint
+                    self._endpoints.after_failure(endpoint, UnavailableError(
+                        message, code="UNAVAILABLE", grpc_code=grpc.StatusCode.UNAVAILABLE))
+            except UnavailableError as exc:  # no connection to it (``Endpoints.reachable``)
+                message = f"the Execute stream was not opened ({exc})"
+                log.info("%s; unary until it reconnects", message)
+                self._endpoints.after_failure(endpoint, exc)
             except Exception as exc:
                 message = f"the Execute stream crashed ({exc!r})"
                 log.exception("Execute stream crashed; unary until it reconnects")
@@ -444,7 +502,11 @@ class ExecuteDispatcher:
                 return
             if self.unimplemented:
                 delay = _UNIMPLEMENTED_RETRY_S
+            elif at_once and hops < len(self._endpoints):
+                hops += 1
+                delay = 0.0
             else:
+                hops = 0
                 worked = session is not None and session.answered
                 if worked or time.monotonic() - started > self._retry.max_backoff_s:
                     backoff = self._retry.backoffs()  # it had worked: start over

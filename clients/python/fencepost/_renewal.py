@@ -10,7 +10,13 @@ The client talks to a ``Renewer`` only through ``start(lease)``,
   exponential backoff, sends ``hello`` and renews (or tracks) every lease it
   keeps: the answers tell which are still held, and ``lost`` what was missed.
   While it is down nothing is sent: leases live by their ttl, and each
-  lease's safe-until keeps counting down.
+  lease's safe-until keeps counting down. With several endpoints the new
+  stream goes to the leader: a standby's NOT_LEADER names it (reconnected at
+  once), a stream that could not be opened or broke moves to the next
+  endpoint (``_endpoints``), and so does one whose renewals go unanswered
+  for a third of their ttl (a coordinator frozen, or cut off without its
+  connection closing); the leader a takeover made has kept (extended) every
+  live lease, and the renewals sent on reconnect say so.
 - ``UnaryRenewer``: one task per lease calling the unary ``Renew`` every ttl/3
   (etcd's habit). Loss is learned from a refused renewal.
 
@@ -45,6 +51,7 @@ from .v1 import ledger_pb2 as pb
 
 if TYPE_CHECKING:
     from ._client import Client, Lease
+    from ._endpoints import Endpoint
 
 log = logging.getLogger("fencepost.renewal")
 
@@ -146,6 +153,10 @@ class _Entry:
     @property
     def key(self) -> Key:
         return (self.lease.run_id, self.lease.fencing_token)
+
+
+class _Stalled(Exception):
+    """The stream's coordinator stopped answering renewals (``_check_stalled``)."""
 
 
 _MAX_RENEWS_PER_MESSAGE = 2048
@@ -283,27 +294,47 @@ class StreamRenewer:
 
     async def _run(self) -> None:
         backoff = self._retry.backoffs()
+        hops = 0  # reconnects straight to a named leader, in a row
         while True:
             await self._has_entries.wait()
             started = time.monotonic()
             self._answered = False
+            endpoint = self._client._endpoints.current
+            failure: FencepostError | None = None
             try:
-                await self._session()
+                await self._session(endpoint)
                 log.info("KeepAlive stream closed by the server; reconnecting")
             except grpc.RpcError as err:
-                log.info("KeepAlive stream dropped (%s); reconnecting",
-                         from_rpc_error(err, mutation=False))
+                failure = from_rpc_error(err, mutation=False)
+                log.info("KeepAlive stream dropped (%s); reconnecting", failure)
+            except FencepostError as exc:  # no connection to it (``Endpoints.reachable``)
+                failure = exc
+                log.info("KeepAlive stream not opened (%s); trying elsewhere", exc)
+            except _Stalled as exc:
+                failure = UnavailableError(str(exc), code="UNAVAILABLE",
+                                           grpc_code=grpc.StatusCode.UNAVAILABLE)
+                log.warning("KeepAlive stream stalled (%s); reconnecting elsewhere", exc)
             except (OSError, RuntimeError, asyncio.InvalidStateError) as exc:
                 log.info("KeepAlive stream failed (%r); reconnecting", exc)
             except Exception:
                 log.exception("KeepAlive stream crashed; reconnecting")
+            # a standby, or an endpoint gone: the next stream goes elsewhere
+            at_once = failure is not None and self._client._endpoints.after_failure(
+                endpoint, failure)
+            if at_once and hops < len(self._client._endpoints):
+                hops += 1
+                await asyncio.sleep(_MIN_RECONNECT_S)
+                continue
+            hops = 0
             if self._answered or time.monotonic() - started > self._retry.max_backoff_s:
                 backoff = self._retry.backoffs()  # it had worked: start over
             await asyncio.sleep(min(backoff.next(), self._reconnect_delay_cap()))
 
-    async def _session(self) -> None:
-        """One stream: hello, renew or track every lease, then run until it ends."""
-        call: Any = self._client.stubs.ledger.KeepAlive()  # type: ignore[call-arg]  # write()/read()
+    async def _session(self, endpoint: Endpoint) -> None:
+        """One stream to ``endpoint``: hello, renew or track every lease, then
+        run until it ends."""
+        await self._client._endpoints.reachable(endpoint, None)
+        call: Any = self._client._open_keepalive(endpoint)  # write()/read()
         self.sessions += 1
         outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]] = asyncio.Queue()
         outbox.put_nowait(
@@ -320,7 +351,7 @@ class StreamRenewer:
             else:
                 self._send_track(entry)
         tasks = [
-            asyncio.create_task(self._read(call), name="fencepost-keepalive-read"),
+            asyncio.create_task(self._read(call, endpoint), name="fencepost-keepalive-read"),
             asyncio.create_task(self._write(call, outbox), name="fencepost-keepalive-write"),
             asyncio.create_task(self._schedule(), name="fencepost-keepalive-schedule"),
         ]
@@ -393,6 +424,7 @@ class StreamRenewer:
                 if self._pending.get(key):
                     # the last renewal is still unanswered: another would only
                     # queue behind it on a busy server; look again shortly
+                    self._check_stalled(entry, now - self._pending[key][0])
                     entry.next_renew = now + min(entry.lease.ttl_ms / 12_000, 0.25)
                     heapq.heappush(heap, (entry.next_renew, next(self._seq), key))
                     continue
@@ -405,12 +437,25 @@ class StreamRenewer:
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
 
-    async def _read(self, call: Any) -> None:
+    def _check_stalled(self, entry: _Entry, waited_s: float) -> None:
+        """With several endpoints, a renewal unanswered for a third of its
+        ttl means the stream's coordinator stopped answering without closing
+        the connection (a frozen process, packets dropped on the way): end
+        the stream, so the next one goes to another endpoint while the lease
+        is still safe. A lone endpoint keeps its stream (reconnecting to the
+        same server would only queue the renewals again)."""
+        if len(self._client._endpoints) > 1 and waited_s >= entry.lease.ttl_ms / 3000:
+            raise _Stalled(f"a renewal of {entry.lease.run_id!r} got no answer for "
+                           f"{waited_s:.1f} s")
+
+    async def _read(self, call: Any, endpoint: Endpoint) -> None:
         while True:
             resp = await call.read()
             if resp is grpc.aio.EOF:  # type: ignore[attr-defined]
                 return
-            self._answered = True
+            if not self._answered:
+                self._answered = True
+                self._client._endpoints.answered(endpoint)
             for one in resp.batch or (resp,):  # the server coalesces answers
                 try:
                     self._dispatch(one)

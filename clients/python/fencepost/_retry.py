@@ -1,7 +1,9 @@
 """Retries (AIP-194): only UNAVAILABLE is retried, with jittered exponential
 backoff, bounded in total time. A mutation carries one request id for all its
 attempts (docs/SPEC.md §5.5), so a retry after a lost answer gets the original answer
-instead of applying the command twice.
+instead of applying the command twice. With several endpoints, the attempts
+follow the leader (``_endpoints``): a standby's NOT_LEADER is an UNAVAILABLE
+like any other, retried on the endpoint it names.
 """
 
 from __future__ import annotations
@@ -10,11 +12,20 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from ._errors import FencepostError, OutcomeUnknownError, from_rpc_error
+from ._errors import (
+    FencepostError,
+    NotLeaderError,
+    OutcomeUnknownError,
+    UnavailableError,
+    from_rpc_error,
+)
+
+if TYPE_CHECKING:
+    from ._endpoints import Endpoint, Endpoints
 
 T = TypeVar("T")
 
@@ -72,32 +83,50 @@ class _Backoff:
 
 
 async def call_with_retry(
-    attempt: Callable[[float | None], Awaitable[T]],
+    attempt: Callable[[Endpoint, float | None], Awaitable[T]],
     policy: RetryPolicy,
     *,
     mutation: bool,
+    endpoints: Endpoints,
 ) -> T:
-    """Run ``attempt(timeout)`` until it succeeds, fails with a status other
-    than UNAVAILABLE, or the policy is exhausted; raise the mapped error.
+    """Run ``attempt(endpoint, timeout)`` until it succeeds, fails with a status
+    other than UNAVAILABLE, or the policy is exhausted; raise the mapped error.
     ``attempt`` fails with a ``grpc.RpcError`` (mapped here) or with a
     ``FencepostError`` it mapped itself (a command on the Execute stream, whose
     broken stream reads as UNAVAILABLE); both go by the same rules.
 
+    Each attempt goes to ``endpoints.current``, and each failure may move it
+    (``Endpoints.after_failure``): a standby's NOT_LEADER naming the leader
+    sends the next attempt there at once (at most one such hop per endpoint
+    in a row), any other UNAVAILABLE (NOT_LEADER with no leader known
+    included: a takeover under way) waits the policy's backoff first. So a
+    call waits for a new leader as long as the policy retries at all:
+    ``total_timeout_s`` (10 s by default, room for a 5 s leader lease to
+    expire and a standby to take over). Then the last error is raised, an
+    ``UnavailableError`` (``NotLeaderError`` when the last endpoint was a
+    standby) whose message names the endpoints tried and the last leader
+    hint.
+
     For a mutation, once any attempt ended without an answer the outcome is
     unknown, and the final error is ``OutcomeUnknownError`` even when the last
-    attempt was refused with STORAGE_UNAVAILABLE (an earlier attempt may
-    still commit).
+    attempt was refused with STORAGE_UNAVAILABLE or NOT_LEADER (an earlier
+    attempt may still commit).
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + policy.total_timeout_s
     backoff = policy.backoffs()
     attempts = 0
+    hops = 0  # attempts sent straight to a named leader, in a row
+    tried: dict[str, str] = {}  # endpoint -> how its last attempt failed
+    hint: str | None = None  # the leader the last NOT_LEADER named ("" none)
     unknown: FencepostError | None = None
     while True:
         attempts += 1
         cause: BaseException | None
+        endpoint = endpoints.current
         try:
-            return await attempt(policy.attempt_timeout_s)
+            timeout = await endpoints.reachable(endpoint, policy.attempt_timeout_s)
+            result = await attempt(endpoint, timeout)
         except grpc.RpcError as err:
             exc, cause = from_rpc_error(err, mutation=mutation), err
         except FencepostError as err:
@@ -105,10 +134,20 @@ async def call_with_retry(
             # stream (a command on the Execute stream): already mapped, by the
             # same function, and retried by the same rules.
             exc, cause = err, err.__cause__
+        else:
+            endpoints.answered(endpoint)
+            return result
+        if exc.grpc_code not in _NO_ANSWER:
+            endpoints.answered(endpoint)  # refused it for a reason of its own: it leads
         if isinstance(exc, OutcomeUnknownError):
             unknown = exc
+        tried[endpoint.address] = _failure(exc)
+        if isinstance(exc, NotLeaderError):
+            hint = exc.leader
+        at_once = endpoints.after_failure(endpoint, exc) and hops < len(endpoints)
+        hops = hops + 1 if at_once else 0
         code = exc.grpc_code
-        delay = backoff.next()
+        delay = 0.0 if at_once else backoff.next()
         exhausted = (
             code is not grpc.StatusCode.UNAVAILABLE
             or (policy.max_attempts is not None and attempts >= policy.max_attempts)
@@ -117,6 +156,9 @@ async def call_with_retry(
         if not exhausted:
             await asyncio.sleep(delay)
             continue
+        if code is grpc.StatusCode.UNAVAILABLE and (len(endpoints) > 1
+                                                    or isinstance(exc, NotLeaderError)):
+            exc.message += _tried(tried, hint)
         if (
             unknown is not None
             and code is grpc.StatusCode.UNAVAILABLE
@@ -130,3 +172,30 @@ async def call_with_retry(
         if attempts > 1:
             exc.add_note(f"fencepost: gave up after {attempts} attempts")
         raise exc from cause
+
+
+# Codes that do not show the endpoint took the call (a leader refuses with others).
+_NO_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, None})
+
+
+def _failure(exc: FencepostError) -> str:
+    if isinstance(exc, NotLeaderError):
+        return f"standby, leader {exc.leader}" if exc.leader else "standby, no leader known"
+    if isinstance(exc, OutcomeUnknownError):
+        return "no answer"
+    if isinstance(exc, UnavailableError):
+        return "unreachable" if exc.code == "UNAVAILABLE" else exc.code
+    return exc.code or "refused"
+
+
+def _tried(tried: dict[str, str], hint: str | None) -> str:
+    """``; tried a (standby, no leader known), b (unreachable); last leader
+    hint: none`` for the final error's message."""
+    named = [f"{address} ({why})" for address, why in tried.items() if address]
+    if not named:
+        return ""
+    text = f"; tried {', '.join(named)}"
+    if hint is not None:
+        text += f"; last leader hint: {hint or 'none'}"
+    return text

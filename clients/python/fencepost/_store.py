@@ -41,10 +41,12 @@ import json
 from collections.abc import (
     AsyncIterable,
     AsyncIterator,
+    Awaitable,
     Callable,
     Coroutine,
     Iterable,
     Iterator,
+    Sequence,
 )
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -55,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import grpc
 
 from ._connect import until_connected
+from ._endpoints import Endpoint, Endpoints, parse_endpoints
 from ._errors import (
     FencepostError,
     InvalidRunStateError,
@@ -67,7 +70,7 @@ from ._errors import (
 from ._execute import attempt_of
 from ._ids import new_request_id
 from ._retry import RetryPolicy, call_with_retry
-from ._security import TLS, aio_channel
+from ._security import TLS, aio_channel, channel_credentials
 from .v1 import engine_store_pb2 as pb
 from .v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 
@@ -427,25 +430,31 @@ def _split(piece: bytes | bytearray | memoryview) -> Iterator[bytes]:
 # -- the async store ------------------------------------------------------------------------
 
 
+def _engine_stub(endpoint: Endpoint) -> EngineStoreAsyncStub:
+    return endpoint.stub(engine_store_pb2_grpc.EngineStoreStub)  # type: ignore[return-value]
+
+
 class AsyncStore:
     """The engine store over a ``grpc.aio`` channel.
 
     ``channel`` is a ``grpc.aio.Channel`` or a zero-argument callable that
     returns one (called on every use; lets a client open its channel lazily).
     ``AsyncStore.connect(address)`` opens (and on ``aclose`` closes) a channel
-    of its own.
+    of its own per endpoint, and follows the leader when given several
+    (``Client``'s docs); ``client.store`` follows it with its client.
     """
 
     def __init__(
         self,
-        channel: grpc.aio.Channel | Callable[[], grpc.aio.Channel],
+        channel: grpc.aio.Channel | Callable[[], grpc.aio.Channel] | Endpoints,
         *,
         retry: RetryPolicy | None = None,
     ) -> None:
-        self._channel_source = channel
+        self._endpoints = (
+            channel if isinstance(channel, Endpoints) else Endpoints.of_channel(channel)
+        )
         self._retry = retry or RetryPolicy()
-        self._stub_cache: tuple[grpc.aio.Channel, EngineStoreAsyncStub] | None = None
-        self._owned: grpc.aio.Channel | None = None
+        self._owned: Endpoints | None = None
         # Set by Client.store: the client's Execute dispatcher, which then
         # carries the mutations (None: every call is unary).
         self._dispatcher: ExecuteDispatcher | None = None
@@ -457,24 +466,32 @@ class AsyncStore:
     @classmethod
     def connect(
         cls,
-        address: str,
+        address: str | Sequence[str],
         *,
         retry: RetryPolicy | None = None,
         channel_options: Iterable[tuple[str, Any]] = (),
         tls: TLS | None = None,
         token: str | None = None,
     ) -> AsyncStore:
-        """A store with a channel of its own (closed by ``aclose``); ``tls``
-        and ``token`` as for ``Client``."""
-        channel = aio_channel(address, tls=tls, token=token,
-                              options=builtins.list(channel_options))
-        store = cls(channel, retry=retry)
-        store._owned = channel
+        """A store with channels of its own (closed by ``aclose``): one
+        endpoint, or several of which one leads (a list, or "a,b"), as for
+        ``Client``; ``tls`` and ``token`` as for ``Client``."""
+        addresses = parse_endpoints(address)
+        options = builtins.list(channel_options)
+        for one in addresses:
+            channel_credentials(one, tls, token)  # refuse bad combinations now
+        endpoints = Endpoints(
+            addresses,
+            lambda one: aio_channel(one, tls=tls, token=token, options=options),
+            check=lambda one: channel_credentials(one, tls, token),
+        )
+        store = cls(endpoints, retry=retry)
+        store._owned = endpoints
         return store
 
     async def aclose(self) -> None:
         if self._owned is not None:
-            await self._owned.close(None)
+            await self._owned.aclose()
 
     async def __aenter__(self) -> AsyncStore:
         return self
@@ -489,14 +506,16 @@ class AsyncStore:
 
     @property
     def stub(self) -> EngineStoreAsyncStub:
-        """The raw generated stub (no retries, no conversions): the escape hatch."""
-        src = self._channel_source
-        channel = src if isinstance(src, grpc.aio.Channel) else src()
-        cache = self._stub_cache
-        if cache is None or cache[0] is not channel:
-            stub: Any = engine_store_pb2_grpc.EngineStoreStub(channel)  # type: ignore[arg-type]
-            cache = self._stub_cache = (channel, stub)
-        return cache[1]
+        """The raw generated stub (no retries, no conversions, no following),
+        on the endpoint believed to lead: the escape hatch."""
+        return _engine_stub(self._endpoints.current)
+
+    async def _retried(
+        self, attempt: Callable[[Endpoint, float | None], Awaitable[T]], *, mutation: bool,
+        policy: RetryPolicy | None = None,
+    ) -> T:
+        return await call_with_retry(attempt, policy or self._retry, mutation=mutation,
+                                     endpoints=self._endpoints)
 
     async def _unary(self, method: str, request: Any, *, mutation: bool) -> Any:
         """One logical call of a unary RPC: a mutation gets one request id for
@@ -508,9 +527,8 @@ class AsyncStore:
             request.request_id = new_request_id()
         if mutation and self._fence is not None and not request.HasField("fence"):
             request.fence.CopyFrom(self._fence)
-        rpc = getattr(self.stub, method)
-        channel = self._stub_cache[0] if self._stub_cache is not None else None
-        attempt = attempt_of(self._dispatcher, rpc, request, mutation=mutation, channel=channel)
+        rpc_of = lambda endpoint: getattr(_engine_stub(endpoint), method)  # noqa: E731
+        attempt = attempt_of(self._dispatcher, rpc_of, request, mutation=mutation)
         return await self._fenced_call(attempt, mutation=mutation)
 
     async def _fenced_call(
@@ -518,7 +536,7 @@ class AsyncStore:
     ) -> Any:
         """``call_with_retry``; a refused fence is also reported to the view's owner."""
         try:
-            return await call_with_retry(attempt, policy or self._retry, mutation=mutation)
+            return await self._retried(attempt, mutation=mutation, policy=policy)
         except (LeaseLostError, LockLostError) as exc:
             if self._on_fence_refused is not None:
                 self._on_fence_refused(exc)
@@ -574,21 +592,18 @@ class AsyncStore:
         """One Ledger.Transact (over the Execute stream when the client's is up)."""
         if not request.request_id:
             request.request_id = new_request_id()
-        src = self._channel_source
-        channel = src if isinstance(src, grpc.aio.Channel) else src()
-        rpc: Any = ledger_pb2_grpc.LedgerStub(channel).Transact  # type: ignore[arg-type]
-        attempt = attempt_of(self._dispatcher, rpc, request, mutation=True, channel=channel)
+        rpc_of = lambda endpoint: endpoint.stub(ledger_pb2_grpc.LedgerStub).Transact  # noqa: E731
+        attempt = attempt_of(self._dispatcher, rpc_of, request, mutation=True)
         return await self._fenced_call(attempt, mutation=True)
 
     async def _collect(self, method: str, request: Any) -> builtins.list[Any]:
         """Every message of a paged listing (retried from the start when the
         server is unavailable). Listings have no per-attempt deadline."""
-        rpc = getattr(self.stub, method)
 
-        async def attempt(deadline_s: float | None) -> builtins.list[Any]:
-            return [msg async for msg in rpc(request)]
+        async def attempt(endpoint: Endpoint, deadline_s: float | None) -> builtins.list[Any]:
+            return [msg async for msg in getattr(_engine_stub(endpoint), method)(request)]
 
-        return await call_with_retry(attempt, self._retry, mutation=False)
+        return await self._retried(attempt, mutation=False)
 
     # -- runs ---------------------------------------------------------------------------
 
@@ -857,10 +872,9 @@ class AsyncStore:
             async for piece in _rechunk(source()):
                 yield pb.EnginePutArtifactRequest(chunk=piece)
 
-        async def attempt(deadline_s: float | None) -> Any:
-            stub = self.stub
-            assert self._stub_cache is not None
-            await until_connected(self._stub_cache[0], deadline_s)  # else: nothing was sent
+        async def attempt(endpoint: Endpoint, deadline_s: float | None) -> Any:
+            stub = _engine_stub(endpoint)
+            await until_connected(endpoint.channel, deadline_s)  # else: nothing was sent
             return await stub.PutArtifact(messages())
 
         resp = await self._fenced_call(attempt, mutation=True, policy=policy)
@@ -876,13 +890,14 @@ class AsyncStore:
         """The whole artifact in memory (see ``iter_artifact`` for large ones).
         ``RunNotFoundError`` for an unknown id."""
 
-        async def attempt(deadline_s: float | None) -> bytes:
+        async def attempt(endpoint: Endpoint, deadline_s: float | None) -> bytes:
             buf = bytearray()
-            async for msg in self.stub.ReadArtifact(pb.EngineReadArtifactRequest(id=id)):
+            request = pb.EngineReadArtifactRequest(id=id)
+            async for msg in _engine_stub(endpoint).ReadArtifact(request):
                 buf += msg.chunk
             return bytes(buf)
 
-        return await call_with_retry(attempt, self._retry, mutation=False)
+        return await self._retried(attempt, mutation=False)
 
     async def iter_artifact(self, id: str) -> AsyncIterator[bytes]:
         """The artifact's bytes, chunk by chunk, as they arrive (not retried).

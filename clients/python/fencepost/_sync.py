@@ -312,11 +312,13 @@ class SyncClient:
     may call this client); ``watch`` returns a blocking iterator. Mutations
     travel as ``Client``'s do (``transport``, ``command_window_ms``): calls
     made from several threads at about the same time can share one message.
+    ``address`` is one endpoint or several, and the leader is followed, as
+    for ``Client``.
     """
 
     def __init__(
         self,
-        address: str = DEFAULT_ADDRESS,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
         *,
         owner: str | None = None,
         default_ttl_ms: int = DEFAULT_TTL_MS,
@@ -390,7 +392,12 @@ class SyncClient:
 
     @property
     def address(self) -> str:
+        """The endpoint calls go to now (see ``Client.address``)."""
         return self._client.address
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self._client.endpoints
 
     @property
     def owner(self) -> str:
@@ -414,7 +421,8 @@ class SyncClient:
 
     @property
     def stubs(self) -> SyncStubs:
-        """Raw blocking stubs on a separate channel to the same address."""
+        """Raw blocking stubs on a separate channel to the endpoint believed to
+        lead when first used (no following)."""
         with self._lock:
             if self._client.closed:
                 raise RuntimeError("the client is closed")

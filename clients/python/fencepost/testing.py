@@ -19,6 +19,12 @@ that no renewal falls due during the test when you advance past it.
 Advancing past a lease's expiry makes the server push ``expiring``: the
 lease turns ``at_risk`` (and ``guard()`` stops its block) until renewed.
 It needs the ``fencepost_server`` package (installed with the server).
+
+The server keeps its data in a fresh SQLite file in ``tmp_path``. To run it on
+PostgreSQL instead, define a ``fencepost_db`` fixture that returns the
+``postgresql://`` URL of an empty database (or any SQLite path); the test
+clock is then exempt from the clock bound (``max_clock_skew``), since it is
+nowhere near the database's clock.
 """
 
 from __future__ import annotations
@@ -38,14 +44,18 @@ __all__ = ["fencepost_client", "fencepost_server"]
 
 
 @pytest.fixture
-def fencepost_server(tmp_path: Path) -> Iterator[ServerThread]:
+def fencepost_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ServerThread]:
     """A coordinator on 127.0.0.1 (random port) over a fresh SQLite file in
-    ``tmp_path``, driven by a ``ManualClock``. ``.address``, ``.clock``,
-    ``.restart()``."""
+    ``tmp_path`` (or your ``fencepost_db``), driven by a ``ManualClock``.
+    ``.address``, ``.clock``, ``.restart()``."""
     from fencepost_server.clock import ManualClock
     from fencepost_server.harness import ServerThread
 
-    with ServerThread(tmp_path / "fencepost.db", clock=ManualClock()) as server:
+    try:
+        db: str | Path = request.getfixturevalue("fencepost_db")
+    except pytest.FixtureLookupError:
+        db = tmp_path / "fencepost.db"
+    with ServerThread(db, clock=ManualClock()) as server:
         yield server
 
 

@@ -10,12 +10,14 @@ connection fails its batch (STORAGE_UNAVAILABLE, nothing changed) and the next
 batch reconnects.
 
 Leadership (leadership.py): while this storage serves a leader, every batch
-first updates the leader row on condition that it still holds this
-coordinator's epoch. The update takes the row's lock until COMMIT, and a
-takeover locks that row before it bumps the epoch, so a batch either commits
-before the takeover (and the new leader loads it) or finds the epoch moved and
-commits nothing: a deposed leader — paused, partitioned or just slow — never
-commits one batch after another coordinator took over.
+first reads the leader row FOR KEY SHARE and checks that it still holds this
+coordinator's epoch. That lock is held until COMMIT, and a takeover locks the
+row FOR UPDATE (which waits for it) before it bumps the epoch, so a batch
+either commits before the takeover (and the new leader loads it) or finds the
+epoch moved and commits nothing: a deposed leader — paused, partitioned or
+just slow — never commits one batch after another coordinator took over. The
+leader's renewals only update non-key columns, which FOR KEY SHARE allows, so
+a long batch never holds a renewal up.
 
 Tables live in their own schema (``fencepost``) of the database the URL
 names, so one database may hold other applications' tables; the schema
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -214,6 +217,9 @@ def _pg_sql(sql: str) -> str:
     return sql.replace("%", "%%").replace("?", "%s")
 
 
+# INSERT INTO t (a, b) VALUES (?,?): no ON CONFLICT, no RETURNING
+_PLAIN_INSERT = re.compile(r"INSERT INTO (\w+) \(([\w, ]+)\) VALUES \(\?(?:, ?\?)*\)")
+
 _IN_TX = (TransactionStatus.INTRANS, TransactionStatus.INERROR, TransactionStatus.ACTIVE)
 
 
@@ -239,6 +245,14 @@ class PgConnection:
 
     def executemany(self, sql: str, rows: Any) -> psycopg.Cursor[Any]:
         cur = self.conn.cursor()
+        plain = _PLAIN_INSERT.fullmatch(sql)
+        if plain is not None:
+            # a plain INSERT (a batch's change rows): one COPY, about 5x faster
+            # than a statement per row, even pipelined as executemany sends them
+            with cur.copy(f"COPY {plain[1]} ({plain[2]}) FROM STDIN") as copy:  # type: ignore[arg-type]
+                for row in rows:
+                    copy.write_row(row)
+            return cur
         cur.executemany(_pg_sql(sql), list(rows))  # type: ignore[arg-type]
         return cur
 
@@ -374,15 +388,16 @@ class PostgresStorage(SqlStorage):
             got: Any = db.execute("SELECT txid_current()").fetchone()
             self._xid = got[0]
             return
-        held = db.execute(
-            "UPDATE fencepost_leader SET epoch = epoch WHERE id = 1 AND epoch = ? "
-            "RETURNING txid_current()",
-            (self.epoch,),
+        # FOR KEY SHARE: held to COMMIT, it makes a takeover's FOR UPDATE wait
+        # for this batch, yet lets the leader's own renewals (non-key updates
+        # of the row) through, however long the batch.
+        row = db.execute(
+            "SELECT epoch, address, txid_current() FROM fencepost_leader WHERE id = 1 "
+            "FOR KEY SHARE"
         ).fetchone()
-        if held is None:
-            row = db.execute("SELECT address FROM fencepost_leader WHERE id = 1").fetchone()
-            raise NotLeader(row[0] if row else "")
-        self._xid = held[0]
+        if row is None or row[0] != self.epoch:
+            raise NotLeader(row[1] if row else "")
+        self._xid = row[2]
 
     def _commit(self, db: PgConnection) -> None:
         """COMMIT. When the connection is lost while the COMMIT is out (the
@@ -492,5 +507,7 @@ def migrate(db: PgConnection, where: str) -> None:
 def _one(cur: psycopg.Cursor[Any]) -> Any:
     """The single value of a one-row, one-column result."""
     row = cur.fetchone()
-    assert row is not None
+    if row is None:
+        raise RuntimeError("the fencepost schema is damaged (a row it keeps is missing); "
+                           "refusing to start")
     return row[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import os
 import sqlite3
+import threading
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,7 @@ class SqliteStorage(SqlStorage):
         self.durability = Durability(durability)
         self._db = None
         self._lock_fd: int | None = None
+        self._check: _QuickCheck | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -263,30 +265,74 @@ class SqliteStorage(SqlStorage):
             db.execute("PRAGMA foreign_keys=ON")
             # A damaged page anywhere (not only in what load() reads) refuses the file,
             # untouched, instead of serving from it (found by tests/system/test_disk_faults.py).
-            problems = [row[0] for row in db.execute("PRAGMA quick_check(5)")]
-            if problems != ["ok"]:
-                raise RuntimeError(
-                    f"{self.path} is corrupt (PRAGMA quick_check: {'; '.join(problems)}); "
-                    "refusing to start and leaving the file untouched: restore it from a "
-                    "backup, or salvage it with the sqlite3 shell's .recover"
-                )
-            self._migrate(db)
+            # The check reads the whole file, so it runs on a connection and a
+            # thread of its own while load() reads (SQLite releases the GIL),
+            # and every write — a migration, load's catch-up, any batch —
+            # waits for its verdict first (``_verified``).
+            self._check = _QuickCheck(self.path) if self.path != ":memory:" else None
+            if self._check is None:
+                self._raise_if_corrupt(_quick_check(db))
+            self._db = db
+            if self._needs_migration(db):
+                self._verified()
+                self._migrate(db)
         except sqlite3.DatabaseError as exc:
-            db.close()
-            self._unlock()
-            raise RuntimeError(
+            self._abandon(db)
+            raise self._verdict(RuntimeError(
                 f"{self.path} is not a usable fencepost database ({exc}); refusing to start"
-            ) from exc
-        except BaseException:
-            db.close()
-            self._unlock()
-            raise
-        self._db = db
+            )) from exc
+        except BaseException as exc:
+            self._abandon(db)
+            raise self._verdict(exc) from None
+
+    def _abandon(self, db: sqlite3.Connection) -> None:
+        self._db = None
+        db.close()
+        self._unlock()
+
+    def _verdict(self, exc: BaseException) -> BaseException:
+        """The error to report for a failed start: the integrity check's when
+        it found damage (a damaged file fails in many ways; that says why)."""
+        try:
+            self._verified()
+        except RuntimeError as corrupt:
+            return corrupt
+        return exc
+
+    def _verified(self) -> None:
+        """Wait for the start-up integrity check; RuntimeError if it failed."""
+        check, self._check = self._check, None
+        if check is not None:
+            self._raise_if_corrupt(check.result())
+
+    def _raise_if_corrupt(self, problems: list[str]) -> None:
+        if problems != ["ok"]:
+            raise RuntimeError(
+                f"{self.path} is corrupt (PRAGMA quick_check: {'; '.join(problems)}); "
+                "refusing to start and leaving the file untouched: restore it from a "
+                "backup, or salvage it with the sqlite3 shell's .recover"
+            )
+
+    def load(self) -> LoadedState:
+        try:
+            state = super().load()
+        except sqlite3.DatabaseError as exc:
+            raise self._verdict(RuntimeError(
+                f"{self.path} is not a usable fencepost database ({exc}); refusing to start"
+            )) from exc
+        except BaseException as exc:
+            raise self._verdict(exc) from None
+        self._verified()  # nothing is served from a file that failed it
+        return state
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor drops the flock
             self._lock_fd = None
+
+    @staticmethod
+    def _needs_migration(db: sqlite3.Connection) -> bool:
+        return bool(db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION)
 
     def _migrate(self, db: sqlite3.Connection) -> None:
         version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -323,6 +369,7 @@ class SqliteStorage(SqlStorage):
         self._unlock()
 
     def _begin(self, db: sqlite3.Connection) -> None:
+        self._verified()  # never write to a file the start-up check has not passed
         db.execute("BEGIN IMMEDIATE")
 
     def _storage_error(self, exc: BaseException) -> LedgerError:
@@ -339,6 +386,38 @@ class SqliteStorage(SqlStorage):
         self, db: Any, cutoff_ms: int, limit: int, after: tuple[int, str] | None = None
     ) -> list[tuple[str, int, int]]:
         return finished_before(db, cutoff_ms, limit, after)
+
+
+def _quick_check(db: sqlite3.Connection) -> list[str]:
+    return [row[0] for row in db.execute("PRAGMA quick_check(5)")]
+
+
+class _QuickCheck:
+    """``PRAGMA quick_check`` of a file on a read-only connection in a thread
+    of its own; ``result()`` waits for its findings (["ok"]: none)."""
+
+    def __init__(self, path: str) -> None:
+        self._done = threading.Event()
+        self._found: list[str] = []
+        threading.Thread(target=self._run, args=(path,), name="fencepost-quick-check",
+                         daemon=True).start()
+
+    def _run(self, path: str) -> None:
+        try:
+            db = open_read_only(path)
+            try:
+                self._found = _quick_check(db)
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            self._found = [f"unreadable: {exc}"]
+        finally:
+            self._done.set()
+
+    def result(self) -> list[str]:
+        self._done.wait()
+        return self._found
+
 
 def finished_before(
     db: sqlite3.Connection, cutoff_ms: int, limit: int, after: tuple[int, str] | None = None
