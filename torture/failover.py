@@ -30,7 +30,8 @@ leader row's epoch moved (a watcher polls it). With it:
   restart in that slot is not judged.
 * **deposed** (``check_deposed``): a leader SIGSTOPped for longer than the
   leader lease exits with code 3 soon after SIGCONT, and so does one whose
-  database sessions stalled mid-batch (it can renew no more); a leader whose clock was
+  database sessions stalled mid-batch, its renewals included (it can renew
+  no more); a leader whose clock was
   jumped past ``--max-clock-skew`` steps down (exits 3); every SIGKILL of the
   leader is followed by a takeover; no coordinator exits in any other way
   (other than exit 1 — refusing to start — while PostgreSQL is down).
@@ -361,7 +362,7 @@ def check_deposed(faults: list[dict[str, Any]], tl: Timeline, *, skew_ms: int,
             if cont is not None:
                 must_exit_3(p, cont, f"was SIGSTOPped for {f['seconds']:.1f} s as leader "
                             "(longer than the leader lease)")
-        elif f["kind"] == "pg-stall":
+        elif f["kind"] == "pg-stall" and f.get("renewals", True):
             must_exit_3(proc(f), f["t"], f"had its database sessions stalled mid-batch for "
                         f"{f['seconds']:.1f} s as leader")
         elif f["kind"] == "clock" and skew_ms and f["offset"] > skew_ms + clock_slack_ms:

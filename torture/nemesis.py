@@ -396,7 +396,8 @@ class Nemesis:
                 return
             self.stalled.append((time.monotonic() + fault.param, backends))
             self.record(kind="pg-stall", t=t, slot=c.slot, pid=c.pid, backends=backends,
-                        seconds=fault.param, mid_commit=mid_commit)
+                        seconds=fault.param, mid_commit=mid_commit,
+                        renewals=len(backends) > 1)
         else:  # kill, stop, clock: aimed at the leader
             c = self._wait_leader(10.0)
             if c is None:
