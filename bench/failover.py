@@ -450,6 +450,13 @@ async def run_setting(setting: str, args: argparse.Namespace, workdir: Path,
                       f"{fo.standby_back_s:.1f} s{extra}", flush=True)
                 for m in fo.extension_mismatches:
                     print(f"      MISMATCH {m}", flush=True)
+    except BaseException:
+        for c in group.coordinators:  # what the coordinators said, before they go
+            print(f"\ncoordinator {c.index} (start {c.starts}, pid "
+                  f"{c.proc.pid if c.proc else '-'}, alive {c.alive}) log ends:\n"
+                  f"{c.log_tail(40)}", flush=True)
+        print(f"\nPostgreSQL log ends:\n{group.cluster.log_tail(20)}", flush=True)
+        raise
     finally:
         if bench is not None:
             await bench.close()
