@@ -6,6 +6,11 @@ history is checked (linearizability, fencing, durability, tokens, liveness).
 
     python -m torture --duration 60 --seed 1          (make torture DURATION=60 SEED=1)
 
+``--store postgres --coordinators 3``: the same against coordinators sharing
+one throwaway PostgreSQL, the nemesis deposing leaders and crashing the
+database, the checkers seeing one history across failovers (coordinators.py,
+failover.py).
+
 See docs/RELIABILITY.md. The process helpers of the system tests
 (tests/system/_proc.py, _history.py) are reused, so they are put on the path.
 """

@@ -27,6 +27,10 @@ operation, and a call whose outcome is unknown stays unknown. An entry also
 records ``ep`` (the index of the coordinator address that gave the final
 answer), ``at`` (when that attempt was sent) and ``nl`` (NOT_LEADER
 redirects on the way).
+
+A refusal that promises no effect (STORAGE_UNAVAILABLE: the database could
+not commit) says so of its own attempt only: after an attempt whose outcome
+is unknown, the call is retried (or abandoned) as after a transport failure.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2_grpc, run_store_pb2_g
 from fencepost.v1 import ledger_pb2 as lpb
 from fencepost.v1 import run_store_pb2 as spb
 
-from .history import LEDGER_WRITES, WRITES, dict_to_run, run_to_dict
+from .history import LEDGER_WRITES, NO_EFFECT_CODES, WRITES, dict_to_run, run_to_dict
 
 CALL_TIMEOUT_S = 4.0
 
@@ -341,6 +345,12 @@ class Client:
                     break
                 time.sleep(self.rng.uniform(0, 0.01) if named else self.rng.uniform(0.05, 0.15))
                 continue
+            if (got.refusal is not None and entry["tf"] and write
+                    and status_reason(got.refusal) in NO_EFFECT_CODES):
+                # this attempt changed nothing, but an earlier one may have: the
+                # operation's outcome is still unknown, as after a transport failure
+                got = Attempt(failure=str(status_reason(got.refusal)),
+                              detail="refused with no effect after an unknown attempt")
             if got.refusal is not None:  # a definite refusal, with the record it saw
                 entry.update(st="fail", code=status_reason(got.refusal))
                 seen = status_record(got.refusal)

@@ -30,7 +30,8 @@ leader row's epoch moved (a watcher polls it). With it:
   restart in that slot is not judged.
 * **deposed** (``check_deposed``): a leader SIGSTOPped for longer than the
   leader lease exits with code 3 soon after SIGCONT, and so does one whose
-  database sessions stalled mid-batch (it can renew no more); a leader whose clock was
+  database sessions stalled mid-batch, its renewals included (it can renew
+  no more); a leader whose clock was
   jumped past ``--max-clock-skew`` steps down (exits 3); every SIGKILL of the
   leader is followed by a takeover; no coordinator exits in any other way
   (other than exit 1 — refusing to start — while PostgreSQL is down).
@@ -76,11 +77,14 @@ class Epoch:
     gap: int | None = None  # by how many ms
     extended_t: int | None = None  # when the harness read the "extended" line
     leading_t: int | None = None  # when the harness read the "leading" line (it serves)
+    proc: Proc | None = None  # the process that took it over
 
 
 @dataclass
 class Timeline:
-    procs: dict[int, Proc] = field(default_factory=dict)
+    # every process, in spawn order (pids are reused over a long run: a
+    # process is its slot and pid at a time, see ``find``)
+    procs: list[Proc] = field(default_factory=list)
     by_slot: dict[int, list[Proc]] = field(default_factory=lambda: defaultdict(list))
     epochs: dict[int, Epoch] = field(default_factory=dict)
     watched: list[dict[str, Any]] = field(default_factory=list)  # the watcher's epoch moves
@@ -99,10 +103,9 @@ class Timeline:
             kind = e["kind"]
             if kind == "spawn":
                 p = Proc(e["slot"], e["pid"], e["t"])
-                tl.procs[p.pid] = p
+                tl.procs.append(p)
                 tl.by_slot[p.slot].append(p)
-            elif kind == "exit" and e["pid"] in tl.procs:
-                p = tl.procs[e["pid"]]
+            elif kind == "exit" and (p := tl.find(e["slot"], e["pid"], e["t"])) is not None:
                 p.exit, p.code = e["t"], e["code"]
             elif kind == "epoch":
                 tl.watched.append(e)
@@ -112,10 +115,11 @@ class Timeline:
                     continue
                 ep = tl.epochs.setdefault(e["epoch"], Epoch(e["epoch"]))
                 ep.pid, ep.slot = e["pid"], e["slot"]
+                ep.proc = tl.find(e["slot"], e["pid"], e["t"])
                 if what == "taking":
                     ep.loaded, ep.taking_t = e["loaded"], e["t"]
-                    if e["pid"] in tl.procs:
-                        tl.procs[e["pid"]].epoch = e["epoch"]
+                    if ep.proc is not None:
+                        ep.proc.epoch = e["epoch"]
                 elif what == "extended":
                     ep.extended, ep.gap, ep.extended_t = e["leases"], e["gap"], e["t"]
                 else:
@@ -124,6 +128,14 @@ class Timeline:
         return tl
 
     # -- queries ------------------------------------------------------------------------
+
+    def find(self, slot: int, pid: int, t: int) -> Proc | None:
+        """The process with this slot and pid that was spawned last before ``t``."""
+        found = None
+        for p in self.by_slot.get(slot, []):
+            if p.pid == pid and p.spawn <= t:
+                found = p
+        return found
 
     def after(self, n: int) -> Epoch | None:
         """The first epoch above ``n`` whose leader loaded the state."""
@@ -140,8 +152,8 @@ class Timeline:
                 low = int(w["before"])
                 break
         ep = self.epochs.get(n)
-        if ep is not None and ep.pid in self.procs:
-            low = max(low, self.procs[ep.pid].spawn)
+        if ep is not None and ep.proc is not None:
+            low = max(low, ep.proc.spawn)
         return low
 
     def before_db(self, n: int) -> int:
@@ -318,39 +330,43 @@ def check_epochs(ops: list[Op], tl: Timeline) -> tuple[list[Violation], dict[str
 def check_deposed(faults: list[dict[str, Any]], tl: Timeline, *, skew_ms: int,
                   clock_slack_ms: int) -> list[Violation]:
     bad: list[Violation] = []
-    killed = {f["pid"] for f in faults if f["kind"] == "kill"}
-    conts = {f["pid"]: f["t"] for f in faults if f["kind"] == "cont"}
+
+    def proc(f: dict[str, Any]) -> Proc | None:
+        return tl.find(f["slot"], f["pid"], f["t"])
+
+    killed = {id(p) for f in faults if f["kind"] == "kill" if (p := proc(f)) is not None}
+    conts = {id(p): f["t"] for f in faults if f["kind"] == "cont" if (p := proc(f)) is not None}
     final = next((f["t"] for f in faults if f["kind"] == "stop-all"), tl.end)
     bound = int(DEPOSED_BOUND_S * 1e9)
 
-    def must_exit_3(pid: int, since: int, what: str) -> None:
-        p = tl.procs.get(pid)
-        if p is None or pid in killed:
+    def must_exit_3(p: Proc | None, since: int, what: str) -> None:
+        if p is None or id(p) in killed:
             return  # SIGKILLed by the nemesis first: nothing to expect
         if p.exit is not None and p.code == 3 and p.exit <= since + bound:
             return
         if p.exit is None or p.exit > final:
             if final < since + bound:
                 return  # the run ended first
-            bad.append(Violation("deposed", f"coordinator {p.slot} (pid {pid}) {what}, but "
+            bad.append(Violation("deposed", f"coordinator {p.slot} (pid {p.pid}) {what}, but "
                                  f"did not exit 3 within {DEPOSED_BOUND_S:.0f} s"))
         elif p.code != 3 or p.exit > since + bound:
-            bad.append(Violation("deposed", f"coordinator {p.slot} (pid {pid}) {what}, then "
+            bad.append(Violation("deposed", f"coordinator {p.slot} (pid {p.pid}) {what}, then "
                                  f"exited with code {p.code} after "
                                  f"{(p.exit - since) / 1e9:.1f} s (expected 3 within "
                                  f"{DEPOSED_BOUND_S:.0f} s)"))
 
     for f in faults:
         if f["kind"] == "stop":
-            cont = conts.get(f["pid"])
+            p = proc(f)
+            cont = conts.get(id(p)) if p is not None else None
             if cont is not None:
-                must_exit_3(f["pid"], cont, f"was SIGSTOPped for {f['seconds']:.1f} s as "
-                            "leader (longer than the leader lease)")
-        elif f["kind"] == "pg-stall":
-            must_exit_3(f["pid"], f["t"], f"had its database sessions stalled mid-batch for "
+                must_exit_3(p, cont, f"was SIGSTOPped for {f['seconds']:.1f} s as leader "
+                            "(longer than the leader lease)")
+        elif f["kind"] == "pg-stall" and f.get("renewals", True):
+            must_exit_3(proc(f), f["t"], f"had its database sessions stalled mid-batch for "
                         f"{f['seconds']:.1f} s as leader")
         elif f["kind"] == "clock" and skew_ms and f["offset"] > skew_ms + clock_slack_ms:
-            must_exit_3(f["pid"], f["t"], f"led with its clock {f['offset']} ms ahead "
+            must_exit_3(proc(f), f["t"], f"led with its clock {f['offset']} ms ahead "
                         f"(--max-clock-skew {skew_ms} ms)")
         elif f["kind"] == "kill" and f.get("up") is None:
             bad.append(Violation("deposed", f"no coordinator took over within "
@@ -359,10 +375,10 @@ def check_deposed(faults: list[dict[str, Any]], tl: Timeline, *, skew_ms: int,
     pg = [(f["t"], f.get("up") or f["t"]) for f in faults if f["kind"] in ("pg-kill",
                                                                           "pg-restart")]
     grace = int(PG_START_GRACE_S * 1e9)
-    for p in tl.procs.values():
+    for p in tl.procs:
         if p.exit is None or p.code == 3:
             continue
-        if p.code == -9 and p.pid in killed:
+        if p.code == -9 and id(p) in killed:
             continue
         if p.exit >= final and p.code in (0, -9, -15):
             continue  # the final stop (SIGTERM; SIGKILL if it hung: see its log)
@@ -377,7 +393,7 @@ def check_deposed(faults: list[dict[str, Any]], tl: Timeline, *, skew_ms: int,
 def summary(tl: Timeline, faults: list[dict[str, Any]]) -> dict[str, Any]:
     """Figures for the report."""
     exits: dict[str, int] = defaultdict(int)
-    for p in tl.procs.values():
+    for p in tl.procs:
         if p.code is not None:
             exits[str(p.code)] += 1
     takeovers = sorted((f["up"] - f["killed"]) / 1e9 for f in faults

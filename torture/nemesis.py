@@ -356,6 +356,7 @@ class Nemesis:
             self.cut_connections += n
             self.record(kind="cut", t=t, connections=n)
         elif kind == "pg-kill":
+            self._unstall_all()  # their backends die with it
             cl.pg.kill()
             killed = time.monotonic_ns()
             time.sleep(fault.param)
@@ -363,6 +364,7 @@ class Nemesis:
             self.record(kind="pg-kill", t=t, killed=killed, up=time.monotonic_ns(),
                         downtime_s=fault.param)
         elif kind == "pg-restart":
+            self._unstall_all()  # a clean shutdown waits for every backend
             cl.pg.restart()
             self.record(kind="pg-restart", t=t, up=time.monotonic_ns())
         elif kind == "pg-cut":
@@ -394,7 +396,8 @@ class Nemesis:
                 return
             self.stalled.append((time.monotonic() + fault.param, backends))
             self.record(kind="pg-stall", t=t, slot=c.slot, pid=c.pid, backends=backends,
-                        seconds=fault.param, mid_commit=mid_commit)
+                        seconds=fault.param, mid_commit=mid_commit,
+                        renewals=len(backends) > 1)
         else:  # kill, stop, clock: aimed at the leader
             c = self._wait_leader(10.0)
             if c is None:
@@ -423,10 +426,13 @@ class Nemesis:
 
     def kill_leader(self, c: Any, downtime_s: float, t: int) -> None:
         """SIGKILL the leader; once another serves, the probes read every run
-        through it before any worker may reconnect (as ``kill_restart``)."""
+        through it before any worker may reconnect (as ``kill_restart``: the
+        proxies refuse new connections and drop the open ones meanwhile)."""
         cl = self.cluster
         for p in self.proxies:
             p.held = True
+        # and none of them still connected either (to a standby that takes over)
+        dropped = sum(p.cut() for p in self.proxies)
         try:
             pid = cl.kill(c, downtime_s)
             killed = time.monotonic_ns()
@@ -440,7 +446,8 @@ class Nemesis:
                 p.held = False
         self.record(kind="kill", t=t, slot=c.slot, pid=pid, killed=killed,
                     up=up if new is not None else None, restart=self.restarts,
-                    downtime_s=downtime_s, leader=None if new is None else new.slot)
+                    downtime_s=downtime_s, leader=None if new is None else new.slot,
+                    dropped=dropped)
 
     def _wait_leader(self, timeout: float) -> Any:
         """The coordinator serving now, waiting up to ``timeout`` s (resuming
@@ -469,6 +476,10 @@ class Nemesis:
             if now >= stall[0]:
                 self._unstall(stall)
 
+    def _unstall_all(self) -> None:
+        for stall in list(self.stalled):
+            self._unstall(stall)
+
     def _unstall(self, stall: tuple[float, list[int]]) -> None:
         self.cluster.unstall(stall[1])
         self.stalled.remove(stall)
@@ -493,8 +504,7 @@ class Nemesis:
             self._cont(idx)
         for slot, (_, pid) in list(self.stopped.items()):
             self._cont_coordinator(slot, pid)
-        for stall in list(self.stalled):
-            self._unstall(stall)
+        self._unstall_all()
         for proc in self.workers:  # belt and braces: nobody stays stopped
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

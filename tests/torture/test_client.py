@@ -151,3 +151,35 @@ def test_a_call_to_a_standby_follows_the_leader_it_names(coordinators: Any,
         assert e["at"] > e["inv"]  # the answering attempt was the second
     finally:
         c.close()
+
+
+def test_a_no_effect_refusal_after_an_unknown_attempt_leaves_the_outcome_unknown(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STORAGE_UNAVAILABLE says its own attempt changed nothing; an earlier
+    attempt whose answer was lost may still have committed, so the call goes
+    on as after a transport failure (retried with the same request id)."""
+    from google.protobuf import any_pb2
+    from google.rpc import error_details_pb2, status_pb2
+
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason="STORAGE_UNAVAILABLE", domain="fencepost"))
+    refusal = status_pb2.Status(code=14, message="nothing changed", details=[info])
+    real = Client._unary
+    script = [Attempt(failure="UNAVAILABLE"), Attempt(refusal=refusal)]
+
+    def scripted(method: Any, req: Any) -> Attempt:
+        got = real(method, req)  # the call is made (the first one commits)
+        return script.pop(0) if script else got
+
+    monkeypatch.setattr(Client, "_unary", staticmethod(scripted))
+    c = _client(server, "U", "unary")
+    try:
+        e = c.acquire("r-no-effect", "U", 60_000)
+        assert (e["st"], e["tf"], e["tries"]) == ("ok", 2, 3), e
+        assert e["rec"]["fencing_token"] == 1  # the first attempt's acquisition, answered again
+        script[:] = [Attempt(refusal=refusal)]  # with no unknown attempt before it: definite
+        f = c.acquire("r-no-effect-2", "U", 60_000)
+        assert (f["st"], f["code"], f["tf"]) == ("fail", "STORAGE_UNAVAILABLE", 0), f
+    finally:
+        c.close()
