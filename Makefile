@@ -67,7 +67,7 @@ bench: $(STAMP)  ## benchmarks (not tests): end to end vs echo, and the writer a
 	$(BIN)/python bench/run_all.py
 
 .PHONY: bench-peers
-bench-peers: $(STAMP)  ## fencepost vs etcd, PostgreSQL, Redis, same load (installs them if missing; ~6 min)
+bench-peers: $(STAMP)  ## fencepost (SQLite and PostgreSQL stores) vs etcd, PostgreSQL, Redis, same load (installs them if missing; ~10 min)
 	$(BIN)/python -c 'import asyncpg, redis, hiredis' 2>/dev/null || $(BIN)/python -m pip install --quiet asyncpg redis hiredis
 	$(BIN)/python bench/peers --install
 
@@ -76,11 +76,11 @@ bench-scale: $(STAMP)  ## costs as runs pile up: new-run cost, restart, RSS, fil
 	$(BIN)/python bench/scale.py
 
 .PHONY: bench-failover
-bench-failover: $(STAMP) postgres  ## failover on PostgreSQL: leader SIGKILL/SIGSTOP -> first ack on the new leader, 2 lease settings (~15 min)
+bench-failover: $(STAMP) postgres  ## failover on PostgreSQL: leader SIGKILL/SIGSTOP -> first ack on the new leader, 2 lease settings (~10 min)
 	$(BIN)/python bench/failover.py
 
 .PHONY: bench-takeover
-bench-takeover: $(STAMP) postgres  ## how long a standby takes to lead with 1k, 100k and 1M runs stored (~15 min)
+bench-takeover: $(STAMP) postgres  ## how long a standby takes to lead with 1k, 100k and 1M runs stored (~8 min)
 	$(BIN)/python bench/takeover.py
 
 DURATION  ?= 60

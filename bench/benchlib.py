@@ -106,15 +106,21 @@ class ServerProcess:
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM (graceful), then SIGKILL if it has not exited in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate(self.proc, signal.SIGTERM, timeout)
         self.log_file.close()
         return self.proc.returncode
+
+
+def terminate(proc: subprocess.Popen[bytes], sig: int, timeout: float) -> None:
+    """Send ``sig`` to a running ``proc``; SIGKILL it if it has not exited
+    within ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def start_server(name: str, argv: Sequence[str], log_path: Path) -> ServerProcess:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
-from benchlib import BIN, HOST, REPO, free_port
+from benchlib import BIN, HOST, REPO, free_port, terminate
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -158,12 +158,7 @@ class Coordinator:
         proc = self.proc
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            terminate(proc, signal.SIGTERM, timeout)
         self._close_log()
         return proc.returncode if proc is not None else None
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from benchlib import BIN, HOST, ServerProcess, free_port, start_server
+from benchlib import BIN, HOST, ServerProcess, free_port, start_server, terminate
 
 from fencepost_server.pgcluster import Cluster, find_binary
 
@@ -204,13 +204,7 @@ class Running:
         except psutil.NoSuchProcess:
             kids = []
         proc = self.server.proc
-        if proc.poll() is None:
-            proc.send_signal(self.stop_signal)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        terminate(proc, self.stop_signal, timeout)
         self.server.log_file.close()
         _, alive = psutil.wait_procs(kids, timeout=5)
         for k in alive:
