@@ -259,10 +259,7 @@ class Leadership:
 
     def _drop(self) -> None:
         if self._db is not None:
-            try:
-                self._db.close()
-            except psycopg.Error:
-                pass
+            self._db.close()
             self._db = None
 
     def _unblock(self, db: PgConnection) -> int:

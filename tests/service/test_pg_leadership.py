@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -37,10 +36,10 @@ from fencepost_server.writer import Writer
 pytestmark = [pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with Cluster.start() as pg:
-        yield pg
+@pytest.fixture
+def cluster(pg_cluster: Cluster) -> Cluster:
+    """The session's PostgreSQL (tests/conftest.py); each test gets its own database."""
+    return pg_cluster
 
 
 @pytest.fixture

@@ -38,10 +38,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with Cluster.start() as pg:
-        yield pg
+@pytest.fixture
+def cluster(pg_cluster: Cluster) -> Cluster:
+    """The session's PostgreSQL (tests/conftest.py); each test gets its own database."""
+    return pg_cluster
 
 
 @pytest.fixture

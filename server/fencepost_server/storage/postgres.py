@@ -269,7 +269,11 @@ class PgConnection:
             self.execute("ROLLBACK")
 
     def close(self) -> None:
-        self.conn.close()
+        """Close; a connection that is already broken closes quietly."""
+        try:
+            self.conn.close()
+        except psycopg.Error:
+            pass
 
 
 def connect(url: str, role: str, *, read_only: bool = False, snapshot: bool = False,
@@ -360,10 +364,7 @@ class PostgresStorage(SqlStorage):
 
     def close(self) -> None:
         if self._db is not None:
-            try:
-                self._db.close()
-            except psycopg.Error:
-                pass
+            self._db.close()
             self._db = None
 
     def reader(self) -> PgConnection:
@@ -375,10 +376,7 @@ class PostgresStorage(SqlStorage):
         db = self.db
         if db.broken:  # the last batch lost it: this one reconnects (or fails)
             log.warning("reconnecting to %s", self.path)
-            try:
-                db.close()
-            except psycopg.Error:
-                pass
+            db.close()
             self._db = db = self._connect_writer()
         return db
 
