@@ -386,6 +386,15 @@ class App:
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_concurrent_streams", s.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
+            # The SDK pings every 2 s while it has calls open, to notice a
+            # frozen coordinator: allow pings that often (gRPC's default
+            # answers them with GOAWAY), with or without calls. And ping
+            # clients that have gone quiet, to close the streams of a worker
+            # whose machine vanished.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
         ]
         self.server = grpc.aio.server(options=options)
         guarded: dict[str, Any] = {"authn": authn, "max_message_bytes": s.max_message_bytes,

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from test_failover import Coordinators
@@ -33,14 +34,13 @@ BURST = 20  # acquires in flight when the leader dies
 
 
 @pytest.fixture
-def group(tmp_path: Path) -> Iterator[Coordinators]:
-    with Cluster.start() as pg:
-        url = pg.create_database(f"sdk_{uuid.uuid4().hex[:10]}")
-        coordinators = Coordinators(url, tmp_path, 2)
-        try:
-            yield coordinators.start_all()
-        finally:
-            coordinators.close()
+def group(pg_cluster: Cluster, tmp_path: Path) -> Iterator[Coordinators]:
+    url = pg_cluster.create_database(f"sdk_{uuid.uuid4().hex[:10]}")
+    coordinators = Coordinators(url, tmp_path, 2)
+    try:
+        yield coordinators.start_all()
+    finally:
+        coordinators.close()
 
 
 async def test_a_client_with_both_endpoints_keeps_its_lease_when_the_leader_is_killed(
@@ -173,3 +173,43 @@ async def test_a_client_keeps_its_lease_when_the_leader_is_frozen(group: Coordin
             leader.proc.send_signal(signal.SIGCONT)  # it finds itself deposed and exits 3
         assert leader.proc.wait(15) == 3
         await lease.finish()
+
+
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+async def test_calls_in_flight_at_a_frozen_leader_are_answered_by_the_new_one(
+    group: Coordinators, transport: Literal["stream", "unary"]
+) -> None:
+    """SIGSTOP with commands in flight: the frozen leader's connection stays
+    open and its calls get no answer. The client's keepalive pings go
+    unanswered, so it drops that connection within seconds, and the commands
+    are retried (same request ids) on the standby once it has taken over:
+    each applied once, long before their 30 s attempt deadline (which is what
+    they would otherwise wait, to end with OutcomeUnknownError)."""
+    leader = group.wait_leader()
+    standby = next(p for p in group.procs if p is not leader)
+    retry = fencepost.RetryPolicy(total_timeout_s=30.0, attempt_timeout_s=30.0)
+    async with fencepost.Client([p.address for p in group.procs], owner="worker",
+                                retry=retry, transport=transport) as client:
+        first = await client.acquire("before", ttl_ms=60_000)
+        assert client.address == leader.address
+        assert leader.proc is not None
+        leader.proc.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            burst = [asyncio.ensure_future(client.acquire(f"frozen-{i}", ttl_ms=60_000))
+                     for i in range(BURST)]
+            leases = await asyncio.gather(*burst)
+            took = time.monotonic() - frozen_at
+            assert [(x.fencing_token, x.record.attempt) for x in leases] == [(1, 1)] * BURST
+            assert client.address == standby.address
+            # the 2 s leader lease runs out, a standby takes over; keepalive
+            # gives up on the frozen one after 2 s + 2 s
+            assert took < 15.0, f"the calls waited {took:.1f} s"
+            rec = await first.record_checkpoint("ckpt/before/1", 1)
+            assert rec.fencing_token == 1
+        finally:
+            leader.proc.send_signal(signal.SIGCONT)  # it finds itself deposed and exits 3
+        assert leader.proc.wait(15) == 3
+        listed = await client.list_all()
+        assert sorted(r.run_id for r in listed.runs) == sorted(
+            ["before", *(f"frozen-{i}" for i in range(BURST))])

@@ -87,15 +87,6 @@ _CLEANUP_RETRY = RetryPolicy(total_timeout_s=CLEANUP_TIMEOUT_S - 1, attempt_time
 _AT_RISK_CLEANUP_RETRY = RetryPolicy(max_backoff_s=0.25, total_timeout_s=1.0,
                                      attempt_timeout_s=1.0)
 
-# Reconnect quickly after a coordinator restart, so retries (bounded at ~10 s
-# by default) land on the new process. The caller's channel_options win.
-_DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-)
-
-
 def _ledger_rpc(method: str) -> Callable[[Endpoint], Callable[..., Any]]:
     """The Ledger RPC ``method`` (a unary multi-callable of the generated
     stub: ``rpc(request, timeout=...)``) on an endpoint."""
@@ -118,12 +109,6 @@ def default_owner() -> str:
     """``{hostname}-{pid}-{random}``: two live processes never share one."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
-
-
-def merge_channel_options(options: Iterable[tuple[str, Any]]) -> builtins.list[tuple[str, Any]]:
-    merged = dict(_DEFAULT_CHANNEL_OPTIONS)
-    merged.update(dict(options))
-    return builtins.list(merged.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -741,7 +726,7 @@ class Client:
         self._owner = owner if owner is not None else default_owner()
         self._default_ttl_ms = default_ttl_ms
         self._retry = retry
-        self._channel_options = merge_channel_options(channel_options)
+        self._channel_options = builtins.list(channel_options)
         self._interceptors = builtins.list(interceptors)
         self._tls, self._token = tls, token
         self._endpoints = Endpoints(

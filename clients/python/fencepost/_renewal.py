@@ -363,9 +363,12 @@ class StreamRenewer:
             for t in tasks:
                 t.cancel()
             await asyncio.wait(tasks)
-        for t in done:
-            if not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+        # Take every task's exception (a standby's refusal ends the reader and
+        # the writer together), and raise the first to end.
+        failures = [exc for t in (*done, *tasks)
+                    if not t.cancelled() and (exc := t.exception()) is not None]
+        if failures:
+            raise failures[0]
 
     async def _write(
         self, call: Any, outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]]

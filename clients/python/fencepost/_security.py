@@ -5,6 +5,7 @@ credentials in one place for the async and the sync client."""
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,35 @@ def channel_credentials(
     return creds
 
 
-def channel_options(tls: TLS | None, options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+# Every channel the SDK opens starts from these; the caller's options win.
+DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    # Reconnect quickly after a coordinator restart, so retries (bounded at
+    # ~10 s by default) land on the new process.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    # While calls are open, ping the coordinator every 2 s and drop the
+    # connection when a ping goes unanswered for 2 s: a frozen process
+    # (SIGSTOP, a VM paused) or a machine gone without a word keeps its TCP
+    # connection open, and its calls would otherwise wait for their deadline.
+    # Dropped, they fail UNAVAILABLE and are retried (same request id) on the
+    # endpoint that leads. The server allows pings this often.
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    ("grpc.http2.ping_timeout_ms", 2_000),  # what gRPC 1.6x+ waits for the ack by
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+def channel_options(
+    tls: TLS | None, options: Iterable[tuple[str, Any]]
+) -> list[tuple[str, Any]]:
+    """The defaults, then the caller's ``options``, then the TLS name override."""
+    merged = dict(DEFAULT_CHANNEL_OPTIONS)
+    merged.update(dict(options))
     if tls is not None and tls.server_name:
-        return [*options, ("grpc.ssl_target_name_override", tls.server_name)]
-    return options
+        merged["grpc.ssl_target_name_override"] = tls.server_name
+    return list(merged.items())
 
 
 def aio_channel(
@@ -96,7 +122,7 @@ def aio_channel(
     *,
     tls: TLS | None,
     token: str | None,
-    options: list[tuple[str, Any]],
+    options: Iterable[tuple[str, Any]],
     interceptors: Any = None,
 ) -> grpc.aio.Channel:
     creds = channel_credentials(address, tls, token)
@@ -107,7 +133,7 @@ def aio_channel(
 
 
 def sync_channel(
-    address: str, *, tls: TLS | None, token: str | None, options: list[tuple[str, Any]]
+    address: str, *, tls: TLS | None, token: str | None, options: Iterable[tuple[str, Any]]
 ) -> grpc.Channel:
     creds = channel_credentials(address, tls, token)
     opts = channel_options(tls, options)

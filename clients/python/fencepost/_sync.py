@@ -35,7 +35,6 @@ from ._client import (
     Lease,
     Renewal,
     Transport,
-    merge_channel_options,
 )
 from ._records import (
     DeleteResult,
@@ -341,7 +340,7 @@ class SyncClient:
             transport=transport, command_window_ms=command_window_ms, tls=tls, token=token,
         )
         self._tls, self._token = tls, token
-        self._channel_options = merge_channel_options(channel_options)
+        self._channel_options = builtins.list(channel_options)
         self._sync_channel: grpc.Channel | None = None
         self._sync_stubs: SyncStubs | None = None
         self._lock = threading.Lock()
