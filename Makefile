@@ -9,6 +9,8 @@ GEN_DIR   := clients/python
 ADDR      ?= 127.0.0.1:50051
 DB        ?= ./fencepost.db
 PYTEST_ARGS ?=
+# parallel test workers (pytest-xdist); 0 runs the suite in one process
+TEST_WORKERS ?= 2
 TS_DIR    := clients/typescript
 TS_STAMP  := $(TS_DIR)/node_modules/.package-lock.json
 
@@ -52,7 +54,7 @@ postgres:  ## install Debian's postgresql (the tests start their own servers fro
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends postgresql; }
 
 test: $(STAMP) lint browser postgres  ## lint, then every test (slow ones included)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 	$(MAKE) test-ts
 
 lint: $(STAMP)  ## ruff and mypy on our own code
