@@ -627,8 +627,8 @@ def config_from(args: argparse.Namespace, prefix: str = "") -> LeasesConfig:
         raise SystemExit("leases must be a multiple of streams")
     if cfg.ttl_ms < 300 or cfg.duration_s <= 0:
         raise SystemExit("need ttl-ms >= 300 and duration > 0")
-    if cfg.max_ramp_s <= 0 or cfg.acquire_ttl_ms <= cfg.max_ramp_s * 1000:
-        raise SystemExit("need max-ramp-s > 0 and acquire-ttl-ms longer than the ramp")
+    if cfg.max_ramp_s <= 0 or cfg.acquire_ttl_ms < cfg.max_ramp_s * 1000:
+        raise SystemExit("need max-ramp-s > 0 and acquire-ttl-ms at least as long as the ramp")
     return cfg
 
 
