@@ -608,6 +608,9 @@ def add_arguments(p: ArgumentAdder, prefix: str = "") -> None:
                    "(default 50; 0 sends one message per renewal, the old protocol)")
     p.add_argument(f"--{prefix}acquire-ttl-ms", type=int, default=d.acquire_ttl_ms,
                    help=f"ttl of the Acquires in the ramp (default {d.acquire_ttl_ms})")
+    p.add_argument(f"--{prefix}max-ramp-s", type=float, default=d.max_ramp_s,
+                   help=f"give up when the ramp takes longer (default {d.max_ramp_s:g}; "
+                   "300 000 leases need about 300); keep --acquire-ttl-ms above it")
 
 
 def config_from(args: argparse.Namespace, prefix: str = "") -> LeasesConfig:
@@ -616,13 +619,16 @@ def config_from(args: argparse.Namespace, prefix: str = "") -> LeasesConfig:
 
     cfg = LeasesConfig(leases=get("leases"), streams=get("streams"), procs=get("procs"),
                        ttl_ms=get("ttl-ms"), duration_s=get("duration"),
-                       acquire_ttl_ms=get("acquire-ttl-ms"), coalesce_ms=get("coalesce-ms"))
+                       acquire_ttl_ms=get("acquire-ttl-ms"), coalesce_ms=get("coalesce-ms"),
+                       max_ramp_s=get("max-ramp-s"))
     if cfg.streams < 1 or cfg.procs < 1 or cfg.procs > cfg.streams or cfg.leases < cfg.streams:
         raise SystemExit("need streams >= procs >= 1 and leases >= streams")
     if cfg.leases % cfg.streams:
         raise SystemExit("leases must be a multiple of streams")
     if cfg.ttl_ms < 300 or cfg.duration_s <= 0:
         raise SystemExit("need ttl-ms >= 300 and duration > 0")
+    if cfg.max_ramp_s <= 0 or cfg.acquire_ttl_ms < cfg.max_ramp_s * 1000:
+        raise SystemExit("need max-ramp-s > 0 and acquire-ttl-ms at least as long as the ramp")
     return cfg
 
 

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
-from . import version
+from . import gcpolicy, version
 from .auth import (
     IDENTITY_SOURCES,
     Authenticator,
@@ -758,6 +758,8 @@ async def serve(settings: Settings, clock: Clock | None = None) -> None:
         clock.jump(max(0, settings.test_clock_offset_ms))
     app = App(settings, clock or SystemClock())
     await app.start()
+    collections = gcpolicy.FullCollections()  # process-wide: only a serving process
+    collections.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -773,4 +775,5 @@ async def serve(settings: Settings, clock: Clock | None = None) -> None:
         logging.shutdown()
         os._exit(EXIT_DEPOSED)
     log.info("signal received; draining")
+    await collections.stop()
     await app.stop()

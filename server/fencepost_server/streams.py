@@ -65,12 +65,12 @@ def holds(record: Record | None, token: int, owner: str | None = None) -> bool:
     )
 
 
-@dataclass
-class Tracked:
-    token: int
-    owner: str  # the lease owner at the tracked token
-    expires_at: int
-    expiring_sent: bool = False
+# How a session tracks one run: (token, the lease owner at that token, the
+# lease's expiry, whether `expiring` was sent for it, the deadline of its entry
+# in the expiry heap, 0: none). A plain tuple of ints and strings, which the
+# garbage collector stops tracking: with 100 000 leases, an object per lease
+# would add 100 000 objects to every full collection's walk.
+Tracked = tuple[int, str, int, bool, int]
 
 
 class Stop:
@@ -90,6 +90,9 @@ class Stop:
             self.event.set()
 
 
+_session_keys = itertools.count(1)
+
+
 @dataclass(eq=False)
 class Session:
     """One KeepAlive stream."""
@@ -101,6 +104,8 @@ class Session:
     stop: Stop = field(default_factory=Stop)
     # runs not yet tracked whose renewal is with the writer (count toward the limit)
     renewing: set[str] = field(default_factory=set)
+    # names the session in the expiry heap (an int: the heap's entries hold no object)
+    key: int = field(default_factory=lambda: next(_session_keys))
 
     def send(self, msg: pb.KeepAliveResponse) -> None:
         if self.stop.reason is not None:
@@ -128,8 +133,13 @@ class FenceHub:
         self.queue_limit = queue_limit
         self.clock = clock
         self.expiry_poll_s = expiry_poll_s
-        self.by_run: dict[str, set[Session]] = {}
-        self._deadlines: list[tuple[int, int, str, Session]] = []
+        # run id -> the session tracking it, or a set when several do (rare:
+        # one set per run would be one more collected object per lease)
+        self.by_run: dict[str, Session | set[Session]] = {}
+        # (deadline, seq, run id, session key): at most one live entry per
+        # tracked run (see _arm); the sessions with entries, by key
+        self._deadlines: list[tuple[int, int, str, int]] = []
+        self._armed: dict[int, Session] = {}
         self._seq = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._unsubscribe: Callable[[], None] | None = None
@@ -194,27 +204,49 @@ class FenceHub:
         self.push_lost(session, run_id, token, lost_reason(rec, token), rec)
 
     def _arm(self, session: Session, run_id: str, token: int, owner: str, expires_at: int) -> None:
+        """Track (run, token, owner) until ``expires_at``. The expiry heap gets
+        an entry only when the run has none due at or before that time: a
+        renewal moves the expiry later, and the earlier entry, when it comes
+        due, re-arms at the expiry then current (check_expiry). So the heap
+        holds one entry per tracked run however often it is renewed."""
         entry = session.tracked.get(run_id)
-        if entry is None or entry.token != token or entry.owner != owner:
-            session.tracked[run_id] = Tracked(token, owner, expires_at)
-            self.by_run.setdefault(run_id, set()).add(session)
-        elif entry.expires_at == expires_at:
-            return  # already armed for this expiry (the change feed saw it first)
+        scheduled = 0
+        if entry is None:
+            self._add_session(run_id, session)
         else:
-            entry.expires_at = expires_at
-            entry.expiring_sent = False
-        heapq.heappush(self._deadlines, (expires_at, next(self._seq), run_id, session))
+            was_token, was_owner, was_expiry, _, was_scheduled = entry
+            if was_token == token and was_owner == owner:
+                if was_expiry == expires_at:
+                    return  # already armed for this expiry (the change feed saw it first)
+                scheduled = was_scheduled
+        if not scheduled or scheduled > expires_at:
+            scheduled = expires_at
+            heapq.heappush(self._deadlines, (expires_at, next(self._seq), run_id, session.key))
+            self._armed[session.key] = session
+        session.tracked[run_id] = (token, owner, expires_at, False, scheduled)
+
+    def _add_session(self, run_id: str, session: Session) -> None:
+        have = self.by_run.get(run_id)
+        if have is None:
+            self.by_run[run_id] = session
+        elif isinstance(have, set):
+            have.add(session)
+        elif have is not session:
+            self.by_run[run_id] = {have, session}
 
     def untrack(self, session: Session, run_id: str) -> None:
         if session.tracked.pop(run_id, None) is not None:
-            sessions = self.by_run.get(run_id)
-            if sessions is not None:
-                sessions.discard(session)
-                if not sessions:
-                    del self.by_run[run_id]
+            have = self.by_run.get(run_id)
+            if have is session:
+                del self.by_run[run_id]
+            elif isinstance(have, set):
+                have.discard(session)
+                if len(have) == 1:
+                    self.by_run[run_id] = next(iter(have))
 
     def drop(self, session: Session) -> None:
         self.sessions.discard(session)
+        self._armed.pop(session.key, None)
         for run_id in list(session.tracked):
             self.untrack(session, run_id)
 
@@ -242,26 +274,27 @@ class FenceHub:
     # -- the change feed --------------------------------------------------------------
 
     def on_changes(self, events: list[ChangeEvent]) -> None:
+        by_run = self.by_run
         for ev in events:
-            sessions = self.by_run.get(ev.run_id)
-            if sessions:
+            sessions = by_run.get(ev.run_id)
+            if sessions is not None:
                 self._fence_event(ev, sessions)
         for watch in list(self.watchers):
             watch.offer(events)
 
-    def _fence_event(self, ev: ChangeEvent, sessions: set[Session]) -> None:
+    def _fence_event(self, ev: ChangeEvent, sessions: Session | set[Session]) -> None:
         rec = ev.record
-        for session in list(sessions):
-            entry = session.tracked[ev.run_id]
-            if holds(rec, entry.token, entry.owner):
+        for session in list(sessions) if isinstance(sessions, set) else (sessions,):
+            token, owner, expires_at, _, _ = session.tracked[ev.run_id]
+            if holds(rec, token, owner):
                 assert rec is not None and rec.lease is not None
-                if rec.lease.expires_at != entry.expires_at:
-                    self._arm(session, ev.run_id, entry.token, entry.owner, rec.lease.expires_at)
+                if rec.lease.expires_at != expires_at:
+                    self._arm(session, ev.run_id, token, owner, rec.lease.expires_at)
                 continue
             self.untrack(session, ev.run_id)
             own_drop = (
                 rec is not None
-                and rec.fencing_token == entry.token
+                and rec.fencing_token == token
                 and ev.cause in (L.Finish, L.Release, L.Suspend)
                 and ev.previous is not None
                 and ev.previous.lease is not None
@@ -269,9 +302,7 @@ class FenceHub:
             )
             if own_drop:
                 continue  # this worker's own handle finished/released/suspended it
-            self.push_lost(
-                session, ev.run_id, entry.token, lost_reason(rec, entry.token, ev.cause), rec
-            )
+            self.push_lost(session, ev.run_id, token, lost_reason(rec, token, ev.cause), rec)
 
     def push_lost(
         self, session: Session, run_id: str, token: int, reason: int, rec: Record | None
@@ -293,15 +324,25 @@ class FenceHub:
         now = self.clock.now_ms()
         dl = self._deadlines
         while dl and dl[0][0] <= now:
-            expires_at, _, run_id, session = heapq.heappop(dl)
-            entry = session.tracked.get(run_id)
-            if entry is None or entry.expires_at != expires_at or entry.expiring_sent:
-                continue  # stale heap entry
-            entry.expiring_sent = True
+            deadline, _, run_id, key = heapq.heappop(dl)
+            session = self._armed.get(key)
+            entry = session.tracked.get(run_id) if session is not None else None
+            if session is None or entry is None:
+                continue  # stale: the stream ended, or the run is no longer tracked
+            token, owner, expires_at, sent, scheduled = entry
+            if scheduled != deadline:
+                continue  # stale: re-armed for an earlier deadline
+            if expires_at > now:  # renewed since: due again at the new expiry
+                heapq.heappush(dl, (expires_at, next(self._seq), run_id, key))
+                session.tracked[run_id] = (token, owner, expires_at, sent, expires_at)
+                continue
+            session.tracked[run_id] = (token, owner, expires_at, True, 0)
+            if sent:
+                continue
             session.send(
                 pb.KeepAliveResponse(
                     expiring=pb.KeepAliveExpiring(
-                        run_id=run_id, fencing_token=entry.token, expires_at=_ts(expires_at)
+                        run_id=run_id, fencing_token=token, expires_at=_ts(expires_at)
                     )
                 )
             )

@@ -293,7 +293,7 @@ class Dashboard:
 
     async def metrics(self, request: web.Request) -> web.Response:
         m = self.app.metrics
-        body = m.render() if m is not None else b""
+        body = await m.render_async() if m is not None else b""
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def healthz(self, request: web.Request) -> web.Response:

@@ -199,6 +199,64 @@ async def test_expiring_when_renewals_stop_and_rearmed_by_renewal(aio, clock) ->
     assert (await s.recv()).WhichOneof("kind") == "expiring"
 
 
+async def test_renewals_move_the_expiry_and_the_expiry_heap_keeps_one_entry_per_run(
+    aio, clock, server  # type: ignore[no-untyped-def]
+) -> None:
+    """A renewal that moves the expiry later adds no heap entry (the earlier one
+    re-arms when it comes due), so `expiring` comes once, at the latest expiry;
+    one that moves it earlier (a shorter ttl) is armed at once."""
+    ledger, _ = aio
+    hub = server.app.hub
+    run = await acquire(ledger, "r", "w", lease_ttl_ms=1_000)
+    s = await open_stream(ledger, "w")
+    await s.send(track=pb.KeepAliveTrack(run_id="r", fencing_token=run.fencing_token))
+    await s.nothing(0.1)
+    for _ in range(5):
+        clock.advance(600)  # past the first expiry's entry, never the lease's
+        await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=run.fencing_token))
+        renewed = (await s.recv()).renewed
+        assert renewed.expires_at.ToMilliseconds() == clock.now_ms() + 1_000
+        await s.nothing(0.1)
+    assert len(hub._deadlines) == 1  # not one per renewal
+    last = renewed.expires_at.ToMilliseconds()
+    clock.advance(999)
+    await s.nothing(0.15)
+    clock.advance(1)
+    exp = (await s.recv()).expiring
+    assert exp.expires_at.ToMilliseconds() == last == clock.now_ms()
+    await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=run.fencing_token,
+                                         lease_ttl_ms=60_000))
+    assert (await s.recv()).WhichOneof("kind") == "renewed"
+    await s.send(renew=pb.KeepAliveRenew(run_id="r", fencing_token=run.fencing_token,
+                                         lease_ttl_ms=500))  # earlier than the armed 60 s
+    short = (await s.recv()).renewed.expires_at.ToMilliseconds()
+    assert short == clock.now_ms() + 500
+    clock.advance(500)
+    assert (await s.recv()).expiring.expires_at.ToMilliseconds() == short
+
+
+async def test_two_streams_tracking_one_run_each_get_lost_and_untrack_alone(
+    aio, server  # type: ignore[no-untyped-def]
+) -> None:
+    ledger, _ = aio
+    hub = server.app.hub
+    run = await acquire(ledger, "r", "w")
+    a, b, c = [await open_stream(ledger, "w") for _ in range(3)]
+    for s in (a, b, c):
+        await s.send(track=pb.KeepAliveTrack(run_id="r", fencing_token=run.fencing_token))
+    await a.send(untrack=pb.KeepAliveUntrack(run_id="r"))
+    await a.nothing(0.2)
+    assert len(hub.by_run["r"]) == 2  # type: ignore[arg-type]
+    await b.send(untrack=pb.KeepAliveUntrack(run_id="r"))
+    await b.nothing(0.2)
+    assert hub.by_run["r"] in hub.sessions  # one session left: held as itself, not a set
+    await ledger.Cancel(pb.CancelRequest(run_id="r"))
+    assert (await c.recv()).lost.reason == pb.LOST_REASON_CANCELLED
+    await a.nothing(0.2)
+    await b.nothing(0)
+    assert "r" not in hub.by_run
+
+
 async def test_untrack_stops_pushes(aio) -> None:  # type: ignore[no-untyped-def]
     ledger, _ = aio
     run = await acquire(ledger, "r", "w")
