@@ -15,9 +15,13 @@ creation order), on a fresh SQLite file at durability FULL:
 4. **Listing**: ListRuns filtered to RUNNING (the live runs, among all) and the
    first unfiltered page of 100, medians of 5 calls each.
 
-Every process started is stopped; the temp directory is removed.
+Every process started is stopped; the temp directory is removed. With
+``--keep DIR`` the filled files stay in DIR (``random-1000000-1000.db`` and
+its fill figures beside it) and a later run with the same sizes reuses them,
+skipping the fill: restart and listing can be measured again in a minute.
 
     .venv/bin/python bench/scale.py [--runs 1000000] [--ids random,sorted] [--live 1000]
+                                    [--keep DIR]
 """
 
 from __future__ import annotations
@@ -155,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                    default=[10_000, 100_000, 300_000, 1_000_000])
     p.add_argument("--submitters", type=int, default=256)
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "scale.json")
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="keep the filled files in DIR, and reuse those already there")
     args = p.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="fencepost-scale-"))
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
@@ -168,10 +176,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.ids}", flush=True)
     try:
         for order in args.ids.split(","):
-            path = workdir / f"{order}.db"
-            t0 = time.perf_counter()
-            fill = asyncio.run(_fill(path, order, args))
-            fill["fill_s"] = round(time.perf_counter() - t0, 1)
+            name = f"{order}-{args.runs}-{args.live}"
+            path = (args.keep or workdir) / f"{name}.db"
+            kept = path.with_suffix(".fill.json")
+            if args.keep is not None and path.exists() and kept.exists():
+                fill = json.loads(kept.read_text())
+                fill["reused"] = str(path)
+                print(f"  {order:<6} reusing {path} (filled {fill['filled_at']})", flush=True)
+            else:
+                path.unlink(missing_ok=True)
+                t0 = time.perf_counter()
+                fill = asyncio.run(_fill(path, order, args))
+                fill["fill_s"] = round(time.perf_counter() - t0, 1)
+                fill["filled_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+                if args.keep is not None:
+                    kept.write_text(json.dumps(fill, indent=2) + "\n")
             slices = fill["slices"]
             if len(slices) >= 2:
                 fill["growth"] = round(slices[-1]["us_per_run"] / slices[0]["us_per_run"], 3)
@@ -184,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"SERVING {fill['serving_s']:.2f} s at {fill['rss_mib']} MiB RSS; ListRuns "
                   f"RUNNING ({fill['list_running_count']}) {fill['list_running_ms']} ms, "
                   f"first page {fill['list_first_page_ms']} ms", flush=True)
-            path.unlink(missing_ok=True)
+            if args.keep is None:
+                path.unlink(missing_ok=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
