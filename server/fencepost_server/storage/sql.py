@@ -164,12 +164,15 @@ class SqlStorage:
         raise NotImplementedError
 
 
-    def load(self) -> LoadedState:
+    def load(self, prepare: Callable[[LoadedState], None] | None = None) -> LoadedState:
         """The committed ledger: the unfinished runs of the runs table, plus the
         changes above its materialized mark replayed in order — which are then
         written to runs (one transaction), so the writer starts with nothing
         pending. Finished runs are not read: ``cold`` lists their ids (from
-        the status index alone); ``read_runs`` reads them when asked."""
+        the status index alone); ``read_runs`` reads them when asked.
+        ``prepare`` is called with the state before load returns (SQLite:
+        while the start-up integrity check may still be reading the file; its
+        verdict is awaited afterwards and fails the load as before)."""
         db = self.db
         state = LoadedState()
         marks = ",".join("?" * len(HOT_STATUSES))
@@ -208,6 +211,8 @@ class SqlStorage:
                 replayed.setdefault(key, []).append(run_id)
         state.cold += [(st, owner, ids) for (st, owner), ids in replayed.items()]
         state.compacted = self._compacted(db, state.revision)
+        if prepare is not None:
+            prepare(state)
         return state
 
     def _cold_groups(
