@@ -125,7 +125,12 @@ def _restart(path: Path, workdir: Path, order: str) -> dict[str, Any]:
     ], workdir / f"serve-{order}.log")
     try:
         address = f"127.0.0.1:{port}"
-        with grpc.insecure_channel(address) as ch:
+        # Until the server listens, every connection attempt is refused, and a
+        # channel waits out gRPC's reconnect backoff (1 s, then 1.6 s...) before
+        # the next: the figure would be that backoff, not the server's start.
+        # Retry every 10 ms instead, as the health polls do.
+        retry = [(f"grpc.{k}_reconnect_backoff_ms", 10) for k in ("initial", "min", "max")]
+        with grpc.insecure_channel(address, options=retry) as ch:
             health = health_pb2_grpc.HealthStub(ch)
             while True:
                 if srv.proc.poll() is not None:
