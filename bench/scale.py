@@ -128,7 +128,7 @@ def _restart(path: Path, workdir: Path, order: str) -> dict[str, Any]:
         # Until the server listens, every connection attempt is refused, and a
         # channel waits out gRPC's reconnect backoff (1 s, then 1.6 s...) before
         # the next: the figure would be that backoff, not the server's start.
-        # Retry every 10 ms instead, as the health polls do.
+        # Retry every 10 ms instead (a readiness probe connects afresh each time).
         retry = [(f"grpc.{k}_reconnect_backoff_ms", 10) for k in ("initial", "min", "max")]
         with grpc.insecure_channel(address, options=retry) as ch:
             health = health_pb2_grpc.HealthStub(ch)
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="keep the filled files in DIR, and reuse those already there")
     args = p.parse_args(argv)
+    if args.restarts < 1:
+        p.error("--restarts must be at least 1")
     workdir = Path(tempfile.mkdtemp(prefix="fencepost-scale-"))
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
