@@ -32,7 +32,7 @@ from .core import ledger as L
 from .core.errors import Code, LedgerError, in_transaction, validation
 from .core.records import TERMINAL, Record, Status
 from .index import RunIndex
-from .storage.sql import KIND_DELETE, KIND_PUT, Batch, SqlStorage, broken, read_runs
+from .storage.sql import KIND_DELETE, KIND_PUT, Batch, LoadedState, SqlStorage, broken, read_runs
 
 log = logging.getLogger("fencepost.writer")
 
@@ -271,14 +271,22 @@ class Writer:
         stall every call, and a new leader's renewals (leadership.py) for long
         enough to lose the leadership it has just won."""
         self.storage.open()
-        loaded = self.storage.load()
+        built: list[RunIndex] = []
+
+        def index(state: LoadedState) -> None:
+            # inside load(): on SQLite the index is built while the integrity
+            # check still reads the file (SQLite's work leaves the GIL free)
+            built.append(RunIndex(state.runs.values(), cold=state.cold))
+            state.cold = []  # no longer needed: the index holds the ids
+
+        loaded = self.storage.load(index)
         self._materialized = loaded.revision  # load() wrote every replayed change
         self._pending.clear()
         return LedgerState(
             runs=loaded.runs,
             tombstones=loaded.tombstones,
             revision=loaded.revision,
-            index=RunIndex(loaded.runs.values(), cold=loaded.cold),
+            index=built[0],
             compacted=loaded.compacted,
         )
 

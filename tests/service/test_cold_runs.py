@@ -188,3 +188,92 @@ def test_a_fence_on_a_cold_run_is_checked_against_its_stored_record(
     )
     assert e.record == done
     assert not es.LatestCheckpoint(epb.EngineLatestCheckpointRequest(run_id="f1")).found
+
+
+@pytest.mark.parametrize("ids", ["random", "sorted"])
+async def test_a_restart_builds_the_same_index_as_inserts_one_at_a_time(
+    db: str, ids: str
+) -> None:
+    """Start-up builds the index in bulk from the status index's groups (in
+    the database's order) and the change log's replayed runs; it must equal
+    the index of the same runs inserted one at a time, on either backend and
+    for random (UUID) or sorted ids."""
+    import uuid
+
+    from fencepost_server.core import ledger as L
+    from fencepost_server.core.records import Outcome, Status
+    from fencepost_server.index import RunIndex
+    from fencepost_server.storage import SqliteStorage
+    from fencepost_server.storage.postgres import PostgresStorage, is_url
+    from fencepost_server.writer import Writer
+
+    def storage() -> Any:
+        return PostgresStorage(db) if is_url(db) else SqliteStorage(db)
+
+    serial = iter(range(10**6))
+
+    def new_id() -> str:
+        return uuid.uuid4().hex if ids == "random" else f"run-{next(serial):06d}"
+
+    async def fill(w: Writer, count: int) -> None:
+        for i in range(count):
+            run_id = new_id()
+            rec = await w.submit(L.Acquire(run_id, f"w{i % 3}"))
+            if i % 5 == 0:
+                continue  # stays running, with its owner
+            if i % 5 == 1:
+                await w.submit(L.Cancel(run_id))
+            elif i % 5 == 2:
+                await w.submit(L.Finish(run_id, f"w{i % 3}", rec.fencing_token, Status.FAILED,
+                                        Outcome("boom")))
+            else:
+                await w.submit(L.Finish(run_id, f"w{i % 3}", rec.fencing_token,
+                                        Status.COMPLETED))
+
+    clock = ManualClock(1_700_000_000_000)
+    w = Writer(storage(), clock, materialize_after_ms=0)
+    await w.start()
+    # ids that JSON escapes, or that sort apart in UTF-16 and in code points
+    for odd in ['q"uote', "back\\slash", "ünï", "\U0001f600-emoji", "\uff61-wide", "[a,b]"]:
+        rec = await w.submit(L.Acquire(odd, "w"))
+        await w.submit(L.Finish(odd, "w", rec.fencing_token, Status.COMPLETED))
+    await fill(w, 114)  # reach the runs table
+    await w.wait_idle()
+    w.materialize_after_ms = 3_600_000
+    await fill(w, 40)  # only in the change log: "dies" before copying them
+    w._pending.clear()
+    await w.close()
+
+    def entries(index: RunIndex) -> tuple[Any, ...]:
+        return (list(index.ids), {k: list(v) for k, v in index.by_status.items()},
+                {k: list(v) for k, v in index.by_owner.items()})
+
+    def one_at_a_time(records: dict[str, Any]) -> RunIndex:
+        index = RunIndex()
+        for rec in sorted(records.values(), key=lambda r: r.revision):
+            index.update(None, rec)
+        return index
+
+    # the first start replays the change log (and copies it to runs) ...
+    first = storage()
+    first.open()
+    try:
+        state = first.load()
+        assert state.replayed > 0 and state.cold
+        cold_ids = [k for _, _, group in state.cold for k in group]
+        records = {**first.read_runs(cold_ids), **state.runs}
+        assert len(records) == len(cold_ids) + len(state.runs) == 160
+        built = RunIndex(state.runs.values(), cold=state.cold)
+        assert entries(built) == entries(one_at_a_time(records))
+        assert list(built.ids) == sorted(records) and len(built.by_status) == 4
+    finally:
+        first.close()
+    # ... the next one reads the runs table alone
+    w2 = Writer(storage(), clock)
+    await w2.start()
+    try:
+        cold = [k for k in w2.state.index if w2.is_cold(k)]
+        assert {**await w2.read_runs(cold), **w2.state.runs} == records
+        assert entries(w2.state.index) == entries(one_at_a_time(records))
+    finally:
+        await w2.close()

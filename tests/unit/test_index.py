@@ -113,3 +113,46 @@ def test_a_prefixed_walk_either_way_equals_a_full_scan(
         expected = [k for k in keys if bound is None or k > bound]
         walk = index.walk(statuses, owner, prefix=prefix, after=bound)
     assert [k for k in walk if _admits(runs[k], statuses, owner)] == expected
+
+
+def _entries(index: RunIndex) -> tuple[list[str], dict[Status, list[str]], dict[str, list[str]]]:
+    return (list(index.ids), {k: list(v) for k, v in index.by_status.items()},
+            {k: list(v) for k, v in index.by_owner.items()})
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.dictionaries(
+        st.one_of(st.uuids().map(lambda u: u.hex),
+                  st.integers(0, 10**6).map(lambda i: f"r{i:07d}")),
+        st.tuples(st.sampled_from(list(Status)), st.sampled_from(OWNERS), st.booleans()),
+        max_size=80,
+    ),
+    order=st.sampled_from(["sorted", "reversed", "shuffled"]),
+    data=st.data(),
+)
+def test_the_bulk_build_from_groups_equals_inserts_one_at_a_time(
+    runs: dict, order: str, data: st.DataObject
+) -> None:
+    """What start-up does (records in memory, the rest as (status, owner, ids)
+    groups in whatever order the database gives them) builds exactly the
+    index that inserting every run one at a time builds, for random (UUID)
+    and sorted ids alike."""
+    records = {k: _record(k, status, owner) for k, (status, owner, _) in runs.items()}
+    one_by_one = RunIndex()
+    for rec in data.draw(st.permutations(list(records.values()))):
+        one_by_one.update(None, rec)
+    hot = [records[k] for k, (_, _, in_memory) in runs.items() if in_memory]
+    groups: dict[tuple[int, str | None], list[str]] = {}
+    for k, (status, owner, in_memory) in runs.items():
+        if not in_memory:
+            groups.setdefault((int(status), owner or None), []).append(k)
+    cold = []
+    for (status, owner), ids in groups.items():
+        ids = sorted(ids, reverse=order == "reversed")
+        if order == "shuffled":
+            ids = data.draw(st.permutations(ids))
+        # a group may come split in two (the log's replayed runs join as their own)
+        cut = data.draw(st.integers(0, len(ids)))
+        cold += [(status, owner, ids[:cut]), (status, owner, ids[cut:])]
+    assert _entries(RunIndex(hot, cold=cold)) == _entries(one_by_one)

@@ -330,6 +330,7 @@ class PostgresStorage(SqlStorage):
 
     backend = "postgresql"
     GREATEST = "GREATEST"
+    ID_ARRAY = "json_agg(run_id ORDER BY run_id)::text"
     ERRORS = (psycopg.Error,)
 
     def __init__(self, url: str, *, durable: bool = True, name: str = "fencepost") -> None:

@@ -16,6 +16,7 @@ import fcntl
 import os
 import sqlite3
 import threading
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -313,9 +314,9 @@ class SqliteStorage(SqlStorage):
                 "backup, or salvage it with the sqlite3 shell's .recover"
             )
 
-    def load(self) -> LoadedState:
+    def load(self, prepare: Callable[[LoadedState], None] | None = None) -> LoadedState:
         try:
-            state = super().load()
+            state = super().load(prepare)
         except sqlite3.DatabaseError as exc:
             raise self._verdict(RuntimeError(
                 f"{self.path} is not a usable fencepost database ({exc}); refusing to start"
