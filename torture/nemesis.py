@@ -395,7 +395,8 @@ class Nemesis:
                 self.skip(fault, t, "the leader wrote nothing within 2 s")
                 return
             self.stalled.append((time.monotonic() + fault.param, backends))
-            self.record(kind="pg-stall", t=t, slot=c.slot, pid=c.pid, backends=backends,
+            self.record(kind="pg-stall", t=t, at=time.monotonic_ns(), slot=c.slot, pid=c.pid,
+                        backends=backends,
                         seconds=fault.param, mid_commit=mid_commit,
                         renewals=len(backends) > 1)
         else:  # kill, stop, clock: aimed at the leader
@@ -412,8 +413,8 @@ class Nemesis:
                     mid = False
                     cl.stop(c)
                 self.stopped[c.slot] = (time.monotonic() + fault.param, pid)
-                self.record(kind="stop", t=t, slot=c.slot, pid=pid, seconds=fault.param,
-                            mid_batch=mid)
+                self.record(kind="stop", t=t, at=time.monotonic_ns(), slot=c.slot, pid=pid,
+                            seconds=fault.param, mid_batch=mid)
             elif kind == "clock":
                 try:
                     now = cl.jump_clock(c, int(fault.param))
@@ -421,8 +422,8 @@ class Nemesis:
                     self.record(kind="clock-failed", t=t, slot=c.slot, pid=c.pid,
                                 ms=int(fault.param), error=repr(exc))
                     return
-                self.record(kind="clock", t=t, slot=c.slot, pid=c.pid, ms=int(fault.param),
-                            offset=c.offset_ms, server_now=now)
+                self.record(kind="clock", t=t, at=time.monotonic_ns(), slot=c.slot, pid=c.pid,
+                            ms=int(fault.param), offset=c.offset_ms, server_now=now)
 
     def kill_leader(self, c: Any, downtime_s: float, t: int) -> None:
         """SIGKILL the leader; once another serves, the probes read every run

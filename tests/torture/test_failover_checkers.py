@@ -172,3 +172,25 @@ def test_deposed_leaders_must_exit_3() -> None:
     crashed = _timeline({"kind": "exit", "slot": 1, "pid": 11, "code": 1, "t": 900 * MS})
     bad = check_deposed([end], crashed, skew_ms=500, clock_slack_ms=250)
     assert len(bad) == 1 and "code 1" in bad[0].message
+
+
+def test_a_fault_is_held_against_the_process_it_struck_not_the_one_alive_when_it_began() -> None:
+    """The nemesis takes a fault's time, then waits for a leader: a coordinator
+    spawned meanwhile (pid 12, at 300 ms) may be the one it SIGKILLs (at
+    400 ms) or SIGSTOPs. The fault is held against that process."""
+    end = {"kind": "stop-all", "t": 60_000 * MS}
+    spawned = [{"kind": "spawn", "slot": 0, "pid": 12, "t": 300 * MS}]
+    killed = _timeline(*spawned, {"kind": "exit", "slot": 0, "pid": 12, "code": -9,
+                                   "t": 401 * MS})
+    kill = {"kind": "kill", "t": 250 * MS, "slot": 0, "pid": 12, "killed": 400 * MS,
+            "up": 2000 * MS}
+    assert check_deposed([kill, end], killed, skew_ms=500, clock_slack_ms=250) == []
+    bad = check_deposed([{**kill, "pid": 13}, end], killed, skew_ms=500, clock_slack_ms=250)
+    assert len(bad) == 1 and "pid 12) exited with code -9" in bad[0].message
+    # SIGSTOPped after the wait, continued, and never exiting 3: caught
+    stop = {"kind": "stop", "t": 250 * MS, "at": 400 * MS, "slot": 0, "pid": 12,
+            "seconds": 2.5}
+    cont = {"kind": "cont", "t": 2900 * MS, "slot": 0, "pid": 12}
+    bad = check_deposed([stop, cont, end], _timeline(*spawned), skew_ms=500,
+                        clock_slack_ms=250)
+    assert len(bad) == 1 and "pid 12) was SIGSTOPped" in bad[0].message
