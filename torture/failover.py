@@ -331,11 +331,14 @@ def check_deposed(faults: list[dict[str, Any]], tl: Timeline, *, skew_ms: int,
                   clock_slack_ms: int) -> list[Violation]:
     bad: list[Violation] = []
 
+    def struck(f: dict[str, Any]) -> int:
+        # when the fault struck (``killed``, ``at``): after it began (``t``) when
+        # the nemesis first waited for a leader and a restarted coordinator took over
+        return int(f.get("killed") or f.get("at") or f["t"])
+
     def proc(f: dict[str, Any]) -> Proc | None:
-        # the process the fault struck: alive when it was struck (``killed``,
-        # ``at``), which may be after the fault began (``t``) when the nemesis
-        # first waited for a leader and a restarted coordinator took over
-        return tl.find(f["slot"], f["pid"], f.get("killed") or f.get("at") or f["t"])
+        """The process the fault struck: the one alive when it struck."""
+        return tl.find(f["slot"], f["pid"], struck(f))
 
     killed = {id(p) for f in faults if f["kind"] == "kill" if (p := proc(f)) is not None}
     conts = {id(p): f["t"] for f in faults if f["kind"] == "cont" if (p := proc(f)) is not None}
@@ -366,11 +369,11 @@ def check_deposed(faults: list[dict[str, Any]], tl: Timeline, *, skew_ms: int,
                 must_exit_3(p, cont, f"was SIGSTOPped for {f['seconds']:.1f} s as leader "
                             "(longer than the leader lease)")
         elif f["kind"] == "pg-stall" and f.get("renewals", True):
-            must_exit_3(proc(f), f.get("at") or f["t"],
+            must_exit_3(proc(f), struck(f),
                         f"had its database sessions stalled mid-batch for "
                         f"{f['seconds']:.1f} s as leader")
         elif f["kind"] == "clock" and skew_ms and f["offset"] > skew_ms + clock_slack_ms:
-            must_exit_3(proc(f), f.get("at") or f["t"],
+            must_exit_3(proc(f), struck(f),
                         f"led with its clock {f['offset']} ms ahead "
                         f"(--max-clock-skew {skew_ms} ms)")
         elif f["kind"] == "kill" and f.get("up") is None:
