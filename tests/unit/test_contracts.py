@@ -74,8 +74,10 @@ def test_only_the_storage_module_connects_and_only_the_writer_opens_it() -> None
     assert set(connectors) == {"storage/sqlite.py"}
     assert set(openers) == {"writer.py"}
     src = (SERVER / "storage" / "sqlite.py").read_text()
-    # the only other connection is read-only
-    assert src.count("sqlite3.connect(") == 2 and "mode=ro" in src
+    # the other connections: read-only ones, and the checkpointer's, which may
+    # not change a row (tests/unit/test_sqlite_storage.py tries)
+    assert src.count("sqlite3.connect(") == 3 and "mode=ro" in src
+    assert 'PRAGMA query_only=1' in src
 
 
 def test_read_only_connection_cannot_write(tmp_path: Path) -> None:

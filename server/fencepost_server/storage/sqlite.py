@@ -4,6 +4,8 @@ One write connection, opened by the writer in its own thread (``open``), so
 per-connection pragmas stick. Every batch is one ``BEGIN IMMEDIATE ... COMMIT``
 in WAL mode with ``synchronous=FULL`` unless told otherwise: COMMIT returns
 only after the WAL is fsynced, and only then does the writer answer anyone.
+The WAL is copied into the database file by a checkpointer on a connection
+and thread of its own (``_Checkpointer``), not inside the writer's commits.
 
 The statements both backends share (load, the batch's write path) are in
 storage/sql.py; this module opens the file, holds its lock, migrates it
@@ -12,11 +14,16 @@ storage/sql.py; this module opens the file, holds its lock, migrates it
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
+import itertools
+import logging
 import os
+import re
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -34,6 +41,8 @@ from .sql import (  # noqa: F401  (re-exported: the writer, tests and benchmarks
     SqlStorage,
     read_runs,
 )
+
+log = logging.getLogger("fencepost.storage")
 
 SCHEMA_VERSION = 4
 
@@ -242,6 +251,7 @@ class SqliteStorage(SqlStorage):
         self._db = None
         self._lock_fd: int | None = None
         self._check: _QuickCheck | None = None
+        self._checkpointer: _Checkpointer | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -252,7 +262,8 @@ class SqliteStorage(SqlStorage):
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self._lock_fd = _lock_exclusively(self.path)
         try:
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                 factory=_WriteConnection)
         except BaseException:
             self._unlock()
             raise
@@ -264,6 +275,12 @@ class SqliteStorage(SqlStorage):
             db.execute(f"PRAGMA synchronous={sync}")
             db.execute("PRAGMA busy_timeout=5000")
             db.execute("PRAGMA foreign_keys=ON")
+            if self.path != ":memory:":
+                # SQLite's own checkpoint runs inside the COMMIT that crosses
+                # its threshold, holding that batch (and every caller queued
+                # behind it) for the copy and the database file's fsync
+                db.execute("PRAGMA wal_autocheckpoint=0")
+                self._checkpointer = _Checkpointer(self.path, sync)
             # A damaged page anywhere (not only in what load() reads) refuses the file,
             # untouched, instead of serving from it (found by tests/system/test_disk_faults.py).
             # The check reads the whole file, so it runs on a connection and a
@@ -288,8 +305,14 @@ class SqliteStorage(SqlStorage):
 
     def _abandon(self, db: sqlite3.Connection) -> None:
         self._db = None
+        self._stop_checkpointer()
         db.close()
         self._unlock()
+
+    def _stop_checkpointer(self) -> None:
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            checkpointer.close()
 
     def _verdict(self, exc: BaseException) -> BaseException:
         """The error to report for a failed start: the integrity check's when
@@ -360,6 +383,7 @@ class SqliteStorage(SqlStorage):
                 raise
 
     def close(self) -> None:
+        self._stop_checkpointer()
         if self._db is not None:
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -371,7 +395,23 @@ class SqliteStorage(SqlStorage):
 
     def _begin(self, db: sqlite3.Connection) -> None:
         self._verified()  # never write to a file the start-up check has not passed
+        if self._checkpointer is not None:
+            self._checkpointer.finish(db)
         db.execute("BEGIN IMMEDIATE")
+
+    def _commit(self, db: sqlite3.Connection) -> None:
+        db.execute("COMMIT")
+        if self._checkpointer is not None:
+            self._checkpointer.due()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        try:
+            with super().transaction():
+                yield
+        finally:
+            if self._checkpointer is not None:
+                self._checkpointer.release()
 
     def _storage_error(self, exc: BaseException) -> LedgerError:
         code = getattr(exc, "sqlite_errorcode", None)
@@ -418,6 +458,155 @@ class _QuickCheck:
     def result(self) -> list[str]:
         self._done.wait()
         return self._found
+
+
+# "INSERT INTO t (a, b) VALUES (?, ?) [ON CONFLICT ...]": one row's statement
+_ROW_INSERT = re.compile(r"(INSERT INTO \w+ \([^)]*\) VALUES )(\(\?(?:, ?\?)*\))(.*)",
+                         re.DOTALL)
+# the rows per statement _WriteConnection.executemany uses (largest first)
+_CHUNKS = (256, 64, 16, 4, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _multi_row(head: str, row: str, tail: str, rows: int) -> str:
+    return head + ",".join(itertools.repeat(row, rows)) + tail
+
+
+class _WriteConnection(sqlite3.Connection):
+    """The writer's connection: ``executemany`` of a one-row ``INSERT ...
+    VALUES (?, ...)`` runs as a few multi-row INSERTs (chunks of ``_CHUNKS``
+    rows, each chunk size one cached statement) instead of one statement step
+    per row. The sqlite3 module lets go of the GIL around every step and must
+    take it back after; while the event loop is busy each take-back can wait a
+    whole switch interval (5 ms), so the 512 rows of a batch stepped one by one
+    could hold the writer, and every caller queued behind it, for a second.
+    Rows are inserted in order, so an upsert's conflicts resolve as they would
+    one row at a time (docs/ARCHITECTURE.md, "Decisions worth knowing")."""
+
+    def executemany(  # type: ignore[override]
+        self, sql: str, rows: Iterable[Sequence[Any]], /
+    ) -> sqlite3.Cursor:
+        insert = _ROW_INSERT.fullmatch(sql)
+        if insert is None:
+            return super().executemany(sql, rows)
+        head, row, tail = insert.groups()
+        rows = rows if isinstance(rows, list) else list(rows)
+        cursor, at = self.cursor(), 0
+        for size in _CHUNKS:
+            while len(rows) - at >= size:
+                chunk = rows[at:at + size]
+                cursor.execute(_multi_row(head, row, tail, size),
+                               list(itertools.chain.from_iterable(chunk)))
+                at += size
+        return cursor
+
+
+class _Checkpointer:
+    """Copies committed WAL frames into the database file with ``PRAGMA
+    wal_checkpoint(PASSIVE)`` on a connection (``query_only``: it changes no
+    row) and a thread of its own, at most every ``PAUSE_S`` while commits come.
+    A passive checkpoint never blocks the writer, so no commit waits for a
+    checkpoint's copying or for the database file's fsync.
+
+    The WAL starts over from its beginning only at a commit that finds every
+    frame copied and no other connection in the WAL's read locks, which a
+    checkpoint racing the commits on another thread seldom leaves behind. So
+    once the WAL holds ``RESET_FRAMES`` frames the checkpointer copies back to
+    back (up to ``CLOSING_PASSES`` times) until at most ``CLOSE_FRAMES`` are
+    left and hands over: before its next batch the writer takes the turn
+    (the checkpointer waits), copies that remainder itself (``finish``), and
+    gives the turn back when the batch ends (``release``); that batch's
+    commit starts the WAL over, and the writer's share of the copying stays
+    small. Checkpoint failures (a full disk, say) are logged once and
+    retried; the WAL keeps every commit until a checkpoint succeeds.
+    """
+
+    PAUSE_S = 0.2
+    RESET_FRAMES = 4096  # 16 MiB of 4 KiB pages
+    CLOSE_FRAMES = 256
+    CLOSING_PASSES = 8
+
+    def __init__(self, path: str, synchronous: str) -> None:
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA query_only=1")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
+        self._due = threading.Event()
+        self._closing = threading.Event()
+        self._turn = threading.Lock()  # one of the two checkpoints at a time
+        self._finish_wanted = False
+        self._writer_holds = False
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="fencepost-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+
+    def due(self) -> None:
+        """A commit added frames (called by the writer after each COMMIT)."""
+        self._due.set()
+
+    def finish(self, db: sqlite3.Connection) -> None:
+        """In the writer, before a batch: when the checkpointer asked, take
+        the turn and copy what it left, so that this batch restarts the WAL."""
+        if not self._finish_wanted or self._writer_holds:
+            return
+        self._finish_wanted = False
+        self._turn.acquire()
+        self._writer_holds = True
+        try:
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error as exc:
+            log.warning("WAL checkpoint by the writer failed (retried later): %s", exc)
+
+    def release(self) -> None:
+        """In the writer, when a batch ended (committed or not)."""
+        if self._writer_holds:
+            self._writer_holds = False
+            self._turn.release()
+
+    def _checkpoint(self) -> tuple[int, int] | None:
+        """(frames in the WAL, frames copied), or None if it failed."""
+        try:
+            with self._turn:
+                # fetchall: a statement left unfinished would hold a read lock
+                # that keeps the WAL from starting over
+                ((_busy, frames, copied),) = self._db.execute(
+                    "PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error as exc:
+            if not self._failing:
+                log.warning("WAL checkpoint failed (retried while commits come): %s", exc)
+            self._failing = True
+            return None
+        if self._failing:
+            log.info("WAL checkpoint succeeded again")
+        self._failing = False
+        return frames, copied
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._due.wait()
+                if self._closing.is_set():
+                    return
+                self._due.clear()
+                done = self._checkpoint()
+                for _ in range(self.CLOSING_PASSES):  # bounded: a reader may pin frames
+                    if (done is None or done[0] < self.RESET_FRAMES
+                            or done[0] - done[1] <= self.CLOSE_FRAMES
+                            or self._closing.is_set()):
+                        break
+                    done = self._checkpoint()
+                if done is not None and done[0] >= self.RESET_FRAMES:
+                    # the WAL has not started over for a while: the writer's turn
+                    self._finish_wanted = True
+                if self._closing.wait(self.PAUSE_S):
+                    return
+        finally:
+            self._db.close()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._due.set()
+        self._thread.join()
 
 
 def finished_before(
