@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,19 @@ def _second_server(db: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def _settled_hash(db: Path, quiet_s: float = 2.5, limit_s: float = 20.0) -> str:
+    """The file's hash once it has not changed for ``quiet_s``."""
+    deadline = time.monotonic() + limit_s
+    digest, since = hashlib.sha256(db.read_bytes()).hexdigest(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, "the first server kept writing its file"
+        time.sleep(0.1)
+        now = hashlib.sha256(db.read_bytes()).hexdigest()
+        if now != digest:
+            digest, since = now, time.monotonic()
+    return digest
+
+
 def test_a_second_server_on_the_same_file_refuses_to_start(tmp_path: Path) -> None:
     db = tmp_path / "fencepost.db"
     first = ServerProc(db, tmp_path / "first.log").start()
@@ -33,7 +47,9 @@ def test_a_second_server_on_the_same_file_refuses_to_start(tmp_path: Path) -> No
                 ledger_pb2.AcquireRequest(run_id="r1", owner="w1", lease_ttl_ms=60_000),
                 timeout=10,
             )
-        before = hashlib.sha256(db.read_bytes()).hexdigest()
+        # the first server is done with its own writing: its runs table caught
+        # up and its checkpoints (beside the writer) copied the WAL
+        before = _settled_hash(db)
         second = _second_server(db)
         assert second.returncode == 1, second.stderr
         assert str(db) in second.stderr and "in use by another fencepost server" in second.stderr
