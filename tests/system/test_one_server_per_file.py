@@ -23,8 +23,6 @@ def _second_server(db: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(90)
 def _settled_hash(db: Path, quiet_s: float = 2.5, limit_s: float = 20.0) -> str:
     """The file's hash once it has not changed for ``quiet_s``."""
     deadline = time.monotonic() + limit_s
@@ -38,6 +36,8 @@ def _settled_hash(db: Path, quiet_s: float = 2.5, limit_s: float = 20.0) -> str:
     return digest
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_second_server_on_the_same_file_refuses_to_start(tmp_path: Path) -> None:
     db = tmp_path / "fencepost.db"
     first = ServerProc(db, tmp_path / "first.log").start()

@@ -46,6 +46,11 @@ def test_executemany_of_an_insert_gives_what_one_row_at_a_time_gives(
     assert got == plain.execute("SELECT k, v FROM t ORDER BY k").fetchall()
     # chunks of 256, 64, 16, 4 and 1 rows: at most 3 statements per size
     assert len(statements) <= 4 * 3 + 3 + (1 if rows >= 256 else 0) + rows // 256
+    # exactly: as many of each size as fit in what the larger ones left
+    expected, left = 0, rows
+    for size in (256, 64, 16, 4, 1):
+        expected, left = expected + left // size, left % size
+    assert len(statements) == expected
     if rows >= 16:
         assert len(statements) < rows / 4
 

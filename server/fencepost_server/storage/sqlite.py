@@ -477,11 +477,12 @@ class _WriteConnection(sqlite3.Connection):
     VALUES (?, ...)`` runs as a few multi-row INSERTs (chunks of ``_CHUNKS``
     rows, each chunk size one cached statement) instead of one statement step
     per row. The sqlite3 module lets go of the GIL around every step and must
-    take it back after; while the event loop is busy each take-back can wait a
-    whole switch interval (5 ms), so the 512 rows of a batch stepped one by one
-    could hold the writer, and every caller queued behind it, for a second.
-    Rows are inserted in order, so an upsert's conflicts resolve as they would
-    one row at a time (docs/ARCHITECTURE.md, "Decisions worth knowing")."""
+    take it back after; while another thread runs Python each take-back can
+    wait a whole switch interval (5 ms): 80 rows beside a spinning thread took
+    86-93 ms stepped one by one and 11-16 ms as one statement (the measurement
+    is in docs/PERFORMANCE_LOG.md). Rows are inserted in order, so an
+    upsert's conflicts resolve as they would one row at a time
+    (docs/ARCHITECTURE.md, "Decisions worth knowing")."""
 
     def executemany(  # type: ignore[override]
         self, sql: str, rows: Iterable[Sequence[Any]], /
