@@ -129,6 +129,8 @@ def record_from_pb(m: rpb.Run, prefix: str) -> Record:
 
 def acquire(req: lpb.AcquireRequest) -> L.Acquire:
     ttl = req.lease_ttl_ms if req.HasField("lease_ttl_ms") else DEFAULT_TTL_MS
+    if req.track_on:  # not part of the command: where to track its lease
+        validate.stream_name(req.track_on, "track_on")
     return validate.command(  # type: ignore[return-value]
         L.Acquire(req.run_id, req.owner, ttl, req.lock_delay_ms, req.request_id)
     )

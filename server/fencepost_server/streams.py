@@ -106,6 +106,8 @@ class Session:
     renewing: set[str] = field(default_factory=set)
     # names the session in the expiry heap (an int: the heap's entries hold no object)
     key: int = field(default_factory=lambda: next(_session_keys))
+    # the client's name for the stream (KeepAliveHello.stream_name), or ""
+    name: str = ""
 
     def send(self, msg: pb.KeepAliveResponse) -> None:
         if self.stop.reason is not None:
@@ -144,6 +146,8 @@ class FenceHub:
         self._task: asyncio.Task[None] | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self.sessions: set[Session] = set()
+        # KeepAliveHello.stream_name -> the open session it names
+        self.named: dict[str, Session] = {}
         self.watchers: set[Watch] = set()
         self._cold_reads: set[asyncio.Task[None]] = set()
         # `lost` pushes sent, by LostReason number (metrics.py)
@@ -244,8 +248,17 @@ class FenceHub:
                 if len(have) == 1:
                     self.by_run[run_id] = next(iter(have))
 
+    def add(self, session: Session, name: str) -> None:
+        """A new KeepAlive session; ``name`` (may be empty) lets acquires find it."""
+        self.sessions.add(session)
+        if name:
+            session.name = name
+            self.named[name] = session  # a reconnect takes the name over
+
     def drop(self, session: Session) -> None:
         self.sessions.discard(session)
+        if session.name and self.named.get(session.name) is session:
+            del self.named[session.name]
         self._armed.pop(session.key, None)
         for run_id in list(session.tracked):
             self.untrack(session, run_id)

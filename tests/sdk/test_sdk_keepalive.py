@@ -177,6 +177,66 @@ async def test_a_release_of_its_own_is_not_a_loss(
     assert holder._renewer.sessions == 1  # type: ignore[attr-defined]
 
 
+async def _stream_named(server: ServerThread, client: fencepost.Client) -> None:
+    """Wait until the server knows the name of the client's open KeepAlive stream."""
+    hub = server.app.hub  # type: ignore[union-attr]
+    deadline = time.monotonic() + WAIT_S
+    while not ((name := client._renewer.stream_name()) and name in hub.named):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the KeepAlive stream never named itself"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("drop", ["finish", "release", "suspend"])
+async def test_a_lease_is_tracked_and_dropped_with_no_message_on_the_stream(
+    server: ServerThread, holder: fencepost.Client, rival: fencepost.Client,
+    losses: Losses, drop: str,
+) -> None:
+    """The acquire's commit tracks the lease on the client's stream, and the
+    holder's own finish, release or suspend ends the tracking in its commit:
+    a worker's lifecycle sends nothing on the KeepAlive stream, yet a fence
+    moved in between is still pushed."""
+    await holder.acquire("warm-up", ttl_ms=60_000)  # opens and names the stream
+    await _stream_named(server, holder)
+    sent = holder._renewer.messages  # type: ignore[attr-defined]
+    lease = await holder.acquire("run-1", ttl_ms=60_000)
+    await tracked(server, "run-1")
+    await getattr(lease, drop)()
+    await tracked(server, "run-1", present=False)
+    watched = await holder.acquire("run-2", ttl_ms=60_000)
+    await rival.cancel("run-2", "operator says stop")
+    await asyncio.wait_for(watched.lost.wait(), WAIT_S)
+    assert watched.lost_reason is LostReason.CANCELLED
+    assert losses.calls == [(watched, LostReason.CANCELLED)]
+    assert holder._renewer.messages == sent  # type: ignore[attr-defined]
+
+
+async def test_a_refused_finish_leaves_the_lease_tracked(
+    server: ServerThread, holder: fencepost.Client, rival: fencepost.Client, losses: Losses
+) -> None:
+    await holder.acquire("warm-up", ttl_ms=60_000)
+    await _stream_named(server, holder)
+    lease = await holder.acquire("run-1", ttl_ms=60_000)
+    with pytest.raises(fencepost.FencepostError):
+        await lease.finish("failed")  # a failed run needs an outcome code: refused
+    assert lease.is_active
+    await rival.cancel("run-1", "operator says stop")
+    await asyncio.wait_for(lease.lost.wait(), WAIT_S)
+    assert losses.calls == [(lease, LostReason.CANCELLED)]
+
+
+async def test_an_acquire_before_the_stream_is_named_is_tracked_by_message(
+    server: ServerThread, holder: fencepost.Client, rival: fencepost.Client, losses: Losses
+) -> None:
+    """The first acquire opens the stream, so it cannot name it: the client
+    sends `track` as soon as the stream is up."""
+    lease = await holder.acquire("run-1", ttl_ms=60_000)
+    await tracked(server, "run-1")
+    assert holder._renewer.messages == 2  # type: ignore[attr-defined]  # hello, track
+    await rival.cancel("run-1", "operator says stop")
+    await asyncio.wait_for(lease.lost.wait(), WAIT_S)
+    assert losses.calls == [(lease, LostReason.CANCELLED)]
+
+
 # -- renewal and safe-until -----------------------------------------------------------
 
 

@@ -456,3 +456,97 @@ async def test_a_full_writer_queue_holds_renewals_back_instead_of_refusing(aio, 
     assert kinds == {"renewed"}, [m.error for m in got if m.HasField("error")][:3]
     assert len({m.renewed.run_id for m in got}) == n
     call.cancel()
+
+
+# -- tracked by the acquire (AcquireRequest.track_on) ------------------------------------
+
+
+async def named_stream(ledger: Any, owner: str, name: str, hub: Any) -> Stream:
+    """A KeepAlive stream whose hello names it; returns once the server knows the name."""
+    s = Stream(ledger.KeepAlive())
+    await s.send(hello=pb.KeepAliveHello(owner=owner, stream_name=name))
+    for _ in range(300):
+        if name in hub.named:
+            return s
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"stream {name!r} not registered")
+
+
+async def execute_acquire(ledger: Any, run_id: str, owner: str, **kw: Any) -> pb.AcquireResponse:
+    call = ledger.Execute()
+    await call.write(pb.ExecuteRequest(commands=[pb.Command(
+        id=1, acquire=pb.AcquireRequest(run_id=run_id, owner=owner, **kw))]))
+    result = (await call.read()).results[0]
+    await call.done_writing()
+    assert result.WhichOneof("kind") == "acquire", result
+    return result.acquire
+
+
+@pytest.mark.parametrize("transport", ["unary", "execute"])
+async def test_an_acquire_tracks_its_lease_on_the_stream_it_names(
+    aio, server, transport: str  # type: ignore[no-untyped-def]
+) -> None:
+    ledger, _ = aio
+    s = await named_stream(ledger, "w", "stream-1", server.app.hub)
+    if transport == "unary":
+        resp = await ledger.Acquire(pb.AcquireRequest(run_id="r", owner="w", track_on="stream-1"))
+    else:
+        resp = await execute_acquire(ledger, "r", "w", track_on="stream-1")
+    assert resp.tracked and resp.run.fencing_token == 1
+    assert server.app.hub.by_run["r"] is server.app.hub.named["stream-1"]
+    await ledger.Cancel(pb.CancelRequest(run_id="r"))  # no track message was sent
+    lost = (await s.recv()).lost
+    assert (lost.run_id, lost.fencing_token, lost.reason) == ("r", 1, pb.LOST_REASON_CANCELLED)
+
+
+async def test_an_acquire_is_tracked_only_on_an_open_stream_of_its_owner(
+    aio, server  # type: ignore[no-untyped-def]
+) -> None:
+    ledger, _ = aio
+    hub = server.app.hub
+    other = await named_stream(ledger, "someone-else", "theirs", hub)
+    for i, name in enumerate(["", "no-such-stream", "theirs"]):
+        resp = await ledger.Acquire(pb.AcquireRequest(run_id=f"r{i}", owner="w", track_on=name))
+        assert not resp.tracked and resp.run.status == rpb.RUN_STATUS_RUNNING
+    assert hub.by_run == {}
+    await ledger.Cancel(pb.CancelRequest(run_id="r2"))
+    await other.nothing(0.2)
+    mine = await named_stream(ledger, "w", "mine", hub)
+    await mine.call.done_writing()  # the client ends the stream: the name goes with it
+    for _ in range(300):
+        if "mine" not in hub.named:
+            break
+        await asyncio.sleep(0.01)
+    assert "mine" not in hub.named
+    resp = await ledger.Acquire(pb.AcquireRequest(run_id="r9", owner="w", track_on="mine"))
+    assert not resp.tracked
+
+
+async def test_a_full_stream_is_not_tracked_on_by_an_acquire(make_server: Any) -> None:
+    with make_server(max_tracked_per_stream=1) as srv:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            ledger = ledger_pb2_grpc.LedgerStub(ch)
+            await named_stream(ledger, "w", "s", srv.app.hub)
+            first = await ledger.Acquire(pb.AcquireRequest(run_id="a", owner="w", track_on="s"))
+            second = await ledger.Acquire(pb.AcquireRequest(run_id="b", owner="w", track_on="s"))
+            assert first.tracked and not second.tracked
+            assert second.run.status == rpb.RUN_STATUS_RUNNING  # acquired all the same
+            assert set(srv.app.hub.by_run) == {"a"}
+
+
+async def test_stream_names_are_validated_and_a_bad_one_changes_nothing(
+    aio, server  # type: ignore[no-untyped-def]
+) -> None:
+    ledger, _ = aio
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await ledger.Acquire(pb.AcquireRequest(run_id="r", owner="w", track_on="x" * 129))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "track_on" in (ei.value.details() or "")
+    assert not (await ledger.ListRuns(pb.ListRunsRequest())).runs  # nothing was created
+    call = ledger.KeepAlive()
+    await call.write(pb.KeepAliveRequest(hello=pb.KeepAliveHello(owner="w", stream_name="a\nb")))
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await call.read()
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello.stream_name" in (ei.value.details() or "")
+    assert server.app.hub.named == {}

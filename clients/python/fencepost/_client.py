@@ -157,6 +157,7 @@ class Lease:
         self._at_risk_event = asyncio.Event()  # at risk or lost
         self._risk_epoch = 0  # how many times the lease became at risk or lost
         self._risk_timer: asyncio.TimerHandle | None = None
+        self._risk_at = -math.inf  # the safe-until the timer was set for
         self._listeners: builtins.list[Callable[[str], None]] = []
         self._guards: set[_Guard] = set()
         if sent_at is not None:
@@ -435,19 +436,27 @@ class Lease:
         self._update_risk()
 
     def _arm_risk_timer(self) -> None:
-        if self._risk_timer is not None:
-            self._risk_timer.cancel()
+        """Have ``_risk_due`` run by safe-until. A renewal usually moves safe-until
+        later: the timer already set then stays (when it fires early it sets
+        another), so a renewal costs no timer of its own."""
+        timer = self._risk_timer
+        if (timer is not None and self.is_active
+                and self._safe_until != -math.inf and self._risk_at <= self._safe_until):
+            return
+        if timer is not None:
+            timer.cancel()
             self._risk_timer = None
         if not self.is_active or self._safe_until == -math.inf:
             return
         delay = self._safe_until - time.monotonic()
         if delay > 0:
+            self._risk_at = self._safe_until
             self._risk_timer = asyncio.get_running_loop().call_later(delay, self._risk_due)
 
     def _risk_due(self) -> None:
         self._risk_timer = None
         if self.is_active and time.monotonic() < self._safe_until:
-            self._arm_risk_timer()  # the loop's timer fired a hair early
+            self._arm_risk_timer()  # safe-until moved on, or the timer fired a hair early
         else:
             self._update_risk()
 
@@ -514,8 +523,9 @@ class Lease:
         renewer = self._client._renewer
         if drops_lease:
             # No renewal may race the command that drops the lease: it would
-            # be refused with RUN_LEASE_LOST and flag a lease we gave up.
-            await renewer.stop(self)
+            # be refused with RUN_LEASE_LOST and flag a lease we gave up. The
+            # command's commit also ends the server's tracking of it.
+            await renewer.stop(self, untrack=False)
         sent_at = time.monotonic()
         try:
             resp = await self._client._call(method, request, mutation=True, policy=policy)
@@ -1039,12 +1049,15 @@ class Client:
 
     async def _acquire(self, run_id: str, ttl_ms: int | None, lock_delay_ms: int) -> Lease:
         ttl = self._default_ttl_ms if ttl_ms is None else ttl_ms
+        # Ask the server to track the lease on our KeepAlive stream at the
+        # acquire's commit, which saves the `track` message after the answer.
         req = ledger_pb2.AcquireRequest(run_id=run_id, owner=self._owner, lease_ttl_ms=ttl,
-                                        lock_delay_ms=lock_delay_ms)
+                                        lock_delay_ms=lock_delay_ms,
+                                        track_on=self._renewer.stream_name())
         sent_at = time.monotonic()  # before the first attempt: a retry only makes it safer
         resp = await self._call("Acquire", req, mutation=True)
         lease = Lease(self, record_from_pb(resp.run), ttl, sent_at=sent_at)
-        self._renewer.start(lease)
+        self._renewer.start(lease, tracked_on=req.track_on if resp.tracked else "")
         return lease
 
     async def _current_revision(self) -> int:

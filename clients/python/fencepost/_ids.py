@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 
 _VERSION_7 = 0x7 << 76
 _VARIANT = 0x2 << 62
@@ -24,4 +23,4 @@ def new_request_id() -> str:
     """A UUIDv7 (RFC 9562) as 32 hex digits: time-ordered, 74 random bits."""
     ms = time.time_ns() // 1_000_000
     rand = int.from_bytes(os.urandom(10), "big") & _RANDOM_MASK
-    return uuid.UUID(int=(ms & ((1 << 48) - 1)) << 80 | _VERSION_7 | _VARIANT | rand).hex
+    return f"{(ms & ((1 << 48) - 1)) << 80 | _VERSION_7 | _VARIANT | rand:032x}"

@@ -32,6 +32,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -63,11 +64,19 @@ _MIN_RECONNECT_S = 0.01
 
 
 class Renewer(Protocol):
-    def start(self, lease: Lease) -> None:
-        """Begin keeping ``lease`` alive (idempotent)."""
+    def start(self, lease: Lease, *, tracked_on: str = "") -> None:
+        """Begin keeping ``lease`` alive (idempotent). ``tracked_on``: the
+        server already tracks it on the KeepAlive stream of that name."""
 
-    async def stop(self, lease: Lease) -> None:
-        """Stop renewing ``lease`` and wait until no renewal is in flight."""
+    def stream_name(self) -> str:
+        """The name of the open KeepAlive stream, for AcquireRequest.track_on
+        (empty: none is open)."""
+
+    async def stop(self, lease: Lease, *, untrack: bool = True) -> None:
+        """Stop renewing ``lease`` and wait until no renewal is in flight.
+        ``untrack=False``: the caller is about to drop the lease with a command
+        of its own (finish, release, suspend), whose commit ends the server's
+        tracking by itself, so no message need say so."""
 
     async def aclose(self) -> None:
         """Stop every renewal; ``start`` does nothing afterwards."""
@@ -88,14 +97,17 @@ class UnaryRenewer:
         self._tasks: dict[Lease, asyncio.Task[None]] = {}
         self._closed = False
 
-    def start(self, lease: Lease) -> None:
+    def stream_name(self) -> str:
+        return ""  # no KeepAlive stream: nothing to track on
+
+    def start(self, lease: Lease, *, tracked_on: str = "") -> None:
         if self._closed or lease in self._tasks:
             return
         self._tasks[lease] = asyncio.create_task(
             self._run(lease), name=f"fencepost-renew:{lease.run_id}"
         )
 
-    async def stop(self, lease: Lease) -> None:
+    async def stop(self, lease: Lease, *, untrack: bool = True) -> None:
         task = self._tasks.pop(lease, None)
         if task is not None:
             task.cancel()
@@ -193,10 +205,18 @@ class StreamRenewer:
         self._answered = False
         self._closed = False
         self.sessions = 0  # streams opened so far (diagnostics, tests)
+        self.messages = 0  # messages written on them (diagnostics, tests)
+        # each stream's name (KeepAliveHello.stream_name): this client's prefix
+        # and the stream's number, so that an acquire names the very stream
+        self._name_prefix = os.urandom(12).hex()
+        self._name = ""  # the open stream's, or ""
 
     # -- the Renewer seam ---------------------------------------------------------------
 
-    def start(self, lease: Lease) -> None:
+    def stream_name(self) -> str:
+        return self._name
+
+    def start(self, lease: Lease, *, tracked_on: str = "") -> None:
         if self._closed or not lease.is_active:
             return
         entry = _Entry(lease)
@@ -210,17 +230,26 @@ class StreamRenewer:
         due = lease.safe_until - 2 * ttl_s / 3
         entry.next_renew = min(max(due, now), now + ttl_s / 3)
         heapq.heappush(self._heap, (entry.next_renew, next(self._seq), entry.key))
-        if self._outbox is not None:
+        if tracked_on and tracked_on == self._name:
+            entry.sent = True  # the acquire's commit tracked it on this very stream
+        elif self._outbox is not None:
             self._send_track(entry)
         self._wake.set()
         self._has_entries.set()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="fencepost-keepalive")
 
-    async def stop(self, lease: Lease) -> None:
+    async def stop(self, lease: Lease, *, untrack: bool = True) -> None:
         """Stop renewing and tracking ``lease``. Renewals already sent may still
         be committed before a command that drops the lease, never after it (the
-        fence refuses them); their answers are ignored."""
+        fence refuses them); their answers are ignored.
+
+        ``untrack=False`` before the holder's own finish, release or suspend:
+        the server stops tracking a lease its holder drops (without a `lost`
+        push) in the commit that drops it, so the `untrack` message would only
+        cost both sides a message per run. Until that commit the server may
+        still push about the lease; pushes for a lease no longer here are
+        ignored. If the command is refused, ``start`` tracks it again."""
         entry = self._entries.pop((lease.run_id, lease.fencing_token), None)
         if entry is None:
             return
@@ -233,7 +262,7 @@ class StreamRenewer:
             for other in self._entries.values():
                 if other.lease.run_id == lease.run_id:
                     self._send_track(other)
-        else:
+        elif untrack:
             self._outbox.put_nowait(
                 (pb.KeepAliveRequest(untrack=pb.KeepAliveUntrack(run_id=lease.run_id)), None)
             )
@@ -337,10 +366,11 @@ class StreamRenewer:
         call: Any = self._client._open_keepalive(endpoint)  # write()/read()
         self.sessions += 1
         outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]] = asyncio.Queue()
-        outbox.put_nowait(
-            (pb.KeepAliveRequest(hello=pb.KeepAliveHello(owner=self._client.owner)), None)
-        )
+        name = f"{self._name_prefix}-{self.sessions}"
+        outbox.put_nowait((pb.KeepAliveRequest(
+            hello=pb.KeepAliveHello(owner=self._client.owner, stream_name=name)), None))
         self._outbox = outbox
+        self._name = name
         self._pending.clear()  # answers of a dead stream never come
         now = time.monotonic()
         for entry in list(self._entries.values()):
@@ -359,6 +389,7 @@ class StreamRenewer:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._outbox = None
+            self._name = ""
             call.cancel()
             for t in tasks:
                 t.cancel()
@@ -392,13 +423,17 @@ class StreamRenewer:
                     renews.append(msg.renew)
                     continue
                 if renews:  # keep the order: renewals queued before this message
-                    await call.write(pb.KeepAliveRequest(renews=renews))
+                    await self._send(call, pb.KeepAliveRequest(renews=renews))
                     renews = []
-                await call.write(msg)
+                await self._send(call, msg)
             if len(renews) == 1:
-                await call.write(pb.KeepAliveRequest(renew=renews[0]))
+                await self._send(call, pb.KeepAliveRequest(renew=renews[0]))
             elif renews:
-                await call.write(pb.KeepAliveRequest(renews=renews))
+                await self._send(call, pb.KeepAliveRequest(renews=renews))
+
+    async def _send(self, call: Any, msg: pb.KeepAliveRequest) -> None:
+        self.messages += 1
+        await call.write(msg)
 
     async def _schedule(self) -> None:
         heap = self._heap

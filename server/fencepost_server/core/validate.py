@@ -13,6 +13,7 @@ from .records import Record, Status
 MAX_RUN_ID_BYTES = 512
 MAX_OWNER_BYTES = 256
 MAX_REQUEST_ID_BYTES = 128
+MAX_STREAM_NAME_BYTES = 128
 MAX_KEY_BYTES = 1024
 MAX_CODE_BYTES = 128
 MAX_MESSAGE_BYTES = 4096
@@ -58,6 +59,11 @@ def run_id(value: str, field: str = "run_id") -> str:
 
 def owner(value: str, field: str = "owner") -> str:
     return text(field, value, MAX_OWNER_BYTES)
+
+
+def stream_name(value: str, field: str) -> str:
+    """A KeepAlive stream's name (KeepAliveHello.stream_name, AcquireRequest.track_on)."""
+    return text(field, value, MAX_STREAM_NAME_BYTES, min_bytes=0)
 
 
 def request_id(value: str) -> str:

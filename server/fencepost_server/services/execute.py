@@ -158,11 +158,13 @@ class _Session:
 
 
 class ExecuteHandler:
-    """Mixed into LedgerService: needs self.writer and self.hub (for limits)."""
+    """Mixed into LedgerService: needs self.writer, self.hub (for limits) and
+    self.track_acquired (StreamHandlers)."""
 
     writer: Any
     hub: Any
     max_inflight_per_stream: int
+    track_acquired: Callable[[str, str, str, int], bool]
 
     async def _execute(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -205,6 +207,13 @@ class ExecuteHandler:
         session.flush()
         session.outbox.put_nowait(None)
 
+    def _fill_tracked(self, response: Any, record: Any, *, request: pb.AcquireRequest) -> None:
+        """An acquire with ``track_on``: its record, and whether the lease is
+        now tracked on the KeepAlive stream it names."""
+        _fill_record(response, record)
+        response.tracked = self.track_acquired(
+            request.track_on, request.owner, record.run_id, record.fencing_token)
+
     def _execute_one(
         self, session: _Session, cmd: pb.Command
     ) -> tuple[L.Command, Callable[[Any], None]] | None:
@@ -221,6 +230,8 @@ class ExecuteHandler:
             command = to_command(request)
             if kind == "transaction":
                 fill = functools.partial(fill_transaction, request=request)
+            elif kind == "acquire" and request.track_on:
+                fill = functools.partial(self._fill_tracked, request=request)
         except LedgerError as err:
             session.error(cid, err)
             return None

@@ -111,7 +111,11 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
     async def Acquire(
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireResponse:
-        return await self._answer(convert.acquire(request), pb.AcquireResponse())
+        response = await self._answer(convert.acquire(request), pb.AcquireResponse())
+        if request.track_on:
+            response.tracked = self.track_acquired(
+                request.track_on, request.owner, response.run.run_id, response.run.fencing_token)
+        return response
 
     @handler
     async def Renew(

@@ -97,8 +97,9 @@ class StreamHandlers:
             raise validation("hello", "the first message must be hello{owner}")
         owner = validate.owner(first.hello.owner, "hello.owner")
         auth.check_owner(auth.current(), owner, "hello.owner")
+        name = validate.stream_name(first.hello.stream_name, "hello.stream_name")
         session = Session(owner, limit=self.hub.queue_limit)
-        self.hub.sessions.add(session)
+        self.hub.add(session, name)
         try:
             reader = asyncio.create_task(self._keepalive_reader(session, requests))
             pump = asyncio.create_task(self._keepalive_pump(session, context))
@@ -170,6 +171,20 @@ class StreamHandlers:
         if self.writer.submit_with_answer(cmd, answer):
             return None
         return self.writer.submit_with_answer_waiting(cmd, answer)
+
+    def track_acquired(self, name: str, owner: str, run_id: str, token: int) -> bool:
+        """An acquire's ``track_on``: track the granted (run, token) on the open
+        KeepAlive stream of ``owner`` named ``name``, as its `track` would.
+        False when there is none or it has no room (the client sends `track`)."""
+        session = self.hub.named.get(name)
+        if session is None or session.owner != owner or session.stop.reason is not None:
+            return False
+        try:
+            self._check_room(session, run_id)
+        except LedgerError:
+            return False
+        self.hub.track(session, run_id, token)
+        return True
 
     def _check_room(self, session: Session, run_id: str) -> None:
         """Refuse to track one more run past --max-tracked-per-stream."""

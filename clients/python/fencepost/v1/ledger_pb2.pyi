@@ -133,6 +133,7 @@ class AcquireRequest(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
     LOCK_DELAY_MS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TRACK_ON_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run to acquire (created when new)."""
     owner: _builtins.str
@@ -143,6 +144,13 @@ class AcquireRequest(_message.Message):
     """Lock-delay in ms, 0 - 86 400 000; 0 (default) means none (docs/SPEC.md §5.6)."""
     request_id: _builtins.str
     """Retry token; see the file comment."""
+    track_on: _builtins.str
+    """Optional, 0-128 bytes: the `stream_name` of an open KeepAlive stream of
+    the same owner. The granted lease is then tracked on that stream from
+    the acquire's commit on, as a `track` message would have it tracked
+    (AcquireResponse.tracked says whether it is). Not part of the command:
+    a retry with the same request id may name another stream.
+    """
     def __init__(
         self,
         *,
@@ -151,10 +159,11 @@ class AcquireRequest(_message.Message):
         lease_ttl_ms: _builtins.int | None = ...,
         lock_delay_ms: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        track_on: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_ttl_ms", b"_lease_ttl_ms", "lease_ttl_ms", b"lease_ttl_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ttl_ms", b"_lease_ttl_ms", "lease_ttl_ms", b"lease_ttl_ms", "lock_delay_ms", b"lock_delay_ms", "owner", b"owner", "request_id", b"request_id", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ttl_ms", b"_lease_ttl_ms", "lease_ttl_ms", b"lease_ttl_ms", "lock_delay_ms", b"lock_delay_ms", "owner", b"owner", "request_id", b"request_id", "run_id", b"run_id", "track_on", b"track_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_ttl_ms: _TypeAlias = _typing.Literal["lease_ttl_ms"]  # noqa: Y015
     _WhichOneofArgType__lease_ttl_ms: _TypeAlias = _typing.Literal["_lease_ttl_ms", b"_lease_ttl_ms"]  # noqa: Y015
@@ -167,6 +176,12 @@ class AcquireResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_FIELD_NUMBER: _builtins.int
+    TRACKED_FIELD_NUMBER: _builtins.int
+    tracked: _builtins.bool
+    """The lease is tracked on the KeepAlive stream that `track_on` named.
+    False when none was named, no open stream of this owner has that name,
+    or that stream tracks as many leases as it may: send `track` then.
+    """
     @_builtins.property
     def run(self) -> _record_pb2.Run:
         """The run as written: RUNNING, with the new lease and fencing token."""
@@ -175,10 +190,11 @@ class AcquireResponse(_message.Message):
         self,
         *,
         run: _record_pb2.Run | None = ...,
+        tracked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "tracked", b"tracked"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -913,16 +929,25 @@ class KeepAliveHello(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     OWNER_FIELD_NUMBER: _builtins.int
+    STREAM_NAME_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
     """The worker's identity, 1-256 bytes (as in AcquireRequest.owner)."""
+    stream_name: _builtins.str
+    """Optional, 0-128 bytes: a name for this stream, so that an acquire can
+    ask to be tracked on it (AcquireRequest.track_on) instead of the client
+    sending `track` after the answer. Pick a random value per client (the
+    SDKs send 32 hex digits). A later stream given the same name takes the
+    name over; it ends with the stream.
+    """
     def __init__(
         self,
         *,
         owner: _builtins.str = ...,
+        stream_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "stream_name", b"stream_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
