@@ -140,6 +140,9 @@ export class FencepostClient {
   /** How many times the shared KeepAlive stream has been opened (1 while it stays up). */
   get keepAliveConnects(): number { return this.keepAlive.connects; }
 
+  /** How many messages the KeepAlive stream has written (hello, renewals, track, untrack). */
+  get keepAliveMessages(): number { return this.keepAlive.messages; }
+
   /** Stop renewing, close the KeepAlive stream. Leases live on by their ttl. */
   async close(): Promise<void> {
     this._closed = true;
@@ -179,25 +182,28 @@ export class FencepostClient {
   async acquire(runId: string, options: AcquireOptions = {}): Promise<Lease> {
     const ttlMs = options.ttlMs ?? this.defaultTtlMs;
     const sentAt = performance.now();
+    // The server tracks the lease on our KeepAlive stream at the acquire's
+    // commit when we name it: no `track` message after the answer.
+    const trackOn = this.keepAlive.streamName;
     const resp = await this.command<AcquireResponse>("acquire", {
       runId, owner: this.owner, leaseTtlMs: toBigInt(ttlMs, "ttl_ms"),
-      lockDelayMs: toBigInt(options.lockDelayMs ?? 0, "lock_delay_ms"),
+      lockDelayMs: toBigInt(options.lockDelayMs ?? 0, "lock_delay_ms"), trackOn,
     });
     const record = recordFromPb(resp.run!);
     const renew = options.renew ?? true;
-    return new Lease(this.leaseHost(renew), record, ttlMs, sentAt);
+    return new Lease(this.leaseHost(renew, resp.tracked ? trackOn : ""), record, ttlMs, sentAt);
   }
 
-  private leaseHost(renew: boolean): LeaseHost {
+  private leaseHost(renew: boolean, trackedOn = ""): LeaseHost {
     return {
       fenced: (kind, lease, extra) => this.fenced(kind, lease, extra),
       fencedStore: (lease) => this.store.withView({ fence: fencePb(lease.fence), onRefused: (e) => lease.fenceRefused(e) }),
       startRenewing: (lease, listener) => {
         const token = BigInt(lease.fencingToken);
-        if (renew) this.keepAlive.renew(lease.runId, token, lease.ttlMs, listener);
-        else this.keepAlive.track(lease.runId, token, listener);
+        if (renew) this.keepAlive.renew(lease.runId, token, lease.ttlMs, listener, trackedOn);
+        else this.keepAlive.track(lease.runId, token, listener, trackedOn);
       },
-      stopRenewing: (lease, listener) => this.keepAlive.stopRenewing(lease.runId, listener),
+      stopRenewing: (lease, listener, untrack) => this.keepAlive.stopRenewing(lease.runId, listener, untrack),
     };
   }
 

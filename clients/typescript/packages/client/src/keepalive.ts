@@ -3,6 +3,7 @@
 // `track` for fences watched without renewing, pushed `lost` / `expiring`,
 // and a reconnect with jittered backoff that re-sends every renewal and
 // track (a dropped stream revokes nothing: leases live by their ttl).
+import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { timestampMs } from "@bufbuild/protobuf/wkt";
 import type { Client } from "@connectrpc/connect";
@@ -50,46 +51,67 @@ export class KeepAliveSession {
   private closed = false;
   /** How many times the stream was (re)opened; for tests and metrics. */
   connects = 0;
+  /** Messages written on the stream (hello, renewals, track, untrack); for tests. */
+  messages = 0;
+  // Each stream's name (KeepAliveHello.stream_name): this client's prefix and
+  // the stream's number, so that an acquire names the very stream it saw open.
+  private readonly namePrefix = randomBytes(12).toString("hex");
+  private name = "";
 
   constructor(private readonly ledger: Client<typeof Ledger>, readonly owner: string) {}
 
-  /** Renew `runId` at `token` every ttl/3 over the shared stream (and watch its fence). */
-  renew(runId: string, token: bigint, ttlMs: number, listener: FenceListener, renewNow = false): void {
+  /** The open stream's name, for AcquireRequest.track_on ("" while none is open). */
+  get streamName(): string { return this.name; }
+
+  /**
+   * Renew `runId` at `token` every ttl/3 over the shared stream (and watch its
+   * fence from now on). `trackedOn`: the acquire's answer said the server
+   * already tracks it on the stream of that name, so no `track` is needed.
+   */
+  renew(runId: string, token: bigint, ttlMs: number, listener: FenceListener, trackedOn = ""): void {
+    const known = this.entries.get(runId);
     const e = this.entry(runId, token, listener);
     e.renewTtlMs = ttlMs;
-    e.dueAt = performance.now() + (renewNow ? 0 : ttlMs / 3);
+    e.dueAt = performance.now() + ttlMs / 3;
     this.ensureRunning();
-    if (renewNow) this.flushDue();
-    else this.schedule();
+    if ((!known || known.token !== token) && !(trackedOn && trackedOn === this.name)) {
+      // pushes must reach us before the first renewal (a new stream renews at once)
+      this.send({ kind: { case: "track", value: create(KeepAliveTrackSchema, { runId, fencingToken: token }) } });
+    }
+    this.schedule();
   }
 
-  /** Watch `runId`'s fence at `token` without renewing. */
-  track(runId: string, token: bigint, listener: FenceListener): void {
+  /** Watch `runId`'s fence at `token` without renewing (`trackedOn`: as in renew). */
+  track(runId: string, token: bigint, listener: FenceListener, trackedOn = ""): void {
     const known = this.entries.get(runId);
     this.entry(runId, token, listener);
     this.ensureRunning();
-    if (!known || known.token !== token) {
+    if ((!known || known.token !== token) && !(trackedOn && trackedOn === this.name)) {
       this.send({ kind: { case: "track", value: create(KeepAliveTrackSchema, { runId, fencingToken: token }) } });
     }
   }
 
-  /** Stop hearing about `runId` for this listener (and stop renewing it when nobody else listens). */
-  forget(runId: string, listener: FenceListener): void {
+  /**
+   * Stop hearing about `runId` for this listener (and stop renewing it when
+   * nobody else listens). `untrack` false: the server has stopped tracking it
+   * already (the holder's own finish, release or suspend ends it in its commit).
+   */
+  forget(runId: string, listener: FenceListener, untrack = true): void {
     const e = this.entries.get(runId);
     if (!e || !e.listeners.delete(listener)) return;
     if (e.listeners.size === 0) {
       this.entries.delete(runId);
-      this.send({ kind: { case: "untrack", value: create(KeepAliveUntrackSchema, { runId }) } });
+      if (untrack) this.send({ kind: { case: "untrack", value: create(KeepAliveUntrackSchema, { runId }) } });
     }
   }
 
   /** Stop renewing `runId` (its lease is finished or given up) but keep watchers. */
-  stopRenewing(runId: string, listener: FenceListener): void {
+  stopRenewing(runId: string, listener: FenceListener, untrack = true): void {
     const e = this.entries.get(runId);
     // The entry may already be a newer token's (a later lease of the run): leave it alone.
     if (!e || !e.listeners.has(listener)) return;
     e.renewTtlMs = undefined;
-    this.forget(runId, listener);
+    this.forget(runId, listener, untrack);
   }
 
   async close(): Promise<void> {
@@ -111,7 +133,13 @@ export class KeepAliveSession {
   }
 
   private send(msg: Omit<Partial<KeepAliveRequest>, "$typeName">): void {
-    this.queue?.push(create(KeepAliveRequestSchema, msg));
+    this.push(this.queue, create(KeepAliveRequestSchema, msg));
+  }
+
+  private push(queue: AsyncQueue<KeepAliveRequest> | undefined, msg: KeepAliveRequest): void {
+    if (!queue) return;
+    this.messages++;
+    queue.push(msg);
   }
 
   private schedule(): void {
@@ -151,7 +179,9 @@ export class KeepAliveSession {
     while (!this.closed && this.entries.size > 0) {
       const queue = new AsyncQueue<KeepAliveRequest>();
       this.queue = queue;
-      queue.push(create(KeepAliveRequestSchema, { kind: { case: "hello", value: { owner: this.owner } } }));
+      const name = `${this.namePrefix}-${this.connects}`;
+      this.push(queue, create(KeepAliveRequestSchema, { kind: { case: "hello", value: { owner: this.owner, streamName: name } } }));
+      this.name = name;
       const renews = [];
       const now = performance.now();
       for (const [runId, e] of this.entries) {
@@ -161,10 +191,10 @@ export class KeepAliveSession {
           e.sent.push(now);
           e.dueAt = now + e.renewTtlMs / 3;
         } else {
-          queue.push(create(KeepAliveRequestSchema, { kind: { case: "track", value: { runId, fencingToken: e.token } } }));
+          this.push(queue, create(KeepAliveRequestSchema, { kind: { case: "track", value: { runId, fencingToken: e.token } } }));
         }
       }
-      if (renews.length) queue.push(create(KeepAliveRequestSchema, { renews }));
+      if (renews.length) this.push(queue, create(KeepAliveRequestSchema, { renews }));
       this.schedule();
       this.connects++;
       try {
@@ -176,7 +206,10 @@ export class KeepAliveSession {
         if (process.env["FENCEPOST_DEBUG"]) console.error("KeepAlive stream ended:", e);
       }
       queue.close();
-      if (this.queue === queue) this.queue = undefined;
+      if (this.queue === queue) {
+        this.queue = undefined;
+        this.name = "";
+      }
       if (this.closed || this.entries.size === 0) break;
       try {
         await sleep(delay(), this.abort.signal);

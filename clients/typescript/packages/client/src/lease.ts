@@ -18,7 +18,8 @@ export interface LeaseHost {
   /** The client's engine store with every write fenced by `lease`, refusals reported to it. */
   fencedStore(lease: Lease): EngineStoreClient;
   startRenewing(lease: Lease, listener: FenceListener): void;
-  stopRenewing(lease: Lease, listener: FenceListener): void;
+  /** `untrack` false: the lease's own finish, release or suspend ended the server's tracking. */
+  stopRenewing(lease: Lease, listener: FenceListener, untrack?: boolean): void;
 }
 
 export class Lease implements TransactionLease {
@@ -270,7 +271,7 @@ export class Lease implements TransactionLease {
     if (this._done) return;
     this._done = true;
     if (this.riskTimer) clearTimeout(this.riskTimer);
-    this.host.stopRenewing(this, this.listener);
+    this.host.stopRenewing(this, this.listener, false);
     this.fire(this.riskError());
   }
 }

@@ -58,6 +58,21 @@ describe("FencepostClient", () => {
     assert.ok(other instanceof LeaseHeldError, "a renewed lease stays held");
   });
 
+  it("tracks a lease from its acquire's commit and drops it with its finish, sending nothing on the stream", async () => {
+    const a = client("owner-quiet");
+    const op = client("operator-quiet");
+    await a.acquire("c-quiet-0", { ttlMs: 60_000 }); // opens and names the stream
+    await sleep(300);
+    const sent = a.keepAliveMessages;
+    const lease = await a.acquire("c-quiet-1", { ttlMs: 60_000 }); // first renewal due in 20 s
+    await lease.finish();
+    const watched = await a.acquire("c-quiet-2", { ttlMs: 60_000 });
+    await op.cancel("c-quiet-2", "stop"); // pushed although no renewal has tracked it yet
+    const lost = await within(watched.lost, 2000, "lost push");
+    assert.equal(lost.reason, "cancelled");
+    assert.equal(a.keepAliveMessages, sent, "no track, untrack or renewal was sent");
+  });
+
   it("pushes a cancel to the lease: lost, aborted signal, and fenced calls refused", async () => {
     const a = client("owner-lost");
     const op = client("operator");
