@@ -149,7 +149,8 @@ class AcquireRequest(_message.Message):
     the same owner. The granted lease is then tracked on that stream from
     the acquire's commit on, as a `track` message would have it tracked
     (AcquireResponse.tracked says whether it is). Not part of the command:
-    a retry with the same request id may name another stream.
+    a retry with the same request id may name another stream. Ignored for
+    an acquire inside a Transaction.
     """
     def __init__(
         self,

@@ -106,7 +106,8 @@ export type AcquireRequest = Message<"fencepost.v1.AcquireRequest"> & {
    * the same owner. The granted lease is then tracked on that stream from
    * the acquire's commit on, as a `track` message would have it tracked
    * (AcquireResponse.tracked says whether it is). Not part of the command:
-   * a retry with the same request id may name another stream.
+   * a retry with the same request id may name another stream. Ignored for
+   * an acquire inside a Transaction.
    *
    * @generated from field: string track_on = 6;
    */

@@ -1,0 +1,95 @@
+"""What a new run costs SQLite as runs pile up, for two layouts of the runs table.
+
+Bare SQLite, no server: each run is one row with a random (UUID-like) id and
+a ~300-byte record, inserted by one commit and updated to finished by the
+next (as an Acquire and a Finish would be), 128 runs per commit, WAL mode,
+``synchronous=FULL``, a passive checkpoint every 2,000 runs. At 10,000,
+100,000, 300,000 and 1,000,000 runs it times 20,000 more.
+
+- ``without-rowid``: the server's layout, a ``WITHOUT ROWID`` table keyed by
+  the run id, so every row lives in the key's B-tree, at a random place;
+- ``rowid``: a rowid table (rows appended in creation order) with a unique
+  index on the run id (small entries, still at random places).
+
+Both keep an index on (status, owner), as the server does.
+
+    .venv/bin/python bench/sqlite_layout.py --layout without-rowid
+    .venv/bin/python bench/sqlite_layout.py --layout rowid [--cache-kib 65536]
+
+About 2-3 minutes per layout on the benchmark machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import tempfile
+import time
+from pathlib import Path
+
+MARKS = (10_000, 100_000, 300_000, 1_000_000)
+PER_COMMIT = 128
+MEASURED = 20_000
+CHECKPOINT_EVERY = 2_000
+
+_SCHEMAS = {
+    "without-rowid": """CREATE TABLE runs (
+        run_id TEXT PRIMARY KEY, version INTEGER, status INTEGER, fencing_token INTEGER,
+        owner TEXT, revision INTEGER, record TEXT) WITHOUT ROWID""",
+    "rowid": """CREATE TABLE runs (
+        run_id TEXT NOT NULL UNIQUE, version INTEGER, status INTEGER, fencing_token INTEGER,
+        owner TEXT, revision INTEGER, record TEXT)""",
+}
+_UPSERT = (
+    "INSERT INTO runs VALUES (?, 1, ?, 1, ?, 1, ?) ON CONFLICT(run_id) DO UPDATE SET "
+    "status = excluded.status, owner = excluded.owner, record = excluded.record"
+)
+
+
+def run(layout: str, cache_kib: int, directory: Path) -> list[tuple[int, float]]:
+    db = sqlite3.connect(directory / "runs.db", isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute(f"PRAGMA cache_size=-{cache_kib}")
+    db.execute(_SCHEMAS[layout])
+    db.execute("CREATE INDEX runs_by_status ON runs (status, owner)")
+    record = json.dumps({"pad": "x" * 250})
+    done = 0
+
+    def runs(n: int) -> None:
+        nonlocal done
+        for _ in range(n // PER_COMMIT):
+            ids = [os.urandom(16).hex() for _ in range(PER_COMMIT)]
+            for status, owner in ((1, "worker"), (4, None)):  # acquired, then finished
+                db.execute("BEGIN")
+                db.executemany(_UPSERT, [(i, status, owner, record) for i in ids])
+                db.execute("COMMIT")
+            done += PER_COMMIT
+            if done % CHECKPOINT_EVERY < PER_COMMIT:
+                db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    out = []
+    for mark in MARKS:
+        runs(max(0, mark - done))
+        started = time.perf_counter()
+        runs(MEASURED)
+        out.append((mark, (time.perf_counter() - started) / MEASURED * 1e6))
+        print(f"{layout:14} {mark:>9,} runs: {out[-1][1]:6.1f} µs per new run", flush=True)
+    db.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layout", choices=sorted(_SCHEMAS), default="without-rowid")
+    p.add_argument("--cache-kib", type=int, default=2000, help="SQLite page cache (default 2000)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fencepost-layout-") as d:
+        res = run(args.layout, args.cache_kib, Path(d))
+    print(f"{args.layout}: 1M / 10k = {res[-1][1] / res[0][1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
