@@ -13,8 +13,11 @@ own event loop: for tests (sync or async) and the SDK's pytest fixture.
 from __future__ import annotations
 
 import asyncio
+import io
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -61,7 +64,24 @@ class ServerThread:
     def call(self, fn: Callable[[], Awaitable[T]], timeout: float = 30) -> T:
         """Run a coroutine on the server's loop and wait for its result."""
         fut: Future[T] = asyncio.run_coroutine_threadsafe(fn(), self._loop)  # type: ignore[arg-type]
-        return fut.result(timeout)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"the server's loop did not finish within {timeout:g} s; "
+                               f"what it was waiting for:\n{self._stacks()}") from None
+
+    def _stacks(self) -> str:
+        """Every task's stack on the server's loop, and every thread's (a
+        diagnosis for a call that timed out; read from outside the loop)."""
+        out = io.StringIO()
+        for task in list(asyncio.all_tasks(self._loop)):
+            out.write(f"--- {task!r}\n")
+            for frame in task.get_stack(limit=12):  # frames of compiled code lack line numbers
+                code = frame.f_code
+                out.write(f"  {code.co_filename}:{frame.f_lineno} in {code.co_name}\n")
+        for ident, frame in sys._current_frames().items():
+            out.write(f"--- thread {ident}\n{''.join(traceback.format_stack(frame, limit=12))}")
+        return out.getvalue()
 
     def start(self) -> ServerThread:
         listen = self._listen if not self.port else f"127.0.0.1:{self.port}"

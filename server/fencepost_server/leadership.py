@@ -180,8 +180,11 @@ class Leadership:
                 return self._lose("the leader row was not renewed within the leader lease")
             sent = time.monotonic()
             try:
-                fut = loop.run_in_executor(self._thread, self._renew)
-                why = await asyncio.wait_for(fut, max(0.01, self.valid_until - time.monotonic()))
+                # asyncio.timeout, not wait_for: on 3.11 wait_for returns the
+                # result when a cancellation lands as the renewal completes,
+                # and the cancelled keeper would renew on forever (a stop hangs)
+                async with asyncio.timeout(max(0.01, self.valid_until - time.monotonic())):
+                    why = await loop.run_in_executor(self._thread, self._renew)
             except TimeoutError:
                 return self._lose("the leader row was not renewed within the leader lease")
             except psycopg.Error as exc:
@@ -231,7 +234,8 @@ class Leadership:
             return
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(loop.run_in_executor(self._thread, self._resign), 2)
+            async with asyncio.timeout(2):  # not wait_for (see keep)
+                await loop.run_in_executor(self._thread, self._resign)
         except (TimeoutError, psycopg.Error) as exc:
             log.warning("could not give leadership up: %r", exc)
 

@@ -431,7 +431,9 @@ class Dashboard:
                                             "now": self.app.clock.now_ms()}))
             while True:
                 try:
-                    first = await asyncio.wait_for(q.get(), SSE_HEARTBEAT_S)
+                    # not wait_for, which may swallow a cancellation (Leadership.keep)
+                    async with asyncio.timeout(SSE_HEARTBEAT_S):
+                        first = await q.get()
                 except TimeoutError:
                     await resp.write(b": heartbeat\n\n")
                     continue
