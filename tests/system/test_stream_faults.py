@@ -451,6 +451,10 @@ def test_sigstopped_server_guard_cancels_work_at_safe_until(
 
         r = w.request("report", "report", detail=True)
         wire = [e for e in r["wire"] if e[1] == run_id]
+        # once resumed the server may push `expiring` before it reads the renewal
+        # queued while it was stopped (the lease did pass its expiry unrenewed)
+        late_expiring = [e for e in wire if e[0] == "expiring" and e[2] >= cancelled]
+        wire = [e for e in wire if e not in late_expiring]
         assert not [e for e in wire if e[0] not in ("renew", "renewed")], wire
         sends = [e[2] for e in wire if e[0] == "renew"]
         answers = [e for e in wire if e[0] == "renewed" and e[2] < cancelled]
