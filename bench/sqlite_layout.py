@@ -16,7 +16,7 @@ Both keep an index on (status, owner), as the server does.
     .venv/bin/python bench/sqlite_layout.py --layout without-rowid
     .venv/bin/python bench/sqlite_layout.py --layout rowid [--cache-kib 65536]
 
-About 2-3 minutes per layout on the benchmark machine.
+About 3 minutes per layout on the benchmark machine.
 """
 
 from __future__ import annotations

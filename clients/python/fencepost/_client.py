@@ -439,14 +439,13 @@ class Lease:
         """Have ``_risk_due`` run by safe-until. A renewal usually moves safe-until
         later: the timer already set then stays (when it fires early it sets
         another), so a renewal costs no timer of its own."""
-        timer = self._risk_timer
-        if (timer is not None and self.is_active
-                and self._safe_until != -math.inf and self._risk_at <= self._safe_until):
+        armable = self.is_active and self._safe_until != -math.inf
+        if armable and self._risk_timer is not None and self._risk_at <= self._safe_until:
             return
-        if timer is not None:
-            timer.cancel()
+        if self._risk_timer is not None:
+            self._risk_timer.cancel()
             self._risk_timer = None
-        if not self.is_active or self._safe_until == -math.inf:
+        if not armable:
             return
         delay = self._safe_until - time.monotonic()
         if delay > 0:
