@@ -74,10 +74,8 @@ export class KeepAliveSession {
     e.renewTtlMs = ttlMs;
     e.dueAt = performance.now() + ttlMs / 3;
     this.ensureRunning();
-    if ((!known || known.token !== token) && !(trackedOn && trackedOn === this.name)) {
-      // pushes must reach us before the first renewal (a new stream renews at once)
-      this.send({ kind: { case: "track", value: create(KeepAliveTrackSchema, { runId, fencingToken: token }) } });
-    }
+    // pushes must reach us before the first renewal (a new stream renews at once)
+    this.trackIfNew(runId, token, known, trackedOn);
     this.schedule();
   }
 
@@ -86,9 +84,13 @@ export class KeepAliveSession {
     const known = this.entries.get(runId);
     this.entry(runId, token, listener);
     this.ensureRunning();
-    if ((!known || known.token !== token) && !(trackedOn && trackedOn === this.name)) {
-      this.send({ kind: { case: "track", value: create(KeepAliveTrackSchema, { runId, fencingToken: token }) } });
-    }
+    this.trackIfNew(runId, token, known, trackedOn);
+  }
+
+  /** Send `track` for a token not watched before, unless the acquire's commit tracked it on this stream. */
+  private trackIfNew(runId: string, token: bigint, known: Entry | undefined, trackedOn: string): void {
+    if (known?.token === token || (trackedOn && trackedOn === this.name)) return;
+    this.send({ kind: { case: "track", value: create(KeepAliveTrackSchema, { runId, fencingToken: token }) } });
   }
 
   /**
