@@ -1,8 +1,9 @@
 // The one KeepAlive stream a client shares among all its leases and fence
 // watches (docs/STREAMS.md): hello, batched renewals at a third of the ttl,
 // `track` for fences watched without renewing, pushed `lost` / `expiring`,
-// and a reconnect with jittered backoff that re-sends every renewal and
-// track (a dropped stream revokes nothing: leases live by their ttl).
+// and a reconnect with jittered backoff that renews every lease due or with
+// a renewal unanswered and tracks the rest (a dropped stream revokes
+// nothing: leases live by their ttl).
 import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { timestampMs } from "@bufbuild/protobuf/wkt";
@@ -74,7 +75,7 @@ export class KeepAliveSession {
     e.renewTtlMs = ttlMs;
     e.dueAt = performance.now() + ttlMs / 3;
     this.ensureRunning();
-    // pushes must reach us before the first renewal (a new stream renews at once)
+    // pushes must reach us from the acquire on, not from the first renewal
     this.trackIfNew(runId, token, known, trackedOn);
     this.schedule();
   }
@@ -187,8 +188,11 @@ export class KeepAliveSession {
       const renews = [];
       const now = performance.now();
       for (const [runId, e] of this.entries) {
+        // A reconnect renews what is due and what had a renewal unanswered
+        // (which do we still hold?); the rest is tracked and renews on time.
+        const unanswered = e.sent.length > 0;
         e.sent = [];
-        if (e.renewTtlMs !== undefined) {
+        if (e.renewTtlMs !== undefined && (unanswered || e.dueAt <= now + 50)) {
           renews.push(create(KeepAliveRenewSchema, { runId, fencingToken: e.token, leaseTtlMs: BigInt(e.renewTtlMs) }));
           e.sent.push(now);
           e.dueAt = now + e.renewTtlMs / 3;

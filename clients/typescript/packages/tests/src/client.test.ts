@@ -63,6 +63,8 @@ describe("FencepostClient", () => {
     const op = client("operator-quiet");
     await a.acquire("c-quiet-0", { ttlMs: 60_000 }); // opens and names the stream
     await sleep(300);
+    // the stream opened for a fresh lease tracks it; its first renewal is due in 20 s
+    assert.equal((await a.get("c-quiet-0")).version, 1);
     const sent = a.keepAliveMessages;
     const lease = await a.acquire("c-quiet-1", { ttlMs: 60_000 }); // first renewal due in 20 s
     await lease.finish();
