@@ -45,7 +45,14 @@ from ._errors import (
     UnavailableError,
     from_rpc_error,
 )
-from ._execute import ExecuteDispatcher, attempt_of, check_window
+from ._execute import (
+    ExecuteDispatcher,
+    SharedDispatcher,
+    attempt_of,
+    check_window,
+    open_execute,
+    share_key,
+)
 from ._ids import new_request_id
 from ._records import (
     DeleteResult,
@@ -703,6 +710,13 @@ class Client:
     stream is not (yet) open or is down, mutations go unary and it reconnects
     in the background; behaviour, errors and retries are the same either way.
     ``transport="unary"`` never opens the stream. Reads are always unary.
+    The Clients of one event loop that name the same single address with the
+    same ``tls``, ``token``, ``channel_options``, ``retry`` and
+    ``command_window_ms`` (and no ``interceptors``) share one Execute stream:
+    the commands of many workers in one process, each a Client of its own
+    owner, travel in shared messages. Each command is still its own owner's;
+    closing a Client waits for its own commands and leaves the stream to the
+    others (the last one closes it).
 
     ``owner`` names one live process: the server takes two processes with the
     same owner for one holder, so the second one's acquire takes over (and
@@ -753,10 +767,13 @@ class Client:
             raise ValueError(f"renewal must be 'stream' or 'unary', not {renewal!r}")
         self._renewal: Renewal = renewal
         # ledger and store mutations over one Execute stream (None: all unary)
-        self._dispatcher: ExecuteDispatcher | None = None
+        self._dispatcher: ExecuteDispatcher | SharedDispatcher | None = None
         if transport == "stream":
-            self._dispatcher = ExecuteDispatcher(
-                self._open_execute, self._endpoints, window_s=window_s, retry=retry
+            key = share_key(addresses, tls=tls, token=token, options=self._channel_options,
+                            interceptors=self._interceptors, window_s=window_s, retry=retry)
+            self._dispatcher = (
+                ExecuteDispatcher(open_execute, self._endpoints, window_s=window_s, retry=retry)
+                if key is None else SharedDispatcher(key, window_s=window_s, retry=retry)
             )
         self._on_lost = on_lost
         self._cleanups: set[asyncio.Task[Any]] = set()
@@ -876,10 +893,6 @@ class Client:
             address, tls=self._tls, token=self._token,
             options=self._channel_options, interceptors=self._interceptors or None,
         )
-
-    def _open_execute(self, endpoint: Endpoint) -> Any:
-        """A new Execute call (write()/read() style) on ``endpoint``."""
-        return endpoint.stub(ledger_pb2_grpc.LedgerStub).Execute()  # type: ignore[call-arg]
 
     def _open_keepalive(self, endpoint: Endpoint) -> Any:
         """A new KeepAlive call (write()/read() style) on ``endpoint``."""

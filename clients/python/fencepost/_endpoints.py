@@ -243,6 +243,19 @@ class Endpoints:
         self._rotate_from(endpoint, exc)
         return False
 
+    def follow(self, other: Endpoint) -> Endpoint:
+        """This object's endpoint of ``other``'s address (another client's
+        view of the same coordinators), made the current one, and taken as
+        answering when ``other`` answers."""
+        mine = self._find(other.address)
+        if mine is None:
+            return self._current
+        if mine is not self._current:
+            self._move_to(mine)
+        if other.answers and not mine.answers:
+            self.answered(mine)
+        return mine
+
     def _find(self, address: str) -> Endpoint | None:
         for e in self._all:
             if e.address == address:

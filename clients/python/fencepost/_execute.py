@@ -44,27 +44,40 @@ the dispatcher knows no kind by name. Reads, listings, artifact streams and
   waits (bounded) for the server to answer every command it took; whatever is
   still unanswered then fails with CANCELLED, as a unary call cut off by the
   channel's close does. Nothing is dropped silently.
+- **Sharing.** The Clients of one event loop that name the same single
+  coordinator with the same credentials and settings (and no interceptors)
+  share one stream (``SharedDispatcher``): a process running many workers,
+  each a Client of its own owner, sends all their commands in shared
+  messages, as one Client with many runs does. Each command still carries its
+  own owner (and the server authorizes it as such); a Client's close waits
+  (bounded) for its own commands, and the last one's closes the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from google.rpc import status_pb2
 
 from ._connect import until_connected
+from ._endpoints import Endpoints
 from ._errors import UnavailableError, from_rpc_error, from_status
 from ._retry import RetryPolicy
+from ._security import TLS, aio_channel, channel_credentials
 from .v1 import ledger_pb2 as pb
+from .v1 import ledger_pb2_grpc
 
 if TYPE_CHECKING:
-    from ._endpoints import Endpoint, Endpoints
+    from ._endpoints import Endpoint
 
 log = logging.getLogger("fencepost.execute")
 
@@ -114,8 +127,28 @@ def check_window(command_window_ms: float) -> float:
     return float(command_window_ms) / 1000
 
 
+class Dispatcher(Protocol):
+    """What a call's attempt needs of the stream that carries mutations."""
+
+    def carries(self, request: Any) -> bool: ...
+
+    async def execute(
+        self, rpc: Callable[..., Any], request: Any, deadline_s: float | None, endpoint: Endpoint
+    ) -> Any: ...
+
+
+def _streamable(request: Any) -> bool:
+    """A ``Command`` kind, small enough for a message."""
+    return type(request) in KIND_OF_REQUEST and request.ByteSize() <= _MAX_MESSAGE_BYTES
+
+
+def open_execute(endpoint: Endpoint) -> Any:
+    """A new Execute call (write()/read() style) on ``endpoint``."""
+    return endpoint.stub(ledger_pb2_grpc.LedgerStub).Execute()  # type: ignore[call-arg]
+
+
 def attempt_of(
-    dispatcher: ExecuteDispatcher | None,
+    dispatcher: Dispatcher | None,
     rpc_of: Callable[[Endpoint], Callable[..., Any]],
     request: Any,
     *,
@@ -334,11 +367,7 @@ class ExecuteDispatcher:
     def carries(self, request: Any) -> bool:
         """Whether ``request`` is a mutation the stream may carry (a ``Command``
         kind, small enough for a message)."""
-        return (
-            not self._closed
-            and type(request) in KIND_OF_REQUEST
-            and request.ByteSize() <= _MAX_MESSAGE_BYTES
-        )
+        return not self._closed and _streamable(request)
 
     async def execute(
         self, rpc: Callable[..., Any], request: Any, deadline_s: float | None, endpoint: Endpoint
@@ -512,6 +541,148 @@ class ExecuteDispatcher:
                     backoff = self._retry.backoffs()  # it had worked: start over
                 delay = backoff.next()
             await asyncio.sleep(delay)
+
+
+@dataclass(eq=False)
+class _Shared:
+    """One stream shared by the Clients of one loop and key, and its own
+    channel to the coordinator."""
+
+    dispatcher: ExecuteDispatcher
+    endpoints: Endpoints
+    users: int = 0
+
+
+# Per event loop: the shared streams by key (an entry leaves with its last user).
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, _Shared]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def share_key(
+    addresses: Sequence[str],
+    *,
+    tls: TLS | None,
+    token: str | None,
+    options: Sequence[tuple[str, Any]],
+    interceptors: Sequence[Any],
+    window_s: float,
+    retry: RetryPolicy,
+) -> Hashable | None:
+    """What Clients must have in common to share a stream (module docs), or
+    None when this one keeps a stream of its own: several endpoints (each
+    Client follows its leader itself), interceptors (they see its calls only),
+    or settings that cannot be compared."""
+    if len(addresses) != 1 or interceptors:
+        return None
+    key = (addresses[0], tls, token, tuple(options), window_s, retry)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class SharedDispatcher:
+    """One Client's part of a shared Execute stream (module docs): the
+    stream's ``ExecuteDispatcher``, found or made on the loop of the Client's
+    first mutation, with a channel of its own to the same coordinator."""
+
+    def __init__(self, key: Hashable, *, window_s: float, retry: RetryPolicy) -> None:
+        self._key = key
+        self._window_s = window_s
+        self._retry = retry
+        self._shared: _Shared | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+
+    # diagnostics (tests), of the shared stream
+    @property
+    def is_open(self) -> bool:
+        return self._shared is not None and self._shared.dispatcher.is_open
+
+    @property
+    def streams_opened(self) -> int:
+        return 0 if self._shared is None else self._shared.dispatcher.streams_opened
+
+    @property
+    def messages_sent(self) -> int:
+        return 0 if self._shared is None else self._shared.dispatcher.messages_sent
+
+    @property
+    def commands_sent(self) -> int:
+        return 0 if self._shared is None else self._shared.dispatcher.commands_sent
+
+    @property
+    def unimplemented(self) -> bool:
+        return self._shared is not None and self._shared.dispatcher.unimplemented
+
+    def carries(self, request: Any) -> bool:
+        return not self._closed and _streamable(request)
+
+    def _attach(self) -> _Shared:
+        shared = self._shared
+        if shared is None:
+            self._loop = loop = asyncio.get_running_loop()
+            streams = _SHARED.setdefault(loop, {})
+            shared = streams.get(self._key)
+            if shared is None:
+                address, tls, token, options = self._key[:4]  # type: ignore[index]
+                endpoints = Endpoints(
+                    (address,),
+                    lambda one: aio_channel(one, tls=tls, token=token, options=options),
+                    check=lambda one: channel_credentials(one, tls, token),
+                )
+                shared = _Shared(ExecuteDispatcher(open_execute, endpoints,
+                                                   window_s=self._window_s, retry=self._retry),
+                                 endpoints)
+                streams[self._key] = shared
+            shared.users += 1
+            self._shared = shared
+        return shared
+
+    async def execute(
+        self, rpc: Callable[..., Any], request: Any, deadline_s: float | None, endpoint: Endpoint
+    ) -> Any:
+        """``ExecuteDispatcher.execute`` on the shared stream, to the
+        coordinator ``endpoint`` (this Client's) names."""
+        if self._closed:
+            return await rpc(request, timeout=deadline_s)
+        shared = self._attach()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            return await shared.dispatcher.execute(
+                rpc, request, deadline_s, shared.endpoints.follow(endpoint))
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
+
+    async def aclose(self) -> None:
+        """Wait (at most ``CLOSE_WAIT_S``) for this Client's commands; the last
+        user closes the stream (``ExecuteDispatcher.aclose``)."""
+        if self._closed:
+            return
+        self._closed = True
+        shared, self._shared = self._shared, None
+        if shared is None:
+            return
+        shared.users -= 1
+        if shared.users:
+            if self._inflight:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(CLOSE_WAIT_S):
+                        await self._idle.wait()
+            return
+        assert self._loop is not None
+        streams = _SHARED.get(self._loop, {})
+        if streams.get(self._key) is shared:
+            del streams[self._key]
+        await shared.dispatcher.aclose()
+        await shared.endpoints.aclose()
 
 
 def _details(err: grpc.RpcError) -> str:

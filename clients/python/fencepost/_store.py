@@ -77,7 +77,7 @@ from .v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp
 
-    from ._execute import ExecuteDispatcher
+    from ._execute import Dispatcher
     from ._transaction import StoreTransaction, SyncStoreTransaction
     from .v1.engine_store_pb2_grpc import EngineStoreAsyncStub
 
@@ -457,7 +457,7 @@ class AsyncStore:
         self._owned: Endpoints | None = None
         # Set by Client.store: the client's Execute dispatcher, which then
         # carries the mutations (None: every call is unary).
-        self._dispatcher: ExecuteDispatcher | None = None
+        self._dispatcher: Dispatcher | None = None
         # A fenced view's precondition, sent with every write (``fenced``),
         # and who to tell when the server refuses it (a Lease marks itself lost).
         self._fence: pb.Fence | None = None
