@@ -4,6 +4,7 @@ that are never retried."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,6 +79,41 @@ async def test_a_worker_over_mutual_tls(server: ServerThread, certs: Certs,
                 pass
         assert (oe.value.metadata["owner"], oe.value.metadata["principal"]) == ("w2", "w1")
         assert isinstance(oe.value, fencepost.PermissionDeniedError)
+
+
+async def test_clients_of_one_identity_share_a_stream_and_each_command_is_authorized(
+    server: ServerThread, certs: Certs
+) -> None:
+    from fencepost._execute import SharedDispatcher
+
+    def shared(client: fencepost.Client) -> Any:
+        assert isinstance(client._dispatcher, SharedDispatcher)
+        return client._dispatcher._shared
+
+    async with fencepost.Client(server.address, owner="w1/a", tls=tls_for(certs, "w1")) as mine, \
+            fencepost.Client(server.address, owner="w2", tls=tls_for(certs, "w1")) as other, \
+            fencepost.Client(server.address, owner="w2/b", tls=tls_for(certs, "w2")) as w2:
+        for c in (mine, other, w2):  # open the streams (the first mutation goes unary)
+            with pytest.raises(fencepost.PermissionDeniedError):
+                await c.delete("warm-up")
+        assert shared(mine) is shared(other)  # one identity, one stream
+        assert shared(w2) is not shared(mine)  # another identity has its own
+        dispatcher = mine._dispatcher
+        assert dispatcher is not None
+        for _ in range(500):
+            if dispatcher.is_open:
+                break
+            await asyncio.sleep(0.01)
+        assert dispatcher.is_open
+        sent = shared(mine).dispatcher._session.commands_sent
+        with pytest.raises(fencepost.OwnerNotPermittedError) as oe:
+            await other.acquire("shared-x").__aenter__()  # w1 may not act as w2
+        assert (oe.value.metadata["owner"], oe.value.metadata["principal"]) == ("w2", "w1")
+        lease = await mine.acquire("shared-ok")  # the stream still carries commands
+        await lease.finish()
+        # both went on the shared stream, the refusal and the grant alike
+        assert shared(mine).dispatcher._session.commands_sent == sent + 3
+        assert (await w2.acquire("shared-w2")).owner == "w2/b"
 
 
 async def test_refusals_are_never_retried(server: ServerThread, token_server: ServerThread,
