@@ -773,7 +773,7 @@ class Client:
                             interceptors=self._interceptors, window_s=window_s, retry=retry)
             self._dispatcher = (
                 ExecuteDispatcher(open_execute, self._endpoints, window_s=window_s, retry=retry)
-                if key is None else SharedDispatcher(key, window_s=window_s, retry=retry)
+                if key is None else SharedDispatcher(key)
             )
         self._on_lost = on_lost
         self._cleanups: set[asyncio.Task[Any]] = set()

@@ -61,7 +61,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -554,9 +554,21 @@ class _Shared:
 
 
 # Per event loop: the shared streams by key (an entry leaves with its last user).
-_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, _Shared]] = (
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[ShareKey, _Shared]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+@dataclass(frozen=True)
+class ShareKey:
+    """What Clients must have in common to share a stream."""
+
+    address: str
+    tls: TLS | None
+    token: str | None
+    options: tuple[tuple[str, Any], ...]
+    window_s: float
+    retry: RetryPolicy
 
 
 def share_key(
@@ -568,14 +580,14 @@ def share_key(
     interceptors: Sequence[Any],
     window_s: float,
     retry: RetryPolicy,
-) -> Hashable | None:
+) -> ShareKey | None:
     """What Clients must have in common to share a stream (module docs), or
     None when this one keeps a stream of its own: several endpoints (each
     Client follows its leader itself), interceptors (they see its calls only),
     or settings that cannot be compared."""
     if len(addresses) != 1 or interceptors:
         return None
-    key = (addresses[0], tls, token, tuple(options), window_s, retry)
+    key = ShareKey(addresses[0], tls, token, tuple(options), window_s, retry)
     try:
         hash(key)
     except TypeError:
@@ -588,10 +600,8 @@ class SharedDispatcher:
     stream's ``ExecuteDispatcher``, found or made on the loop of the Client's
     first mutation, with a channel of its own to the same coordinator."""
 
-    def __init__(self, key: Hashable, *, window_s: float, retry: RetryPolicy) -> None:
+    def __init__(self, key: ShareKey) -> None:
         self._key = key
-        self._window_s = window_s
-        self._retry = retry
         self._shared: _Shared | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -629,14 +639,14 @@ class SharedDispatcher:
             streams = _SHARED.setdefault(loop, {})
             shared = streams.get(self._key)
             if shared is None:
-                address, tls, token, options = self._key[:4]  # type: ignore[index]
+                k = self._key
                 endpoints = Endpoints(
-                    (address,),
-                    lambda one: aio_channel(one, tls=tls, token=token, options=options),
-                    check=lambda one: channel_credentials(one, tls, token),
+                    (k.address,),
+                    lambda one: aio_channel(one, tls=k.tls, token=k.token, options=k.options),
+                    check=lambda one: channel_credentials(one, k.tls, k.token),
                 )
                 shared = _Shared(ExecuteDispatcher(open_execute, endpoints,
-                                                   window_s=self._window_s, retry=self._retry),
+                                                   window_s=k.window_s, retry=k.retry),
                                  endpoints)
                 streams[self._key] = shared
             shared.users += 1
