@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import sqlite3
@@ -37,10 +38,37 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a connection's local port."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the kernel's ephemeral range, never the same one twice
+    in this process: a server restarted on it finds it free again (a port of
+    that range may meanwhile be the local end of any outgoing connection, and
+    a coordinator restarted by a test could then not bind its own address)."""
+    high = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, high) if high > 20001 else 0
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = int(s.getsockname()[1])
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def now_ms() -> int:
