@@ -79,6 +79,50 @@ async def test_a_call_that_was_sent_and_got_no_answer_is_outcome_unknown(
             await client.acquire("run-1")
 
 
+class _SilentStream(_Silent):
+    """A Ledger whose Execute stream takes every command and answers none."""
+
+    async def DeleteRun(self, request: Any, context: Any) -> Any:  # the warm-up
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such run")
+
+    async def Execute(self, request_iterator: Any, context: Any) -> Any:
+        async for _ in request_iterator:
+            pass
+        await asyncio.Event().wait()
+
+
+async def test_a_command_unanswered_on_the_stream_fails_at_its_attempt_deadline() -> None:
+    """The attempt's deadline holds on the Execute stream as on a unary call:
+    the command fails as an unknown outcome once it passes, and the stream
+    carries on (the next command meets the same deadline on it)."""
+    server = grpc.aio.server()
+    ledger_pb2_grpc.add_LedgerServicer_to_server(_SilentStream(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    policy = fencepost.RetryPolicy.no_retry(attempt_timeout_s=0.3)
+    try:
+        async with fencepost.Client(f"127.0.0.1:{port}", retry=policy,
+                                    transport="stream") as client:
+            with pytest.raises(fencepost.FencepostError, match="no such run"):
+                await client.delete("warm-up")  # unary: the stream opens meanwhile
+            dispatcher = client._dispatcher
+            assert dispatcher is not None
+            deadline = time.monotonic() + 5
+            while not dispatcher.is_open:
+                assert time.monotonic() < deadline, "the Execute stream did not open"
+                await asyncio.sleep(0.005)
+            for run_id in ("run-1", "run-2"):
+                started = time.monotonic()
+                with pytest.raises(fencepost.OutcomeUnknownError):
+                    await client.acquire(run_id)
+                took = time.monotonic() - started
+                assert 0.25 < took < 2.0, f"{run_id} failed after {took:.2f} s"
+                assert dispatcher.is_open and dispatcher.streams_opened == 1
+            assert dispatcher.commands_sent == 0  # counted when a stream ends
+    finally:
+        await server.stop(None)
+
+
 def test_the_default_owner_names_this_host_this_process_and_a_random_part() -> None:
     prefix = f"{socket.gethostname()}-{os.getpid()}-"
     owners = {fencepost.Client().owner for _ in range(20)}

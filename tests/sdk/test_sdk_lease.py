@@ -292,3 +292,21 @@ async def test_closing_the_client_stops_renewals(server: ServerThread, transport
 async def _get_version(server: ServerThread, run_id: str) -> int:
     async with fencepost.Client(server.address) as c:
         return (await c.get(run_id)).version
+
+
+def test_wire_times_convert_exactly_and_their_cache_stays_bounded() -> None:
+    """Converted times are remembered (a run's records repeat most of theirs),
+    exactly to the millisecond, and the memory of them is bounded."""
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from fencepost._records import _TIMES, _TIMES_MAX, time_from_pb
+
+    base = 1_764_650_000_123
+    for i in range(3 * _TIMES_MAX):
+        ms = base + i * 997
+        ts = Timestamp(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000 + 456_789)
+        want = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=ms)
+        assert time_from_pb(ts) == want and time_from_pb(ts) == want
+        assert len(_TIMES) <= _TIMES_MAX
+    early = Timestamp(seconds=-1, nanos=999_000_000)  # 1969-12-31T23:59:59.999Z
+    assert time_from_pb(early) == datetime(1969, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC)

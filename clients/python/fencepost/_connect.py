@@ -25,6 +25,11 @@ _READY = grpc.ChannelConnectivity.READY
 _GIVE_UP = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
 
+def connected(channel: grpc.aio.Channel) -> bool:
+    """Whether ``channel`` is READY now (asking it to connect when idle)."""
+    return channel.get_state(try_to_connect=True) is _READY
+
+
 async def until_connected(channel: grpc.aio.Channel, timeout_s: float | None) -> None:
     """Return once ``channel`` is READY; raise ``UnavailableError`` when it is in
     TRANSIENT_FAILURE (the last connection attempt failed) or shut down, or is

