@@ -283,6 +283,28 @@ async def test_a_ttl_shorter_than_the_coalescing_window_is_renewed_at_its_pace(
     assert short.is_active and not short.at_risk
 
 
+async def test_leases_given_up_before_their_renewal_wake_nothing(
+    server: ServerThread, holder: fencepost.Client
+) -> None:
+    """A client that runs many short runs: neither an acquire due after what
+    the scheduler already waits for, nor a lease finished before its renewal
+    was due, wakes the scheduler (a pass of it per run was a task switch per
+    client per run)."""
+    renewer = holder._renewer  # type: ignore[attr-defined]
+    first = await holder.acquire("short-0", ttl_ms=600)  # due 200 ms on
+    await asyncio.sleep(0.05)  # the scheduler waits for it now
+    before, messages = renewer.passes, renewer.messages
+    await first.finish()
+    for i in range(1, 100):  # each due later than the one it waits for
+        lease = await holder.acquire(f"short-{i}", ttl_ms=600)
+        await lease.finish()
+    await asyncio.sleep(0.6)  # past every one's due time
+    # a pass when the lease it waited for falls due (about one per 200 ms
+    # while runs go on), not one per run
+    assert renewer.passes - before <= 10, renewer.passes - before
+    assert renewer.messages == messages  # and none was renewed
+
+
 async def test_safe_until_follows_a_write_that_shortens_the_lease(
     holder: fencepost.Client, clock: ManualClock
 ) -> None:

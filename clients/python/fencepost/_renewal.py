@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import heapq
 import itertools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -200,12 +200,19 @@ class StreamRenewer:
         self._seq = itertools.count()
         self._outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]] | None = None
         self._wake = asyncio.Event()  # the scheduler: something is due earlier
+        # when the scheduler wakes (-inf while it is not waiting), and the
+        # timer that wakes it: a lease due earlier moves the timer, one due
+        # later needs nothing (a wake-up per acquire, in a process of many
+        # clients, was a task switch per client per run)
+        self._sleep_until = -math.inf
+        self._timer: asyncio.TimerHandle | None = None
         self._has_entries = asyncio.Event()  # the manager: something to keep alive
         self._task: asyncio.Task[None] | None = None
         self._answered = False
         self._closed = False
         self.sessions = 0  # streams opened so far (diagnostics, tests)
         self.messages = 0  # messages written on them (diagnostics, tests)
+        self.passes = 0  # the scheduler's passes over due leases (diagnostics, tests)
         # each stream's name (KeepAliveHello.stream_name): this client's prefix
         # and the stream's number, so that an acquire names the very stream
         self._name_prefix = os.urandom(12).hex()
@@ -234,7 +241,8 @@ class StreamRenewer:
             entry.sent = True  # the acquire's commit tracked it on this very stream
         elif self._outbox is not None:
             self._send_track(entry)
-        self._wake.set()
+        if entry.next_renew < self._sleep_until:
+            self._sleep(entry.next_renew)
         self._has_entries.set()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="fencepost-keepalive")
@@ -439,6 +447,7 @@ class StreamRenewer:
         heap = self._heap
         while True:
             now = time.monotonic()
+            self.passes += 1
             # renew what falls due within the next moment too: a little early is
             # harmless and lets scattered leases share one message. Each lease is
             # looked at once per pass, and early by at most half its interval:
@@ -449,8 +458,8 @@ class StreamRenewer:
             while heap and heap[0][0] <= now + _COALESCE_S:
                 item = heapq.heappop(heap)
                 when, _, key = item
-                entry = self._entries.get(key)
-                if entry is None or entry.next_renew != when or not entry.renewing:
+                entry = self._due(item)
+                if entry is None:
                     continue  # stale heap item
                 if not entry.lease.is_active:
                     self._drop(key)  # lost through a fenced call, say
@@ -469,11 +478,38 @@ class StreamRenewer:
                 self._send_renew(entry, now)
             for item in later:
                 heapq.heappush(heap, item)
+            # no wake-up for a lease stopped since (most are, in a process that
+            # runs many short runs): sleep until the first one still held
+            while heap and self._due(heap[0]) is None:
+                heapq.heappop(heap)
             self._wake.clear()
-            timeout = heap[0][0] - now if heap else None
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._wake.wait()
+            self._sleep(heap[0][0] if heap else math.inf)
+            try:
+                await self._wake.wait()
+            finally:
+                self._sleep_until = -math.inf
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+
+    def _sleep(self, until: float) -> None:
+        """Have the waiting scheduler woken at ``until`` (monotonic; inf: only
+        by a lease started since)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._sleep_until = until
+        if until != math.inf:
+            delay = max(until - time.monotonic(), 0.0)
+            self._timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+
+    def _due(self, item: tuple[float, int, Key]) -> _Entry | None:
+        """The entry a heap item schedules, None when the item is stale (its
+        lease stopped, or rescheduled since)."""
+        entry = self._entries.get(item[2])
+        if entry is None or entry.next_renew != item[0] or not entry.renewing:
+            return None
+        return entry
 
     def _check_stalled(self, entry: _Entry, waited_s: float) -> None:
         """With several endpoints, a renewal unanswered for a third of its
