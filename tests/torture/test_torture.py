@@ -83,7 +83,10 @@ def test_a_build_without_the_epoch_check_is_caught(tmp_path: Path) -> None:
     stalled with the COMMIT still to come, or the leader paused): a deposed
     leader's batch then commits after the takeover, and the epochs check says
     so. The same nemesis finds nothing on the real build (RELIABILITY_LOG.md)."""
-    outcome = _run(tmp_path, duration_s=20.0, store="postgres", coordinators=3, seed=4,
+    # 40 s, not 20: the catch needs a stall to land on a batch at the right
+    # moment; 20 s runs made 4-6 stalls and one in 17 (with 4) caught
+    # nothing, 40 s runs make 5-11 and 2-3 leader stops (RELIABILITY_LOG.md)
+    outcome = _run(tmp_path, duration_s=40.0, store="postgres", coordinators=3, seed=4,
                    nemesis="deposed", fault="no-epoch-check", liveness_bound_s=5.0)
     assert outcome.faults["by_kind"]["pg-stall"] >= 1, outcome.faults
     assert outcome.violations.get("epochs", 0) >= 1, outcome.summary()
