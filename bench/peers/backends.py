@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from fencepost._ids import new_request_id
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
 from fencepost.v1 import record_pb2 as rpb
@@ -286,10 +287,11 @@ class ExecuteDispatcher:
 class FencepostStream:
     """One channel and ``streams`` Execute streams per client process."""
 
-    def __init__(self, address: str, streams: int = 1) -> None:
+    def __init__(self, address: str, streams: int = 1, request_ids: bool = False) -> None:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = ledger_pb2_grpc.LedgerStub(self._channel)
         self._n = streams
+        self._request_ids = request_ids  # as the SDK sends: a retry is then safe
         self._dispatchers: list[ExecuteDispatcher] = []
         self._next: Any = None
 
@@ -299,6 +301,8 @@ class FencepostStream:
         self._next = itertools.cycle(self._dispatchers)
 
     async def _run(self, kind: str, request: Any) -> Any:
+        if self._request_ids:
+            request.request_id = new_request_id()
         result = await next(self._next).submit(pb.Command(**{kind: request}))
         which = result.WhichOneof("kind")
         if which == "error":
@@ -646,7 +650,8 @@ async def open_backend(name: str, address: str, clients: int, options: dict[str,
     if name == "fencepost-unary":
         b = FencepostUnary(address, channels=int(options.get("channels", 1)))
     elif name == "fencepost-stream":
-        b = FencepostStream(address, streams=int(options.get("streams", 1)))
+        b = FencepostStream(address, streams=int(options.get("streams", 1)),
+                            request_ids=bool(options.get("request_ids")))
     elif name in SDK_BACKENDS:
         b = FencepostSdk(address, shape=name.rsplit("-", 1)[1])
     elif name == "etcd":

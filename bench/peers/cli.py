@@ -63,6 +63,7 @@ def _git(*args: str) -> str:
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {"channels": args.channels, "streams": args.streams,
+            "request_ids": args.stream_request_ids,
             "pg_conns": args.pg_conns, "redis_conns": args.redis_conns}
 
 
@@ -380,6 +381,9 @@ def parser() -> argparse.ArgumentParser:
                    help="fencepost-unary: grpc.aio channels per client process")
     p.add_argument("--streams", type=int, default=1,
                    help="fencepost-stream: Execute streams per client process")
+    p.add_argument("--stream-request-ids", action="store_true",
+                   help="fencepost-stream: a request id on every command, as the SDK "
+                   "sends (by default the raw stream sends none)")
     p.add_argument("--pg-conns", type=int, default=0,
                    help="postgres: pool size per client process (default: one per client)")
     p.add_argument("--redis-conns", type=int, default=0,

@@ -136,3 +136,33 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
     # every server the bench started is gone (they all ran inside its workdir)
     assert result["workdir"] not in subprocess.run(
         ["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_the_raw_stream_sends_request_ids_only_when_asked(tmp_path: Path) -> None:
+    """``--stream-request-ids``: the raw stream's commands carry request ids
+    (the server then keeps one per command, as for the SDK's); by default they
+    carry none."""
+    import sqlite3
+
+    from peers.backends import FencepostStream
+
+    from fencepost_server.harness import ServerThread
+
+    db = tmp_path / "db"
+
+    async def lifecycle(address: str, request_ids: bool) -> None:
+        b = FencepostStream(address, request_ids=request_ids)
+        await b.connect()
+        try:
+            run_id = f"run-{request_ids}"
+            token = await b.acquire(run_id, "w", 30_000)
+            await b.renew(run_id, "w", token)
+            await b.finish(run_id, "w", token)
+        finally:
+            await b.close()
+
+    with ServerThread(db_path=db) as server:
+        asyncio.run(lifecycle(server.address, False))
+        asyncio.run(lifecycle(server.address, True))
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == 3
