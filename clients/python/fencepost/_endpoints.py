@@ -179,13 +179,18 @@ class Endpoints:
         """Where the next attempt goes."""
         return self._current
 
+    @property
+    def alone(self) -> bool:
+        """One endpoint: it has nowhere else to go, so ``reachable`` has
+        nothing to wait for (the call itself waits for its connection)."""
+        return len(self._all) < 2
+
     async def reachable(self, endpoint: Endpoint, timeout_s: float | None) -> float | None:
         """With several endpoints, wait (at most ``CONNECT_WAIT_S``, and
         ``timeout_s``) until ``endpoint``'s channel is connected, or raise
         ``UnavailableError`` (nothing was sent: the caller moves on). Returns
-        what is left of ``timeout_s``. A lone endpoint has nowhere else to
-        go: the call itself waits for its connection."""
-        if len(self._all) < 2:
+        what is left of ``timeout_s``; at once when ``alone``."""
+        if self.alone:
             return timeout_s
         loop = asyncio.get_running_loop()
         started = loop.time()

@@ -125,7 +125,7 @@ async def call_with_retry(
         cause: BaseException | None
         endpoint = endpoints.current
         try:
-            timeout = (policy.attempt_timeout_s if len(endpoints) < 2  # nothing to wait for
+            timeout = (policy.attempt_timeout_s if endpoints.alone  # no coroutine to make
                        else await endpoints.reachable(endpoint, policy.attempt_timeout_s))
             result = await attempt(endpoint, timeout)
         except grpc.RpcError as err:
