@@ -11,7 +11,8 @@ creation order), on a fresh SQLite file at durability FULL:
    wall µs per new run. Slices of 10,000 runs (about a second) swung 2-4 times
    from run to run with the writer's periodic work (copying runs into the
    runs table, pruning, checkpoints); 50,000 average over it.
-   The ratio of the last checkpoint to the first is the growth.
+   The ratio of the last checkpoint to the first is the growth. Full garbage
+   collections follow the schedule ``fencepost serve`` gives them (gcpolicy.py).
 2. **Live work**: ``--live`` more runs are acquired and left running.
 3. **Restart**: a real ``fencepost serve`` on that file, ``--restarts`` times
    (default 3; the median is reported): the time from spawn to gRPC health
@@ -53,6 +54,7 @@ from fencepost.v1 import ledger_pb2, ledger_pb2_grpc, record_pb2
 from fencepost_server.clock import SystemClock
 from fencepost_server.core.ledger import Acquire, Finish
 from fencepost_server.core.records import Record, Status
+from fencepost_server.gcpolicy import FullCollections
 from fencepost_server.storage import Durability, SqliteStorage
 from fencepost_server.writer import Writer
 
@@ -67,6 +69,8 @@ def _ids(order: str) -> Any:
 async def _fill(path: Path, order: str, args: argparse.Namespace) -> dict[str, Any]:
     writer = Writer(SqliteStorage(path, Durability.FULL), SystemClock(), commit_delay_ms=8)
     await writer.start()
+    collections = FullCollections()  # the collector's schedule `fencepost serve` runs with
+    collections.start()
     ids = _ids(order)
     made = 0
     slices: list[dict[str, Any]] = []
@@ -106,6 +110,7 @@ async def _fill(path: Path, order: str, args: argparse.Namespace) -> dict[str, A
         for k in range(args.live):
             await writer.submit(Acquire(f"live-{k:06d}", f"live-w{k % 16}", ttl_ms=3_600_000))
     finally:
+        await collections.stop()
         await writer.close()
     return {"slices": slices, "runs": made + args.live}
 

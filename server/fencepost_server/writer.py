@@ -588,7 +588,7 @@ class Writer:
                     LedgerError(Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}")
                 )
             return
-        answers, overlay, tombs, revision, events, compacted, cold, evict = outcome
+        answers, overlay, tombs, revision, events, compacted, evict = outcome
         self.stats.batches += 1
         self.stats.commands += len(batch)
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
@@ -596,7 +596,7 @@ class Writer:
         self.stats.commit_seconds += elapsed
         if self.on_batch is not None:
             self.on_batch(len(batch), elapsed)
-        self._publish_state(overlay, tombs, revision, cold, evict)
+        self._publish_state(overlay, tombs, revision, evict)
         if compacted is not None:
             self.state.compacted = compacted
         for item, answer in zip(batch, answers, strict=True):
@@ -613,21 +613,17 @@ class Writer:
         overlay: dict[str, Record | None],
         tombs: dict[str, int],
         revision: int,
-        cold: dict[str, Record | None] | None = None,
         evict: list[str] | None = None,
     ) -> None:
-        """Move the committed state after a commit. ``cold``: the records this
-        batch read from the runs table (their previous state, for the index);
-        ``evict``: finished runs the runs table now reflects, no longer held."""
+        """Move the committed state after a commit. ``evict``: finished runs
+        the runs table now reflects, no longer held."""
         st = self.state
         runs, index = st.runs, st.index
         for run_id, rec in overlay.items():
-            old = runs.pop(run_id, None) if rec is None else runs.get(run_id)
-            if old is None and cold:
-                old = cold.get(run_id)
-            if old is not None or rec is not None:
-                index.update(old, rec)
-            if rec is not None:
+            index.update(run_id, rec)
+            if rec is None:
+                runs.pop(run_id, None)
+            else:
                 runs[run_id] = rec
         for run_id in evict or ():
             rec = runs.get(run_id)
@@ -645,7 +641,6 @@ class Writer:
         answered: dict[str, tuple[str, Any]] = {}
         out = Batch(now=now)
         st = _Step(committed, out, committed.revision)
-        cold = st.cold
         answers: list[Any] = []
         with self.storage.transaction():
             rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
@@ -714,7 +709,7 @@ class Writer:
                 )
             self.storage.write(out)
             if self.unsafe_ack_before_commit_s:  # TEST-ONLY broken build
-                self._unsafe_ack_early(batch, answers, overlay, tombs, rev, events, cold)
+                self._unsafe_ack_early(batch, answers, overlay, tombs, rev, events)
         # committed: move the materialization bookkeeping (a failed commit
         # raised above and moved nothing)
         pending = self._pending
@@ -734,7 +729,7 @@ class Writer:
             k for k, rec in out.materialize
             if rec is not None and rec.status in TERMINAL and k not in pending
         ] if self.evict_finished else []
-        return answers, overlay, tombs, rev, events, compacted, cold, evict
+        return answers, overlay, tombs, rev, events, compacted, evict
 
     def _committed(self, run_id: str, cold: dict[str, Record | None]) -> Record | None:
         """A run's committed record: held in memory, or — a finished run the
@@ -907,7 +902,6 @@ class Writer:
         tombs: dict[str, int],
         rev: int,
         events: list[ChangeEvent],
-        cold: dict[str, Record | None],
     ) -> None:
         """TEST-ONLY (``--fault ack-before-commit``): answer the batch's callers
         and publish its state *before* its COMMIT, then hold the COMMIT back, so
@@ -919,7 +913,7 @@ class Writer:
         events.clear()
 
         def deliver() -> None:
-            self._publish_state(overlay, tombs, rev, cold)
+            self._publish_state(overlay, tombs, rev)
             for item, answer in zip(batch, answers, strict=True):
                 item.deliver(answer)
             for listener in list(self._listeners) if published else []:

@@ -251,7 +251,7 @@ async def test_a_restart_builds_the_same_index_as_inserts_one_at_a_time(
     def one_at_a_time(records: dict[str, Any]) -> RunIndex:
         index = RunIndex()
         for rec in sorted(records.values(), key=lambda r: r.revision):
-            index.update(None, rec)
+            index.update(rec.run_id, rec)
         return index
 
     # the first start replays the change log (and copies it to runs) ...

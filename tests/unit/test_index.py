@@ -45,7 +45,7 @@ def test_index_walk_equals_a_full_scan(
         new = _record(run_id, *put) if put is not None else None
         if old is None and new is None:
             continue
-        index.update(old, new)
+        index.update(run_id, new)
         if new is None:
             del runs[run_id]
         else:
@@ -78,14 +78,14 @@ def test_the_same_move_twice_changes_nothing_more() -> None:
     done = _record("a", Status.COMPLETED, "")
     index = RunIndex()
     for _ in range(2):
-        index.update(None, a)
+        index.update("a", a)
     assert list(index.ids) == ["a"] and list(index.candidates(None, frozenset(), "w1")) == ["a"]
     for _ in range(2):
-        index.update(a, done)
+        index.update("a", done)
     assert list(index.candidates(None, frozenset({Status.RUNNING}), "")) == []
     assert list(index.candidates(None, frozenset({Status.COMPLETED}), "")) == ["a"]
     for _ in range(2):
-        index.update(done, None)
+        index.update("a", None)
     assert len(index) == 0 and not index.by_status and not index.by_owner
 
 
@@ -103,7 +103,7 @@ def test_a_prefixed_walk_either_way_equals_a_full_scan(
         old, new = runs.get(run_id), (_record(run_id, *put) if put is not None else None)
         if old is None and new is None:
             continue
-        index.update(old, new)
+        index.update(run_id, new)
         runs.pop(run_id, None) if new is None else runs.__setitem__(run_id, new)
     keys = [k for k in sorted(runs) if k.startswith(prefix) and _admits(runs[k], statuses, owner)]
     if reverse:
@@ -141,7 +141,7 @@ def test_the_bulk_build_from_groups_equals_inserts_one_at_a_time(
     records = {k: _record(k, status, owner) for k, (status, owner, _) in runs.items()}
     one_by_one = RunIndex()
     for rec in data.draw(st.permutations(list(records.values()))):
-        one_by_one.update(None, rec)
+        one_by_one.update(rec.run_id, rec)
     hot = [records[k] for k, (_, _, in_memory) in runs.items() if in_memory]
     groups: dict[tuple[int, str | None], list[str]] = {}
     for k, (status, owner, in_memory) in runs.items():
@@ -156,3 +156,22 @@ def test_the_bulk_build_from_groups_equals_inserts_one_at_a_time(
         cut = data.draw(st.integers(0, len(ids)))
         cold += [(status, owner, ids[:cut]), (status, owner, ids[cut:])]
     assert _entries(RunIndex(hot, cold=cold)) == _entries(one_by_one)
+
+
+def test_a_move_leaves_no_entry_behind_whatever_the_caller_knew() -> None:
+    """The index knows where each run is indexed, so moving a run (even one
+    the caller only knows by id, as a finished run read back from the
+    database is) takes it out of its old status and owner lists."""
+    index = RunIndex([_record("a", Status.RUNNING, "w1"), _record("b", Status.RUNNING, "w2")],
+                     cold=[(int(Status.COMPLETED), None, ["c"])])
+    index.update("a", _record("a", Status.COMPLETED, ""))
+    index.update("c", _record("c", Status.RUNNING, "w2"))
+    assert list(index.candidates(None, frozenset({Status.RUNNING}), "")) == ["b", "c"]
+    assert list(index.candidates(None, frozenset({Status.COMPLETED}), "")) == ["a"]
+    assert list(index.candidates(None, frozenset(), "w1")) == []
+    assert list(index.candidates(None, frozenset(), "w2")) == ["b", "c"]
+    assert list(index.ids) == ["a", "b", "c"] and "c" in index and "d" not in index
+    index.update("d", None)  # never indexed: nothing to drop
+    index.update("c", None)
+    assert list(index) == ["a", "b"] and len(index) == 2 and index.status_of == {
+        "a": Status.COMPLETED, "b": Status.RUNNING} and index.owner_of == {"b": "w2"}
