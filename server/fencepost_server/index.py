@@ -125,8 +125,10 @@ class RunIndex:
 
     @staticmethod
     def _drop(table: dict, key: object, run_id: str) -> None:
-        ids = table[key]
-        ids.remove(run_id)
+        ids = table.get(key)
+        if ids is None:
+            return
+        ids.discard(run_id)
         if not ids:
             del table[key]
 
