@@ -80,12 +80,8 @@ class RunIndex:
         return run_id in self.status_of
 
     def __iter__(self) -> Iterator[str]:
-        return self.walk(frozenset(), "")
-
-    @property
-    def ids(self) -> Iterator[str]:
         """Every run id, in order."""
-        return iter(self)
+        return self.walk(frozenset(), "")
 
     def update(self, run_id: str, new: Record | None) -> None:
         """Index the run as ``new`` says (None: deleted). Where it was indexed

@@ -245,7 +245,7 @@ async def test_a_restart_builds_the_same_index_as_inserts_one_at_a_time(
     await w.close()
 
     def entries(index: RunIndex) -> tuple[Any, ...]:
-        return (list(index.ids), {k: list(v) for k, v in index.by_status.items()},
+        return (list(index), {k: list(v) for k, v in index.by_status.items()},
                 {k: list(v) for k, v in index.by_owner.items()})
 
     def one_at_a_time(records: dict[str, Any]) -> RunIndex:
@@ -265,7 +265,7 @@ async def test_a_restart_builds_the_same_index_as_inserts_one_at_a_time(
         assert len(records) == len(cold_ids) + len(state.runs) == 160
         built = RunIndex(state.runs.values(), cold=state.cold)
         assert entries(built) == entries(one_at_a_time(records))
-        assert list(built.ids) == sorted(records) and len(built.by_status) == 4
+        assert list(built) == sorted(records) and len(built.by_status) == 4
     finally:
         first.close()
     # ... the next one reads the runs table alone

@@ -57,7 +57,7 @@ def test_index_walk_equals_a_full_scan(
     assert walked == expected
     assert list(RunIndex(runs.values()).candidates(after, statuses, owner)) == \
         list(index.candidates(after, statuses, owner))  # bulk build == incremental
-    assert list(index.ids) == sorted(runs)
+    assert list(index) == sorted(runs)
 
 
 def test_a_filtered_walk_visits_only_its_matches() -> None:
@@ -79,7 +79,7 @@ def test_the_same_move_twice_changes_nothing_more() -> None:
     index = RunIndex()
     for _ in range(2):
         index.update("a", a)
-    assert list(index.ids) == ["a"] and list(index.candidates(None, frozenset(), "w1")) == ["a"]
+    assert list(index) == ["a"] and list(index.candidates(None, frozenset(), "w1")) == ["a"]
     for _ in range(2):
         index.update("a", done)
     assert list(index.candidates(None, frozenset({Status.RUNNING}), "")) == []
@@ -116,7 +116,7 @@ def test_a_prefixed_walk_either_way_equals_a_full_scan(
 
 
 def _entries(index: RunIndex) -> tuple[list[str], dict[Status, list[str]], dict[str, list[str]]]:
-    return (list(index.ids), {k: list(v) for k, v in index.by_status.items()},
+    return (list(index), {k: list(v) for k, v in index.by_status.items()},
             {k: list(v) for k, v in index.by_owner.items()})
 
 
@@ -170,7 +170,7 @@ def test_a_move_leaves_no_entry_behind_whatever_the_caller_knew() -> None:
     assert list(index.candidates(None, frozenset({Status.COMPLETED}), "")) == ["a"]
     assert list(index.candidates(None, frozenset(), "w1")) == []
     assert list(index.candidates(None, frozenset(), "w2")) == ["b", "c"]
-    assert list(index.ids) == ["a", "b", "c"] and "c" in index and "d" not in index
+    assert list(index) == ["a", "b", "c"] and "c" in index and "d" not in index
     index.update("d", None)  # never indexed: nothing to drop
     index.update("c", None)
     assert list(index) == ["a", "b"] and len(index) == 2 and index.status_of == {
