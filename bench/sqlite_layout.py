@@ -1,4 +1,4 @@
-"""What a new run costs SQLite as runs pile up, for two layouts of the runs table.
+"""What a new run costs SQLite as runs pile up, for three layouts of the runs table.
 
 Bare SQLite, no server: each run is one row with a random (UUID-like) id and
 a ~300-byte record, inserted by one commit and updated to finished by the
@@ -9,10 +9,15 @@ next (as an Acquire and a Finish would be), 128 runs per commit, WAL mode,
 - ``without-rowid``: the server's layout, a ``WITHOUT ROWID`` table keyed by
   the run id, so every row lives in the key's B-tree, at a random place;
 - ``rowid``: a rowid table (rows appended in creation order) with a unique
-  index on the run id (small entries, still at random places).
+  index on the run id (small entries, still at random places);
+- ``seq``: the server's layout: rows appended in creation order (``seq``),
+  found by run id through a dict in memory (no index on the run id), and the
+  status index ordered by ``seq`` within each (status, owner), with the run
+  id at its end.
 
-Both keep an index on (status, owner), as the server does.
+The first two keep an index on (status, owner), as the server did with them.
 
+    .venv/bin/python bench/sqlite_layout.py --layout seq
     .venv/bin/python bench/sqlite_layout.py --layout without-rowid
     .venv/bin/python bench/sqlite_layout.py --layout rowid [--cache-kib 65536]
 
@@ -41,9 +46,21 @@ _SCHEMAS = {
     "rowid": """CREATE TABLE runs (
         run_id TEXT NOT NULL UNIQUE, version INTEGER, status INTEGER, fencing_token INTEGER,
         owner TEXT, revision INTEGER, record TEXT)""",
+    "seq": """CREATE TABLE runs (
+        seq INTEGER PRIMARY KEY, run_id TEXT NOT NULL, version INTEGER, status INTEGER,
+        fencing_token INTEGER, owner TEXT, revision INTEGER, record TEXT)""",
+}
+_STATUS_INDEX = {
+    "without-rowid": "(status, owner)",
+    "rowid": "(status, owner)",
+    "seq": "(status, owner, seq, run_id)",
 }
 _UPSERT = (
     "INSERT INTO runs VALUES (?, 1, ?, 1, ?, 1, ?) ON CONFLICT(run_id) DO UPDATE SET "
+    "status = excluded.status, owner = excluded.owner, record = excluded.record"
+)
+_UPSERT_SEQ = (
+    "INSERT INTO runs VALUES (?, ?, 1, ?, 1, ?, 1, ?) ON CONFLICT(seq) DO UPDATE SET "
     "status = excluded.status, owner = excluded.owner, record = excluded.record"
 )
 
@@ -54,17 +71,26 @@ def run(layout: str, cache_kib: int, directory: Path) -> list[tuple[int, float]]
     db.execute("PRAGMA synchronous=FULL")
     db.execute(f"PRAGMA cache_size=-{cache_kib}")
     db.execute(_SCHEMAS[layout])
-    db.execute("CREATE INDEX runs_by_status ON runs (status, owner)")
+    db.execute(f"CREATE INDEX runs_by_status ON runs {_STATUS_INDEX[layout]}")
     record = json.dumps({"pad": "x" * 250})
     done = 0
+    rows: dict[str, int] = {}  # seq: run id -> its row
+
+    def params(ids: list[str], status: int, owner: str | None) -> list[tuple[object, ...]]:
+        if layout != "seq":
+            return [(i, status, owner, record) for i in ids]
+        for i in ids:
+            rows.setdefault(i, len(rows) + 1)
+        return [(rows[i], i, status, owner, record) for i in ids]
 
     def runs(n: int) -> None:
         nonlocal done
+        upsert = _UPSERT_SEQ if layout == "seq" else _UPSERT
         for _ in range(n // PER_COMMIT):
             ids = [os.urandom(16).hex() for _ in range(PER_COMMIT)]
             for status, owner in ((1, "worker"), (4, None)):  # acquired, then finished
                 db.execute("BEGIN")
-                db.executemany(_UPSERT, [(i, status, owner, record) for i in ids])
+                db.executemany(upsert, params(ids, status, owner))
                 db.execute("COMMIT")
             done += PER_COMMIT
             if done % CHECKPOINT_EVERY < PER_COMMIT:
@@ -83,7 +109,7 @@ def run(layout: str, cache_kib: int, directory: Path) -> list[tuple[int, float]]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layout", choices=sorted(_SCHEMAS), default="without-rowid")
+    p.add_argument("--layout", choices=sorted(_SCHEMAS), default="seq")
     p.add_argument("--cache-kib", type=int, default=2000, help="SQLite page cache (default 2000)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="fencepost-layout-") as d:

@@ -32,7 +32,7 @@ from .core import ledger as L
 from .core.errors import Code, LedgerError, in_transaction, validation
 from .core.records import TERMINAL, Record, Status
 from .index import RunIndex
-from .storage.sql import KIND_DELETE, KIND_PUT, Batch, LoadedState, SqlStorage, broken, read_runs
+from .storage.sql import KIND_DELETE, KIND_PUT, Batch, LoadedState, SqlStorage, broken
 
 log = logging.getLogger("fencepost.writer")
 
@@ -408,7 +408,7 @@ class Writer:
                 page.append(rec)
 
     def _read_cold(self, run_ids: list[str]) -> dict[str, Record]:
-        return read_runs(self._read_only(), run_ids)
+        return self.storage.read_runs(run_ids, self._read_only())
 
     def _read_only(self) -> Any:
         if self._reader_db is not None and broken(self._reader_db):

@@ -45,7 +45,7 @@ log = logging.getLogger("fencepost.storage")
 
 RESOLVE_COMMIT_S = 60.0  # how long a COMMIT lost with its connection is asked about
 SCHEMA = "fencepost"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _MIGRATE_LOCK = 0x66656E63  # pg_advisory_xact_lock key: "fenc"
 
 _TEXT = 'TEXT COLLATE "C"'  # byte order, as SQLite and the in-memory index sort
@@ -193,6 +193,28 @@ MIGRATIONS: list[list[str]] = [
            )""",
         "INSERT INTO fencepost_leader VALUES (1, 0, '', '', 0, 0)",
     ],
+    # 1 -> 2: `runs` is keyed by the order its rows were first written (seq);
+    # the server finds them by run id through a map in memory, as on SQLite.
+    [
+        f"""CREATE TABLE runs_by_seq (
+               seq           BIGINT PRIMARY KEY,
+               run_id        {_TEXT} NOT NULL,
+               version       BIGINT NOT NULL,
+               status        INTEGER NOT NULL,
+               fencing_token BIGINT NOT NULL,
+               owner         {_TEXT},
+               revision      BIGINT NOT NULL,
+               record        TEXT NOT NULL
+           )""",
+        "INSERT INTO runs_by_seq SELECT row_number() OVER (ORDER BY revision, run_id), "
+        "run_id, version, status, fencing_token, owner, revision, record FROM runs",
+        "DROP TABLE runs",
+        "ALTER TABLE runs_by_seq RENAME TO runs",
+        "ALTER INDEX runs_by_seq_pkey RENAME TO runs_pkey",
+        "CREATE INDEX runs_by_status ON runs (status, owner, seq) INCLUDE (run_id)",
+        "CREATE INDEX runs_finished_at ON runs (((record::jsonb ->> 'updated_at')::bigint), "
+        "run_id) WHERE status IN (4, 5, 6)",
+    ],
 ]
 
 
@@ -331,9 +353,11 @@ class PostgresStorage(SqlStorage):
     backend = "postgresql"
     GREATEST = "GREATEST"
     ID_ARRAY = "json_agg(run_id ORDER BY run_id)::text"
+    SEQ_ARRAY = "json_agg(seq ORDER BY run_id)::text"
     ERRORS = (psycopg.Error,)
 
     def __init__(self, url: str, *, durable: bool = True, name: str = "fencepost") -> None:
+        super().__init__()
         self.url = url
         self.path = redact(url)
         self.name = name

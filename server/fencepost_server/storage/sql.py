@@ -12,6 +12,16 @@ replays them. Updating ``runs`` in every batch wrote one page per command
 (concurrently active runs rarely share a page), which doubled the commit time
 and its fsync.
 
+Rows of ``runs`` are kept in the order runs were first copied there (``seq``,
+its key) and found by run id through ``SqlStorage.rows``, a map held in
+memory, not through an index of the database. Run ids are often random
+(UUIDs): any B-tree keyed by them — the table itself, or a unique index —
+puts each new run on a different page, which is written, checkpointed and,
+once the cache no longer holds it, read back, so a new run cost about twice
+as much at a million runs as at ten thousand. Appended rows share pages, and
+the status index is ordered by ``seq`` within a (status, owner) group, so a
+new run's pages are the last ones of the table and of each index.
+
 Statements are written once, with ``?`` placeholders; a connection is
 anything with the ``sqlite3.Connection`` methods used here (``execute``,
 ``executemany``, ``in_transaction``); ``postgres.PgConnection`` is one.
@@ -112,14 +122,26 @@ class SqlStorage:
     backend = ""
     path = ""  # what to name in messages: the file, or the URL without its password
     # the dialect: the larger of two values, an index hint for the finished
-    # runs' ids at start-up (SQLite's planner needs it), and the aggregate
-    # that gathers a group's run ids into one JSON array (text)
+    # runs' ids at start-up (SQLite's planner needs it), and the aggregates
+    # that gather a group's run ids, and their rows' seq in the same order,
+    # into JSON arrays (text)
     GREATEST = "max"
     STATUS_INDEX = ""
     ID_ARRAY = "json_group_array(run_id)"
+    SEQ_ARRAY = "json_group_array(seq)"
     # the driver's error class: a batch that hits one fails as STORAGE_*
     ERRORS: tuple[type[BaseException], ...] = ()
     _db: Any = None
+    # run id -> seq of its row in runs, as committed (load() builds it; the
+    # writer thread changes it right after each commit; readers on other
+    # threads only look ids up in it)
+    rows: dict[str, int]
+    _staged: dict[str, int | None]  # this transaction's changes to rows (None: row deleted)
+    _next_seq = 1
+
+    def __init__(self) -> None:
+        self.rows = {}
+        self._staged = {}
 
     def open(self) -> None:
         raise NotImplementedError
@@ -175,11 +197,16 @@ class SqlStorage:
         verdict is awaited afterwards and fails the load as before)."""
         db = self.db
         state = LoadedState()
+        self.rows, self._staged = {}, {}
+        rows = self.rows
+        read = 0  # rows read: more than ``rows`` holds when two share a run id
         marks = ",".join("?" * len(HOT_STATUSES))
-        for run_id, text in db.execute(
-            f"SELECT run_id, record FROM runs WHERE status IN ({marks})", HOT_STATUSES
+        for seq, run_id, text in db.execute(
+            f"SELECT seq, run_id, record FROM runs WHERE status IN ({marks})", HOT_STATUSES
         ):
             state.runs[run_id] = self._readable(text, f"the stored record of run {run_id!r}")
+            rows[run_id] = seq
+            read += 1
         state.tombstones = dict(db.execute("SELECT run_id, fencing_token FROM tombstones"))
         state.revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0]
         mark = self.materialized_mark()
@@ -199,7 +226,8 @@ class SqlStorage:
                 state.runs.pop(run_id, None)
             else:
                 state.runs[run_id] = rec
-        state.cold = self._cold_groups(db, replay)
+        state.cold, cold = self._cold_groups(db, replay)
+        self._check_rows(db, read + cold)
         if mark != state.revision:
             with self.transaction():
                 self._materialize(db, list(replay.items()), state.revision, state.revision)
@@ -217,31 +245,63 @@ class SqlStorage:
 
     def _cold_groups(
         self, db: Any, replay: dict[str, Record | None]
-    ) -> list[tuple[int, str | None, list[str]]]:
+    ) -> tuple[list[tuple[int, str | None, list[str]]], int]:
         """The finished runs of the runs table as (status, owner, run ids)
         groups, from the status index alone, leaving out the ids ``replay``
         changed. The database gathers each group's ids into one JSON array,
         parsed in one call: reading a million (id, status, owner) rows one by
-        one, and a Python step per row, took most of a start-up. Each array is
-        in run id order (SQLite: the status index's order; PostgreSQL sorts
-        it), which makes RunIndex's sorts nearly linear; they are right in
-        any order."""
+        one, and a Python step per row, took most of a start-up. SQLite hands
+        each array over in the status index's order (the order rows were
+        written), PostgreSQL in run id order; RunIndex sorts them either way.
+        Their rows' seq fill ``rows``; the count of rows read comes with the
+        groups."""
         marks = ",".join("?" * len(COLD_STATUSES))
         groups: list[tuple[int, str | None, list[str]]] = []
-        for st, owner, text in db.execute(
-            f"SELECT status, owner, {self.ID_ARRAY} FROM runs {self.STATUS_INDEX} "
-            f"WHERE status IN ({marks}) GROUP BY status, owner", COLD_STATUSES,
+        rows = self.rows
+        read = 0
+        for st, owner, text, seqs in db.execute(
+            f"SELECT status, owner, {self.ID_ARRAY}, {self.SEQ_ARRAY} FROM runs "
+            f"{self.STATUS_INDEX} WHERE status IN ({marks}) GROUP BY status, owner",
+            COLD_STATUSES,
         ):
             ids = _loads(text)
+            rows.update(zip(ids, _loads(seqs), strict=True))
+            read += len(ids)
             if replay:
                 ids = [run_id for run_id in ids if run_id not in replay]
             groups.append((int(st), owner, ids))
-        return groups
+        return groups, read
 
-    def read_runs(self, run_ids: list[str]) -> dict[str, Record]:
-        """The runs table's records of those ids that have one (writer thread:
-        inside a batch it sees what earlier batches committed)."""
-        return read_runs(self.db, run_ids)
+    def _check_rows(self, db: Any, read: int) -> None:
+        """Refuse a runs table with two rows for one run id (``read`` rows were
+        read; nothing in the database enforces one row per run, the writer
+        does, through ``rows``), and note the next row's seq."""
+        if read != len(self.rows):
+            raise RuntimeError(
+                f"{self.path}: the runs table holds {read} rows for {len(self.rows)} run ids "
+                "(two rows for one run); refusing to start and leaving the database untouched"
+            )
+        self._next_seq = (db.execute("SELECT max(seq) FROM runs").fetchone()[0] or 0) + 1
+
+    def read_runs(self, run_ids: list[str], db: Any = None) -> dict[str, Record]:
+        """The runs table's records of those ids that have one, on ``db`` (a
+        reader), or the write connection (writer thread: inside a batch it
+        sees what earlier batches committed)."""
+        db = self.db if db is None else db
+        rows = self.rows
+        out: dict[str, Record] = {}
+        # a row is taken only if it still holds the run asked for
+        wanted = {seq: run_id for run_id in run_ids if (seq := rows.get(run_id)) is not None}
+        seqs = list(wanted)
+        for i in range(0, len(seqs), 500):  # chunks the statement can bind
+            chunk = seqs[i:i + 500]
+            for seq, run_id, text in db.execute(
+                f"SELECT seq, run_id, record FROM runs WHERE seq IN ({','.join('?' * len(chunk))})",
+                chunk,
+            ):
+                if wanted[seq] == run_id:
+                    out[run_id] = record_from_dict(_loads(text))
+        return out
 
     def _readable(self, text: Any, what: str) -> Record:
         try:
@@ -257,36 +317,46 @@ class SqlStorage:
             self.db.execute("SELECT value FROM meta WHERE key='materialized'").fetchone()[0]
         )
 
-    @staticmethod
     def _materialize(
-        db: Any, runs: list[tuple[str, Record | None]], mark: int, revision: int
+        self, db: Any, runs: list[tuple[str, Record | None]], mark: int, revision: int
     ) -> None:
         """Copy runs into the runs table and set the mark (and the revision: one
-        statement for both meta rows)."""
-        puts = [rec for _, rec in runs if rec is not None]
+        statement for both meta rows). A run without a row gets the next seq;
+        ``rows`` learns of it once the transaction commits."""
+        rows, staged = self.rows, self._staged
+        puts = []
+        gone = []
+        for run_id, r in runs:
+            seq = rows.get(run_id)
+            if r is None:
+                if seq is not None:
+                    gone.append((seq,))
+                    staged[run_id] = None
+                continue
+            if seq is None:
+                seq = staged[run_id] = self._next_seq
+                self._next_seq += 1
+            puts.append((
+                seq,
+                run_id,
+                r.version,
+                int(r.status),
+                r.fencing_token,
+                r.lease.owner if r.lease else None,
+                r.revision,
+                _dumps(record_to_dict(r)),
+            ))
         if puts:
             db.executemany(
-                "INSERT INTO runs (run_id, version, status, fencing_token, owner, "
-                "revision, record) VALUES (?,?,?,?,?,?,?) ON CONFLICT (run_id) DO "
+                "INSERT INTO runs (seq, run_id, version, status, fencing_token, owner, "
+                "revision, record) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (seq) DO "
                 "UPDATE SET version=excluded.version, status=excluded.status, "
                 "fencing_token=excluded.fencing_token, owner=excluded.owner, "
                 "revision=excluded.revision, record=excluded.record",
-                [
-                    (
-                        r.run_id,
-                        r.version,
-                        int(r.status),
-                        r.fencing_token,
-                        r.lease.owner if r.lease else None,
-                        r.revision,
-                        _dumps(record_to_dict(r)),
-                    )
-                    for r in puts
-                ],
+                puts,
             )
-        gone = [(run_id,) for run_id, rec in runs if rec is None]
         if gone:
-            db.executemany("DELETE FROM runs WHERE run_id = ?", gone)
+            db.executemany("DELETE FROM runs WHERE seq = ?", gone)
         db.execute(
             "UPDATE meta SET value = CASE key WHEN 'revision' THEN ? ELSE ? END "
             "WHERE key IN ('revision', 'materialized')",
@@ -327,11 +397,24 @@ class SqlStorage:
                 yield
                 self._commit(db)
             except BaseException:
+                self._staged.clear()
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
+            self._settle_rows()
         except self.ERRORS as exc:
             raise self._storage_error(exc) from exc
+
+    def _settle_rows(self) -> None:
+        """The committed transaction's rows: new ones join ``rows``, deleted ones
+        leave it."""
+        rows = self.rows
+        for run_id, seq in self._staged.items():
+            if seq is None:
+                rows.pop(run_id, None)
+            else:
+                rows[run_id] = seq
+        self._staged.clear()
 
     def run_isolated(self, executor: Any, cmd: Any, now: int) -> Any:
         """Run an executor inside a savepoint: its refusal (LedgerError) rolls
@@ -431,19 +514,6 @@ class SqlStorage:
             batch.compacted = self._compacted(db, batch.revision)
 
 
-
-
-def read_runs(db: Any, run_ids: list[str]) -> dict[str, Record]:
-    """Records of the runs table by id, in chunks the statement can bind."""
-    out: dict[str, Record] = {}
-    for i in range(0, len(run_ids), 500):
-        chunk = run_ids[i:i + 500]
-        for run_id, text in db.execute(
-            f"SELECT run_id, record FROM runs WHERE run_id IN ({','.join('?' * len(chunk))})",
-            chunk,
-        ):
-            out[run_id] = record_from_dict(_loads(text))
-    return out
 
 
 def broken(conn: Any) -> bool:

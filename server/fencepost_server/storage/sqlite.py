@@ -39,12 +39,11 @@ from .sql import (  # noqa: F401  (re-exported: the writer, tests and benchmarks
     HistoryReader,
     LoadedState,
     SqlStorage,
-    read_runs,
 )
 
 log = logging.getLogger("fencepost.storage")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Each entry migrates user_version i -> i + 1. Append; never edit a shipped one.
 MIGRATIONS: list[list[str]] = [
@@ -203,6 +202,30 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX runs_finished_at ON runs (json_extract(record, '$.updated_at')) "
         "WHERE status IN (4, 5, 6)",
     ],
+    # 4 -> 5: `runs` keeps its rows in the order they were first written (seq)
+    # and the server finds them by run id through a map in memory: a table or
+    # index keyed by (random) run ids put every new run on a page of its own.
+    [
+        """CREATE TABLE runs_by_seq (
+               seq           INTEGER PRIMARY KEY,
+               run_id        TEXT NOT NULL,
+               version       INTEGER NOT NULL,
+               status        INTEGER NOT NULL,
+               fencing_token INTEGER NOT NULL,
+               owner         TEXT,
+               revision      INTEGER NOT NULL,
+               record        TEXT NOT NULL
+           )""",
+        "INSERT INTO runs_by_seq (run_id, version, status, fencing_token, owner, revision, "
+        "record) SELECT run_id, version, status, fencing_token, owner, revision, record "
+        "FROM runs ORDER BY revision, run_id",
+        "DROP TABLE runs",
+        "ALTER TABLE runs_by_seq RENAME TO runs",
+        # start-up reads the finished runs' ids (and seq) from this index alone
+        "CREATE INDEX runs_by_status ON runs (status, owner, seq, run_id)",
+        "CREATE INDEX runs_finished_at ON runs (json_extract(record, '$.updated_at'), run_id) "
+        "WHERE status IN (4, 5, 6)",
+    ],
 ]
 
 class Durability(StrEnum):
@@ -246,6 +269,7 @@ class SqliteStorage(SqlStorage):
     ERRORS = (sqlite3.Error,)
 
     def __init__(self, path: str | Path, durability: Durability = Durability.FULL) -> None:
+        super().__init__()
         self.path = str(path)
         self.durability = Durability(durability)
         self._db = None
