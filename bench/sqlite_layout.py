@@ -10,14 +10,14 @@ next (as an Acquire and a Finish would be), 128 runs per commit, WAL mode,
   the run id, so every row lives in the key's B-tree, at a random place;
 - ``rowid``: a rowid table (rows appended in creation order) with a unique
   index on the run id (small entries, still at random places);
-- ``seq``: the server's layout: rows appended in creation order (``seq``),
-  found by run id through a dict in memory (no index on the run id), and the
-  status index ordered by ``seq`` within each (status, owner), with the run
-  id at its end.
+- ``block``: the server's layout: a ``WITHOUT ROWID`` table keyed by (block,
+  run id), the block counting up by one every 256 new runs (so a new row goes
+  among the last pages), a run's block found through a dict in memory, and
+  the status index ordered by block within each (status, owner).
 
 The first two keep an index on (status, owner), as the server did with them.
 
-    .venv/bin/python bench/sqlite_layout.py --layout seq
+    .venv/bin/python bench/sqlite_layout.py --layout block
     .venv/bin/python bench/sqlite_layout.py --layout without-rowid
     .venv/bin/python bench/sqlite_layout.py --layout rowid [--cache-kib 65536]
 
@@ -46,21 +46,22 @@ _SCHEMAS = {
     "rowid": """CREATE TABLE runs (
         run_id TEXT NOT NULL UNIQUE, version INTEGER, status INTEGER, fencing_token INTEGER,
         owner TEXT, revision INTEGER, record TEXT)""",
-    "seq": """CREATE TABLE runs (
-        seq INTEGER PRIMARY KEY, run_id TEXT NOT NULL, version INTEGER, status INTEGER,
-        fencing_token INTEGER, owner TEXT, revision INTEGER, record TEXT)""",
+    "block": """CREATE TABLE runs (
+        block INTEGER NOT NULL, run_id TEXT NOT NULL, version INTEGER, status INTEGER,
+        fencing_token INTEGER, owner TEXT, revision INTEGER, record TEXT,
+        PRIMARY KEY (block, run_id)) WITHOUT ROWID""",
 }
 _STATUS_INDEX = {
     "without-rowid": "(status, owner)",
     "rowid": "(status, owner)",
-    "seq": "(status, owner, seq, run_id)",
+    "block": "(status, owner, block)",
 }
 _UPSERT = (
     "INSERT INTO runs VALUES (?, 1, ?, 1, ?, 1, ?) ON CONFLICT(run_id) DO UPDATE SET "
     "status = excluded.status, owner = excluded.owner, record = excluded.record"
 )
-_UPSERT_SEQ = (
-    "INSERT INTO runs VALUES (?, ?, 1, ?, 1, ?, 1, ?) ON CONFLICT(seq) DO UPDATE SET "
+_UPSERT_BLOCK = (
+    "INSERT INTO runs VALUES (?, ?, 1, ?, 1, ?, 1, ?) ON CONFLICT(block, run_id) DO UPDATE SET "
     "status = excluded.status, owner = excluded.owner, record = excluded.record"
 )
 
@@ -74,18 +75,18 @@ def run(layout: str, cache_kib: int, directory: Path) -> list[tuple[int, float]]
     db.execute(f"CREATE INDEX runs_by_status ON runs {_STATUS_INDEX[layout]}")
     record = json.dumps({"pad": "x" * 250})
     done = 0
-    rows: dict[str, int] = {}  # seq: run id -> its row
+    rows: dict[str, int] = {}  # block: run id -> its block
 
     def params(ids: list[str], status: int, owner: str | None) -> list[tuple[object, ...]]:
-        if layout != "seq":
+        if layout != "block":
             return [(i, status, owner, record) for i in ids]
         for i in ids:
-            rows.setdefault(i, len(rows) + 1)
+            rows.setdefault(i, len(rows) // 256)
         return [(rows[i], i, status, owner, record) for i in ids]
 
     def runs(n: int) -> None:
         nonlocal done
-        upsert = _UPSERT_SEQ if layout == "seq" else _UPSERT
+        upsert = _UPSERT_BLOCK if layout == "block" else _UPSERT
         for _ in range(n // PER_COMMIT):
             ids = [os.urandom(16).hex() for _ in range(PER_COMMIT)]
             for status, owner in ((1, "worker"), (4, None)):  # acquired, then finished
@@ -109,7 +110,7 @@ def run(layout: str, cache_kib: int, directory: Path) -> list[tuple[int, float]]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layout", choices=sorted(_SCHEMAS), default="seq")
+    p.add_argument("--layout", choices=sorted(_SCHEMAS), default="block")
     p.add_argument("--cache-kib", type=int, default=2000, help="SQLite page cache (default 2000)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="fencepost-layout-") as d:

@@ -1,10 +1,11 @@
-"""The runs table keeps its rows in the order runs were first copied there
-(``seq``) and the server finds a run's row through a map held in memory
-(``SqlStorage.rows``), on either backend: new runs go after every row before
-them whatever their ids, the map always says where each run's one row is
-(after deletes, re-creations, a failed commit and a restart), a table with
-two rows for one run is refused, and databases written with the table keyed
-by run id are migrated with every run kept."""
+"""The runs table is keyed by (block, run id), blocks counting up as runs are
+first copied there, and the server finds a run's block through a map held in
+memory (``SqlStorage.rows``), on either backend: new runs go in the last
+block whatever their ids, a block's runs share one block number object, the
+map always says where each run's one row is (after deletes, re-creations, a
+failed commit and a restart), a table with two rows for one run is refused,
+and databases written with the table keyed by run id alone are migrated with
+every run kept."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from fencepost_server.core import ledger as L
 from fencepost_server.core.records import Record, Status
 from fencepost_server.storage import SqliteStorage, postgres
 from fencepost_server.storage.postgres import PostgresStorage, is_url
+from fencepost_server.storage.sql import BLOCK_RUNS
 from fencepost_server.storage.sqlite import MIGRATIONS
 from fencepost_server.writer import Writer
 
@@ -30,9 +32,14 @@ def _storage(db: str) -> Any:
 
 
 def _table(db: str) -> list[tuple[int, str]]:
+    """(block, run id) of every row, in key order."""
     with raw(db) as conn:
-        return [(int(seq), run_id) for seq, run_id in conn.rows(
-            "SELECT seq, run_id FROM runs ORDER BY seq")]
+        return [(int(block), run_id) for block, run_id in conn.rows(
+            "SELECT block, run_id FROM runs ORDER BY block, run_id")]
+
+
+def _map(rows: dict[str, int]) -> list[tuple[int, str]]:
+    return sorted((block, run_id) for run_id, block in rows.items())
 
 
 async def _make(w: Writer, run_id: str, finish: bool) -> Record:
@@ -67,10 +74,12 @@ async def test_new_rows_follow_every_older_one_and_the_map_finds_each(db: str) -
         after = _table(db)
         ids = [run_id for _, run_id in after]
         assert len(ids) == len(set(ids)) == 40 - 5 + 1 + 10
-        top = max(seq for seq, _ in before)
-        assert {run_id for seq, run_id in after if seq > top} == {gone[0], *later}
+        # the runs first written after ``before`` are in its last block or later
+        top = max(block for block, _ in before)
+        assert {k for block, k in after if block >= top} >= {gone[0], *later}
+        assert {k for block, k in after if block < top} <= set(first)
         assert not set(gone[1:]) & set(ids)
-        assert w.storage.rows == {run_id: seq for seq, run_id in after}
+        assert _map(w.storage.rows) == after
         records = await w.read_runs(ids)
         assert records[gone[0]] == again and len(records) == len(ids)
     finally:
@@ -79,7 +88,7 @@ async def test_new_rows_follow_every_older_one_and_the_map_finds_each(db: str) -
     w2 = Writer(_storage(db), clock)
     await w2.start()
     try:
-        assert w2.storage.rows == {run_id: seq for seq, run_id in after}
+        assert _map(w2.storage.rows) == after
         assert await w2.read_runs(ids) == records
         assert all(w2.is_cold(k) for k in ids if records[k].status is Status.COMPLETED)
         # the next new run goes after every row the table held
@@ -88,7 +97,7 @@ async def test_new_rows_follow_every_older_one_and_the_map_finds_each(db: str) -
         w2.materialize_after_ms = 0
         await _make(w2, "tick", finish=False)
         await w2.wait_idle()
-        assert w2.storage.rows["after-restart"] > max(seq for seq, _ in after)
+        assert w2.storage.rows["after-restart"] > max(block for block, _ in after)
     finally:
         await w2.close()
 
@@ -119,7 +128,7 @@ async def test_a_failed_commit_leaves_the_map_as_the_table_is(db: str) -> None:
             st._materialize(st.db, [("new", new)], mark, state.revision)
         assert st.rows["new"] > max(rows.values()) and st.rows.items() >= rows.items()
         assert st.read_runs(["new", "done"]) == {"new": new, "done": done}
-        assert _table(db) == sorted((seq, k) for k, seq in st.rows.items())
+        assert _table(db) == _map(st.rows)
     finally:
         st.close()
 
@@ -135,8 +144,8 @@ async def test_two_rows_for_one_run_refuse_to_start_and_change_nothing(db: str) 
     finally:
         await w.close()
     with raw(db, write=True) as conn:
-        conn.run("INSERT INTO runs (seq, run_id, version, status, fencing_token, owner, "
-                 "revision, record) SELECT seq + 100, run_id, version, status, fencing_token, "
+        conn.run("INSERT INTO runs (block, run_id, version, status, fencing_token, owner, "
+                 "revision, record) SELECT block + 100, run_id, version, status, fencing_token, "
                  "owner, revision, record FROM runs WHERE run_id = 'a'")
     before = snapshot(db)
     st = _storage(db)
@@ -207,11 +216,45 @@ async def test_a_table_keyed_by_run_id_is_migrated_with_every_run(db: str, tmp_p
         assert set(w2.state.runs) == {k for k, r in records.items() if r.status is Status.RUNNING}
         table = _table(db)
         assert sorted(k for _, k in table) == sorted(ids)
-        assert w2.storage.rows == {k: seq for seq, k in table}
+        assert _map(w2.storage.rows) == table
         w2.materialize_after_ms = 0
         await _make(w2, "new", finish=True)
         await _make(w2, "tick", finish=False)
         await w2.wait_idle()
-        assert w2.storage.rows["new"] > max(seq for seq, _ in table)
+        assert w2.storage.rows["new"] > max(block for block, _ in table)
+    finally:
+        await w2.close()
+
+
+async def test_a_block_holds_its_share_of_runs_and_they_share_its_number(db: str) -> None:
+    """Every BLOCK_RUNS new rows start the next block, and the map holds one
+    int object per block (what keeps it at the cost of its entries), before
+    and after a restart."""
+    clock = ManualClock(1_700_000_000_000)
+    w = Writer(_storage(db), clock, materialize_after_ms=0)
+    await w.start()
+    count = 2 * BLOCK_RUNS + 10
+    try:
+        for i in range(count):
+            await _make(w, uuid.uuid4().hex, finish=i % 2 == 0)
+        await w.wait_idle()
+        await _make(w, "tick", finish=False)  # a batch after the last: it copies them
+        await w.wait_idle()
+        live = dict(w.storage.rows)
+        assert len(live) == count
+        assert len({id(block) for block in live.values()}) == len(set(live.values())) == 3
+    finally:
+        await w.close()
+    per_block: dict[int, int] = {}
+    for block, _ in _table(db):
+        per_block[block] = per_block.get(block, 0) + 1
+    assert sorted(per_block.values(), reverse=True) == [BLOCK_RUNS, BLOCK_RUNS, 11]
+    w2 = Writer(_storage(db), clock)
+    await w2.start()
+    try:
+        loaded = w2.storage.rows
+        assert loaded.items() >= live.items() and len(loaded) == count + 1
+        # one object per block and group (status, owner) at most
+        assert len({id(block) for block in loaded.values()}) <= 3 * 2
     finally:
         await w2.close()

@@ -120,8 +120,8 @@ def test_refuses_an_unreadable_stored_record(tmp_path: Path) -> None:
     st = SqliteStorage(path)
     st.open()
     st.db.execute(
-        "INSERT INTO runs (run_id, version, status, fencing_token, owner, revision, record) "
-        "VALUES ('r', 1, 2, 1, NULL, 1, '{not json')"
+        "INSERT INTO runs (block, run_id, version, status, fencing_token, owner, revision, "
+        "record) VALUES (0, 'r', 1, 2, 1, NULL, 1, '{not json')"
     )
     st.close()
     before = path.read_bytes()

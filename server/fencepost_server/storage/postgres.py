@@ -193,25 +193,27 @@ MIGRATIONS: list[list[str]] = [
            )""",
         "INSERT INTO fencepost_leader VALUES (1, 0, '', '', 0, 0)",
     ],
-    # 1 -> 2: `runs` is keyed by the order its rows were first written (seq);
-    # the server finds them by run id through a map in memory, as on SQLite.
+    # 1 -> 2: `runs` is keyed by (block, run id), as on SQLite (block counts up
+    # by one for every 256 runs first written); the server finds a run's block
+    # through a map in memory.
     [
-        f"""CREATE TABLE runs_by_seq (
-               seq           BIGINT PRIMARY KEY,
+        f"""CREATE TABLE runs_by_block (
+               block         BIGINT NOT NULL,
                run_id        {_TEXT} NOT NULL,
                version       BIGINT NOT NULL,
                status        INTEGER NOT NULL,
                fencing_token BIGINT NOT NULL,
                owner         {_TEXT},
                revision      BIGINT NOT NULL,
-               record        TEXT NOT NULL
+               record        TEXT NOT NULL,
+               PRIMARY KEY (block, run_id)
            )""",
-        "INSERT INTO runs_by_seq SELECT row_number() OVER (ORDER BY revision, run_id), "
-        "run_id, version, status, fencing_token, owner, revision, record FROM runs",
+        "INSERT INTO runs_by_block SELECT (row_number() OVER (ORDER BY revision, run_id) - 1) "
+        "/ 256, run_id, version, status, fencing_token, owner, revision, record FROM runs",
         "DROP TABLE runs",
-        "ALTER TABLE runs_by_seq RENAME TO runs",
-        "ALTER INDEX runs_by_seq_pkey RENAME TO runs_pkey",
-        "CREATE INDEX runs_by_status ON runs (status, owner, seq) INCLUDE (run_id)",
+        "ALTER TABLE runs_by_block RENAME TO runs",
+        "ALTER INDEX runs_by_block_pkey RENAME TO runs_pkey",
+        "CREATE INDEX runs_by_status ON runs (status, owner, block) INCLUDE (run_id)",
         "CREATE INDEX runs_finished_at ON runs (((record::jsonb ->> 'updated_at')::bigint), "
         "run_id) WHERE status IN (4, 5, 6)",
     ],
@@ -353,7 +355,6 @@ class PostgresStorage(SqlStorage):
     backend = "postgresql"
     GREATEST = "GREATEST"
     ID_ARRAY = "json_agg(run_id ORDER BY run_id)::text"
-    SEQ_ARRAY = "json_agg(seq ORDER BY run_id)::text"
     ERRORS = (psycopg.Error,)
 
     def __init__(self, url: str, *, durable: bool = True, name: str = "fencepost") -> None:

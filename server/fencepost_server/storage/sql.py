@@ -12,15 +12,17 @@ replays them. Updating ``runs`` in every batch wrote one page per command
 (concurrently active runs rarely share a page), which doubled the commit time
 and its fsync.
 
-Rows of ``runs`` are kept in the order runs were first copied there (``seq``,
-its key) and found by run id through ``SqlStorage.rows``, a map held in
-memory, not through an index of the database. Run ids are often random
-(UUIDs): any B-tree keyed by them — the table itself, or a unique index —
-puts each new run on a different page, which is written, checkpointed and,
-once the cache no longer holds it, read back, so a new run cost about twice
-as much at a million runs as at ten thousand. Appended rows share pages, and
-the status index is ordered by ``seq`` within a (status, owner) group, so a
-new run's pages are the last ones of the table and of each index.
+Rows of ``runs`` are keyed by (``block``, run id): ``block`` counts up by
+one for every ``BLOCK_RUNS`` runs first copied there, so a new run's row goes
+among the table's last pages whatever its id, and ``SqlStorage.rows``, a map
+held in memory, says which block each run is in. Run ids are often random
+(UUIDs): a B-tree keyed by them alone — the table itself, as it was, or a
+unique index — put each new run on a different page, which was written,
+checkpointed and, once the cache no longer held it, read back, so a new run
+cost about twice as much at a million runs as at ten thousand. The status
+index is ordered by block within a (status, owner) group, for the same
+reason. A block number is one int object shared by its runs, so the map
+costs its entries alone.
 
 Statements are written once, with ``?`` placeholders; a connection is
 anything with the ``sqlite3.Connection`` methods used here (``execute``,
@@ -47,6 +49,10 @@ COLD_STATUSES = (4, 5, 6)  # completed, failed, cancelled
 
 KIND_PUT = 1
 KIND_DELETE = 2
+
+# New rows of runs per block (the first part of its key). The migrations that
+# made the column numbered existing rows the same way.
+BLOCK_RUNS = 256
 
 
 @dataclass
@@ -122,22 +128,21 @@ class SqlStorage:
     backend = ""
     path = ""  # what to name in messages: the file, or the URL without its password
     # the dialect: the larger of two values, an index hint for the finished
-    # runs' ids at start-up (SQLite's planner needs it), and the aggregates
-    # that gather a group's run ids, and their rows' seq in the same order,
-    # into JSON arrays (text)
+    # runs' ids at start-up (SQLite's planner needs it), and the aggregate
+    # that gathers a group's run ids into one JSON array (text)
     GREATEST = "max"
     STATUS_INDEX = ""
     ID_ARRAY = "json_group_array(run_id)"
-    SEQ_ARRAY = "json_group_array(seq)"
     # the driver's error class: a batch that hits one fails as STORAGE_*
     ERRORS: tuple[type[BaseException], ...] = ()
     _db: Any = None
-    # run id -> seq of its row in runs, as committed (load() builds it; the
-    # writer thread changes it right after each commit; readers on other
+    # run id -> the block of its row in runs, as committed (load() builds it;
+    # the writer thread changes it right after each commit; readers on other
     # threads only look ids up in it)
     rows: dict[str, int]
     _staged: dict[str, int | None]  # this transaction's changes to rows (None: row deleted)
-    _next_seq = 1
+    _block = 0  # the block new rows go in, and how many it has been given
+    _in_block = 0
 
     def __init__(self) -> None:
         self.rows = {}
@@ -201,11 +206,11 @@ class SqlStorage:
         rows = self.rows
         read = 0  # rows read: more than ``rows`` holds when two share a run id
         marks = ",".join("?" * len(HOT_STATUSES))
-        for seq, run_id, text in db.execute(
-            f"SELECT seq, run_id, record FROM runs WHERE status IN ({marks})", HOT_STATUSES
+        for block, run_id, text in db.execute(
+            f"SELECT block, run_id, record FROM runs WHERE status IN ({marks})", HOT_STATUSES
         ):
             state.runs[run_id] = self._readable(text, f"the stored record of run {run_id!r}")
-            rows[run_id] = seq
+            rows[run_id] = block
             read += 1
         state.tombstones = dict(db.execute("SELECT run_id, fencing_token FROM tombstones"))
         state.revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0]
@@ -249,39 +254,42 @@ class SqlStorage:
         """The finished runs of the runs table as (status, owner, run ids)
         groups, from the status index alone, leaving out the ids ``replay``
         changed. The database gathers each group's ids into one JSON array,
-        parsed in one call: reading a million (id, status, owner) rows one by
-        one, and a Python step per row, took most of a start-up. SQLite hands
-        each array over in the status index's order (the order rows were
-        written), PostgreSQL in run id order; RunIndex sorts them either way.
-        Their rows' seq fill ``rows``; the count of rows read comes with the
-        groups."""
+        parsed in one call, one array per block: reading a million (id,
+        status, owner) rows one by one, and a Python step per row, took most
+        of a start-up. Each array is in run id order (its block's), and
+        RunIndex sorts a group's arrays together. The blocks fill ``rows``;
+        the count of rows read comes with the groups."""
         marks = ",".join("?" * len(COLD_STATUSES))
-        groups: list[tuple[int, str | None, list[str]]] = []
+        merged: dict[tuple[int, str | None], list[str]] = {}
         rows = self.rows
         read = 0
-        for st, owner, text, seqs in db.execute(
-            f"SELECT status, owner, {self.ID_ARRAY}, {self.SEQ_ARRAY} FROM runs "
-            f"{self.STATUS_INDEX} WHERE status IN ({marks}) GROUP BY status, owner",
-            COLD_STATUSES,
+        for st, owner, block, text in db.execute(
+            f"SELECT status, owner, block, {self.ID_ARRAY} FROM runs {self.STATUS_INDEX} "
+            f"WHERE status IN ({marks}) GROUP BY status, owner, block", COLD_STATUSES,
         ):
             ids = _loads(text)
-            rows.update(zip(ids, _loads(seqs), strict=True))
+            rows.update(dict.fromkeys(ids, block))
             read += len(ids)
             if replay:
                 ids = [run_id for run_id in ids if run_id not in replay]
-            groups.append((int(st), owner, ids))
-        return groups, read
+            group = merged.get((st, owner))
+            if group is None:
+                merged[(st, owner)] = ids
+            else:
+                group.extend(ids)
+        return [(int(st), owner, ids) for (st, owner), ids in merged.items()], read
 
     def _check_rows(self, db: Any, read: int) -> None:
         """Refuse a runs table with two rows for one run id (``read`` rows were
         read; nothing in the database enforces one row per run, the writer
-        does, through ``rows``), and note the next row's seq."""
+        does, through ``rows``); new rows start a new block."""
         if read != len(self.rows):
             raise RuntimeError(
                 f"{self.path}: the runs table holds {read} rows for {len(self.rows)} run ids "
                 "(two rows for one run); refusing to start and leaving the database untouched"
             )
-        self._next_seq = (db.execute("SELECT max(seq) FROM runs").fetchone()[0] or 0) + 1
+        top = db.execute("SELECT max(block) FROM runs").fetchone()[0]
+        self._block, self._in_block = (0 if top is None else top + 1), 0
 
     def read_runs(self, run_ids: list[str], db: Any = None) -> dict[str, Record]:
         """The runs table's records of those ids that have one, on ``db`` (a
@@ -290,17 +298,17 @@ class SqlStorage:
         db = self.db if db is None else db
         rows = self.rows
         out: dict[str, Record] = {}
-        # a row is taken only if it still holds the run asked for
-        wanted = {seq: run_id for run_id in run_ids if (seq := rows.get(run_id)) is not None}
-        seqs = list(wanted)
-        for i in range(0, len(seqs), 500):  # chunks the statement can bind
-            chunk = seqs[i:i + 500]
-            for seq, run_id, text in db.execute(
-                f"SELECT seq, run_id, record FROM runs WHERE seq IN ({','.join('?' * len(chunk))})",
-                chunk,
+        keys = [(block, run_id) for run_id in run_ids if (block := rows.get(run_id)) is not None]
+        for i in range(0, len(keys), 250):  # chunks the statement can bind
+            chunk = keys[i:i + 250]
+            # one primary-key search per term, on SQLite and PostgreSQL alike
+            # (SQLite scans the table for a row-value IN list)
+            for run_id, text in db.execute(
+                "SELECT run_id, record FROM runs WHERE "
+                + " OR ".join(["(block = ? AND run_id = ?)"] * len(chunk)),
+                [v for key in chunk for v in key],
             ):
-                if wanted[seq] == run_id:
-                    out[run_id] = record_from_dict(_loads(text))
+                out[run_id] = record_from_dict(_loads(text))
         return out
 
     def _readable(self, text: Any, what: str) -> Record:
@@ -321,23 +329,22 @@ class SqlStorage:
         self, db: Any, runs: list[tuple[str, Record | None]], mark: int, revision: int
     ) -> None:
         """Copy runs into the runs table and set the mark (and the revision: one
-        statement for both meta rows). A run without a row gets the next seq;
-        ``rows`` learns of it once the transaction commits."""
+        statement for both meta rows). A run without a row goes in the
+        current block; ``rows`` learns of it once the transaction commits."""
         rows, staged = self.rows, self._staged
         puts = []
         gone = []
         for run_id, r in runs:
-            seq = rows.get(run_id)
+            block = rows.get(run_id)
             if r is None:
-                if seq is not None:
-                    gone.append((seq,))
+                if block is not None:
+                    gone.append((block, run_id))
                     staged[run_id] = None
                 continue
-            if seq is None:
-                seq = staged[run_id] = self._next_seq
-                self._next_seq += 1
+            if block is None:
+                block = staged[run_id] = self._next_block()
             puts.append((
-                seq,
+                block,
                 run_id,
                 r.version,
                 int(r.status),
@@ -348,15 +355,15 @@ class SqlStorage:
             ))
         if puts:
             db.executemany(
-                "INSERT INTO runs (seq, run_id, version, status, fencing_token, owner, "
-                "revision, record) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (seq) DO "
+                "INSERT INTO runs (block, run_id, version, status, fencing_token, owner, "
+                "revision, record) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (block, run_id) DO "
                 "UPDATE SET version=excluded.version, status=excluded.status, "
                 "fencing_token=excluded.fencing_token, owner=excluded.owner, "
                 "revision=excluded.revision, record=excluded.record",
                 puts,
             )
         if gone:
-            db.executemany("DELETE FROM runs WHERE seq = ?", gone)
+            db.executemany("DELETE FROM runs WHERE block = ? AND run_id = ?", gone)
         db.execute(
             "UPDATE meta SET value = CASE key WHEN 'revision' THEN ? ELSE ? END "
             "WHERE key IN ('revision', 'materialized')",
@@ -405,15 +412,22 @@ class SqlStorage:
         except self.ERRORS as exc:
             raise self._storage_error(exc) from exc
 
+    def _next_block(self) -> int:
+        """The block for a new row: the same int object for ``BLOCK_RUNS`` rows."""
+        if self._in_block == BLOCK_RUNS:
+            self._block, self._in_block = self._block + 1, 0
+        self._in_block += 1
+        return self._block
+
     def _settle_rows(self) -> None:
         """The committed transaction's rows: new ones join ``rows``, deleted ones
         leave it."""
         rows = self.rows
-        for run_id, seq in self._staged.items():
-            if seq is None:
+        for run_id, block in self._staged.items():
+            if block is None:
                 rows.pop(run_id, None)
             else:
-                rows[run_id] = seq
+                rows[run_id] = block
         self._staged.clear()
 
     def run_isolated(self, executor: Any, cmd: Any, now: int) -> Any:

@@ -202,27 +202,30 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX runs_finished_at ON runs (json_extract(record, '$.updated_at')) "
         "WHERE status IN (4, 5, 6)",
     ],
-    # 4 -> 5: `runs` keeps its rows in the order they were first written (seq)
-    # and the server finds them by run id through a map in memory: a table or
-    # index keyed by (random) run ids put every new run on a page of its own.
+    # 4 -> 5: `runs` is keyed by (block, run id), block counting up by one for
+    # every 256 runs first written (BLOCK_RUNS): rows keyed by (random) run ids
+    # alone put every new run on a page of its own. The server finds a run's
+    # block through a map in memory.
     [
-        """CREATE TABLE runs_by_seq (
-               seq           INTEGER PRIMARY KEY,
+        """CREATE TABLE runs_by_block (
+               block         INTEGER NOT NULL,
                run_id        TEXT NOT NULL,
                version       INTEGER NOT NULL,
                status        INTEGER NOT NULL,
                fencing_token INTEGER NOT NULL,
                owner         TEXT,
                revision      INTEGER NOT NULL,
-               record        TEXT NOT NULL
-           )""",
-        "INSERT INTO runs_by_seq (run_id, version, status, fencing_token, owner, revision, "
-        "record) SELECT run_id, version, status, fencing_token, owner, revision, record "
-        "FROM runs ORDER BY revision, run_id",
+               record        TEXT NOT NULL,
+               PRIMARY KEY (block, run_id)
+           ) WITHOUT ROWID""",
+        "INSERT INTO runs_by_block (block, run_id, version, status, fencing_token, owner, "
+        "revision, record) SELECT (row_number() OVER (ORDER BY revision, run_id) - 1) / 256, "
+        "run_id, version, status, fencing_token, owner, revision, record FROM runs",
         "DROP TABLE runs",
-        "ALTER TABLE runs_by_seq RENAME TO runs",
-        # start-up reads the finished runs' ids (and seq) from this index alone
-        "CREATE INDEX runs_by_status ON runs (status, owner, seq, run_id)",
+        "ALTER TABLE runs_by_block RENAME TO runs",
+        # start-up reads the finished runs' ids and blocks from this index alone
+        # (its entries end with the primary key)
+        "CREATE INDEX runs_by_status ON runs (status, owner, block)",
         "CREATE INDEX runs_finished_at ON runs (json_extract(record, '$.updated_at'), run_id) "
         "WHERE status IN (4, 5, 6)",
     ],
