@@ -42,6 +42,14 @@ def _map(rows: dict[str, int]) -> list[tuple[int, str]]:
     return sorted((block, run_id) for run_id, block in rows.items())
 
 
+async def _started(storage: Any) -> Writer:
+    """A writer on ``storage`` that copies runs into the runs table in the
+    batch after their change (no delay)."""
+    w = Writer(storage, ManualClock(1_700_000_000_000), materialize_after_ms=0)
+    await w.start()
+    return w
+
+
 async def _make(w: Writer, run_id: str, finish: bool) -> Record:
     rec = await w.submit(L.Acquire(run_id, "w"))
     if finish:
@@ -50,10 +58,18 @@ async def _make(w: Writer, run_id: str, finish: bool) -> Record:
     return rec
 
 
+async def _a_new_run_goes_after(w: Writer, table: list[tuple[int, str]]) -> None:
+    """The first run made after a restart goes in a block after every row the
+    table held."""
+    w.materialize_after_ms = 0
+    await _make(w, "after-restart", finish=True)
+    await _make(w, "tick", finish=False)  # a batch after it: it copies the run
+    await w.wait_idle()
+    assert w.storage.rows["after-restart"] > max(block for block, _ in table)
+
+
 async def test_new_rows_follow_every_older_one_and_the_map_finds_each(db: str) -> None:
-    clock = ManualClock(1_700_000_000_000)
-    w = Writer(_storage(db), clock, materialize_after_ms=0)
-    await w.start()
+    w = await _started(_storage(db))
     try:
         first = [uuid.uuid4().hex for _ in range(40)]
         for i, run_id in enumerate(first):
@@ -85,27 +101,19 @@ async def test_new_rows_follow_every_older_one_and_the_map_finds_each(db: str) -
     finally:
         await w.close()
     # a restart builds the same map from the table, and reads every run back
-    w2 = Writer(_storage(db), clock)
+    w2 = Writer(_storage(db), w.clock)
     await w2.start()
     try:
         assert _map(w2.storage.rows) == after
         assert await w2.read_runs(ids) == records
         assert all(w2.is_cold(k) for k in ids if records[k].status is Status.COMPLETED)
-        # the next new run goes after every row the table held
-        await _make(w2, "after-restart", finish=True)
-        await w2.wait_idle()
-        w2.materialize_after_ms = 0
-        await _make(w2, "tick", finish=False)
-        await w2.wait_idle()
-        assert w2.storage.rows["after-restart"] > max(block for block, _ in after)
+        await _a_new_run_goes_after(w2, after)
     finally:
         await w2.close()
 
 
 async def test_a_failed_commit_leaves_the_map_as_the_table_is(db: str) -> None:
-    clock = ManualClock(1_700_000_000_000)
-    w = Writer(_storage(db), clock, materialize_after_ms=0)
-    await w.start()
+    w = await _started(_storage(db))
     try:
         done = await _make(w, "done", finish=True)
         await _make(w, "live", finish=False)
@@ -134,9 +142,7 @@ async def test_a_failed_commit_leaves_the_map_as_the_table_is(db: str) -> None:
 
 
 async def test_two_rows_for_one_run_refuse_to_start_and_change_nothing(db: str) -> None:
-    clock = ManualClock(1_700_000_000_000)
-    w = Writer(_storage(db), clock, materialize_after_ms=0)
-    await w.start()
+    w = await _started(_storage(db))
     try:
         await _make(w, "a", finish=True)
         await _make(w, "b", finish=False)
@@ -187,9 +193,7 @@ def _keyed_by_run_id(db: str) -> None:
 async def test_a_table_keyed_by_run_id_is_migrated_with_every_run(db: str, tmp_path: Any) -> None:
     # the runs, made by this release on a database of their own ...
     source = str(tmp_path / "source.db")
-    clock = ManualClock(1_700_000_000_000)
-    w = Writer(SqliteStorage(source), clock, materialize_after_ms=0)
-    await w.start()
+    w = await _started(SqliteStorage(source))
     try:
         ids = [uuid.uuid4().hex for _ in range(30)]
         for i, run_id in enumerate(ids):
@@ -208,7 +212,7 @@ async def test_a_table_keyed_by_run_id_is_migrated_with_every_run(db: str, tmp_p
             conn.run(f"INSERT INTO runs ({_OLD_COLUMNS}) VALUES (?,?,?,?,?,?,?)", row)
         conn.run("UPDATE meta SET value = ? WHERE key IN ('revision', 'materialized')",
                  (revision,))
-    w2 = Writer(_storage(db), clock)
+    w2 = Writer(_storage(db), w.clock)
     await w2.start()
     try:
         assert await w2.read_runs(ids) == records
@@ -217,11 +221,7 @@ async def test_a_table_keyed_by_run_id_is_migrated_with_every_run(db: str, tmp_p
         table = _table(db)
         assert sorted(k for _, k in table) == sorted(ids)
         assert _map(w2.storage.rows) == table
-        w2.materialize_after_ms = 0
-        await _make(w2, "new", finish=True)
-        await _make(w2, "tick", finish=False)
-        await w2.wait_idle()
-        assert w2.storage.rows["new"] > max(block for block, _ in table)
+        await _a_new_run_goes_after(w2, table)
     finally:
         await w2.close()
 
@@ -230,9 +230,7 @@ async def test_a_block_holds_its_share_of_runs_and_they_share_its_number(db: str
     """Every BLOCK_RUNS new rows start the next block, and the map holds one
     int object per block (what keeps it at the cost of its entries), before
     and after a restart."""
-    clock = ManualClock(1_700_000_000_000)
-    w = Writer(_storage(db), clock, materialize_after_ms=0)
-    await w.start()
+    w = await _started(_storage(db))
     count = 2 * BLOCK_RUNS + 10
     try:
         for i in range(count):
@@ -249,7 +247,7 @@ async def test_a_block_holds_its_share_of_runs_and_they_share_its_number(db: str
     for block, _ in _table(db):
         per_block[block] = per_block.get(block, 0) + 1
     assert sorted(per_block.values(), reverse=True) == [BLOCK_RUNS, BLOCK_RUNS, 11]
-    w2 = Writer(_storage(db), clock)
+    w2 = Writer(_storage(db), w.clock)
     await w2.start()
     try:
         loaded = w2.storage.rows
