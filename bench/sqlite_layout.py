@@ -6,14 +6,16 @@ next (as an Acquire and a Finish would be), 128 runs per commit, WAL mode,
 ``synchronous=FULL``, a passive checkpoint every 2,000 runs. At 10,000,
 100,000, 300,000 and 1,000,000 runs it times 20,000 more.
 
-- ``without-rowid``: the server's layout, a ``WITHOUT ROWID`` table keyed by
-  the run id, so every row lives in the key's B-tree, at a random place;
+- ``without-rowid``: the server's layout before ``block``, a ``WITHOUT
+  ROWID`` table keyed by the run id, so every row lives in the key's B-tree,
+  at a random place;
 - ``rowid``: a rowid table (rows appended in creation order) with a unique
   index on the run id (small entries, still at random places);
 - ``block``: the server's layout: a ``WITHOUT ROWID`` table keyed by (block,
-  run id), the block counting up by one every 256 new runs (so a new row goes
-  among the last pages), a run's block found through a dict in memory, and
-  the status index ordered by block within each (status, owner).
+  run id), the block counting up by one every ``BLOCK_RUNS`` new runs (the
+  server's constant), so a new row goes among the last pages; a run's block
+  is found through a dict in memory, and the status index is ordered by
+  block within each (status, owner).
 
 The first two keep an index on (status, owner), as the server did with them.
 
@@ -33,6 +35,8 @@ import sqlite3
 import tempfile
 import time
 from pathlib import Path
+
+from fencepost_server.storage.sql import BLOCK_RUNS
 
 MARKS = (10_000, 100_000, 300_000, 1_000_000)
 PER_COMMIT = 128
@@ -81,7 +85,7 @@ def run(layout: str, cache_kib: int, directory: Path) -> list[tuple[int, float]]
         if layout != "block":
             return [(i, status, owner, record) for i in ids]
         for i in ids:
-            rows.setdefault(i, len(rows) // 256)
+            rows.setdefault(i, len(rows) // BLOCK_RUNS)
         return [(rows[i], i, status, owner, record) for i in ids]
 
     def runs(n: int) -> None:

@@ -253,8 +253,8 @@ class SqlStorage:
     ) -> tuple[list[tuple[int, str | None, list[str]]], int]:
         """The finished runs of the runs table as (status, owner, run ids)
         groups, from the status index alone, leaving out the ids ``replay``
-        changed. The database gathers each group's ids into one JSON array,
-        parsed in one call, one array per block: reading a million (id,
+        changed. The database gathers the ids of each (status, owner, block)
+        into one JSON array, parsed in one call: reading a million (id,
         status, owner) rows one by one, and a Python step per row, took most
         of a start-up. Each array is in run id order (its block's), and
         RunIndex sorts a group's arrays together. The blocks fill ``rows``;
