@@ -115,6 +115,16 @@ class _Item:
 
 _STOP = object()
 
+
+def prune_step(history_revisions: int) -> int:
+    """New revisions that bring the next prune forward, whatever its timer
+    says: a quarter of the history limit (at least one). With the timer alone
+    (every 30 s) a fast fill grew the changes table to several times its
+    limit between two prunes, and the file with it; this way the table holds
+    about 1.25 times the limit at most, plus what the runs table has not
+    caught up with yet."""
+    return max(1, history_revisions // 4)
+
 # The commit delay (see Writer): wait only while the last batch had at least
 # this many commands (there is concurrency to gather), and only as long as it
 # takes, at the recent arrival rate, for this many to be queued.
@@ -232,6 +242,7 @@ class Writer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_prune = 0
+        self._pruned_at = 0  # the revision the last prune was planned at
         self._prune_more = False  # writer thread only
         self._listeners: list[Callable[[list[ChangeEvent]], None]] = []
         # Called on the loop after each committed batch with (commands, seconds)
@@ -699,7 +710,11 @@ class Writer:
                     (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
                 ]
                 out.materialized = mark
-            if self._prune_more or now - self._last_prune >= self.prune_every_ms:
+            if (
+                self._prune_more
+                or now - self._last_prune >= self.prune_every_ms
+                or rev - self._pruned_at >= prune_step(self.history_revisions)
+            ):
                 age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
                 out.prune = (
                     now - self.request_retention_ms,
@@ -722,6 +737,7 @@ class Writer:
         compacted = None
         if out.prune is not None:
             self._last_prune = now
+            self._pruned_at = out.revision
             self._prune_more = out.prune_more  # a backlog: again in the next batch
             compacted = out.compacted
         # finished runs that the runs table now reflects leave memory

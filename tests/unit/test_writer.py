@@ -304,6 +304,36 @@ async def test_a_schema_2_database_keeps_its_runs(tmp_path: Path) -> None:
         await w.close()
 
 
+async def test_the_history_limit_prunes_before_the_timer_comes_round(tmp_path: Path) -> None:
+    """However fast revisions come, the changes table holds about 1.25 times
+    history_revisions (prune_step): the count brings a prune forward, and
+    the timer is only the age limit's and the request ids' schedule."""
+    from fencepost_server.storage import sqlite as storage_sqlite
+    from fencepost_server.writer import prune_step
+
+    path = tmp_path / "count.db"
+    w = Writer(SqliteStorage(path), ManualClock(), history_revisions=8,
+               prune_every_ms=3_600_000, materialize_after_ms=0)
+    await w.start()
+    try:
+        counts = []
+        for i in range(60):  # the clock never moves: the timer never comes round
+            await w.submit(L.Acquire(f"r{i}", "w"))
+            db = storage_sqlite.open_read_only(path)
+            try:
+                low, high, count = db.execute(
+                    "SELECT min(revision), max(revision), count(*) FROM changes").fetchone()
+            finally:
+                db.close()
+            assert count == high - low + 1, "the history has a hole"
+            counts.append(count)
+        assert max(counts) <= 8 + prune_step(8), counts
+        assert prune_step(8) == 2
+        assert counts[-1] >= 8  # never below the limit
+    finally:
+        await w.close()
+
+
 async def test_a_pruning_backlog_goes_in_bounded_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -316,8 +346,9 @@ async def test_a_pruning_backlog_goes_in_bounded_chunks(
     monkeypatch.setattr(storage_sql, "PRUNE_CHUNK", 4)
     path = tmp_path / "chunks.db"
     clock = ManualClock()
-    w = Writer(SqliteStorage(path), clock, history_revisions=10, prune_every_ms=3_600_000,
-               materialize_after_ms=0)
+    # the backlog is one of age: a count limit prunes as the history grows
+    w = Writer(SqliteStorage(path), clock, history_revisions=10**9, history_max_age_ms=1_000,
+               prune_every_ms=3_600_000, materialize_after_ms=0)
     await w.start()
 
     def history() -> tuple[int, int, int]:
@@ -340,7 +371,7 @@ async def test_a_pruning_backlog_goes_in_bounded_chunks(
             low, high, count = history()
             assert count == high - low + 1, "the history has a hole"
             counts.append(count)
-        # each batch added one change and pruned at most 4, down to the limit;
+        # each batch added one change and pruned at most 4 of the 40 old ones;
         # then the backlog is gone and pruning waits for its timer again
         assert counts == [37, 34, 31, 28, 25, 22, 19, 16, 13, 10, 11, 12], counts
     finally:
