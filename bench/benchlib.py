@@ -11,7 +11,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
+
+from fencepost_server.ports import free_port as free_port  # the benchmarks' servers' ports
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
@@ -43,13 +44,6 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
         return 0.0
     rank = max(1, min(len(sorted_values), round(q / 100.0 * len(sorted_values) + 0.5)))
     return sorted_values[rank - 1]
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago (for the metrics side port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def machine() -> dict[str, Any]:

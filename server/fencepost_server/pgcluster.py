@@ -32,7 +32,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -42,6 +41,8 @@ from typing import IO, Any
 
 import psycopg
 from psycopg import sql
+
+from .ports import free_port
 
 HOST = "127.0.0.1"
 DEFAULT_ROLE = "postgres"
@@ -228,12 +229,6 @@ _live: set[Cluster] = set()
 _live_lock = threading.Lock()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 def _stat(pid: int) -> tuple[str, int] | None:
     """(state, ppid) of a process from /proc, None if there is none."""
     try:
@@ -325,7 +320,7 @@ class Cluster:
             with _live_lock:
                 _live.add(cluster)
             for attempt in range(5):
-                cluster.port = _free_port()
+                cluster.port = free_port(HOST)
                 try:
                     cluster._launch()
                     break

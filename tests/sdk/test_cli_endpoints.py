@@ -8,7 +8,6 @@ import argparse
 import io
 import json
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,12 +26,11 @@ from fencepost_server.cli import (
     main,
 )
 from fencepost_server.harness import ServerThread
+from fencepost_server.ports import free_port
 
 
 def dead_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 @pytest.fixture

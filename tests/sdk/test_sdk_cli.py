@@ -8,7 +8,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from fencepost_server.cli import (
     main,
 )
 from fencepost_server.harness import ServerThread
+from fencepost_server.ports import free_port
 
 
 @pytest.fixture
@@ -138,9 +138,7 @@ def test_usage_errors_exit_2(seeded: ServerThread, capsys: pytest.CaptureFixture
 
 
 def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 def test_unreachable_exits_3(capsys: pytest.CaptureFixture[str]) -> None:

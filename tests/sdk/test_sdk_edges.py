@@ -19,6 +19,7 @@ from _proxy import Proxy
 import fencepost
 from fencepost.v1 import ledger_pb2_grpc
 from fencepost_server.harness import ServerThread
+from fencepost_server.ports import free_port
 from fencepost_server.storage.sqlite import Durability
 
 BOTH_TRANSPORTS = True
@@ -29,9 +30,7 @@ FAST = fencepost.RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.1, total_ti
 
 def _refusing_address() -> str:
     """An address where nothing listens: every connection is refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 async def test_a_call_that_never_left_is_unavailable_not_outcome_unknown(

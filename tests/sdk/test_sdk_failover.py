@@ -28,6 +28,7 @@ from fencepost import LostReason, NotLeaderError, RetryPolicy, UnavailableError
 from fencepost._endpoints import CONNECT_WAIT_S, parse_endpoints
 from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
 from fencepost_server.harness import ServerThread
+from fencepost_server.ports import free_port
 
 BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
 
@@ -39,9 +40,7 @@ GIVES_UP_S = FAST.total_timeout_s + (FAST.attempt_timeout_s or 0) + 1.0
 
 
 def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 async def until(predicate: Callable[[], object], what: str) -> None:

@@ -199,11 +199,9 @@ def test_unknown_paths_are_404_and_the_metrics_only_listener(make_server: Any) -
 
 
 def test_metrics_port_still_serves_on_loopback(make_server: Any) -> None:
-    import socket
+    from fencepost_server.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with make_server(metrics_port=port, http_listen=""):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             assert b"fencepost_writer_queue_depth" in r.read()

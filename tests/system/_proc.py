@@ -1,17 +1,16 @@
 """Real processes for the system tests: a ``fencepost serve`` server that can be
 SIGKILLed and restarted on the same file and port, plus small gRPC helpers.
 
-Nothing here imports the server package: the tests talk to the process over
-the wire only, and read its SQLite file read-only.
+Nothing here imports the server's code, apart from its free-port helper: the
+tests talk to the process over the wire only, and read its SQLite file
+read-only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from fencepost_server.ports import free_port
+
 VENV_BIN = Path(sys.executable).parent
 FENCEPOST = VENV_BIN / "fencepost"
 
@@ -36,39 +37,6 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 250),
     ("grpc.enable_retries", 0),
 ]
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out as a connection's local port."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range, never the same one twice
-    in this process: a server restarted on it finds it free again (a port of
-    that range may meanwhile be the local end of any outgoing connection, and
-    a coordinator restarted by a test could then not bind its own address)."""
-    high = _ephemeral_low()
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, high) if high > 20001 else 0
-        if port in _handed_out:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            port = int(s.getsockname()[1])
-        _handed_out.add(port)
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def now_ms() -> int:
