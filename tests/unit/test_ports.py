@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 import socket
 
 import pytest
@@ -19,15 +21,24 @@ def test_ports_are_free_below_the_ephemeral_range_and_never_repeat() -> None:
 
 
 def test_a_taken_port_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    fallback = random.Random()  # made before random.Random is replaced below
     with socket.socket() as held:
         held.bind((ports.HOST, 0))
         taken = held.getsockname()[1]
-        picks = iter([taken, taken + 1 if taken + 1 < 65536 else taken - 1])
+        # The taken port first, then ordinary picks: whichever of those is
+        # free at the moment is the answer, never the held one.
+        picks = itertools.chain(
+            [taken], iter(lambda: fallback.randrange(ports.LOWEST, 65536), None)
+        )
+        tried: list[int] = []
 
         class Fixed:
             def randrange(self, lo: int, hi: int) -> int:
-                return next(picks)
+                tried.append(next(picks))
+                return tried[-1]
 
         monkeypatch.setattr(ports.random, "Random", Fixed)
         monkeypatch.setattr(ports, "_ephemeral_low", lambda: 65536)
-        assert ports.free_port() != taken
+        got = ports.free_port()
+        assert tried[0] == taken and got != taken
+        assert got == tried[-1] and len(tried) >= 2
