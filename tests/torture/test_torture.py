@@ -111,15 +111,25 @@ def test_unfenced_snapshots_leave_stale_snapshots_behind(tmp_path: Path) -> None
 @pytest.mark.parametrize("transport", ["unary", "stream"])
 def test_a_writer_that_acknowledges_before_commit_is_caught(tmp_path: Path,
                                                             transport: str) -> None:
-    outcome = _run(tmp_path, duration_s=15.0, fault="ack-before-commit", nemesis="kills",
-                   transport=transport)
-    assert outcome.faults["by_kind"]["kill"] >= 1
-    found = outcome.violations
+    """A write is lost only when a kill lands while an answered batch waits
+    for its COMMIT; on a loaded machine (a CI run of 15 s made 84 operations
+    and 4 kills) one seed's schedule can miss every such window, so a second
+    seed runs when the first caught nothing. A harness that cannot see a lost
+    write fails both."""
+    for seed in (SEED, SEED + 1):
+        out = tmp_path / f"seed{seed}"
+        outcome = run(Config(out=out, seed=seed, duration_s=15.0, fault="ack-before-commit",
+                             nemesis="kills", transport=transport))
+        print("\n" + outcome.summary())
+        assert outcome.faults["by_kind"]["kill"] >= 1
+        found = outcome.violations
+        # among the writes found lost, some were acknowledged over this transport
+        tp = {o.id: o.tp for o in read_ops(out.glob("ops-*.jsonl"))}
+        lost = {tp.get(m) for d in outcome.violation_details if d.startswith("[durability")
+                for m in re.findall(r"^\s*\[(\S+) ", d, re.M)}
+        if transport in lost:
+            break
     assert found.get("durability-restart", 0) + found.get("durability-final", 0) >= 1, found
-    # and among the writes found lost, some were acknowledged over this transport
-    tp = {o.id: o.tp for o in read_ops((tmp_path / "torture").glob("ops-*.jsonl"))}
-    lost = {tp.get(m) for d in outcome.violation_details if d.startswith("[durability")
-            for m in re.findall(r"^\s*\[(\S+) ", d, re.M)}
     assert transport in lost, outcome.summary()
 
 
