@@ -19,8 +19,8 @@ import psycopg
 from fencepost_server import pgcluster
 from fencepost_server.clock import Clock
 from fencepost_server.harness import ServerThread
-from fencepost_server.storage import postgres
-from fencepost_server.storage.postgres import SCHEMA, is_url
+from fencepost_server.storage import is_url, postgres
+from fencepost_server.storage.postgres import SCHEMA
 
 # rows that change while nothing happens (the leader's renewals)
 VOLATILE_TABLES = ("fencepost_leader",)

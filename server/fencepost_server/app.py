@@ -33,21 +33,22 @@ from .auth import (
 from .clock import Clock, OffsetClock, SystemClock
 from .core import ledger as L
 from .core.errors import Code, LedgerError
-from .leadership import Leadership, default_identity
 from .metrics import Metrics
 from .retention import Retention, parse_duration_ms
 from .services._registry import add_service
 from .services.engine_store import EngineStoreService, start_engine_store, sweep_uploads
 from .services.ledger import LedgerService
 from .services.run_store import RunStoreService
+from .storage import is_url
 from .storage.engine_sql import EngineReader
-from .storage.postgres import NotLeader, PostgresStorage, is_url
 from .storage.sql import HistoryReader, SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
 from .streams import FenceHub
 from .writer import Writer
 
 if TYPE_CHECKING:
+    from .leadership import Leadership
+    from .storage.postgres import PostgresStorage
     from .web import Dashboard
 
 log = logging.getLogger("fencepost")
@@ -347,7 +348,13 @@ class App:
             if s.retain_terminal else 0
         self._retain_ms = retain_ms
         storage: SqlStorage
-        if is_url(s.db_path):
+        # psycopg and the leadership module load only for PostgreSQL: a server
+        # on a SQLite file starts sooner and holds about 11 MiB less
+        pg = is_url(s.db_path)
+        if pg:
+            from .leadership import default_identity
+            from .storage.postgres import PostgresStorage
+
             self.identity = default_identity()
             storage = PostgresStorage(s.db_path, durable=s.durability is Durability.FULL,
                                       name=self.identity)
@@ -364,7 +371,8 @@ class App:
             prune_every_ms=int(s.prune_every_s * 1000),
         )
         self.writer.on_failed_commit = self._on_failed_commit
-        if isinstance(storage, PostgresStorage):
+        if pg:
+            assert isinstance(storage, PostgresStorage)
             # the schema first (standbys need the leader row), then only the
             # leader loads the state (``_lead``)
             await asyncio.to_thread(_migrate, storage)
@@ -445,7 +453,10 @@ class App:
             if self.health_port == 0:
                 raise RuntimeError(f"could not listen on {s.health_listen} (--health-listen)")
             await self.health_server.start()
-        if isinstance(storage, PostgresStorage):
+        if pg:
+            from .leadership import Leadership
+
+            assert isinstance(storage, PostgresStorage)
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             self.leadership = Leadership(
                 storage.url, self.clock, address=s.advertise or self.address,
@@ -516,7 +527,7 @@ class App:
             why = await keeper
         except asyncio.CancelledError:
             raise
-        except (LedgerError, RuntimeError, *PostgresStorage.ERRORS) as exc:  # a database failure
+        except (LedgerError, RuntimeError, *storage.ERRORS) as exc:  # a database failure
             why = f"could not take over: {exc}"
             log.error("taking over failed: %s", exc)
         except Exception as exc:  # could not load or extend: not leading
@@ -551,6 +562,8 @@ class App:
         ld = self.leadership
         if ld is None or (self._leading and ld.leading):
             return None
+        from .storage.postgres import NotLeader  # loaded: only PostgreSQL has a leadership
+
         leader = ld.leader_address
         return NotLeader("" if leader == ld.address else leader)
 
@@ -579,8 +592,8 @@ class App:
             core_ledger.UNSAFE_SKIP_OWNER_CHECK = True
         elif s.fault == "ack-before-commit":
             self.writer.unsafe_ack_before_commit_s = UNSAFE_ACK_DELAY_S
-        elif s.fault == "no-epoch-check" and isinstance(self.writer.storage, PostgresStorage):
-            self.writer.storage.unsafe_skip_epoch_check = True
+        elif s.fault == "no-epoch-check" and is_url(s.db_path):
+            self.writer.storage.unsafe_skip_epoch_check = True  # type: ignore[attr-defined]
         if s.fault:
             log.warning(
                 "BROKEN BUILD --fault %s: this server violates its guarantees on purpose "

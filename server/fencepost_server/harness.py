@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from .app import App, Settings
 from .clock import Clock, ManualClock, SystemClock
-from .storage.postgres import is_url
+from .storage import is_url
 
 T = TypeVar("T")
 

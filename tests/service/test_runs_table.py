@@ -20,8 +20,8 @@ from _db import raw, snapshot
 from fencepost_server.clock import ManualClock
 from fencepost_server.core import ledger as L
 from fencepost_server.core.records import Record, Status
-from fencepost_server.storage import SqliteStorage, postgres
-from fencepost_server.storage.postgres import PostgresStorage, is_url
+from fencepost_server.storage import SqliteStorage, is_url, postgres
+from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.sql import BLOCK_RUNS
 from fencepost_server.storage.sqlite import MIGRATIONS
 from fencepost_server.writer import Writer

@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import logging
 import sqlite3
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-import psycopg
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -20,9 +20,15 @@ from ._registry import Malformed
 
 DOMAIN = "fencepost"
 log = logging.getLogger("fencepost.services")
-# A read the database could not answer (PostgreSQL restarting, a session it
-# ended): STORAGE_UNAVAILABLE, retryable, like a write that could not commit.
-READ_ERRORS = (sqlite3.Error, psycopg.Error)
+
+
+def read_errors() -> tuple[type[BaseException], ...]:
+    """A read the database could not answer (PostgreSQL restarting, a session
+    it ended): STORAGE_UNAVAILABLE, retryable, like a write that could not
+    commit. psycopg's errors count once the PostgreSQL store has loaded it (a
+    server on SQLite never imports psycopg)."""
+    pg = sys.modules.get("psycopg")
+    return (sqlite3.Error,) if pg is None else (sqlite3.Error, pg.Error)
 
 GRPC_CODE: dict[Code, grpc.StatusCode] = {
     Code.RUN_VALIDATION_ERROR: grpc.StatusCode.INVALID_ARGUMENT,
@@ -101,7 +107,7 @@ def handler(fn: H) -> H:
             await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
-        except READ_ERRORS as exc:
+        except read_errors() as exc:
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             log.warning("%s: the database could not answer: %s", fn.__name__, why)
             refusal = LedgerError(Code.STORAGE_UNAVAILABLE,

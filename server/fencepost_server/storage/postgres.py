@@ -220,11 +220,6 @@ MIGRATIONS: list[list[str]] = [
 ]
 
 
-def is_url(target: str) -> bool:
-    """Whether ``--db`` names a PostgreSQL database rather than a file."""
-    return target.startswith(("postgresql://", "postgres://"))
-
-
 def redact(url: str) -> str:
     """The URL without its password (for logs and messages)."""
     parts = urlsplit(url)
