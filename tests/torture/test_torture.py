@@ -117,14 +117,13 @@ def test_a_writer_that_acknowledges_before_commit_is_caught(tmp_path: Path,
     seed runs when the first caught nothing. A harness that cannot see a lost
     write fails both."""
     for seed in (SEED, SEED + 1):
-        out = tmp_path / f"seed{seed}"
-        outcome = run(Config(out=out, seed=seed, duration_s=15.0, fault="ack-before-commit",
-                             nemesis="kills", transport=transport))
-        print("\n" + outcome.summary())
+        outcome = _run(tmp_path / f"seed{seed}", seed=seed, duration_s=15.0,
+                       fault="ack-before-commit", nemesis="kills", transport=transport)
         assert outcome.faults["by_kind"]["kill"] >= 1
         found = outcome.violations
         # among the writes found lost, some were acknowledged over this transport
-        tp = {o.id: o.tp for o in read_ops(out.glob("ops-*.jsonl"))}
+        tp = {o.id: o.tp for o in read_ops((tmp_path / f"seed{seed}" / "torture")
+                                           .glob("ops-*.jsonl"))}
         lost = {tp.get(m) for d in outcome.violation_details if d.startswith("[durability")
                 for m in re.findall(r"^\s*\[(\S+) ", d, re.M)}
         if transport in lost:
