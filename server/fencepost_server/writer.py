@@ -32,7 +32,15 @@ from .core import ledger as L
 from .core.errors import Code, LedgerError, in_transaction, validation
 from .core.records import TERMINAL, Record, Status
 from .index import RunIndex
-from .storage.sql import KIND_DELETE, KIND_PUT, Batch, LoadedState, SqlStorage, broken
+from .storage.sql import (
+    COLD_STATUSES,
+    KIND_DELETE,
+    KIND_PUT,
+    Batch,
+    LoadedState,
+    SqlStorage,
+    broken,
+)
 
 log = logging.getLogger("fencepost.writer")
 
@@ -322,19 +330,30 @@ class Writer:
 
     def _close_storage(self) -> None:
         """Copy every pending run into the runs table (a clean shutdown leaves
-        it current), then close. Writer thread."""
+        it current), save the finished runs' index entries for the next start,
+        then close. Writer thread."""
         try:
-            if self._pending and self.storage.is_open:
+            if not self.storage.is_open or self._task is None:  # never loaded: wrote nothing
+                return
+            revision = self.state.revision
+            if self._pending:
                 runs = self.state.runs
                 with self.storage.transaction():
-                    out = Batch(revision=self.state.revision)
+                    out = Batch(revision=revision)
                     out.materialize = [(k, runs.get(k)) for k in self._pending]
-                    out.materialized = self.state.revision
+                    out.materialized = revision
                     self.storage.write(out)
                 self._pending.clear()
-                self._materialized = self.state.revision
+                self._materialized = revision
+            # (an in-memory database has no next start)
+            if self.evict_finished and self._materialized == revision:
+                groups = self.state.index.groups(COLD_STATUSES)
+                with self.storage.transaction():
+                    self.storage.save_index(groups, revision)
         except LedgerError as exc:  # the change log still has it all: load() replays
-            log.warning("could not bring the runs table up to date at shutdown: %s", exc.message)
+            log.warning("could not bring the runs table up to date and save the index at "
+                        "shutdown (the next start reads them from the change log and the "
+                        "table): %s", exc.message)
         finally:
             self.storage.close()
 

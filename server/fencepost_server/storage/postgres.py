@@ -45,7 +45,7 @@ log = logging.getLogger("fencepost.storage")
 
 RESOLVE_COMMIT_S = 60.0  # how long a COMMIT lost with its connection is asked about
 SCHEMA = "fencepost"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _MIGRATE_LOCK = 0x66656E63  # pg_advisory_xact_lock key: "fenc"
 
 _TEXT = 'TEXT COLLATE "C"'  # byte order, as SQLite and the in-memory index sort
@@ -216,6 +216,23 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX runs_by_status ON runs (status, owner, block) INCLUDE (run_id)",
         "CREATE INDEX runs_finished_at ON runs (((record::jsonb ->> 'updated_at')::bigint), "
         "run_id) WHERE status IN (4, 5, 6)",
+    ],
+    # 2 -> 3: the finished runs' index entries as a clean shutdown left them
+    # (storage/sql.py, "saved_index"); stored uncompressed (compressing a few
+    # megabytes of ids costs more than writing them). A migration that changes
+    # `runs` must empty this table.
+    [
+        f"""CREATE TABLE saved_index (
+               seq      BIGINT PRIMARY KEY,
+               revision BIGINT NOT NULL,
+               status   INTEGER NOT NULL,
+               owner    {_TEXT},
+               n        BIGINT NOT NULL,
+               ids      TEXT NOT NULL,
+               blocks   BYTEA NOT NULL
+           )""",
+        "ALTER TABLE saved_index ALTER COLUMN ids SET STORAGE EXTERNAL, "
+        "ALTER COLUMN blocks SET STORAGE EXTERNAL",
     ],
 ]
 

@@ -24,6 +24,16 @@ index is ordered by block within a (status, owner) group, for the same
 reason. A block number is one int object shared by its runs, so the map
 costs its entries alone.
 
+A clean shutdown saves the finished runs' index entries (``saved_index``:
+their ids in order with their blocks, by status and owner, as of the
+revision it wrote last), and the next start reads them there instead of
+gathering and sorting a million ids: about half a start-up at a million
+runs. They are used only while they describe the runs table exactly: saved
+at the revision the database holds, with every change reflected in ``runs``,
+and as many rows as the table has besides the unfinished ones; any write
+moves the revision, so after a crash the start-up gathers the ids from the
+status index as before.
+
 Statements are written once, with ``?`` placeholders; a connection is
 anything with the ``sqlite3.Connection`` methods used here (``execute``,
 ``executemany``, ``in_transaction``); ``postgres.PgConnection`` is one.
@@ -31,8 +41,11 @@ anything with the ``sqlite3.Connection`` methods used here (``execute``,
 
 from __future__ import annotations
 
+import array
 import contextlib
-from collections.abc import Callable, Iterator
+import logging
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +63,11 @@ COLD_STATUSES = (4, 5, 6)  # completed, failed, cancelled
 KIND_PUT = 1
 KIND_DELETE = 2
 
+log = logging.getLogger("fencepost.storage")
+
+# Run ids per saved_index row (about 2 MB of text for UUIDs)
+SAVED_CHUNK = 65_536
+
 # New rows of runs per block (the first part of its key). The migrations that
 # made the column numbered existing rows the same way.
 BLOCK_RUNS = 256
@@ -65,6 +83,7 @@ class LoadedState:
     revision: int = 0
     compacted: int = 0
     replayed: int = 0  # changes above the materialized mark, replayed (and materialized)
+    saved: int = 0  # finished runs whose ids came from the index saved at shutdown
 
 
 @dataclass
@@ -231,7 +250,12 @@ class SqlStorage:
                 state.runs.pop(run_id, None)
             else:
                 state.runs[run_id] = rec
-        state.cold, cold = self._cold_groups(db, replay)
+        saved = self._saved_groups(db, read, mark) if mark == state.revision else None
+        if saved is not None:
+            state.cold, cold = saved
+            state.saved = cold
+        else:
+            state.cold, cold = self._cold_groups(db, replay)
         self._check_rows(db, read + cold)
         if mark != state.revision:
             with self.transaction():
@@ -278,6 +302,84 @@ class SqlStorage:
             else:
                 group.extend(ids)
         return [(int(st), owner, ids) for (st, owner), ids in merged.items()], read
+
+    def _saved_groups(
+        self, db: Any, read: int, revision: int
+    ) -> tuple[list[tuple[int, str | None, list[str]]], int] | None:
+        """The finished runs' groups as the last clean shutdown saved them, and
+        how many ids they hold, if they describe the runs table as it is:
+        saved at ``revision``, the one the database holds (the caller checked
+        that ``runs`` reflects it), each row whole, no id also among the ``read``
+        unfinished runs ``rows`` holds, and no row of the table left out.
+        Then ``rows`` takes their blocks; otherwise None, and nothing moved."""
+        found = db.execute(
+            "SELECT revision, status, owner, n, ids, blocks FROM saved_index ORDER BY seq"
+        ).fetchall()
+        if not found or any(row[0] != revision for row in found):
+            return None
+        blocks_of: dict[str, int] = {}
+        ints: list[int] = []  # one int object per block number, as load() shares them
+        merged: dict[tuple[int, str | None], list[str]] = {}
+        total = 0
+        for _, st, owner, n, text, raw in found:
+            ids = text.split("\n")
+            blocks = array.array("q")
+            blocks.frombytes(raw)
+            if sys.byteorder == "big":
+                blocks.byteswap()
+            if len(ids) != n or len(blocks) != n or min(blocks) < 0:
+                return None
+            top = max(blocks)
+            if top >= len(ints):
+                ints.extend(range(len(ints), top + 1))
+            blocks_of.update(zip(ids, map(ints.__getitem__, blocks), strict=True))
+            merged.setdefault((int(st), owner), []).extend(ids)
+            total += n
+        blocks_of.update(self.rows)
+        table = db.execute("SELECT count(*) FROM runs").fetchone()[0]
+        if not len(blocks_of) == read + total == table:
+            log.warning(
+                "%s: the index saved at the last shutdown does not match the runs table "
+                "(%d ids saved, %d unfinished runs, %d rows); gathering the finished runs' "
+                "ids from the table instead", self.path, total, read, table,
+            )
+            return None
+        self.rows = blocks_of
+        log.info("%s: %d finished runs' ids read from the index saved at the last shutdown",
+                 self.path, total)
+        return [(st, owner, ids) for (st, owner), ids in merged.items()], total
+
+    def save_index(self, groups: Iterable[tuple[int, str | None, list[str]]],
+                   revision: int) -> int:
+        """Replace the saved index with ``groups`` (status, lease owner, run
+        ids in order) of the finished runs, as of ``revision``: every change at
+        or below it reflected in ``runs``, and none above it. Inside
+        ``transaction()``. Returns how many ids were saved: none if a run has
+        no row or an id holds a line break (the separator; validation admits
+        neither), and nothing stale is left."""
+        db = self.db
+        db.execute("DELETE FROM saved_index")
+        rows = self.rows
+        seq = saved = 0
+        for status, owner, ids in groups:
+            for i in range(0, len(ids), SAVED_CHUNK):
+                chunk = ids[i:i + SAVED_CHUNK]
+                text = "\n".join(chunk)
+                blocks = [rows.get(run_id) for run_id in chunk]
+                if text.count("\n") != len(chunk) - 1 or None in blocks:
+                    db.execute("DELETE FROM saved_index")
+                    return 0
+                packed = array.array("q", blocks)  # type: ignore[type-var, arg-type]
+                if sys.byteorder == "big":
+                    packed.byteswap()
+                db.execute(
+                    "INSERT INTO saved_index (seq, revision, status, owner, n, ids, blocks) "
+                    "VALUES (?,?,?,?,?,?,?)",
+                    (seq, revision, status, owner, len(chunk), text, packed.tobytes()),
+                )
+                seq += 1
+                saved += len(chunk)
+        return saved
 
     def _check_rows(self, db: Any, read: int) -> None:
         """Refuse a runs table with two rows for one run id (``read`` rows were

@@ -43,7 +43,7 @@ from .sql import (  # noqa: F401  (re-exported: the writer, tests and benchmarks
 
 log = logging.getLogger("fencepost.storage")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # Each entry migrates user_version i -> i + 1. Append; never edit a shipped one.
 MIGRATIONS: list[list[str]] = [
@@ -228,6 +228,20 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX runs_by_status ON runs (status, owner, block)",
         "CREATE INDEX runs_finished_at ON runs (json_extract(record, '$.updated_at'), run_id) "
         "WHERE status IN (4, 5, 6)",
+    ],
+    # 5 -> 6: the finished runs' index entries as a clean shutdown left them
+    # (storage/sql.py, "saved_index"), so the next start need not sort them.
+    # A migration that changes `runs` must empty this table.
+    [
+        """CREATE TABLE saved_index (
+               seq      INTEGER PRIMARY KEY,
+               revision INTEGER NOT NULL,
+               status   INTEGER NOT NULL,
+               owner    TEXT,
+               n        INTEGER NOT NULL,
+               ids      TEXT NOT NULL,
+               blocks   BLOB NOT NULL
+           )""",
     ],
 ]
 

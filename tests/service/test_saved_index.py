@@ -1,0 +1,208 @@
+"""A clean shutdown saves the finished runs' index entries, and the next start
+reads them instead of gathering and sorting the ids: on either backend the
+index and the block map it builds equal those the full gathering builds. A
+saved index is used only while it describes the database exactly: any write
+after it, a row added or removed behind the server's back, a damaged row, or
+a shutdown that could not bring the runs table up to date leaves it unused
+(and the start-up gathers the ids as before)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import pytest
+from _db import raw
+
+from fencepost_server.clock import ManualClock
+from fencepost_server.core import ledger as L
+from fencepost_server.core.records import Outcome, Status
+from fencepost_server.index import RunIndex
+from fencepost_server.storage import SqliteStorage, is_url
+from fencepost_server.storage.postgres import PostgresStorage
+from fencepost_server.storage.sql import COLD_STATUSES, SAVED_CHUNK
+from fencepost_server.writer import Writer
+
+
+def _storage(db: str) -> Any:
+    return PostgresStorage(db) if is_url(db) else SqliteStorage(db)
+
+
+async def _started(db: str) -> Writer:
+    w = Writer(_storage(db), ManualClock(1_700_000_000_000), materialize_after_ms=0)
+    await w.start()
+    return w
+
+
+async def _fill(w: Writer, count: int, prefix: str = "") -> None:
+    """Runs of every status, random ids, three owners: a fifth left running."""
+    for i in range(count):
+        run_id = prefix + uuid.uuid4().hex
+        rec = await w.submit(L.Acquire(run_id, f"w{i % 3}"))
+        if i % 5 == 1:
+            await w.submit(L.Cancel(run_id))
+        elif i % 5 == 2:
+            await w.submit(L.Finish(run_id, f"w{i % 3}", rec.fencing_token, Status.FAILED,
+                                    Outcome("boom")))
+        elif i % 5 != 0:
+            await w.submit(L.Finish(run_id, f"w{i % 3}", rec.fencing_token, Status.COMPLETED))
+    await w.wait_idle()
+
+
+def _entries(index: RunIndex) -> tuple[Any, ...]:
+    return (list(index), dict(index.status_of), dict(index.owner_of),
+            {k: list(v) for k, v in index.by_status.items()},
+            {k: list(v) for k, v in index.by_owner.items()})
+
+
+def _load(db: str) -> tuple[Any, RunIndex, dict[str, int]]:
+    """What a start-up loads: the state, its index, and the block map."""
+    st = _storage(db)
+    st.open()
+    try:
+        state = st.load()
+        return state, RunIndex(state.runs.values(), cold=state.cold), dict(st.rows)
+    finally:
+        st.close()
+
+
+def _forget_saved(db: str) -> None:
+    with raw(db, write=True) as conn:
+        conn.run("DELETE FROM saved_index")
+
+
+def _saved_revisions(db: str) -> set[int]:
+    with raw(db) as conn:
+        return {int(r[0]) for r in conn.rows("SELECT revision FROM saved_index")}
+
+
+async def test_a_clean_shutdown_saves_the_index_the_next_start_reads(db: str) -> None:
+    w = await _started(db)
+    for odd in ['q"uote', "back\\slash", "ünï", "\U0001f600-emoji", "\uff61-wide", "[a,b]"]:
+        rec = await w.submit(L.Acquire(odd, "w"))
+        await w.submit(L.Finish(odd, "w", rec.fencing_token, Status.COMPLETED))
+    await _fill(w, 150)
+    live = _entries(w.state.index)
+    blocks = dict(w.storage.rows)
+    revision = w.state.revision
+    await w.close()
+    assert _saved_revisions(db) == {revision}
+
+    state, index, rows = _load(db)
+    finished = sum(1 for s in live[1].values() if s in COLD_STATUSES)
+    assert state.saved == finished == 126 and not state.replayed
+    assert _entries(index) == live  # as the server held it ...
+    assert rows == blocks
+    _forget_saved(db)
+    state2, index2, rows2 = _load(db)
+    assert state2.saved == 0
+    assert _entries(index2) == live and rows2 == blocks  # ... and as the full gathering builds it
+    # a block's runs share one number object, as the gathering leaves them
+    by_block: dict[int, set[int]] = {}
+    for run_id, block in rows.items():
+        by_block.setdefault(block, set()).add(id(rows[run_id]))
+    assert all(len(objects) == 1 for objects in by_block.values())
+
+
+async def test_a_write_after_the_shutdown_leaves_the_saved_index_unused(db: str) -> None:
+    w = await _started(db)
+    await _fill(w, 60)
+    await w.close()
+    saved_at = _saved_revisions(db)
+    # the next server writes, then stops without saving (as a crash would):
+    # one finished run deleted and one running run finished leave the table
+    # with as many rows, and as many finished ones, as the saved index counts
+    w2 = await _started(db)
+    victim = next(k for k in w2.state.index if w2.is_cold(k))
+    await w2.submit(L.DeleteRun(victim))
+    runner = next(iter(w2.state.runs.values()))
+    assert runner.lease is not None
+    await w2.submit(L.Finish(runner.run_id, runner.lease.owner, runner.fencing_token,
+                             Status.COMPLETED))
+    await w2.wait_idle()
+    live = _entries(w2.state.index)
+    w2.evict_finished = False  # skips the save; the runs table is still brought up to date
+    await w2.close()
+    assert _saved_revisions(db) == saved_at
+    state, index, _ = _load(db)
+    assert state.saved == 0
+    assert _entries(index) == live and victim not in index
+    assert index.status_of[runner.run_id] is Status.COMPLETED
+
+
+@pytest.mark.parametrize("change", ["row added", "row removed", "damaged"])
+async def test_a_saved_index_that_does_not_match_the_database_is_ignored(
+    db: str, change: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = await _started(db)
+    await _fill(w, 40)
+    live = _entries(w.state.index)
+    await w.close()
+    with raw(db, write=True) as conn:
+        if change == "row added":  # a finished run the saved index does not know
+            conn.run("INSERT INTO runs (block, run_id, version, status, fencing_token, owner, "
+                     "revision, record) SELECT block, 'zz-extra', version, status, "
+                     "fencing_token, owner, revision, record FROM runs WHERE status = 4 "
+                     "ORDER BY run_id LIMIT 1")
+        elif change == "row removed":
+            conn.run("DELETE FROM runs WHERE run_id IN (SELECT run_id FROM runs "
+                     "WHERE status = 5 ORDER BY run_id LIMIT 1)")
+        else:  # an id cut off: the row no longer holds n ids
+            conn.run("UPDATE saved_index SET ids = substr(ids, 1, 40) WHERE seq = 0")
+    with caplog.at_level(logging.WARNING, "fencepost.storage"):
+        state, index, _ = _load(db)
+    assert state.saved == 0
+    if change == "row added":
+        assert "zz-extra" in index and len(index) == len(live[0]) + 1
+        assert "does not match the runs table" in caplog.text
+    elif change == "row removed":
+        assert len(index) == len(live[0]) - 1
+    else:
+        assert _entries(index) == live
+
+
+async def test_a_shutdown_that_leaves_changes_unmaterialized_saves_nothing(db: str) -> None:
+    w = await _started(db)
+    await _fill(w, 20)
+    await w.close()
+    w2 = await _started(db)
+    w2.materialize_after_ms = 3_600_000
+    await _fill(w2, 20, prefix="late-")
+    live = _entries(w2.state.index)
+    w2._pending.clear()  # as if the copy into runs had failed: only the change log has them
+    await w2.close()
+    state, index, _ = _load(db)
+    assert state.saved == 0 and state.replayed > 0
+    assert _entries(index) == live
+
+
+async def test_groups_over_many_rows_round_trip(db: str) -> None:
+    """A status with more ids than one saved row holds spans several rows."""
+    w = await _started(db)
+    await _fill(w, 5)
+    await w.close()
+    st = _storage(db)
+    st.open()
+    try:
+        state = st.load()
+        rows = dict(st.rows)
+        block = next(iter(rows.values()))
+        many = sorted(f"bulk-{i:07d}" for i in range(SAVED_CHUNK + 10))
+        st.rows.update(dict.fromkeys(many, block))
+        groups = [(4, None, many), (5, "w1", ["x-1", "x-2"])]
+        st.rows.update({"x-1": block, "x-2": block})
+        with st.transaction():
+            assert st.save_index(groups, state.revision) == len(many) + 2
+        with raw(db) as conn:
+            assert [int(r[0]) for r in conn.rows("SELECT n FROM saved_index ORDER BY seq")] == [
+                SAVED_CHUNK, 10, 2]
+        # the table does not hold those runs: the saved index is refused
+        st.rows = {}
+        assert st._saved_groups(st.db, len(state.runs), state.revision) is None
+        # an id the block map does not know is not saved, and nothing stale is kept
+        with st.transaction():
+            assert st.save_index([(4, None, ["not-a-row"])], state.revision) == 0
+        assert _saved_revisions(db) == set()
+    finally:
+        st.close()
