@@ -240,6 +240,7 @@ class Writer:
         # first. Writer thread only.
         self._pending: dict[str, tuple[int, int]] = {}
         self._materialized = 0
+        self._saved_at = -1  # the revision of the saved index entries load() used
         self.state = LedgerState()
         self.stats = WriterStats()
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
@@ -300,6 +301,8 @@ class Writer:
 
         loaded = self.storage.load(index)
         self._materialized = loaded.revision  # load() wrote every replayed change
+        # the saved index entries still match as long as nothing is written
+        self._saved_at = loaded.revision if loaded.saved else -1
         self._pending.clear()
         return LedgerState(
             runs=loaded.runs,
@@ -345,8 +348,9 @@ class Writer:
                     self.storage.write(out)
                 self._pending.clear()
                 self._materialized = revision
-            # (an in-memory database has no next start)
-            if self.evict_finished and self._materialized == revision:
+            # (an in-memory database has no next start; entries read at the
+            # start and still matching need no rewrite)
+            if self.evict_finished and self._materialized == revision != self._saved_at:
                 groups = self.state.index.groups(COLD_STATUSES)
                 with self.storage.transaction():
                     self.storage.save_index(groups, revision)

@@ -94,6 +94,19 @@ async def test_a_clean_shutdown_saves_the_index_the_next_start_reads(db: str) ->
     assert state.saved == finished == 126 and not state.replayed
     assert _entries(index) == live  # as the server held it ...
     assert rows == blocks
+    # a server that writes nothing leaves the saved entries as they are
+    idle = await _started(db)
+    saves = 0
+    real_save = idle.storage.save_index
+
+    def counted(*args: Any) -> int:
+        nonlocal saves
+        saves += 1
+        return real_save(*args)
+
+    idle.storage.save_index = counted  # type: ignore[method-assign]
+    await idle.close()
+    assert saves == 0 and _saved_revisions(db) == {revision}
     _forget_saved(db)
     state2, index2, rows2 = _load(db)
     assert state2.saved == 0

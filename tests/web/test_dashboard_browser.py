@@ -269,10 +269,19 @@ def test_actions_carry_the_token_to_the_authorize_hook(browser: Any, tmp_path: P
         wait_for(lambda: row(browser, "guarded") is not None, what="the row")
 
         def cancel() -> None:
-            button = row(browser, "guarded").find_element(
-                By.CSS_SELECTOR, 'button[data-action="cancel"]')
-            button.click()
-            button.click()
+            """Arm the button, then confirm. The page draws a row anew when
+            the live feed or a reload of the table brings it: if that happens
+            between the clicks (the new button unarmed), the row is found
+            again and both clicks repeated."""
+
+            def twice() -> bool:
+                button = row(browser, "guarded").find_element(
+                    By.CSS_SELECTOR, 'button[data-action="cancel"]')
+                button.click()
+                button.click()
+                return True
+
+            wait_for(twice, what="the cancel button, clicked twice")
 
         cancel()
         toast = wait_for(lambda: browser.find_element(By.ID, "toast").text, what="the toast")
