@@ -8,7 +8,9 @@ creation order), on a fresh SQLite file at durability FULL:
    Acquire then a Finish (a terminal run, as finished work piles up), up to
    ``--runs`` in all. At every checkpoint (``--checkpoints``, default 10k,
    100k, 300k and 1M) the next ``--slice`` runs (default 50,000) are timed:
-   wall µs per new run. Slices of 10,000 runs (about a second) swung 2-4 times
+   wall µs per new run, and the CPU µs the process spent per run (all its
+   threads; steadier than wall time where the hypervisor steals time, which
+   is reported beside it). Slices of 10,000 runs (about a second) swung 2-4 times
    from run to run with the writer's periodic work (copying runs into the
    runs table, pruning, checkpoints); 50,000 average over it.
    The ratio of the last checkpoint to the first is the growth. Full garbage
@@ -87,17 +89,20 @@ async def _fill(path: Path, order: str, args: argparse.Namespace) -> dict[str, A
         await writer.submit(Finish(run_id, owner, rec.fencing_token, Status.COMPLETED))
         made += 1
 
-    async def make(count: int) -> float:
-        """Create ``count`` terminal runs; seconds taken."""
+    async def make(count: int) -> tuple[float, float, float]:
+        """Create ``count`` terminal runs: seconds taken, CPU seconds this
+        process used meanwhile (every thread), and the cores the hypervisor
+        gave to other machines meanwhile (steal)."""
         target = made + count
-        t0 = time.perf_counter()
+        t0, c0, s0 = time.perf_counter(), time.process_time(), _steal()
 
         async def loop(k: int) -> None:
             while made < target:
                 await one(f"w{k}")
 
         await asyncio.gather(*(loop(k) for k in range(args.submitters)))
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        return took, time.process_time() - c0, (_steal() - s0) / took
 
     try:
         for cp in sorted(args.checkpoints):
@@ -105,10 +110,12 @@ async def _fill(path: Path, order: str, args: argparse.Namespace) -> dict[str, A
                 break
             if made < cp:
                 await make(cp - made)
-            took = await make(args.slice)
-            us = took / args.slice * 1e6
-            slices.append({"at_runs": cp, "us_per_run": round(us, 1)})
-            print(f"  {order:<6} at {cp:>9,} runs: {us:7.1f} us per new run", flush=True)
+            took, cpu, steal = await make(args.slice)
+            us, cpu_us = took / args.slice * 1e6, cpu / args.slice * 1e6
+            slices.append({"at_runs": cp, "us_per_run": round(us, 1),
+                           "cpu_us_per_run": round(cpu_us, 1), "steal_cores": round(steal, 2)})
+            print(f"  {order:<6} at {cp:>9,} runs: {us:7.1f} us per new run, {cpu_us:6.1f} us "
+                  f"of CPU (steal {steal:.2f} cores)", flush=True)
         if made < args.runs:
             await make(args.runs - made)
         for k in range(args.live):
@@ -117,6 +124,11 @@ async def _fill(path: Path, order: str, args: argparse.Namespace) -> dict[str, A
         await collections.stop()
         await writer.close()
     return {"slices": slices, "runs": made + args.live}
+
+
+def _steal() -> float:
+    """CPU seconds the hypervisor has given to others (0 on bare metal)."""
+    return float(getattr(psutil.cpu_times(), "steal", 0.0))
 
 
 def _compile() -> None:
@@ -235,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             slices = fill["slices"]
             if len(slices) >= 2:
                 fill["growth"] = round(slices[-1]["us_per_run"] / slices[0]["us_per_run"], 3)
+                if "cpu_us_per_run" in slices[0]:
+                    fill["cpu_growth"] = round(
+                        slices[-1]["cpu_us_per_run"] / slices[0]["cpu_us_per_run"], 3)
             # unmeasured: brings a reused file's schema up to date and saves its index
             _restart(path, workdir, order, crash=False)
             restarts, crashes = [], []
@@ -249,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             fill["db_mib"] = round(path.stat().st_size / 2**20, 1)
             result["orders"][order] = fill
             print(f"  {order:<6} {fill['runs']:,} runs ({fill['db_mib']} MiB file, filled in "
-                  f"{fill['fill_s']} s): new-run cost x{fill.get('growth', 0):.2f} from "
+                  f"{fill['fill_s']} s): new-run cost x{fill.get('growth', 0):.2f} "
+                  f"(CPU x{fill.get('cpu_growth', 0):.2f}) from "
                   f"{slices[0]['at_runs']:,} to {slices[-1]['at_runs']:,} runs; restart to "
                   f"SERVING {fill['serving_s']:.2f} s (of {fill['serving_s_all']}) at "
                   f"{fill['rss_mib']} MiB RSS, after a crash "
