@@ -10,8 +10,12 @@ fencing                at its linearization point, every accepted fenced write c
                        the run's current token and lease owner, on a RUNNING record
 handles                no handle completed a write invoked after the run's fence had
                        visibly moved to another handle (real time; no search needed)
-durability-restart     after every SIGKILL + restart, every write acknowledged before
-                       the kill is visible (probe reads before any worker reconnects)
+durability-restart     after every SIGKILL (or clean stop) + restart, every write
+                       acknowledged before it is visible (probe reads before any
+                       worker reconnects)
+clean-stop             one server: every clean stop (SIGTERM) exits 0 (runner.py)
+index-restart          after every restart, ListRuns of each status lists exactly the
+                       runs GetRun finds in it (runner.py: index_problems)
 durability-final       every value any client observed or was acknowledged is in the
                        server's committed history, at its revision, byte for byte
 tokens                 tokens never go backwards or repeat (committed history, and every

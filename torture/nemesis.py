@@ -1,5 +1,6 @@
 """The nemesis: a fault schedule derived from the seed, and the means to
-inflict it — SIGKILL + restart of the server, SIGSTOP/SIGCONT of worker
+inflict it — SIGKILL + restart of the server (every other one a clean stop,
+SIGTERM, instead: its start reads the index entries the stop saved), SIGSTOP/SIGCONT of worker
 processes past their ttl, cut client connections (through a loopback TCP proxy
 every worker talks through), and forward jumps of the server's clock (the
 TestHooks service of a ``--test-hooks`` server).
@@ -32,7 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-KINDS = ("kill", "pause", "cut", "clock")
+# what the schedule draws; every other "kill" drawn becomes a "stop"
+_DRAWN = ("kill", "pause", "cut", "clock")
+KINDS = (*_DRAWN, "stop")
 
 # fault weights per profile (kill, pause, cut, clock) and the mean gap between faults
 NEMESIS_PROFILES: dict[str, tuple[tuple[float, float, float, float], float]] = {
@@ -59,6 +62,9 @@ PG_PROFILES: dict[str, tuple[dict[str, float], float]] = {
 # leader row's holder, i.e. the leader's identity)
 PG_CUTS = ("fencepost-writer {id}", "fencepost-leadership {id}", "fencepost-%{id}",
            "fencepost-writer %")
+# what a server logs when its start read the index entries its last clean
+# stop saved (storage/sql.py)
+SAVED_INDEX_READ = "read from the index saved at the last shutdown"
 CLOCK_SLACK_MS = 250  # past the skew bound by this much, a leader must step down
 
 
@@ -79,11 +85,15 @@ def schedule(seed: int, duration_s: float, profile: str, workers: int,
         return []
     rng = random.Random(f"nemesis-{seed}")
     out: list[Fault] = []
+    restarts = 0
     t = rng.uniform(0.5, 1.5)
     while t < duration_s - 1.0:
-        kind = rng.choices(KINDS, weights)[0]
+        kind = rng.choices(_DRAWN, weights)[0]
         if kind == "kill":
             param = rng.uniform(0.05, 0.8)
+            restarts += 1
+            if restarts % 2 == 0:  # drawn the same way: the rest of the schedule is unchanged
+                kind = "stop"
         elif kind == "pause":
             param = max_ttl_ms / 1000 + rng.uniform(0.2, 1.5)
         elif kind == "clock":
@@ -247,7 +257,8 @@ class Nemesis:
     proxy: Proxy | None
     workers: list[Any]  # subprocess.Popen
     log: IO[str]
-    after_restart: Callable[[int, int], None]  # (restart number, kill time ns)
+    # (restart number, kill time ns) -> what the probe found wrong in the index
+    after_restart: Callable[[int, int], list[str]]
     clock_offset_ms: int = 0
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALL_KINDS, 0))
     cut_connections: int = 0
@@ -290,8 +301,8 @@ class Nemesis:
         if self.cluster is not None and fault.kind != "pause":
             self.inflict_pg(fault, t)
             return
-        if fault.kind == "kill":
-            self.kill_restart(fault.param)
+        if fault.kind in ("kill", "stop"):
+            self.kill_restart(fault.param, clean=fault.kind == "stop")
         elif fault.kind == "pause":
             proc = self.workers[fault.target]
             if proc.poll() is None and fault.target not in self.paused:
@@ -313,23 +324,35 @@ class Nemesis:
             self.record(kind="clock", t=t, ms=int(fault.param), offset=self.clock_offset_ms,
                         server_now=now)
 
-    def kill_restart(self, downtime_s: float) -> None:
+    def kill_restart(self, downtime_s: float, clean: bool = False) -> None:
+        """SIGKILL the server (``clean``: SIGTERM, a clean stop, SIGKILL only
+        if it hangs), and start it again after ``downtime_s``."""
         t = time.monotonic_ns()
         assert self.proxy is not None
         self.proxy.held = True  # workers stay away until the probes have read
-        self.server.kill()  # SIGKILL, reaped
+        extra: dict[str, Any] = {}
+        if clean:
+            extra["exit"] = self.server.stop(timeout=30)  # reaped
+        else:
+            self.server.kill()  # SIGKILL, reaped
         killed = time.monotonic_ns()
         time.sleep(downtime_s)
         self.server.env["FENCEPOST_TEST_CLOCK_OFFSET_MS"] = str(self.clock_offset_ms)
+        logged = self.server.log_path.stat().st_size if self.server.log_path.exists() else 0
         self.server.start(timeout=60)
         up = time.monotonic_ns()
+        if clean:  # did this start read the saved index entries?
+            with open(self.server.log_path, "rb") as log:
+                log.seek(logged)
+                extra["saved_index"] = SAVED_INDEX_READ in log.read().decode(errors="replace")
         self.restarts += 1
         try:
-            self.after_restart(self.restarts, killed)
+            if found := self.after_restart(self.restarts, killed):
+                extra["index"] = found
         finally:
             self.proxy.held = False
-        self.record(kind="kill", t=t, killed=killed, up=up, restart=self.restarts,
-                    downtime_s=downtime_s)
+        self.record(kind="stop" if clean else "kill", t=t, killed=killed, up=up,
+                    restart=self.restarts, downtime_s=downtime_s, **extra)
 
     def jump_clock(self, ms: int, resync: bool = False) -> int:
         """Jump the server's clock; remember the offset so a restart keeps it
@@ -440,15 +463,14 @@ class Nemesis:
             new = self._wait_leader(30.0)
             up = time.monotonic_ns()
             self.restarts += 1
-            if new is not None:
-                self.after_restart(self.restarts, killed)
+            found = self.after_restart(self.restarts, killed) if new is not None else []
         finally:
             for p in self.proxies:
                 p.held = False
         self.record(kind="kill", t=t, slot=c.slot, pid=pid, killed=killed,
                     up=up if new is not None else None, restart=self.restarts,
                     downtime_s=downtime_s, leader=None if new is None else new.slot,
-                    dropped=dropped)
+                    dropped=dropped, **({"index": found} if found else {}))
 
     def _wait_leader(self, timeout: float) -> Any:
         """The coordinator serving now, waiting up to ``timeout`` s (resuming

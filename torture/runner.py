@@ -25,6 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from fencepost.v1 import ledger_pb2 as lpb
+
 from . import REPO
 from .checkers import MAX_PER_CHECK, Checked, Violation, check_all
 from .client import Client
@@ -110,7 +114,9 @@ class Outcome:
             f"id, {self.unknown['left']} stayed unknown",
             f"  faults: {', '.join(f'{k} {v}' for k, v in self.faults['by_kind'].items())}; "
             f"{self.faults['cut_connections']} connections cut; server started "
-            f"{self.server_starts} times",
+            f"{self.server_starts} times"
+            + (f" ({self.faults['saved_index_starts']} from the index entries a clean stop "
+               "saved)" if self.faults.get("saved_index_starts") else ""),
             *([self._cluster_line()] if self.cluster else []),
             f"  checkers: {sum(self.checker_seconds.values()):.1f} s ("
             + ", ".join(f"{k} {v:.2f}" for k, v in self.checker_seconds.items()) + ")",
@@ -303,15 +309,14 @@ def run(cfg: Config) -> Outcome:
         probe_out = open(out / "ops-probes.jsonl", "w", buffering=1)
         files.append(probe_out)
 
-        def probe(n: int, killed: int) -> None:
+        def probe(n: int, killed: int) -> list[str]:
             addrs, aliases, first = target.probe_addrs()
             c = Client(f"probe{n % MAX_PROBES}", addrs, probe_out, seed=n,
                        hard_stop_ns=time.monotonic_ns() + int(30e9), transport=cfg.transport,
                        certs=certs, aliases=aliases)
             c.ep = first
             try:
-                for r in runs:
-                    c.get_run(r)
+                return index_problems(c, {r: c.get_run(r) for r in runs}, n)
             finally:
                 c.close()
 
@@ -406,7 +411,8 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
     ops = read_ops(sorted(out.glob("ops-*.jsonl")))
     faults = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()
               if line.strip()]
-    kills = [f for f in faults if f["kind"] == "kill"]
+    # the server's restarts: after a SIGKILL, or (one server) after a clean stop
+    kills = [f for f in faults if f["kind"] == "kill" or (f["kind"] == "stop" and "restart" in f)]
     liveness = json.loads((out / "liveness.json").read_text())
     pg = cfg.store == "postgres"
     snap = load(out / ("committed.db" if pg else "fencepost.db"))
@@ -448,6 +454,10 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
                             liveness_bound_s=cfg.liveness_bound_s,
                             server_log=(out / "server.log").read_text(errors="replace"),
                             budget=cfg.budget)
+        extra += [Violation("clean-stop", f"restart #{f['restart']}: the clean stop (SIGTERM) "
+                                          f"exited {f.get('exit')}, not 0")
+                  for f in kills if f["kind"] == "stop" and f.get("exit") != 0]
+    extra += [Violation("index-restart", problem) for f in faults for problem in f.get("index", ())]
     for v in extra:
         checked.counts[v.check] = checked.counts.get(v.check, 0) + 1
         if sum(1 for k in checked.violations if k.check == v.check) < MAX_PER_CHECK:
@@ -469,6 +479,32 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
     (out / "report.json").write_text(json.dumps(asdict(outcome), indent=1, default=str))
     (out / "report.txt").write_text(outcome.summary() + "\n")
     return outcome
+
+
+def index_problems(c: Client, seen: dict[str, dict[str, Any]], n: int) -> list[str]:
+    """What a restarted server's run index gets wrong, probed while no worker
+    is connected (nothing moves): a ListRuns of each status must list exactly
+    the runs GetRun just found in it (``seen``: the probe's GetRun entries).
+    Nothing is concluded from a GetRun or a listing that went unanswered."""
+    status_of: dict[str, int] = {}
+    for run, e in seen.items():
+        if e.get("st") == "ok" and e.get("rec") is not None:
+            status_of[run] = int(e["rec"]["status"])
+        elif not (e.get("st") == "fail" and e.get("code") == "RUN_NOT_FOUND"):
+            return []
+    problems = []
+    try:
+        for status in range(1, 7):
+            page = c._conn().ledger.ListRuns(
+                lpb.ListRunsRequest(statuses=[status], page_size=1000), timeout=10)
+            listed = sorted(run.run_id for run in page.runs)
+            want = sorted(r for r, st in status_of.items() if st == status)
+            if listed != want:
+                problems.append(f"restart #{n}: ListRuns of status {status} listed {listed}, "
+                                f"where GetRun found {want}")
+    except grpc.RpcError:
+        pass
+    return problems
 
 
 def _config(cfg: Config) -> dict[str, Any]:
@@ -545,8 +581,10 @@ def _outcome(cfg: Config, ops: list[Op], faults: list[dict[str, Any]], checked: 
             writers.setdefault(o.tp, set()).add(o.client)
     for tp, t in by_tp.items():
         t["clients"] = len(writers.get(tp, ()))
-    kinds = PG_KINDS if cfg.store == "postgres" else KINDS
+    pg = cfg.store == "postgres"
+    kinds = PG_KINDS if pg else KINDS
     by_kind = {k: sum(1 for f in faults if f["kind"] == k) for k in kinds}
+    restarts = by_kind["kill"] + (0 if pg else by_kind["stop"])
     clocks = [f for f in faults if f["kind"] == "clock"]
     return Outcome(
         config=_config(cfg),
@@ -556,7 +594,9 @@ def _outcome(cfg: Config, ops: list[Op], faults: list[dict[str, Any]], checked: 
         unknown=unknown,
         faults={"by_kind": by_kind,
                 "cut_connections": sum(f.get("connections", 0) for f in faults),
-                "restarts": by_kind["kill"],
+                "restarts": restarts,
+                # starts after a clean stop that read the index entries it saved
+                "saved_index_starts": sum(1 for f in faults if f.get("saved_index")),
                 "clock_offset_ms": clocks[-1]["offset"] if clocks else 0,
                 "lock_delay_ms": LOCK_DELAY_MS},
         checker_seconds={k: round(v, 3) for k, v in checked.timings.items()},
@@ -565,5 +605,5 @@ def _outcome(cfg: Config, ops: list[Op], faults: list[dict[str, Any]], checked: 
         violations=checked.counts,
         violation_details=[str(v) for v in checked.violations],
         wall_seconds=round(wall, 1),
-        server_starts=by_kind["kill"] + 1,
+        server_starts=restarts + 1,
     )
