@@ -33,9 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-# what the schedule draws; every other "kill" drawn becomes a "stop"
+# what the schedule draws; every other "kill" drawn becomes a "term" (a clean
+# stop with SIGTERM; the PostgreSQL mode's "stop" is a SIGSTOP of the leader)
 _DRAWN = ("kill", "pause", "cut", "clock")
-KINDS = (*_DRAWN, "stop")
+KINDS = (*_DRAWN, "term")
 
 # fault weights per profile (kill, pause, cut, clock) and the mean gap between faults
 NEMESIS_PROFILES: dict[str, tuple[tuple[float, float, float, float], float]] = {
@@ -93,7 +94,7 @@ def schedule(seed: int, duration_s: float, profile: str, workers: int,
             param = rng.uniform(0.05, 0.8)
             restarts += 1
             if restarts % 2 == 0:  # drawn the same way: the rest of the schedule is unchanged
-                kind = "stop"
+                kind = "term"
         elif kind == "pause":
             param = max_ttl_ms / 1000 + rng.uniform(0.2, 1.5)
         elif kind == "clock":
@@ -301,8 +302,8 @@ class Nemesis:
         if self.cluster is not None and fault.kind != "pause":
             self.inflict_pg(fault, t)
             return
-        if fault.kind in ("kill", "stop"):
-            self.kill_restart(fault.param, clean=fault.kind == "stop")
+        if fault.kind in ("kill", "term"):
+            self.kill_restart(fault.param, clean=fault.kind == "term")
         elif fault.kind == "pause":
             proc = self.workers[fault.target]
             if proc.poll() is None and fault.target not in self.paused:
@@ -351,7 +352,7 @@ class Nemesis:
                 extra["index"] = found
         finally:
             self.proxy.held = False
-        self.record(kind="stop" if clean else "kill", t=t, killed=killed, up=up,
+        self.record(kind="term" if clean else "kill", t=t, killed=killed, up=up,
                     restart=self.restarts, downtime_s=downtime_s, **extra)
 
     def jump_clock(self, ms: int, resync: bool = False) -> int:

@@ -412,7 +412,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
     faults = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()
               if line.strip()]
     # the server's restarts: after a SIGKILL, or (one server) after a clean stop
-    kills = [f for f in faults if f["kind"] == "kill" or (f["kind"] == "stop" and "restart" in f)]
+    kills = [f for f in faults if f["kind"] in ("kill", "term")]
     liveness = json.loads((out / "liveness.json").read_text())
     pg = cfg.store == "postgres"
     snap = load(out / ("committed.db" if pg else "fencepost.db"))
@@ -456,7 +456,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
                             budget=cfg.budget)
         extra += [Violation("clean-stop", f"restart #{f['restart']}: the clean stop (SIGTERM) "
                                           f"exited {f.get('exit')}, not 0")
-                  for f in kills if f["kind"] == "stop" and f.get("exit") != 0]
+                  for f in kills if f["kind"] == "term" and f.get("exit") != 0]
     extra += [Violation("index-restart", problem) for f in faults for problem in f.get("index", ())]
     for v in extra:
         checked.counts[v.check] = checked.counts.get(v.check, 0) + 1
@@ -584,7 +584,7 @@ def _outcome(cfg: Config, ops: list[Op], faults: list[dict[str, Any]], checked: 
     pg = cfg.store == "postgres"
     kinds = PG_KINDS if pg else KINDS
     by_kind = {k: sum(1 for f in faults if f["kind"] == k) for k in kinds}
-    restarts = by_kind["kill"] + (0 if pg else by_kind["stop"])
+    restarts = by_kind["kill"] + (0 if pg else by_kind["term"])
     clocks = [f for f in faults if f["kind"] == "clock"]
     return Outcome(
         config=_config(cfg),

@@ -206,7 +206,9 @@ def test_errors_name_what_failed(tmp_path: Path) -> None:
 
 def test_nothing_is_left_running_when_the_owner_dies(tmp_path: Path) -> None:
     """At interpreter exit without close(), and even after a SIGKILL of the
-    process that started it, the server goes too."""
+    process that started it, the server goes too; at exit its directories go
+    as well (a SIGKILLed owner cannot remove them: the test does, as it gave
+    that process a temp directory of its own)."""
     script = textwrap.dedent("""
         import os, signal, sys
         from fencepost_server.pgcluster import Cluster
@@ -216,9 +218,18 @@ def test_nothing_is_left_running_when_the_owner_dies(tmp_path: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     """)
     for how in ("exit", "kill"):
-        proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True,
-                              text=True, timeout=60)
-        assert proc.returncode == (-signal.SIGKILL if how == "kill" else 0), proc.stderr
-        procs = [int(p) for p in proc.stdout.split()]
-        assert len(procs) >= 4, proc.stdout
-        assert _gone(procs), f"{how}: postgres {procs} outlived its owner"
+        # not tmp_path: the server's OS user must be able to walk into it
+        scratch = Path(tempfile.mkdtemp(prefix="fencepost-pg-owner-"))
+        scratch.chmod(0o755)
+        try:
+            proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True,
+                                  text=True, timeout=60,
+                                  env=dict(os.environ, TMPDIR=str(scratch)))
+            assert proc.returncode == (-signal.SIGKILL if how == "kill" else 0), proc.stderr
+            procs = [int(p) for p in proc.stdout.split()]
+            assert len(procs) >= 4, proc.stdout
+            assert _gone(procs), f"{how}: postgres {procs} outlived its owner"
+            if how == "exit":
+                assert not list(scratch.iterdir()), list(scratch.iterdir())
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
