@@ -141,9 +141,9 @@ def _compile() -> None:
                        stdout=subprocess.DEVNULL)
 
 
-def _restart(path: Path, workdir: Path, order: str, crash: bool) -> dict[str, Any]:
+def _restart(path: Path, workdir: Path, order: str, then_crash: bool) -> dict[str, Any]:
     """Start a server on ``path`` and measure it; then stop it with SIGTERM,
-    or (``crash``) make one write and kill -9 it."""
+    or (``then_crash``) make one write and kill -9 it."""
     port = free_port()
     t0 = time.perf_counter()
     srv = start_server(f"fencepost-{order}", [
@@ -183,7 +183,7 @@ def _restart(path: Path, workdir: Path, order: str, crash: bool) -> dict[str, An
             running, n_running = timed(ledger_pb2.ListRunsRequest(
                 statuses=[record_pb2.RUN_STATUS_RUNNING], page_size=1000))
             first, n_first = timed(ledger_pb2.ListRunsRequest(page_size=100))
-            if crash:
+            if then_crash:
                 stub.Acquire(ledger_pb2.AcquireRequest(run_id=f"crash-{uuid.uuid4().hex}",
                                                        owner="scale"),
                              timeout=60)
@@ -251,11 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                     fill["cpu_growth"] = round(
                         slices[-1]["cpu_us_per_run"] / slices[0]["cpu_us_per_run"], 3)
             # unmeasured: brings a reused file's schema up to date and saves its index
-            _restart(path, workdir, order, crash=False)
-            restarts, crashes = [], []
+            _restart(path, workdir, order, then_crash=False)
+            restarts, crashes = [], []  # starts after a clean stop, and after a crash
             for _ in range(args.restarts):
-                restarts.append(_restart(path, workdir, order, crash=True))
-                crashes.append(_restart(path, workdir, order, crash=False))
+                restarts.append(_restart(path, workdir, order, then_crash=True))
+                crashes.append(_restart(path, workdir, order, then_crash=False))
             restarts.sort(key=lambda r: r["serving_s"])
             fill.update(restarts[len(restarts) // 2])  # the median start
             fill["serving_s_all"] = [r["serving_s"] for r in restarts]

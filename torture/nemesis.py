@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from fencepost_server.storage.sql import SAVED_INDEX_READ
+
 # what the schedule draws; every other "kill" drawn becomes a "term" (a clean
 # stop with SIGTERM; the PostgreSQL mode's "stop" is a SIGSTOP of the leader)
 _DRAWN = ("kill", "pause", "cut", "clock")
@@ -63,9 +65,6 @@ PG_PROFILES: dict[str, tuple[dict[str, float], float]] = {
 # leader row's holder, i.e. the leader's identity)
 PG_CUTS = ("fencepost-writer {id}", "fencepost-leadership {id}", "fencepost-%{id}",
            "fencepost-writer %")
-# what a server logs when its start read the index entries its last clean
-# stop saved (storage/sql.py)
-SAVED_INDEX_READ = "read from the index saved at the last shutdown"
 CLOCK_SLACK_MS = 250  # past the skew bound by this much, a leader must step down
 
 

@@ -14,8 +14,7 @@ from _proc import ServerProc
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
 from fencepost.v1 import record_pb2 as rpb
-
-SAVED = "read from the index saved at the last shutdown"
+from fencepost_server.storage.sql import SAVED_INDEX_READ
 
 
 def _listing(ledger: Any, *statuses: int) -> list[tuple[str, int]]:
@@ -42,7 +41,7 @@ def test_sigterm_saves_the_index_and_a_crash_after_more_writes_does_not_reuse_it
 ) -> None:
     srv = ServerProc(tmp_path / "f.db", tmp_path / "server.log")
     try:
-        assert SAVED not in _start(srv)
+        assert SAVED_INDEX_READ not in _start(srv)
         with srv.channel() as ch:
             ledger = ledger_pb2_grpc.LedgerStub(ch)
             live: dict[str, rpb.Run] = {}
@@ -59,7 +58,7 @@ def test_sigterm_saves_the_index_and_a_crash_after_more_writes_does_not_reuse_it
             everything = _listing(ledger)
             completed = _listing(ledger, rpb.RUN_STATUS_COMPLETED)
         assert srv.stop() == 0
-        assert f"200 finished runs' ids {SAVED}" in _start(srv)
+        assert f"200 finished runs' ids {SAVED_INDEX_READ}" in _start(srv)
         with srv.channel() as ch:
             ledger = ledger_pb2_grpc.LedgerStub(ch)
             assert _listing(ledger) == everything
@@ -76,7 +75,7 @@ def test_sigterm_saves_the_index_and_a_crash_after_more_writes_does_not_reuse_it
             everything = _listing(ledger)
             completed = _listing(ledger, rpb.RUN_STATUS_COMPLETED)
         srv.kill()
-        assert SAVED not in _start(srv)
+        assert SAVED_INDEX_READ not in _start(srv)
         with srv.channel() as ch:
             ledger = ledger_pb2_grpc.LedgerStub(ch)
             assert _listing(ledger) == everything

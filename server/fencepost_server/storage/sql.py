@@ -67,6 +67,9 @@ log = logging.getLogger("fencepost.storage")
 
 # Run ids per saved_index row (about 2 MB of text for UUIDs)
 SAVED_CHUNK = 65_536
+# what start-up logs after "<n> finished runs' ids" when it used the saved
+# index entries (the torture harness and the tests look for it)
+SAVED_INDEX_READ = "read from the index saved at the last shutdown"
 
 # New rows of runs per block (the first part of its key). The migrations that
 # made the column numbered existing rows the same way.
@@ -345,8 +348,7 @@ class SqlStorage:
             )
             return None
         self.rows = blocks_of
-        log.info("%s: %d finished runs' ids read from the index saved at the last shutdown",
-                 self.path, total)
+        log.info("%s: %d finished runs' ids %s", self.path, total, SAVED_INDEX_READ)
         return [(st, owner, ids) for (st, owner), ids in merged.items()], total
 
     def save_index(self, groups: Iterable[tuple[int, str | None, list[str]]],
