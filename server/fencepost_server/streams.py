@@ -16,6 +16,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fencepost.v1 import ledger_pb2 as pb
 
@@ -29,6 +30,13 @@ from .writer import ChangeEvent, Writer
 log = logging.getLogger("fencepost.streams")
 
 SESSION_QUEUE_LIMIT = 65_536
+
+
+class Drains(Protocol):
+    """An open stream that ends itself at shutdown once it has answered what
+    it took (an Execute stream, services/execute.py)."""
+
+    def drain(self) -> None: ...
 
 
 def lost_reason(record: Record | None, token: int, cause: type | None = None) -> int:
@@ -149,6 +157,8 @@ class FenceHub:
         # KeepAliveHello.stream_name -> the open session it names
         self.named: dict[str, Session] = {}
         self.watchers: set[Watch] = set()
+        # open Execute streams (services/execute.py), drained at shutdown
+        self.executes: set[Drains] = set()
         self._cold_reads: set[asyncio.Task[None]] = set()
         # `lost` pushes sent, by LostReason number (metrics.py)
         self.lost_pushed: collections.Counter[int] = collections.Counter()
@@ -163,6 +173,8 @@ class FenceHub:
             session.stop.set(Stop.SHUTDOWN)
         for watch in list(self.watchers):
             watch.stop.set(Stop.SHUTDOWN)
+        for execute in list(self.executes):
+            execute.drain()  # answers what it took first
 
     async def close(self) -> None:
         self.shutdown()

@@ -4,6 +4,7 @@ results grouped per commit, half-close answers everything accepted."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -125,3 +126,88 @@ async def test_invalid_utf8_in_a_command_names_its_field(server) -> None:  # typ
     assert results[0].error.details[0].Unpack(info)
     assert (info.reason, info.metadata["field"]) == (
         "RUN_VALIDATION_ERROR", "commands[1].acquire.owner")
+
+
+def _acquires(*ids: int) -> pb.ExecuteRequest:
+    return pb.ExecuteRequest(commands=[
+        pb.Command(id=i, acquire=pb.AcquireRequest(run_id=f"d{i}", owner="w")) for i in ids])
+
+
+async def _read_until_end(call: Any) -> tuple[dict[int, Any], grpc.aio.AioRpcError]:
+    results: dict[int, Any] = {}
+    while True:
+        try:
+            msg = await asyncio.wait_for(call.read(), 10)
+        except grpc.aio.AioRpcError as err:
+            return results, err
+        assert msg is not grpc.aio.EOF, "the stream ended without a status"
+        results.update((r.id, r) for r in msg.results)
+
+
+async def test_a_stop_ends_an_idle_stream_at_once(aio_ledger, server) -> None:  # type: ignore[no-untyped-def]
+    """An open Execute stream (the SDK keeps one per process) does not hold a
+    stop for its grace period: it ends with SHUTTING_DOWN, so the client
+    reconnects."""
+    from _wire import wire_error
+
+    call = aio_ledger.Execute()
+    await call.write(_acquires(1))
+    assert (await call.read()).results[0].WhichOneof("kind") == "acquire"
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await loop.run_in_executor(None, server.stop, 30.0)
+    assert loop.time() - started < 10  # not the 30 s grace
+    results, err = await _read_until_end(call)
+    assert results == {}
+    e = wire_error(err)
+    assert (e.code, e.reason) == (grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")
+    server.start()
+
+
+async def test_a_stop_answers_the_commands_taken_and_looks_at_no_new_one(
+    aio_ledger, server,  # type: ignore[no-untyped-def]
+) -> None:
+    """Commands the server took before the stop are answered before the stream
+    ends; a message that arrives while it stops is not looked at (the client
+    gets SHUTTING_DOWN for it and may retry it elsewhere)."""
+    from _wire import wire_error
+
+    call = aio_ledger.Execute()
+    await call.write(_acquires(0))
+    await call.read()
+    gate = threading.Event()
+    server.writer._executor.submit(gate.wait)  # the writer thread waits: commands stay in flight
+    try:
+        await call.write(_acquires(*range(1, 11)))
+        assert server.app is not None and server.app.hub is not None
+        (session,) = server.app.hub.executes
+        for _ in range(500):
+            if session.unanswered == 10:
+                break
+            await asyncio.sleep(0.01)
+        assert session.unanswered == 10
+        loop = asyncio.get_running_loop()
+        stopping = loop.run_in_executor(None, server.stop, 30.0)
+        for _ in range(500):
+            if session.draining:
+                break
+            await asyncio.sleep(0.01)
+        assert session.draining
+        await call.write(_acquires(11, 12))  # while draining: not looked at
+        await asyncio.sleep(0.2)
+    finally:
+        gate.set()
+    results, err = await _read_until_end(call)
+    await stopping
+    assert sorted(results) == list(range(1, 11))
+    assert all(r.acquire.run.fencing_token == 1 for r in results.values())
+    e = wire_error(err)
+    assert (e.code, e.reason) == (grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")
+    server.start()
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        ledger = ledger_pb2_grpc.LedgerStub(ch)
+        for i in (11, 12):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await ledger.GetRun(pb.GetRunRequest(run_id=f"d{i}"))
+            assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+        assert (await ledger.GetRun(pb.GetRunRequest(run_id="d10"))).run.fencing_token == 1

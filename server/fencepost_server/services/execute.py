@@ -29,7 +29,7 @@ from fencepost.v1 import ledger_pb2 as pb
 from .. import auth, convert
 from ..core import ledger as L
 from ..core import validate
-from ..core.errors import LedgerError, in_transaction, validation
+from ..core.errors import Code, LedgerError, in_transaction, validation
 from ..streams import Stop
 from ._errors import internal_status_proto, status_proto
 from ._registry import Malformed
@@ -135,6 +135,29 @@ class _Session:
         self.all_answered.set()
         self.room = asyncio.Event()  # set when fewer than the in-flight limit are unanswered
         self.room.set()
+        self.reading = False  # the reader waits for the client's next message
+        self.draining = False  # the server is stopping: read nothing more
+        self.ended = False  # the end marker is queued for the pump
+
+    def end(self) -> None:
+        """Queue what is pending and then the end marker (once)."""
+        if not self.ended:
+            self.ended = True
+            self.flush()
+            self.outbox.put_nowait(None)
+
+    def drain(self) -> None:
+        """The server is stopping: take no further command, answer those taken,
+        then end the stream (``SHUTTING_DOWN``; the client reconnects). A stream
+        left open would hold the server's stop for its whole grace period."""
+        self.draining = True
+        self.idle_drained()
+
+    def idle_drained(self) -> None:
+        """End the stream now if it drains, waits for a message and owes no
+        answer (otherwise the reader, or the last answer, ends it)."""
+        if self.draining and self.reading and not self.unanswered:
+            self.end()
 
     def result(self, cid: int) -> pb.CommandResult:
         """A new result in the pending message (flushed this loop turn)."""
@@ -173,13 +196,17 @@ class ExecuteHandler:
 
         session = _Session(self.hub.queue_limit)
         reader = asyncio.create_task(self._execute_reader(session, requests))
+        self.hub.executes.add(session)
         try:
             pump = asyncio.create_task(self._execute_pump(session, context))
             await _run_until_stopped(session.stop, pump)
         finally:
+            self.hub.executes.discard(session)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+        if session.draining:  # every answer written: tell the client why it ends
+            raise LedgerError(Code.SHUTTING_DOWN, "the server is shutting down; reconnect")
 
     async def _execute_pump(self, session: _Session, context: grpc.aio.ServicerContext) -> None:
         """Write results until the reader's end marker (None)."""
@@ -189,7 +216,18 @@ class ExecuteHandler:
     async def _execute_reader(self, session: _Session, requests: AsyncIterator[Any]) -> None:
         writer = self.writer
         limit = self.max_inflight_per_stream
-        async for msg in requests:
+        messages = aiter(requests)
+        while not session.draining:
+            session.reading = True
+            session.idle_drained()  # a stop while the last answers were owed
+            try:
+                msg = await anext(messages)
+            except StopAsyncIteration:
+                break
+            finally:
+                session.reading = False
+            if session.draining:  # arrived as the server stops: not looked at
+                break
             if isinstance(msg, Malformed):
                 session.error(
                     0, validation(msg.field, f"undecodable {msg.type_name}: {msg.error}")
@@ -202,10 +240,9 @@ class ExecuteHandler:
                 queued = self._execute_one(session, cmd)
                 if queued is not None:  # the writer is full: stop reading until it has room
                     await writer.submit_with_answer_waiting(*queued)
-        # half-closed: answer everything accepted, then mark the end for the pump
+        # half-closed or draining: answer everything accepted, then mark the end
         await session.all_answered.wait()
-        session.flush()
-        session.outbox.put_nowait(None)
+        session.end()
 
     def _fill_tracked(self, response: Any, record: Any, *, request: pb.AcquireRequest) -> None:
         """An acquire with ``track_on``: its record, and whether the lease is
@@ -259,6 +296,8 @@ class ExecuteHandler:
                 session.result(cid).error.CopyFrom(internal_status_proto(result))
             else:
                 fill(getattr(session.result(cid), kind), result)
+            if session.draining:
+                session.idle_drained()
 
         if self.writer.submit_with_answer(command, answer):
             return None
