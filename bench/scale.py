@@ -27,13 +27,24 @@ creation order), on a fresh SQLite file at durability FULL:
 4. **Listing**: ListRuns filtered to RUNNING (the live runs, among all) and the
    first unfiltered page of 100, medians of 5 calls each.
 
+With ``--store postgres`` the same is done on the PostgreSQL store: a
+throwaway cluster (``fencepost_server.pgcluster``, fsync on) with a database
+per id order, filled through the same writer over ``PostgresStorage``, and
+``fencepost serve --db postgresql://...`` restarted on it. The PostgreSQL
+server's CPU is not in the fill's CPU figure (it is another process). A
+coordinator on PostgreSQL holds a leader lease (``--leader-lease``, default
+5 s): after a clean stop it resigns and the next start leads at once; after a
+kill -9 the next start waits for that lease to run out first, so the start
+after a crash includes up to one lease by design.
+
 Every process started is stopped; the temp directory is removed. With
-``--keep DIR`` the filled files stay in DIR (``random-1000000-1000.db`` and
-its fill figures beside it) and a later run with the same sizes reuses them,
-skipping the fill: restart and listing can be measured again in a minute.
+``--keep DIR`` (SQLite only) the filled files stay in DIR
+(``random-1000000-1000.db`` and its fill figures beside it) and a later run
+with the same sizes reuses them, skipping the fill: restart and listing can
+be measured again in a minute.
 
     .venv/bin/python bench/scale.py [--runs 1000000] [--ids random,sorted] [--live 1000]
-                                    [--keep DIR]
+                                    [--store sqlite|postgres] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +76,9 @@ from fencepost_server.gcpolicy import FullCollections
 from fencepost_server.storage import Durability, SqliteStorage
 from fencepost_server.writer import Writer
 
+# where a filled store lives: a SQLite file, or a PostgreSQL database's URL
+Store = Path | str
+
 
 def _ids(order: str) -> Any:
     n = 0
@@ -72,8 +87,28 @@ def _ids(order: str) -> Any:
         yield uuid.uuid4().hex if order == "random" else f"run-{n:010d}"
 
 
-async def _fill(path: Path, order: str, args: argparse.Namespace) -> dict[str, Any]:
-    writer = Writer(SqliteStorage(path, Durability.FULL), SystemClock(), commit_delay_ms=8)
+def _storage(store: Store) -> Any:
+    if isinstance(store, str):
+        from fencepost_server.storage.postgres import PostgresStorage
+
+        return PostgresStorage(store)
+    return SqliteStorage(store, Durability.FULL)
+
+
+def _store_mib(store: Store) -> float:
+    """The file's size, or the database's."""
+    if isinstance(store, str):
+        import psycopg
+
+        with psycopg.connect(store) as conn:
+            row = conn.execute("SELECT pg_database_size(current_database())").fetchone()
+        assert row is not None
+        return round(row[0] / 2**20, 1)
+    return round(store.stat().st_size / 2**20, 1)
+
+
+async def _fill(store: Store, order: str, args: argparse.Namespace) -> dict[str, Any]:
+    writer = Writer(_storage(store), SystemClock(), commit_delay_ms=8)
     await writer.start()
     collections = FullCollections()  # the collector's schedule `fencepost serve` runs with
     collections.start()
@@ -141,13 +176,14 @@ def _compile() -> None:
                        stdout=subprocess.DEVNULL)
 
 
-def _restart(path: Path, workdir: Path, order: str, then_crash: bool) -> dict[str, Any]:
-    """Start a server on ``path`` and measure it; then stop it with SIGTERM,
+def _restart(store: Store, workdir: Path, order: str, then_crash: bool) -> dict[str, Any]:
+    """Start a server on ``store`` and measure it; then stop it with SIGTERM,
     or (``then_crash``) make one write and kill -9 it."""
     port = free_port()
     t0 = time.perf_counter()
     srv = start_server(f"fencepost-{order}", [
-        str(BIN / "fencepost"), "serve", "--listen", f"127.0.0.1:{port}", "--db", str(path),
+        str(BIN / "fencepost"), "serve", "--listen", f"127.0.0.1:{port}", "--db", str(store),
+        "--metrics-port", "0",
     ], workdir / f"serve-{order}.log")
     try:
         address = f"127.0.0.1:{port}"
@@ -170,6 +206,10 @@ def _restart(path: Path, workdir: Path, order: str, then_crash: bool) -> dict[st
                 time.sleep(0.01)
             serving_s = time.perf_counter() - t0
             rss = psutil.Process(srv.proc.pid).memory_info().rss
+            # PostgreSQL: how long its load took, of the wait (the rest is the
+            # leader lease it waited for, and the process's own start)
+            took = re.search(r"taking over \(epoch \d+\): loaded revision \d+, \d+ runs in "
+                             r"([\d.]+) s", srv.log_path.read_text(errors="replace"))
             stub = ledger_pb2_grpc.LedgerStub(ch)
 
             def timed(req: ledger_pb2.ListRunsRequest) -> tuple[float, int]:
@@ -192,6 +232,7 @@ def _restart(path: Path, workdir: Path, order: str, then_crash: bool) -> dict[st
         srv.stop()
     return {
         "serving_s": round(serving_s, 3), "rss_mib": round(rss / 2**20, 1),
+        "load_s": float(took.group(1)) if took else None,
         "list_running_ms": round(running * 1000, 2), "list_running_count": n_running,
         "list_first_page_ms": round(first * 1000, 2), "list_first_page_count": n_first,
     }
@@ -211,9 +252,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="restarts on each file (the median is reported)")
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="keep the filled files in DIR, and reuse those already there")
+    p.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite",
+                   help="the store measured (postgres: a throwaway cluster)")
     args = p.parse_args(argv)
     if args.restarts < 1:
         p.error("--restarts must be at least 1")
+    if args.keep is not None and args.store == "postgres":
+        p.error("--keep keeps SQLite files only")
     workdir = Path(tempfile.mkdtemp(prefix="fencepost-scale-"))
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
@@ -225,13 +270,21 @@ def main(argv: list[str] | None = None) -> int:
         "orders": {},
     }
     print(f"bench/scale: {args.runs:,} terminal runs + {args.live:,} live, ids "
-          f"{args.ids}", flush=True)
+          f"{args.ids}, {args.store} store", flush=True)
     _compile()
+    cluster = None
     try:
+        if args.store == "postgres":
+            from fencepost_server import pgcluster
+
+            cluster = pgcluster.Cluster.start()  # a private directory it can reach
         for order in args.ids.split(","):
             name = f"{order}-{args.runs}-{args.live}"
             path = (args.keep or workdir) / f"{name}.db"
             kept = path.with_suffix(".fill.json")
+            store: Store = path
+            if cluster is not None:
+                store = cluster.create_database(name.replace("-", "_"))
             if args.keep is not None and path.exists() and kept.exists():
                 fill = json.loads(kept.read_text())
                 fill["reused"] = str(path)
@@ -239,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 path.unlink(missing_ok=True)
                 t0 = time.perf_counter()
-                fill = asyncio.run(_fill(path, order, args))
+                fill = asyncio.run(_fill(store, order, args))
                 fill["fill_s"] = round(time.perf_counter() - t0, 1)
                 fill["filled_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
                 if args.keep is not None:
@@ -251,31 +304,39 @@ def main(argv: list[str] | None = None) -> int:
                     fill["cpu_growth"] = round(
                         slices[-1]["cpu_us_per_run"] / slices[0]["cpu_us_per_run"], 3)
             # unmeasured: brings a reused file's schema up to date and saves its index
-            _restart(path, workdir, order, then_crash=False)
+            _restart(store, workdir, order, then_crash=False)
             restarts, crashes = [], []  # starts after a clean stop, and after a crash
             for _ in range(args.restarts):
-                restarts.append(_restart(path, workdir, order, then_crash=True))
-                crashes.append(_restart(path, workdir, order, then_crash=False))
+                restarts.append(_restart(store, workdir, order, then_crash=True))
+                crashes.append(_restart(store, workdir, order, then_crash=False))
             restarts.sort(key=lambda r: r["serving_s"])
             fill.update(restarts[len(restarts) // 2])  # the median start
             fill["serving_s_all"] = [r["serving_s"] for r in restarts]
             fill["after_crash_serving_s"] = median([r["serving_s"] for r in crashes])
             fill["after_crash_serving_s_all"] = [r["serving_s"] for r in crashes]
-            fill["db_mib"] = round(path.stat().st_size / 2**20, 1)
+            if restarts[0]["load_s"] is not None:
+                fill["load_s_all"] = [r["load_s"] for r in restarts]
+                fill["after_crash_load_s_all"] = [r["load_s"] for r in crashes]
+            fill["db_mib"] = _store_mib(store)
             result["orders"][order] = fill
-            print(f"  {order:<6} {fill['runs']:,} runs ({fill['db_mib']} MiB file, filled in "
-                  f"{fill['fill_s']} s): new-run cost x{fill.get('growth', 0):.2f} "
+            print(f"  {order:<6} {fill['runs']:,} runs ({fill['db_mib']} MiB, {args.store}; "
+                  f"filled in {fill['fill_s']} s): new-run cost x{fill.get('growth', 0):.2f} "
                   f"(CPU x{fill.get('cpu_growth', 0):.2f}) from "
                   f"{slices[0]['at_runs']:,} to {slices[-1]['at_runs']:,} runs; restart to "
                   f"SERVING {fill['serving_s']:.2f} s (of {fill['serving_s_all']}) at "
                   f"{fill['rss_mib']} MiB RSS, after a crash "
                   f"{fill['after_crash_serving_s']:.2f} s (of "
-                  f"{fill['after_crash_serving_s_all']}); ListRuns "
+                  f"{fill['after_crash_serving_s_all']}"
+                  + (f"; the state loaded in {fill['load_s_all']} s, after a crash in "
+                     f"{fill['after_crash_load_s_all']} s" if "load_s_all" in fill else "")
+                  + "); ListRuns "
                   f"RUNNING ({fill['list_running_count']}) {fill['list_running_ms']} ms, "
                   f"first page {fill['list_first_page_ms']} ms", flush=True)
             if args.keep is None:
                 path.unlink(missing_ok=True)
     finally:
+        if cluster is not None:
+            cluster.close()
         shutil.rmtree(workdir, ignore_errors=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
