@@ -218,8 +218,7 @@ class ExecuteHandler:
         limit = self.max_inflight_per_stream
         messages = aiter(requests)
         while not session.draining:
-            session.reading = True
-            session.idle_drained()  # a stop while the last answers were owed
+            session.reading = True  # a stop now ends the stream once nothing is owed
             try:
                 msg = await anext(messages)
             except StopAsyncIteration:
