@@ -159,6 +159,8 @@ class FenceHub:
         self.watchers: set[Watch] = set()
         # open Execute streams (services/execute.py), drained at shutdown
         self.executes: set[Drains] = set()
+        # set by shutdown(): a stream opened after it ends at once too
+        self.shut = False
         self._cold_reads: set[asyncio.Task[None]] = set()
         # `lost` pushes sent, by LostReason number (metrics.py)
         self.lost_pushed: collections.Counter[int] = collections.Counter()
@@ -169,6 +171,7 @@ class FenceHub:
 
     def shutdown(self) -> None:
         """End every stream with UNAVAILABLE (clients reconnect elsewhere/later)."""
+        self.shut = True
         for session in list(self.sessions):
             session.stop.set(Stop.SHUTDOWN)
         for watch in list(self.watchers):
@@ -266,6 +269,8 @@ class FenceHub:
         if name:
             session.name = name
             self.named[name] = session  # a reconnect takes the name over
+        if self.shut:  # opened as the server stops
+            session.stop.set(Stop.SHUTDOWN)
 
     def drop(self, session: Session) -> None:
         self.sessions.discard(session)

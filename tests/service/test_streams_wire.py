@@ -412,6 +412,33 @@ async def test_shutdown_ends_streams_with_shutting_down(aio, server) -> None:  #
     server.start()
 
 
+async def test_streams_opened_as_the_server_stops_end_at_once(aio, server) -> None:  # type: ignore[no-untyped-def]
+    """A stream whose call the server took just as it began to stop (after it
+    ended the open ones) ends at once too, rather than holding the stop for
+    its grace period."""
+    from _wire import wire_error
+
+    ledger, _ = aio
+    assert server.app is not None and server.app.hub is not None
+    hub = server.app.hub
+
+    async def begin_stop() -> None:
+        hub.shutdown()  # what App.stop does before it stops the gRPC server
+
+    await asyncio.get_running_loop().run_in_executor(None, server.call, begin_stop)
+    # an Execute stream ends before it reads anything (a command written to
+    # it could meet the stream already ended); KeepAlive's ends after hello
+    execute, keepalive = ledger.Execute(), ledger.KeepAlive()
+    await keepalive.write(pb.KeepAliveRequest(hello=pb.KeepAliveHello(owner="w")))
+    watch = ledger.WatchRuns(pb.WatchRunsRequest())
+    for call in (execute, keepalive, watch):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            msg = await asyncio.wait_for(call.read(), 5)
+            assert msg is grpc.aio.EOF, msg  # no answer, and no OK ending
+        e = wire_error(ei.value)
+        assert (e.code, e.reason) == (grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")
+
+
 async def test_many_renewals_in_one_message_answered_in_one_batch(aio, clock) -> None:  # type: ignore[no-untyped-def]
     ledger, _ = aio
     runs = [await acquire(ledger, f"r{i}", "w", lease_ttl_ms=2_000) for i in range(50)]

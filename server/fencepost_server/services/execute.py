@@ -197,6 +197,8 @@ class ExecuteHandler:
         session = _Session(self.hub.queue_limit)
         reader = asyncio.create_task(self._execute_reader(session, requests))
         self.hub.executes.add(session)
+        if self.hub.shut:  # opened as the server stops
+            session.drain()
         try:
             pump = asyncio.create_task(self._execute_pump(session, context))
             await _run_until_stopped(session.stop, pump)
@@ -214,6 +216,15 @@ class ExecuteHandler:
             await context.write(msg)
 
     async def _execute_reader(self, session: _Session, requests: AsyncIterator[Any]) -> None:
+        if not session.draining:  # one opened as the server stops reads nothing
+            await self._execute_messages(session, requests)
+        # half-closed or draining: answer everything accepted, then mark the end
+        await session.all_answered.wait()
+        session.end()
+
+    async def _execute_messages(self, session: _Session, requests: AsyncIterator[Any]) -> None:
+        """Take each message's commands until the client half-closes or the
+        server stops."""
         writer = self.writer
         limit = self.max_inflight_per_stream
         messages = aiter(requests)
@@ -239,9 +250,6 @@ class ExecuteHandler:
                 queued = self._execute_one(session, cmd)
                 if queued is not None:  # the writer is full: stop reading until it has room
                     await writer.submit_with_answer_waiting(*queued)
-        # half-closed or draining: answer everything accepted, then mark the end
-        await session.all_answered.wait()
-        session.end()
 
     def _fill_tracked(self, response: Any, record: Any, *, request: pb.AcquireRequest) -> None:
         """An acquire with ``track_on``: its record, and whether the lease is

@@ -226,6 +226,8 @@ class StreamHandlers:
         start = validate.int_range("from_revision", request.from_revision, 0)
         watch = Watch(frozenset(request.run_ids), limit=self.hub.queue_limit)
         self.hub.watchers.add(watch)  # subscribe first ...
+        if self.hub.shut:  # opened as the server stops
+            watch.stop.set(Stop.SHUTDOWN)
         upto = self.writer.state.revision  # ... then read the revision: no gap, no dup
         try:
             if start and start <= self.writer.state.compacted:
