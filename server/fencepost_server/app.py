@@ -435,6 +435,9 @@ class App:
         if s.test_hooks or s.fault:
             self._test_hooks({**guarded, "gate": None})
         self.health = health_aio.HealthServicer()
+        # gRPC's servicer starts out SERVING for "": not before the state is
+        # loaded and every listener is up (_serve_as_leader says so)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -453,11 +456,13 @@ class App:
             if self.health_port == 0:
                 raise RuntimeError(f"could not listen on {s.health_listen} (--health-listen)")
             await self.health_server.start()
+        # the dashboard and /metrics (with /healthz) listen before health says
+        # SERVING: a probe of either that follows the gRPC one finds them up
+        await self._start_http()
         if pg:
             from .leadership import Leadership
 
             assert isinstance(storage, PostgresStorage)
-            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             self.leadership = Leadership(
                 storage.url, self.clock, address=s.advertise or self.address,
                 identity=self.identity,
@@ -477,7 +482,6 @@ class App:
                 self.writer.state.revision,
                 len(self.writer.state.index),
             )
-        await self._start_http()
         return self
 
     async def _serve_as_leader(self) -> None:
@@ -770,13 +774,15 @@ async def serve(settings: Settings, clock: Clock | None = None) -> None:
         clock = OffsetClock()
         clock.jump(max(0, settings.test_clock_offset_ms))
     app = App(settings, clock or SystemClock())
-    await app.start()
-    collections = gcpolicy.FullCollections()  # process-wide: only a serving process
-    collections.start()
+    # before the start: a SIGTERM that comes while the server still starts
+    # (loads its state, opens its listeners) is kept, and the stop follows
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    await app.start()
+    collections = gcpolicy.FullCollections()  # process-wide: only a serving process
+    collections.start()
     stopped, deposed = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(app.deposed.wait())
     await asyncio.wait((stopped, deposed), return_when=asyncio.FIRST_COMPLETED)
     if app.deposed.is_set():

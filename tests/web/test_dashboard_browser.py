@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import pytest
 from _web import WebServer, Worker
-from selenium.common.exceptions import StaleElementReferenceException
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
@@ -32,8 +32,8 @@ def wait_for(fn: Callable[[], T], timeout: float = 10.0, what: str = "") -> T:
             last = fn()
             if last:
                 return last
-        except StaleElementReferenceException:
-            pass
+        except (StaleElementReferenceException, NoSuchElementException):
+            pass  # the page redrew the row meanwhile, or has not drawn it yet
         time.sleep(0.03)
     raise AssertionError(f"timed out waiting for {what or fn} (last: {last!r})")
 
