@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import threading
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from fencepost_server.storage.sql import SAVED_INDEX_READ
+from fencepost_server.storage.sql import SAVED_INDEX_READ, SAVED_INDEX_WRITTEN
 
 # what the schedule draws; every other "kill" drawn becomes a "term" (a clean
 # stop with SIGTERM; the PostgreSQL mode's "stop" is a SIGSTOP of the leader)
@@ -332,7 +333,13 @@ class Nemesis:
         self.proxy.held = True  # workers stay away until the probes have read
         extra: dict[str, Any] = {}
         if clean:
+            stopping = self.server.log_path.stat().st_size
             extra["exit"] = self.server.stop(timeout=30)  # reaped
+            with open(self.server.log_path, "rb") as log:
+                log.seek(stopping)  # how many finished runs' ids the stop saved
+                wrote = re.search(rf"(\d+) finished runs' ids {SAVED_INDEX_WRITTEN}",
+                                  log.read().decode(errors="replace"))
+            extra["saved"] = int(wrote.group(1)) if wrote else None
         else:
             self.server.kill()  # SIGKILL, reaped
         killed = time.monotonic_ns()

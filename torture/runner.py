@@ -597,6 +597,11 @@ def _outcome(cfg: Config, ops: list[Op], faults: list[dict[str, Any]], checked: 
                 "restarts": restarts,
                 # starts after a clean stop that read the index entries it saved
                 "saved_index_starts": sum(1 for f in faults if f.get("saved_index")),
+                # clean stops that saved some ids, and the starts after them
+                # that did not read them (the entries should always match then)
+                "index_saves": sum(1 for f in faults if f.get("saved")),
+                "saved_index_misses": sum(1 for f in faults
+                                          if f.get("saved") and not f.get("saved_index")),
                 "clock_offset_ms": clocks[-1]["offset"] if clocks else 0,
                 "lock_delay_ms": LOCK_DELAY_MS},
         checker_seconds={k: round(v, 3) for k, v in checked.timings.items()},

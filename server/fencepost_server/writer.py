@@ -36,6 +36,7 @@ from .storage.sql import (
     COLD_STATUSES,
     KIND_DELETE,
     KIND_PUT,
+    SAVED_INDEX_WRITTEN,
     Batch,
     LoadedState,
     SqlStorage,
@@ -353,7 +354,8 @@ class Writer:
             if self.evict_finished and self._materialized == revision != self._saved_at:
                 groups = self.state.index.groups(COLD_STATUSES)
                 with self.storage.transaction():
-                    self.storage.save_index(groups, revision)
+                    saved = self.storage.save_index(groups, revision)
+                log.info("%d finished runs' ids %s", saved, SAVED_INDEX_WRITTEN)
         except LedgerError as exc:  # the change log still has it all: load() replays
             log.warning("could not bring the runs table up to date and save the index at "
                         "shutdown (the next start reads them from the change log and the "

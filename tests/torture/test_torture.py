@@ -55,8 +55,11 @@ def test_torture_fixed_seed_has_zero_violations(tmp_path: Path, mode: str) -> No
         assert cl["answers_attributed"] >= 1000, cl
     else:  # not vacuous: every kind of fault happened, under real contention
         assert all(faults[k] >= 1 for k in ("kill", "term", "pause", "cut", "clock")), faults
-        # clean stops in the middle of the load: some start read the saved index entries
-        assert outcome.faults["saved_index_starts"] >= 1, outcome.faults
+        # clean stops in the middle of the load: every start after one that
+        # saved index entries read them (a stop that found no finished run
+        # saves none: the seed's six runs are not always finished then)
+        assert outcome.faults["saved_index_misses"] == 0, outcome.faults
+        assert outcome.faults["saved_index_starts"] >= min(1, outcome.faults["index_saves"])
     assert outcome.server_starts >= 2
     assert outcome.ops >= 2000, outcome.ops
     assert outcome.unknown["calls"] >= 1 and outcome.unknown["resolved"] >= 1, outcome.unknown

@@ -70,6 +70,7 @@ SAVED_CHUNK = 65_536
 # what start-up logs after "<n> finished runs' ids" when it used the saved
 # index entries (the torture harness and the tests look for it)
 SAVED_INDEX_READ = "read from the index saved at the last shutdown"
+SAVED_INDEX_WRITTEN = "saved for the next start"  # logged by a clean shutdown
 
 # New rows of runs per block (the first part of its key). The migrations that
 # made the column numbered existing rows the same way.
