@@ -333,25 +333,22 @@ class Nemesis:
         self.proxy.held = True  # workers stay away until the probes have read
         extra: dict[str, Any] = {}
         if clean:
-            stopping = self.server.log_path.stat().st_size
+            stopping = self._log_size()
             extra["exit"] = self.server.stop(timeout=30)  # reaped
-            with open(self.server.log_path, "rb") as log:
-                log.seek(stopping)  # how many finished runs' ids the stop saved
-                wrote = re.search(rf"(\d+) finished runs' ids {SAVED_INDEX_WRITTEN}",
-                                  log.read().decode(errors="replace"))
+            # how many finished runs' ids the stop saved
+            wrote = re.search(rf"(\d+) finished runs' ids {SAVED_INDEX_WRITTEN}",
+                              self._log_since(stopping))
             extra["saved"] = int(wrote.group(1)) if wrote else None
         else:
             self.server.kill()  # SIGKILL, reaped
         killed = time.monotonic_ns()
         time.sleep(downtime_s)
         self.server.env["FENCEPOST_TEST_CLOCK_OFFSET_MS"] = str(self.clock_offset_ms)
-        logged = self.server.log_path.stat().st_size if self.server.log_path.exists() else 0
+        logged = self._log_size()
         self.server.start(timeout=60)
         up = time.monotonic_ns()
         if clean:  # did this start read the saved index entries?
-            with open(self.server.log_path, "rb") as log:
-                log.seek(logged)
-                extra["saved_index"] = SAVED_INDEX_READ in log.read().decode(errors="replace")
+            extra["saved_index"] = SAVED_INDEX_READ in self._log_since(logged)
         self.restarts += 1
         try:
             if found := self.after_restart(self.restarts, killed):
@@ -360,6 +357,15 @@ class Nemesis:
             self.proxy.held = False
         self.record(kind="term" if clean else "kill", t=t, killed=killed, up=up,
                     restart=self.restarts, downtime_s=downtime_s, **extra)
+
+    def _log_size(self) -> int:
+        return self.server.log_path.stat().st_size if self.server.log_path.exists() else 0
+
+    def _log_since(self, offset: int) -> str:
+        """What the server logged past ``offset`` bytes."""
+        with open(self.server.log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
 
     def jump_clock(self, ms: int, resync: bool = False) -> int:
         """Jump the server's clock; remember the offset so a restart keeps it

@@ -33,8 +33,9 @@ SESSION_QUEUE_LIMIT = 65_536
 
 
 class Drains(Protocol):
-    """An open stream that ends itself at shutdown once it has answered what
-    it took (an Execute stream, services/execute.py)."""
+    """An open stream the server ends at shutdown: a KeepAlive session or a
+    watch at once, an Execute stream (services/execute.py) once it has
+    answered what it took."""
 
     def drain(self) -> None: ...
 
@@ -117,6 +118,9 @@ class Session:
     # the client's name for the stream (KeepAliveHello.stream_name), or ""
     name: str = ""
 
+    def drain(self) -> None:
+        self.stop.set(Stop.SHUTDOWN)
+
     def send(self, msg: pb.KeepAliveResponse) -> None:
         if self.stop.reason is not None:
             return
@@ -172,12 +176,15 @@ class FenceHub:
     def shutdown(self) -> None:
         """End every stream with UNAVAILABLE (clients reconnect elsewhere/later)."""
         self.shut = True
-        for session in list(self.sessions):
-            session.stop.set(Stop.SHUTDOWN)
-        for watch in list(self.watchers):
-            watch.stop.set(Stop.SHUTDOWN)
-        for execute in list(self.executes):
-            execute.drain()  # answers what it took first
+        streams: list[Drains] = [*self.sessions, *self.watchers, *self.executes]
+        for stream in streams:
+            stream.drain()
+
+    def opened(self, stream: Drains) -> None:
+        """A stream just registered: one the server took as it began to stop
+        (after shutdown() ended the open ones) ends at once too."""
+        if self.shut:
+            stream.drain()
 
     async def close(self) -> None:
         self.shutdown()
@@ -269,8 +276,7 @@ class FenceHub:
         if name:
             session.name = name
             self.named[name] = session  # a reconnect takes the name over
-        if self.shut:  # opened as the server stops
-            session.stop.set(Stop.SHUTDOWN)
+        self.opened(session)
 
     def drop(self, session: Session) -> None:
         self.sessions.discard(session)
@@ -397,6 +403,9 @@ class Watch:
         self.limit = limit
         self.queue: asyncio.Queue[ChangeEvent] = asyncio.Queue()
         self.stop = Stop()
+
+    def drain(self) -> None:
+        self.stop.set(Stop.SHUTDOWN)
 
     def offer(self, events: list[ChangeEvent]) -> None:
         if self.stop.reason is not None:

@@ -49,7 +49,6 @@ def test_sigterm_with_a_worker_connected_stops_at_once_and_the_worker_carries_on
     assert took < 10, f"the stop took {took:.1f} s: it waited for the client's streams"
 
 
-
 # `fencepost serve` with its start wrapped so that a SIGTERM arrives while the
 # server is still starting (as a supervisor's quick restart can send it)
 _SIGTERM_WHILE_STARTING = """

@@ -29,7 +29,7 @@ from fencepost.v1 import ledger_pb2 as pb
 from .. import auth, convert
 from ..core import ledger as L
 from ..core import validate
-from ..core.errors import Code, LedgerError, in_transaction, validation
+from ..core.errors import LedgerError, in_transaction, validation
 from ..streams import Stop
 from ._errors import internal_status_proto, status_proto
 from ._registry import Malformed
@@ -192,13 +192,12 @@ class ExecuteHandler:
     async def _execute(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> None:
-        from .streams import _run_until_stopped
+        from .streams import _run_until_stopped, _stop_error
 
         session = _Session(self.hub.queue_limit)
         reader = asyncio.create_task(self._execute_reader(session, requests))
         self.hub.executes.add(session)
-        if self.hub.shut:  # opened as the server stops
-            session.drain()
+        self.hub.opened(session)
         try:
             pump = asyncio.create_task(self._execute_pump(session, context))
             await _run_until_stopped(session.stop, pump)
@@ -208,7 +207,7 @@ class ExecuteHandler:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
         if session.draining:  # every answer written: tell the client why it ends
-            raise LedgerError(Code.SHUTTING_DOWN, "the server is shutting down; reconnect")
+            raise _stop_error(Stop.SHUTDOWN)
 
     async def _execute_pump(self, session: _Session, context: grpc.aio.ServicerContext) -> None:
         """Write results until the reader's end marker (None)."""

@@ -46,8 +46,9 @@ def _error(run_id: str, err: LedgerError) -> pb.KeepAliveResponse:
     )
 
 
-def _stop_error(stop: Stop) -> LedgerError:
-    if stop.reason == Stop.OVERFLOW:
+def _stop_error(reason: str | None) -> LedgerError:
+    """Why a stream ends (a ``Stop`` reason) as its status."""
+    if reason == Stop.OVERFLOW:
         return LedgerError(
             Code.STREAM_TOO_SLOW,
             "the stream fell too far behind reading and was dropped; reconnect "
@@ -72,7 +73,7 @@ async def _run_until_stopped(stop: Stop, *tasks: asyncio.Task[Any]) -> None:
         if t in done and not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
     if stop.reason is not None:
-        raise _stop_error(stop)
+        raise _stop_error(stop.reason)
 
 
 class StreamHandlers:
@@ -226,8 +227,7 @@ class StreamHandlers:
         start = validate.int_range("from_revision", request.from_revision, 0)
         watch = Watch(frozenset(request.run_ids), limit=self.hub.queue_limit)
         self.hub.watchers.add(watch)  # subscribe first ...
-        if self.hub.shut:  # opened as the server stops
-            watch.stop.set(Stop.SHUTDOWN)
+        self.hub.opened(watch)
         upto = self.writer.state.revision  # ... then read the revision: no gap, no dup
         try:
             if start and start <= self.writer.state.compacted:
