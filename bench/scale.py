@@ -21,9 +21,12 @@ creation order), on a fresh SQLite file at durability FULL:
    SERVING, and its RSS then. The server's modules are compiled first, as an
    installed package has them. Each round is two starts: one after a clean
    stop (SIGTERM: the finished runs' index entries were saved, and are read
-   back), then one after a crash (a write, then kill -9: the saved entries
-   no longer match, and the ids are gathered from the table). One start
-   before them is not measured (a reused file's schema may need upgrading).
+   back), then one after a crash (a block of new runs copied into the runs
+   table, one more write, then kill -9: the saved entries are read, and the
+   changed block gathered again), then one after a crash with no entries
+   saved (they are deleted first, as if every run had been written since the
+   last clean stop: every id is gathered from the table). One start before
+   them is not measured (a reused file's schema may need upgrading).
 4. **Listing**: ListRuns filtered to RUNNING (the live runs, among all) and the
    first unfiltered page of 100, medians of 5 calls each.
 
@@ -51,10 +54,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -74,6 +79,8 @@ from fencepost_server.core.ledger import Acquire, Finish
 from fencepost_server.core.records import Record, Status
 from fencepost_server.gcpolicy import FullCollections
 from fencepost_server.storage import Durability, SqliteStorage
+from fencepost_server.storage.postgres import SCHEMA
+from fencepost_server.storage.sql import BLOCK_RUNS
 from fencepost_server.writer import Writer
 
 # where a filled store lives: a SQLite file, or a PostgreSQL database's URL
@@ -224,6 +231,16 @@ def _restart(store: Store, workdir: Path, order: str, then_crash: bool) -> dict[
                 statuses=[record_pb2.RUN_STATUS_RUNNING], page_size=1000))
             first, n_first = timed(ledger_pb2.ListRunsRequest(page_size=100))
             if then_crash:
+                # a block of runs created and finished, copied into the runs
+                # table (a later batch does, about a second after), then one
+                # more write that only the change log holds, and kill -9
+                for _ in range(BLOCK_RUNS):
+                    run = stub.Acquire(ledger_pb2.AcquireRequest(
+                        run_id=f"crash-{uuid.uuid4().hex}", owner="scale"), timeout=60).run
+                    stub.Finish(ledger_pb2.FinishRequest(
+                        run_id=run.run_id, owner="scale", fencing_token=run.fencing_token,
+                        status=record_pb2.RUN_STATUS_COMPLETED), timeout=60)
+                time.sleep(1.5)
                 stub.Acquire(ledger_pb2.AcquireRequest(run_id=f"crash-{uuid.uuid4().hex}",
                                                        owner="scale"),
                              timeout=60)
@@ -236,6 +253,20 @@ def _restart(store: Store, workdir: Path, order: str, then_crash: bool) -> dict[
         "list_running_ms": round(running * 1000, 2), "list_running_count": n_running,
         "list_first_page_ms": round(first * 1000, 2), "list_first_page_count": n_first,
     }
+
+
+def _forget_saved_index(store: Store) -> None:
+    """Drop the finished runs' index entries a clean stop saved, as if every
+    run had been written since the last one (the next start gathers them all)."""
+    if isinstance(store, Path):
+        with contextlib.closing(sqlite3.connect(store)) as db:
+            db.execute("DELETE FROM saved_index")
+            db.commit()
+        return
+    import psycopg
+
+    with psycopg.connect(store, autocommit=True) as db:
+        db.execute(f"DELETE FROM {SCHEMA}.saved_index")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,18 +336,27 @@ def main(argv: list[str] | None = None) -> int:
                         slices[-1]["cpu_us_per_run"] / slices[0]["cpu_us_per_run"], 3)
             # unmeasured: brings a reused file's schema up to date and saves its index
             _restart(store, workdir, order, then_crash=False)
-            restarts, crashes = [], []  # starts after a clean stop, and after a crash
+            # starts after a clean stop; after a crash (the index saved at the
+            # clean stop before, and the blocks changed since); after a crash
+            # with no index saved (every id gathered from the table)
+            restarts, crashes, unsaved = [], [], []
             for _ in range(args.restarts):
                 restarts.append(_restart(store, workdir, order, then_crash=True))
-                crashes.append(_restart(store, workdir, order, then_crash=False))
+                crashes.append(_restart(store, workdir, order, then_crash=True))
+                _forget_saved_index(store)
+                unsaved.append(_restart(store, workdir, order, then_crash=False))
             restarts.sort(key=lambda r: r["serving_s"])
             fill.update(restarts[len(restarts) // 2])  # the median start
             fill["serving_s_all"] = [r["serving_s"] for r in restarts]
             fill["after_crash_serving_s"] = median([r["serving_s"] for r in crashes])
             fill["after_crash_serving_s_all"] = [r["serving_s"] for r in crashes]
+            fill["unsaved_serving_s"] = median([r["serving_s"] for r in unsaved])
+            fill["unsaved_serving_s_all"] = [r["serving_s"] for r in unsaved]
+            fill["unsaved_rss_mib"] = median([r["rss_mib"] for r in unsaved])
             if restarts[0]["load_s"] is not None:
                 fill["load_s_all"] = [r["load_s"] for r in restarts]
                 fill["after_crash_load_s_all"] = [r["load_s"] for r in crashes]
+                fill["unsaved_load_s_all"] = [r["load_s"] for r in unsaved]
             fill["db_mib"] = _store_mib(store)
             result["orders"][order] = fill
             print(f"  {order:<6} {fill['runs']:,} runs ({fill['db_mib']} MiB, {args.store}; "
@@ -326,9 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"SERVING {fill['serving_s']:.2f} s (of {fill['serving_s_all']}) at "
                   f"{fill['rss_mib']} MiB RSS, after a crash "
                   f"{fill['after_crash_serving_s']:.2f} s (of "
-                  f"{fill['after_crash_serving_s_all']}"
+                  f"{fill['after_crash_serving_s_all']}), after a crash with no index "
+                  f"saved {fill['unsaved_serving_s']:.2f} s (of {fill['unsaved_serving_s_all']}"
                   + (f"; the state loaded in {fill['load_s_all']} s, after a crash in "
-                     f"{fill['after_crash_load_s_all']} s" if "load_s_all" in fill else "")
+                     f"{fill['after_crash_load_s_all']} s, with no index saved in "
+                     f"{fill['unsaved_load_s_all']} s" if "load_s_all" in fill else "")
                   + "); ListRuns "
                   f"RUNNING ({fill['list_running_count']}) {fill['list_running_ms']} ms, "
                   f"first page {fill['list_first_page_ms']} ms", flush=True)

@@ -347,8 +347,9 @@ class Nemesis:
         logged = self._log_size()
         self.server.start(timeout=60)
         up = time.monotonic_ns()
-        if clean:  # did this start read the saved index entries?
-            extra["saved_index"] = SAVED_INDEX_READ in self._log_since(logged)
+        # did this start read the saved index entries (after a kill -9: the
+        # last ones saved, with the blocks changed since)?
+        extra["saved_index"] = SAVED_INDEX_READ in self._log_since(logged)
         self.restarts += 1
         try:
             if found := self.after_restart(self.restarts, killed):

@@ -116,7 +116,9 @@ class Outcome:
             f"{self.faults['cut_connections']} connections cut; server started "
             f"{self.server_starts} times"
             + (f" ({self.faults['saved_index_starts']} from the index entries a clean stop "
-               "saved)" if self.faults.get("saved_index_starts") else ""),
+               f"saved, {self.faults.get('saved_index_crash_starts', 0)} after a kill -9 from "
+               "the last saved entries and the blocks changed since)"
+               if self.faults.get("saved_index_starts") else ""),
             *([self._cluster_line()] if self.cluster else []),
             f"  checkers: {sum(self.checker_seconds.values()):.1f} s ("
             + ", ".join(f"{k} {v:.2f}" for k, v in self.checker_seconds.items()) + ")",
@@ -595,8 +597,13 @@ def _outcome(cfg: Config, ops: list[Op], faults: list[dict[str, Any]], checked: 
         faults={"by_kind": by_kind,
                 "cut_connections": sum(f.get("connections", 0) for f in faults),
                 "restarts": restarts,
-                # starts after a clean stop that read the index entries it saved
-                "saved_index_starts": sum(1 for f in faults if f.get("saved_index")),
+                # starts after a clean stop that read the index entries it saved,
+                # and starts after a kill -9 that read the last saved entries
+                # with the blocks changed since
+                "saved_index_starts": sum(1 for f in faults
+                                          if f.get("saved_index") and f["kind"] == "term"),
+                "saved_index_crash_starts": sum(1 for f in faults
+                                                if f.get("saved_index") and f["kind"] == "kill"),
                 # clean stops that saved some ids, and the starts after them
                 # that did not read them (the entries should always match then)
                 "index_saves": sum(1 for f in faults if f.get("saved")),

@@ -8,8 +8,10 @@ a shutdown that could not bring the runs table up to date leaves it unused
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,11 +19,12 @@ from _db import raw
 
 from fencepost_server.clock import ManualClock
 from fencepost_server.core import ledger as L
-from fencepost_server.core.records import Outcome, Status
+from fencepost_server.core.records import Lease, Outcome, Status
 from fencepost_server.index import RunIndex
-from fencepost_server.storage import SqliteStorage, is_url
+from fencepost_server.storage import SqliteStorage, is_url, sql
 from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.sql import COLD_STATUSES, SAVED_CHUNK
+from fencepost_server.storage.sqlite import MIGRATIONS
 from fencepost_server.writer import Writer
 
 
@@ -118,30 +121,98 @@ async def test_a_clean_shutdown_saves_the_index_the_next_start_reads(db: str) ->
     assert all(len(objects) == 1 for objects in by_block.values())
 
 
-async def test_a_write_after_the_shutdown_leaves_the_saved_index_unused(db: str) -> None:
+async def _crash_after_writes(db: str, late: int) -> tuple[Any, dict[str, int], str, str, str]:
+    """A clean stop, then a server that changes the table every way it can —
+    new runs (new blocks), a run left running at the stop finished in its old
+    block, a finished run deleted, one deleted and created again, one changed
+    in place by the raw seam (another finished status and lease owner) — and
+    stops without saving (as a crash would): what it held, its block map, and
+    the ids of the finished, the deleted and the changed run."""
     w = await _started(db)
-    await _fill(w, 60)
+    await _fill(w, 150)
     await w.close()
-    saved_at = _saved_revisions(db)
-    # the next server writes, then stops without saving (as a crash would):
-    # one finished run deleted and one running run finished leave the table
-    # with as many rows, and as many finished ones, as the saved index counts
     w2 = await _started(db)
-    victim = next(k for k in w2.state.index if w2.is_cold(k))
+    cold = [k for k in w2.state.index if w2.is_cold(k)]
+    victim, again = cold[0], cold[1]
+    changed = next(k for k in cold[2:] if w2.state.index.status_of[k] is not Status.CANCELLED)
     await w2.submit(L.DeleteRun(victim))
+    await w2.submit(L.DeleteRun(again))
+    await w2.submit(L.Acquire(again, "w-new"))
     runner = next(iter(w2.state.runs.values()))
     assert runner.lease is not None
     await w2.submit(L.Finish(runner.run_id, runner.lease.owner, runner.fencing_token,
                              Status.COMPLETED))
+    cur = await w2.read_run(changed)
+    assert cur is not None and cur.status is not Status.CANCELLED
+    await w2.submit(L.RawCompareAndSet(changed, cur.version, dataclasses.replace(
+        cur, version=cur.version + 1, fencing_token=cur.fencing_token + 1,
+        status=Status.CANCELLED, outcome=Outcome("cancelled"),
+        lease=Lease("w-raw", cur.created_at, cur.updated_at, 1000))))
+    await _fill(w2, late, prefix="late-")
     await w2.wait_idle()
     live = _entries(w2.state.index)
     w2.evict_finished = False  # skips the save; the runs table is still brought up to date
     await w2.close()
-    assert _saved_revisions(db) == saved_at
-    state, index, _ = _load(db)
-    assert state.saved == 0
-    assert _entries(index) == live and victim not in index
-    assert index.status_of[runner.run_id] is Status.COMPLETED
+    return live, dict(w2.storage.rows), runner.run_id, victim, changed
+
+
+@pytest.mark.parametrize(("block_runs", "late", "read_by"), [
+    (1, 6, "key"),  # a few blocks changed: their rows read by their key
+    (8, 20, "status index"),  # more: read from the status index
+    (8, 300, "nothing saved"),  # most of the table: every id gathered
+])
+async def test_a_start_after_a_crash_reads_the_saved_index_and_the_blocks_changed_since(
+    db: str, block_runs: int, late: int, read_by: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(sql, "BLOCK_RUNS", block_runs)  # more blocks for fewer runs
+    live, blocks, finished, victim, changed = await _crash_after_writes(db, late)
+    saved_at = _saved_revisions(db)
+    with raw(db) as conn:
+        touched = {int(r[0]) for r in conn.rows("SELECT block FROM touched_blocks")}
+    assert len(saved_at) == 1 and touched
+    in_table = max(blocks.values()) + 1
+    assert (len(touched) * 8 <= in_table, len(touched) * 2 <= in_table) == {
+        "key": (True, True), "status index": (False, True), "nothing saved": (False, False),
+    }[read_by]
+    with caplog.at_level(logging.INFO, "fencepost.storage"):
+        state, index, rows = _load(db)
+    if read_by == "nothing saved":
+        assert state.saved == 0 and "gathering the finished runs' ids" in caplog.text
+    else:
+        assert 0 < state.saved == sum(1 for s in live[1].values() if s in COLD_STATUSES)
+        assert f"from the {len(touched)} blocks changed since" in caplog.text
+    assert _entries(index) == live and rows == blocks
+    assert victim not in index
+    assert index.status_of[finished] is Status.COMPLETED
+    assert index.status_of[changed] is Status.CANCELLED and index.owner_of[changed] == "w-raw"
+    # the full gathering builds the same
+    _forget_saved(db)
+    state2, index2, rows2 = _load(db)
+    assert state2.saved == 0 and _entries(index2) == live and rows2 == blocks
+
+
+async def test_a_saved_index_from_before_blocks_were_recorded_is_used_only_if_exact(
+    tmp_path: Path,
+) -> None:
+    """Upgrading a SQLite file: the migration that adds the record of changed
+    blocks keeps saved entries only if they describe the table as it is (the
+    PostgreSQL migration's statement is the same)."""
+    for stale in (False, True):
+        path = str(tmp_path / f"{stale}.db")
+        w = await _started(path)
+        await _fill(w, 30)
+        await w.close()
+        with raw(path, write=True) as conn:
+            conn.run("DROP TABLE touched_blocks")
+            conn.run("PRAGMA user_version=6")
+            if stale:  # written after the save by a release that recorded no blocks
+                conn.run("UPDATE meta SET value = value + 1")
+        with raw(path, write=True) as conn:
+            for stmt in MIGRATIONS[6]:
+                conn.run(stmt)
+            conn.run("PRAGMA user_version=7")
+        assert bool(_saved_revisions(path)) is not stale
 
 
 @pytest.mark.parametrize("change", ["row added", "row removed", "damaged"])
@@ -175,7 +246,7 @@ async def test_a_saved_index_that_does_not_match_the_database_is_ignored(
         assert _entries(index) == live
 
 
-async def test_a_shutdown_that_leaves_changes_unmaterialized_saves_nothing(db: str) -> None:
+async def test_a_shutdown_that_leaves_changes_unmaterialized_saves_nothing_new(db: str) -> None:
     w = await _started(db)
     await _fill(w, 20)
     await w.close()
@@ -186,7 +257,8 @@ async def test_a_shutdown_that_leaves_changes_unmaterialized_saves_nothing(db: s
     w2._pending.clear()  # as if the copy into runs had failed: only the change log has them
     await w2.close()
     state, index, _ = _load(db)
-    assert state.saved == 0 and state.replayed > 0
+    # the saved entries still describe the table; the change log adds the rest
+    assert state.saved > 0 and state.replayed > 0
     assert _entries(index) == live
 
 
@@ -212,7 +284,7 @@ async def test_groups_over_many_rows_round_trip(db: str) -> None:
                 SAVED_CHUNK, 10, 2]
         # the table does not hold those runs: the saved index is refused
         st.rows = {}
-        assert st._saved_groups(st.db, len(state.runs), state.revision) is None
+        assert st._saved_groups(st.db, len(state.runs), {}) is None
         # an id the block map does not know is not saved, and nothing stale is kept
         with st.transaction():
             assert st.save_index([(4, None, ["not-a-row"])], state.revision) == 0

@@ -45,7 +45,7 @@ log = logging.getLogger("fencepost.storage")
 
 RESOLVE_COMMIT_S = 60.0  # how long a COMMIT lost with its connection is asked about
 SCHEMA = "fencepost"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _MIGRATE_LOCK = 0x66656E63  # pg_advisory_xact_lock key: "fenc"
 
 _TEXT = 'TEXT COLLATE "C"'  # byte order, as SQLite and the in-memory index sort
@@ -233,6 +233,13 @@ MIGRATIONS: list[list[str]] = [
            )""",
         "ALTER TABLE saved_index ALTER COLUMN ids SET STORAGE EXTERNAL, "
         "ALTER COLUMN blocks SET STORAGE EXTERNAL",
+    ],
+    # 3 -> 4: the blocks of `runs` changed since the saved index was written
+    # (storage/sql.py, "touched_blocks"); saved entries older than the table go.
+    [
+        "CREATE TABLE touched_blocks (block BIGINT PRIMARY KEY)",
+        "DELETE FROM saved_index WHERE revision <> (SELECT value FROM meta WHERE "
+        "key = 'revision') OR revision <> (SELECT value FROM meta WHERE key = 'materialized')",
     ],
 ]
 

@@ -28,11 +28,14 @@ A clean shutdown saves the finished runs' index entries (``saved_index``:
 their ids in order with their blocks, by status and owner, as of the
 revision it wrote last), and the next start reads them there instead of
 gathering and sorting a million ids: about half a start-up at a million
-runs. They are used only while they describe the runs table exactly: saved
-at the revision the database holds, with every change reflected in ``runs``,
-and as many rows as the table has besides the unfinished ones; any write
-moves the revision, so after a crash the start-up gathers the ids from the
-status index as before.
+runs. Every later copy into ``runs`` also records the blocks it changed
+(``touched_blocks``, in the same transaction; the save empties it), so the
+saved entries and those blocks together always describe the table: a start
+after a crash reads the saved entries, leaves out those of the changed
+blocks and gathers those blocks again from the table, a cost that follows
+what changed since the last clean shutdown rather than every run stored.
+The result is used only if it accounts for every row of the table exactly
+once; otherwise the start gathers every id from the status index.
 
 Statements are written once, with ``?`` placeholders; a connection is
 anything with the ``sqlite3.Connection`` methods used here (``execute``,
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -254,7 +258,7 @@ class SqlStorage:
                 state.runs.pop(run_id, None)
             else:
                 state.runs[run_id] = rec
-        saved = self._saved_groups(db, read, mark) if mark == state.revision else None
+        saved = self._saved_groups(db, read, replay)
         if saved is not None:
             state.cold, cold = saved
             state.saved = cold
@@ -308,18 +312,27 @@ class SqlStorage:
         return [(int(st), owner, ids) for (st, owner), ids in merged.items()], read
 
     def _saved_groups(
-        self, db: Any, read: int, revision: int
+        self, db: Any, read: int, replay: dict[str, Record | None]
     ) -> tuple[list[tuple[int, str | None, list[str]]], int] | None:
-        """The finished runs' groups as the last clean shutdown saved them, and
-        how many ids they hold, if they describe the runs table as it is:
-        saved at ``revision``, the one the database holds (the caller checked
-        that ``runs`` reflects it), each row whole, no id also among the ``read``
-        unfinished runs ``rows`` holds, and no row of the table left out.
-        Then ``rows`` takes their blocks; otherwise None, and nothing moved."""
+        """The finished runs' groups as the last clean shutdown saved them, with
+        the blocks changed since (``touched_blocks``) gathered again from the
+        table, and how many rows they account for, leaving out of the groups
+        the ids ``replay`` changed (as ``_cold_groups``), if together with the
+        ``read`` unfinished runs ``rows`` holds they account for every row of
+        the table exactly once. Then ``rows`` takes their blocks; otherwise
+        None, and nothing moved."""
         found = db.execute(
             "SELECT revision, status, owner, n, ids, blocks FROM saved_index ORDER BY seq"
         ).fetchall()
-        if not found or any(row[0] != revision for row in found):
+        if not found or len({row[0] for row in found}) != 1:
+            return None
+        touched = {block for (block,) in db.execute("SELECT block FROM touched_blocks")}
+        blocks_in_table = (db.execute("SELECT max(block) FROM runs").fetchone()[0] or 0) + 1
+        if len(touched) * 2 > blocks_in_table:
+            # most of the table changed since: gathering it all costs less
+            log.info("%s: %d of %d blocks of the runs table changed since the index was "
+                     "saved; gathering the finished runs' ids from the table",
+                     self.path, len(touched), blocks_in_table)
             return None
         blocks_of: dict[str, int] = {}
         ints: list[int] = []  # one int object per block number, as load() shares them
@@ -333,23 +346,55 @@ class SqlStorage:
                 blocks.byteswap()
             if len(ids) != n or len(blocks) != n or min(blocks) < 0:
                 return None
+            if touched and not touched.isdisjoint(blocks):
+                # entries of changed blocks: the table has them as they are now
+                keep = [block not in touched for block in blocks]
+                ids = list(itertools.compress(ids, keep))
+                blocks = array.array("q", itertools.compress(blocks, keep))
+                if not ids:
+                    continue
             top = max(blocks)
             if top >= len(ints):
                 ints.extend(range(len(ints), top + 1))
             blocks_of.update(zip(ids, map(ints.__getitem__, blocks), strict=True))
+            total += len(ids)
+            if replay:
+                ids = [run_id for run_id in ids if run_id not in replay]
             merged.setdefault((int(st), owner), []).extend(ids)
-            total += n
+        again = 0
+        if touched:
+            marks = ",".join("?" * len(COLD_STATUSES))
+            # a few blocks: read those rows by their key (``+status``: not
+            # through the status index, whose every finished entry SQLite
+            # would otherwise visit); many: the status index alone holds what
+            # is read, and visiting it all costs less than that many rows
+            status = "+status" if len(touched) * 8 <= blocks_in_table else "status"
+            for st, owner, block, text in db.execute(
+                f"SELECT status, owner, block, {self.ID_ARRAY} FROM runs WHERE block IN "
+                f"(SELECT block FROM touched_blocks) AND {status} IN ({marks}) "
+                "GROUP BY status, owner, block", COLD_STATUSES,
+            ):
+                ids = _loads(text)
+                blocks_of.update(dict.fromkeys(ids, block))
+                again += len(ids)
+                if replay:
+                    ids = [run_id for run_id in ids if run_id not in replay]
+                merged.setdefault((int(st), owner), []).extend(ids)
+        total += again
         blocks_of.update(self.rows)
         table = db.execute("SELECT count(*) FROM runs").fetchone()[0]
         if not len(blocks_of) == read + total == table:
             log.warning(
-                "%s: the index saved at the last shutdown does not match the runs table "
-                "(%d ids saved, %d unfinished runs, %d rows); gathering the finished runs' "
-                "ids from the table instead", self.path, total, read, table,
+                "%s: the index saved at the last shutdown, with the %d blocks changed since, "
+                "does not match the runs table (%d ids, %d unfinished runs, %d rows); "
+                "gathering the finished runs' ids from the table instead",
+                self.path, len(touched), total, read, table,
             )
             return None
         self.rows = blocks_of
-        log.info("%s: %d finished runs' ids %s", self.path, total, SAVED_INDEX_READ)
+        log.info("%s: %d finished runs' ids %s%s", self.path, total, SAVED_INDEX_READ,
+                 f" ({again} of them gathered again from the {len(touched)} blocks changed "
+                 "since)" if touched else "")
         return [(st, owner, ids) for (st, owner), ids in merged.items()], total
 
     def save_index(self, groups: Iterable[tuple[int, str | None, list[str]]],
@@ -362,6 +407,7 @@ class SqlStorage:
         neither), and nothing stale is left."""
         db = self.db
         db.execute("DELETE FROM saved_index")
+        db.execute("DELETE FROM touched_blocks")
         rows = self.rows
         seq = saved = 0
         for status, owner, ids in groups:
@@ -469,6 +515,12 @@ class SqlStorage:
             )
         if gone:
             db.executemany("DELETE FROM runs WHERE block = ? AND run_id = ?", gone)
+        changed = {p[0] for p in puts}.union(b for b, _ in gone)
+        if changed:  # for the next start's reading of the saved index
+            db.executemany(
+                "INSERT INTO touched_blocks (block) VALUES (?) ON CONFLICT (block) DO NOTHING",
+                [(b,) for b in sorted(changed)],
+            )
         db.execute(
             "UPDATE meta SET value = CASE key WHEN 'revision' THEN ? ELSE ? END "
             "WHERE key IN ('revision', 'materialized')",

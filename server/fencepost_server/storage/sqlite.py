@@ -43,7 +43,7 @@ from .sql import (  # noqa: F401  (re-exported: the writer, tests and benchmarks
 
 log = logging.getLogger("fencepost.storage")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # Each entry migrates user_version i -> i + 1. Append; never edit a shipped one.
 MIGRATIONS: list[list[str]] = [
@@ -242,6 +242,16 @@ MIGRATIONS: list[list[str]] = [
                ids      TEXT NOT NULL,
                blocks   BLOB NOT NULL
            )""",
+    ],
+    # 6 -> 7: the blocks of `runs` changed since the saved index was written
+    # (storage/sql.py, "touched_blocks"): a start after a crash reads the saved
+    # entries and gathers only those blocks again. Saved entries that do not
+    # describe the table as it is now were written before any block was
+    # recorded: they go.
+    [
+        "CREATE TABLE touched_blocks (block INTEGER PRIMARY KEY)",
+        "DELETE FROM saved_index WHERE revision <> (SELECT value FROM meta WHERE "
+        "key = 'revision') OR revision <> (SELECT value FROM meta WHERE key = 'materialized')",
     ],
 ]
 
