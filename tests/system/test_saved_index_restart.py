@@ -63,7 +63,10 @@ def test_sigterm_saves_the_index_and_a_crash_after_more_writes_reuses_it_with_th
         with srv.channel() as ch:
             ledger = ledger_pb2_grpc.LedgerStub(ch)
             live: dict[str, rpb.Run] = {}
-            for i in range(300):
+            # some 5 blocks of the runs table (256 runs each): the writes
+            # before the crash below change at most 3, and a start reads the
+            # saved entries while at most half the blocks changed
+            for i in range(1200):
                 run_id = uuid.uuid4().hex
                 run = ledger.Acquire(pb.AcquireRequest(run_id=run_id, owner=f"w{i % 4}")).run
                 if i % 3:
@@ -76,7 +79,7 @@ def test_sigterm_saves_the_index_and_a_crash_after_more_writes_reuses_it_with_th
             everything = _listing(ledger)
             completed = _listing(ledger, rpb.RUN_STATUS_COMPLETED)
         assert srv.stop() == 0
-        assert f"200 finished runs' ids {SAVED_INDEX_READ}" in _start(srv)
+        assert f"800 finished runs' ids {SAVED_INDEX_READ}" in _start(srv)
         with srv.channel() as ch:
             ledger = ledger_pb2_grpc.LedgerStub(ch)
             assert _listing(ledger) == everything
