@@ -291,3 +291,62 @@ async def test_groups_over_many_rows_round_trip(db: str) -> None:
         assert _saved_revisions(db) == set()
     finally:
         st.close()
+
+
+def _touched_rows(db: str) -> set[int]:
+    with raw(db) as conn:
+        return {int(r[0]) for r in conn.rows("SELECT block FROM touched_blocks")}
+
+
+async def test_the_blocks_held_as_recorded_follow_the_table(db: str) -> None:
+    """The storage records a changed block once (renewals of many leases touch
+    the same blocks in every copy into the runs table), so what it holds as
+    recorded must be what the table holds: after a copy, after a transaction
+    that failed, and after a save that emptied it."""
+    w = await _started(db)
+    await _fill(w, 30)
+    await w.close()
+    st = _storage(db)
+    st.open()
+    try:
+        state = st.load()
+        assert st._touched == set() == _touched_rows(db)
+        rec = next(iter(state.runs.values()))
+        block = st.rows[rec.run_id]
+        newer = dataclasses.replace(rec, version=rec.version + 1)
+
+        def copy(*records: Any) -> None:
+            st._materialize(st.db, [(r.run_id, r) for r in records], state.revision,
+                            state.revision)
+
+        with pytest.raises(RuntimeError), st.transaction():
+            copy(newer)
+            raise RuntimeError("the batch failed")
+        assert st._touched == set() == _touched_rows(db)
+        with st.transaction():
+            copy(newer)
+        assert st._touched == {block} == _touched_rows(db)
+        with raw(db, write=True) as conn:  # were it recorded again, the row would be back
+            conn.run("DELETE FROM touched_blocks")
+        with st.transaction():
+            copy(newer)
+        assert _touched_rows(db) == set()
+        with raw(db, write=True) as conn:
+            conn.run("INSERT INTO touched_blocks (block) VALUES (?)", (block,))
+        # a save empties both, and a copy in the same transaction after it counts
+        with st.transaction():
+            st.save_index([], state.revision)
+            copy(newer)
+        assert st._touched == {block} == _touched_rows(db)
+        with st.transaction():
+            copy(newer)
+            st.save_index([], state.revision)
+        assert st._touched == set() == _touched_rows(db)
+        with st.transaction():
+            copy(newer)
+        with pytest.raises(RuntimeError), st.transaction():
+            st.save_index([], state.revision)
+            raise RuntimeError("the batch failed")
+        assert st._touched == {block} == _touched_rows(db)
+    finally:
+        st.close()

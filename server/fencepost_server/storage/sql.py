@@ -168,12 +168,18 @@ class SqlStorage:
     # threads only look ids up in it)
     rows: dict[str, int]
     _staged: dict[str, int | None]  # this transaction's changes to rows (None: row deleted)
+    # the blocks touched_blocks holds, as committed, and those this transaction
+    # adds; _untouch: this transaction empties the table (save_index)
+    _touched: set[int]
+    _touching: set[int]
+    _untouch = False
     _block = 0  # the block new rows go in, and how many it has been given
     _in_block = 0
 
     def __init__(self) -> None:
         self.rows = {}
         self._staged = {}
+        self._touched, self._touching = set(), set()
 
     def open(self) -> None:
         raise NotImplementedError
@@ -230,6 +236,8 @@ class SqlStorage:
         db = self.db
         state = LoadedState()
         self.rows, self._staged = {}, {}
+        self._touched = {block for (block,) in db.execute("SELECT block FROM touched_blocks")}
+        self._touching, self._untouch = set(), False
         rows = self.rows
         read = 0  # rows read: more than ``rows`` holds when two share a run id
         marks = ",".join("?" * len(HOT_STATUSES))
@@ -326,7 +334,7 @@ class SqlStorage:
         ).fetchall()
         if not found or len({row[0] for row in found}) != 1:
             return None
-        touched = {block for (block,) in db.execute("SELECT block FROM touched_blocks")}
+        touched = self._touched
         blocks_in_table = (db.execute("SELECT max(block) FROM runs").fetchone()[0] or 0) + 1
         if len(touched) * 2 > blocks_in_table:
             # most of the table changed since: gathering it all costs less
@@ -408,6 +416,8 @@ class SqlStorage:
         db = self.db
         db.execute("DELETE FROM saved_index")
         db.execute("DELETE FROM touched_blocks")
+        self._touching.clear()
+        self._untouch = True
         rows = self.rows
         seq = saved = 0
         for status, owner, ids in groups:
@@ -515,12 +525,19 @@ class SqlStorage:
             )
         if gone:
             db.executemany("DELETE FROM runs WHERE block = ? AND run_id = ?", gone)
+        # for the next start's reading of the saved index: the blocks not yet
+        # recorded (renewals of many leases touch the same few hundred blocks
+        # in every copy)
         changed = {p[0] for p in puts}.union(b for b, _ in gone)
-        if changed:  # for the next start's reading of the saved index
+        changed -= self._touching
+        if not self._untouch:
+            changed -= self._touched
+        if changed:
             db.executemany(
                 "INSERT INTO touched_blocks (block) VALUES (?) ON CONFLICT (block) DO NOTHING",
                 [(b,) for b in sorted(changed)],
             )
+            self._touching |= changed
         db.execute(
             "UPDATE meta SET value = CASE key WHEN 'revision' THEN ? ELSE ? END "
             "WHERE key IN ('revision', 'materialized')",
@@ -562,6 +579,8 @@ class SqlStorage:
                 self._commit(db)
             except BaseException:
                 self._staged.clear()
+                self._touching.clear()
+                self._untouch = False
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
@@ -586,6 +605,11 @@ class SqlStorage:
             else:
                 rows[run_id] = block
         self._staged.clear()
+        if self._untouch:
+            self._touched.clear()
+            self._untouch = False
+        self._touched |= self._touching
+        self._touching.clear()
 
     def run_isolated(self, executor: Any, cmd: Any, now: int) -> Any:
         """Run an executor inside a savepoint: its refusal (LedgerError) rolls
