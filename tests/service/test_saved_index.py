@@ -8,9 +8,11 @@ a shutdown that could not bring the runs table up to date leaves it unused
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,26 @@ def _load(db: str) -> tuple[Any, RunIndex, dict[str, int]]:
 def _forget_saved(db: str) -> None:
     with raw(db, write=True) as conn:
         conn.run("DELETE FROM saved_index")
+
+
+def _touched_rows(db: str) -> set[int]:
+    with raw(db) as conn:
+        return {int(r[0]) for r in conn.rows("SELECT block FROM touched_blocks")}
+
+
+@contextlib.asynccontextmanager
+async def _storage_after_fill(db: str, runs: int) -> AsyncIterator[tuple[Any, Any]]:
+    """A server fills ``runs`` and stops cleanly; then the storage alone is
+    opened on the database and loaded: (storage, loaded state)."""
+    w = await _started(db)
+    await _fill(w, runs)
+    await w.close()
+    st = _storage(db)
+    st.open()
+    try:
+        yield st, st.load()
+    finally:
+        st.close()
 
 
 def _saved_revisions(db: str) -> set[int]:
@@ -168,8 +190,7 @@ async def test_a_start_after_a_crash_reads_the_saved_index_and_the_blocks_change
     monkeypatch.setattr(sql, "BLOCK_RUNS", block_runs)  # more blocks for fewer runs
     live, blocks, finished, victim, changed = await _crash_after_writes(db, late)
     saved_at = _saved_revisions(db)
-    with raw(db) as conn:
-        touched = {int(r[0]) for r in conn.rows("SELECT block FROM touched_blocks")}
+    touched = _touched_rows(db)
     assert len(saved_at) == 1 and touched
     in_table = max(blocks.values()) + 1
     assert (len(touched) * 8 <= in_table, len(touched) * 2 <= in_table) == {
@@ -264,13 +285,7 @@ async def test_a_shutdown_that_leaves_changes_unmaterialized_saves_nothing_new(d
 
 async def test_groups_over_many_rows_round_trip(db: str) -> None:
     """A status with more ids than one saved row holds spans several rows."""
-    w = await _started(db)
-    await _fill(w, 5)
-    await w.close()
-    st = _storage(db)
-    st.open()
-    try:
-        state = st.load()
+    async with _storage_after_fill(db, 5) as (st, state):
         rows = dict(st.rows)
         block = next(iter(rows.values()))
         many = sorted(f"bulk-{i:07d}" for i in range(SAVED_CHUNK + 10))
@@ -289,13 +304,6 @@ async def test_groups_over_many_rows_round_trip(db: str) -> None:
         with st.transaction():
             assert st.save_index([(4, None, ["not-a-row"])], state.revision) == 0
         assert _saved_revisions(db) == set()
-    finally:
-        st.close()
-
-
-def _touched_rows(db: str) -> set[int]:
-    with raw(db) as conn:
-        return {int(r[0]) for r in conn.rows("SELECT block FROM touched_blocks")}
 
 
 async def test_the_blocks_held_as_recorded_follow_the_table(db: str) -> None:
@@ -303,13 +311,7 @@ async def test_the_blocks_held_as_recorded_follow_the_table(db: str) -> None:
     the same blocks in every copy into the runs table), so what it holds as
     recorded must be what the table holds: after a copy, after a transaction
     that failed, and after a save that emptied it."""
-    w = await _started(db)
-    await _fill(w, 30)
-    await w.close()
-    st = _storage(db)
-    st.open()
-    try:
-        state = st.load()
+    async with _storage_after_fill(db, 30) as (st, state):
         assert st._touched == set() == _touched_rows(db)
         rec = next(iter(state.runs.values()))
         block = st.rows[rec.run_id]
@@ -348,5 +350,3 @@ async def test_the_blocks_held_as_recorded_follow_the_table(db: str) -> None:
             st.save_index([], state.revision)
             raise RuntimeError("the batch failed")
         assert st._touched == {block} == _touched_rows(db)
-    finally:
-        st.close()

@@ -301,23 +301,31 @@ class SqlStorage:
         the count of rows read comes with the groups."""
         marks = ",".join("?" * len(COLD_STATUSES))
         merged: dict[tuple[int, str | None], list[str]] = {}
-        rows = self.rows
+        read = self._gather(db, f"{self.STATUS_INDEX} WHERE status IN ({marks})", replay,
+                            self.rows, merged)
+        return [(st, owner, ids) for (st, owner), ids in merged.items()], read
+
+    def _gather(
+        self, db: Any, where: str, replay: dict[str, Record | None],
+        blocks_of: dict[str, int], merged: dict[tuple[int, str | None], list[str]],
+    ) -> int:
+        """The finished runs of the rows of ``runs`` that ``where`` (its
+        clause after ``FROM runs``, taking COLD_STATUSES) selects, one array
+        per (status, owner, block): their blocks into ``blocks_of``, their ids
+        onto ``merged``'s (status, owner) groups but for those ``replay``
+        changed. Returns how many rows it read."""
         read = 0
         for st, owner, block, text in db.execute(
-            f"SELECT status, owner, block, {self.ID_ARRAY} FROM runs {self.STATUS_INDEX} "
-            f"WHERE status IN ({marks}) GROUP BY status, owner, block", COLD_STATUSES,
+            f"SELECT status, owner, block, {self.ID_ARRAY} FROM runs {where} "
+            "GROUP BY status, owner, block", COLD_STATUSES,
         ):
             ids = _loads(text)
-            rows.update(dict.fromkeys(ids, block))
+            blocks_of.update(dict.fromkeys(ids, block))
             read += len(ids)
             if replay:
                 ids = [run_id for run_id in ids if run_id not in replay]
-            group = merged.get((st, owner))
-            if group is None:
-                merged[(st, owner)] = ids
-            else:
-                group.extend(ids)
-        return [(int(st), owner, ids) for (st, owner), ids in merged.items()], read
+            merged.setdefault((int(st), owner), []).extend(ids)
+        return read
 
     def _saved_groups(
         self, db: Any, read: int, replay: dict[str, Record | None]
@@ -377,17 +385,8 @@ class SqlStorage:
             # would otherwise visit); many: the status index alone holds what
             # is read, and visiting it all costs less than that many rows
             status = "+status" if len(touched) * 8 <= blocks_in_table else "status"
-            for st, owner, block, text in db.execute(
-                f"SELECT status, owner, block, {self.ID_ARRAY} FROM runs WHERE block IN "
-                f"(SELECT block FROM touched_blocks) AND {status} IN ({marks}) "
-                "GROUP BY status, owner, block", COLD_STATUSES,
-            ):
-                ids = _loads(text)
-                blocks_of.update(dict.fromkeys(ids, block))
-                again += len(ids)
-                if replay:
-                    ids = [run_id for run_id in ids if run_id not in replay]
-                merged.setdefault((int(st), owner), []).extend(ids)
+            again = self._gather(db, "WHERE block IN (SELECT block FROM touched_blocks) "
+                                 f"AND {status} IN ({marks})", replay, blocks_of, merged)
         total += again
         blocks_of.update(self.rows)
         table = db.execute("SELECT count(*) FROM runs").fetchone()[0]
