@@ -37,8 +37,9 @@ per id order, filled through the same writer over ``PostgresStorage``, and
 server's CPU is not in the fill's CPU figure (it is another process). A
 coordinator on PostgreSQL holds a leader lease (``--leader-lease``, default
 5 s): after a clean stop it resigns and the next start leads at once; after a
-kill -9 the next start waits for that lease to run out first, so the start
-after a crash includes up to one lease by design.
+kill -9 the next start, on the same address and machine, finds the killed
+process gone and takes over without waiting for that lease (a standby
+elsewhere would wait for it).
 
 Every process started is stopped; the temp directory is removed. With
 ``--keep DIR`` (SQLite only) the filled files stay in DIR
@@ -183,10 +184,11 @@ def _compile() -> None:
                        stdout=subprocess.DEVNULL)
 
 
-def _restart(store: Store, workdir: Path, order: str, then_crash: bool) -> dict[str, Any]:
-    """Start a server on ``store`` and measure it; then stop it with SIGTERM,
-    or (``then_crash``) make one write and kill -9 it."""
-    port = free_port()
+def _restart(store: Store, workdir: Path, order: str, port: int, then_crash: bool
+             ) -> dict[str, Any]:
+    """Start a server on ``store``, listening on ``port`` (the same one every
+    time, as a supervisor restarts a coordinator), and measure it; then stop
+    it with SIGTERM, or (``then_crash``) make one write and kill -9 it."""
     t0 = time.perf_counter()
     srv = start_server(f"fencepost-{order}", [
         str(BIN / "fencepost"), "serve", "--listen", f"127.0.0.1:{port}", "--db", str(store),
@@ -335,16 +337,17 @@ def main(argv: list[str] | None = None) -> int:
                     fill["cpu_growth"] = round(
                         slices[-1]["cpu_us_per_run"] / slices[0]["cpu_us_per_run"], 3)
             # unmeasured: brings a reused file's schema up to date and saves its index
-            _restart(store, workdir, order, then_crash=False)
+            port = free_port()
+            _restart(store, workdir, order, port, then_crash=False)
             # starts after a clean stop; after a crash (the index saved at the
             # clean stop before, and the blocks changed since); after a crash
             # with no index saved (every id gathered from the table)
             restarts, crashes, unsaved = [], [], []
             for _ in range(args.restarts):
-                restarts.append(_restart(store, workdir, order, then_crash=True))
-                crashes.append(_restart(store, workdir, order, then_crash=True))
+                restarts.append(_restart(store, workdir, order, port, then_crash=True))
+                crashes.append(_restart(store, workdir, order, port, then_crash=True))
                 _forget_saved_index(store)
-                unsaved.append(_restart(store, workdir, order, then_crash=False))
+                unsaved.append(_restart(store, workdir, order, port, then_crash=False))
             restarts.sort(key=lambda r: r["serving_s"])
             fill.update(restarts[len(restarts) // 2])  # the median start
             fill["serving_s_all"] = [r["serving_s"] for r in restarts]

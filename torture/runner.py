@@ -141,7 +141,8 @@ class Outcome:
         return (f"  coordinators: {c['epochs']} epochs, {c['failovers']} failovers, "
                 f"{c['coordinator_starts']} processes (exits by code {c['exits_by_code']}); "
                 f"leader SIGKILL -> another serving: median {k['median']} s, max {k['max']} s "
-                f"over {k['n']}; {c['leases_extended']} leases extended at takeovers; "
+                f"over {k['n']}; {c['in_place_takeovers']} restarts in place led at once; "
+                f"{c['leases_extended']} leases extended at takeovers; "
                 f"{c['answers_attributed']} answers tied to their coordinator "
                 f"({c['answers_unattributed']} not)")
 
@@ -449,7 +450,10 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
                                 clock_slack_ms=CLOCK_SLACK_MS)
         checked.timings["epochs"] = time.perf_counter() - t + t_ext
         figures = {**summary(tl, faults), "answers_attributed": attributed["attributed"],
-                   "answers_unattributed": attributed["unattributed"]}
+                   "answers_unattributed": attributed["unattributed"],
+                   # a killed leader restarted before a standby took over: it
+                   # found its own process gone and led without the lease
+                   "in_place_takeovers": server_log.count("taking over without waiting")}
         extra += epochs + deposed
     else:
         checked = check_all(ops, runs=runs, kills=kills, snap=snap, liveness=liveness,

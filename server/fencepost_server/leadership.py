@@ -24,6 +24,16 @@ so taking over never depends on two coordinators' clocks agreeing.
   by more than ``max_skew_ms`` (checked at takeover and at every renewal),
   so the leaders that follow one another agree on time.
 
+- A coordinator restarted in place after a crash (the same advertised
+  address, on the same machine) does not wait for its predecessor's lease:
+  the row also names the leader's process (``process_proof``), and when that
+  process is provably gone (same boot and PID namespace, and no process with
+  that pid and start time runs, or only its zombie), nobody can still serve
+  or commit under the old epoch, so it takes over at once. A standby at
+  another address, or on another machine, waits for the row to expire: it
+  cannot prove the leader dead, and failover times stay what they would be
+  across machines.
+
 All database calls run in one thread of their own, on their own connection
 (not the writer's), so a slow renewal never delays a batch.
 """
@@ -69,6 +79,53 @@ class Takeover:
 
 def default_identity() -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+
+
+def _stat(pid: int | str) -> tuple[str, str] | None:
+    """(state, start time in clock ticks since boot) of a process, or None
+    when there is none with that pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # the command name (field 2) may hold spaces and parentheses: the fields
+    # that follow start after its last ")"
+    fields = raw[raw.rfind(")") + 2:].split()
+    return fields[0], fields[19]
+
+
+def process_proof(pid: int | None = None) -> str:
+    """What names this process uniquely while the machine runs: boot id, PID
+    namespace, pid, start time (Linux; '' where /proc cannot say)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.readlink("/proc/self/ns/pid")
+        stat = _stat(pid)
+    except OSError:
+        return ""
+    if stat is None or not boot or " " in ns:
+        return ""
+    return f"{boot} {ns} {pid} {stat[1]}"
+
+
+def process_gone(proof: str) -> bool:
+    """True only when ``proof`` names a process of this machine, since its
+    last boot, in this PID namespace, that no longer runs: no process has its
+    pid, or one started at another time does, or it is a zombie (it exited;
+    its sockets are closed). False whenever that cannot be told."""
+    mine = process_proof()
+    parts = proof.split(" ")
+    if not mine or len(parts) != 4:
+        return False
+    boot, ns, pid, start = parts
+    my_boot, my_ns, _, _ = mine.split(" ")
+    if (boot, ns) != (my_boot, my_ns) or not pid.isdigit() or int(pid) <= 0:
+        return False
+    stat = _stat(pid)
+    return stat is None or stat[1] != start or stat[0] in ("Z", "X")
 
 
 class Leadership:
@@ -133,18 +190,22 @@ class Leadership:
         try:
             try:
                 row = db.execute(
-                    f"SELECT epoch, holder, address, renewed_at, expires_at, {_DB_NOW} "
-                    "FROM fencepost_leader WHERE id = 1 FOR UPDATE"
+                    f"SELECT epoch, holder, address, renewed_at, expires_at, {_DB_NOW}, "
+                    "process FROM fencepost_leader WHERE id = 1 FOR UPDATE"
                 ).fetchone()
             except pg_errors.LockNotAvailable:
                 db.execute("ROLLBACK")
                 return None, self._unblock(db)
             assert row is not None, "the leader row is created by the schema migration"
-            epoch, holder, address, renewed_at, expires_at, now = row
+            epoch, holder, address, renewed_at, expires_at, now, process = row
             if expires_at > now and holder != self.identity:
-                db.execute("ROLLBACK")
-                self.leader_address = address
-                return None, expires_at - now + 50
+                if not self._replaces(address, process):
+                    db.execute("ROLLBACK")
+                    self.leader_address = address
+                    return None, expires_at - now + 50
+                log.warning("the leader %s (this coordinator's address, this machine) is no "
+                            "longer running: taking over without waiting %d ms for its lease",
+                            holder, expires_at - now)
             if skew is not None:
                 db.execute("ROLLBACK")
                 self.leader_address = address if expires_at > now else ""
@@ -153,8 +214,8 @@ class Leadership:
             sent = time.monotonic()
             db.execute(
                 "UPDATE fencepost_leader SET epoch = ?, holder = ?, address = ?, "
-                f"renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} + ? WHERE id = 1",
-                (epoch + 1, self.identity, self.address, self.lease_ms),
+                f"renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} + ?, process = ? WHERE id = 1",
+                (epoch + 1, self.identity, self.address, self.lease_ms, process_proof()),
             )
             db.execute("COMMIT")
         except BaseException:
@@ -273,19 +334,25 @@ class Leadership:
         waiting for it would wait for as long as its connection lives, so
         end its sessions (the open batch rolls back: it was never
         acknowledged). Returns the ms to wait before trying again."""
-        holder, expires_at, now = db.execute(
-            f"SELECT holder, expires_at, {_DB_NOW} FROM fencepost_leader WHERE id = 1"
-        ).fetchone() or ("", 0, 0)
-        if expires_at > now:
+        holder, expires_at, now, address, process = db.execute(
+            f"SELECT holder, expires_at, {_DB_NOW}, address, process FROM fencepost_leader "
+            "WHERE id = 1"
+        ).fetchone() or ("", 0, 0, "", "")
+        if expires_at > now and not self._replaces(address, process):
             return min(self.renew_ms, expires_at - now + 50)
         ended = db.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
             "WHERE datname = current_database() AND application_name = ?",
             (writer_name(holder),),
         ).fetchone()
-        log.warning("the expired leader %s held the leader row mid-batch: ended %s of its "
-                    "sessions", holder, ended[0] if ended else 0)
+        log.warning("the leader %s (expired, or no longer running) held the leader row "
+                    "mid-batch: ended %s of its sessions", holder, ended[0] if ended else 0)
         return 50
+
+    def _replaces(self, address: str, process: str) -> bool:
+        """May take over before the row expires: this coordinator is the
+        leader's own restart (its address) and the leader's process is gone."""
+        return bool(address) and address == self.address and process_gone(process)
 
     def _skew(self, db: PgConnection) -> str | None:
         """None while this coordinator's clock is within the bound of the

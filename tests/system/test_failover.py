@@ -189,6 +189,9 @@ def test_the_leader_killed_a_standby_takes_over_with_every_write_and_lease(
     new = group.wait_leader(among=[standby])
     took = time.monotonic() - killed_at
     assert took < 2.0 + 3.0, f"takeover took {took:.1f} s with a 2 s leader lease"
+    # a standby at another address cannot prove the leader dead: it waits for
+    # the row to expire (at least the lease less one 300 ms renewal interval)
+    assert took >= 1.5, f"a standby took over {took:.2f} s after the kill, before the lease"
     # every acknowledged write is there
     assert _get(new, "done").status == record_pb2.RUN_STATUS_COMPLETED
     now = _get(new, "held")
@@ -238,6 +241,27 @@ def test_a_paused_leader_is_deposed_commits_nothing_and_exits_3(
     assert revision_after == revision_before, "the deposed leader committed after the takeover"
     assert epoch == 2 and address == new.address
     assert _get(new, "before").lease.owner == "w1"
+
+
+def test_a_leader_restarted_in_place_after_a_crash_leads_without_waiting_for_its_lease(
+    coordinators: Any,
+) -> None:
+    """The same coordinator (address, machine) started again after a kill -9:
+    its predecessor's process is gone, so it takes over at once instead of
+    waiting out the 30 s leader lease, and every acknowledged write and lease
+    is there; while a standby elsewhere waits (the test above)."""
+    group = coordinators(1, "--leader-lease", "30s", "--leader-renew", "1s").start_all()
+    leader = group.wait_leader()
+    held = _acquire(leader, "held", "w1", 60_000)
+    leader.kill()
+    restarted = time.monotonic()
+    leader.start(timeout=25)
+    took = time.monotonic() - restarted
+    assert took < 10, f"the restart led after {took:.1f} s (the lease is 30 s)"
+    assert "taking over without waiting" in leader.log_tail(4000)
+    now = _get(leader, "held")
+    assert (now.status, now.fencing_token, now.lease.owner) == (
+        record_pb2.RUN_STATUS_RUNNING, held.fencing_token, "w1")
 
 
 def test_a_clean_stop_hands_over_at_once(coordinators: Any) -> None:

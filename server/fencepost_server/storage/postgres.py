@@ -45,7 +45,7 @@ log = logging.getLogger("fencepost.storage")
 
 RESOLVE_COMMIT_S = 60.0  # how long a COMMIT lost with its connection is asked about
 SCHEMA = "fencepost"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _MIGRATE_LOCK = 0x66656E63  # pg_advisory_xact_lock key: "fenc"
 
 _TEXT = 'TEXT COLLATE "C"'  # byte order, as SQLite and the in-memory index sort
@@ -240,6 +240,11 @@ MIGRATIONS: list[list[str]] = [
         "CREATE TABLE touched_blocks (block BIGINT PRIMARY KEY)",
         "DELETE FROM saved_index WHERE revision <> (SELECT value FROM meta WHERE "
         "key = 'revision') OR revision <> (SELECT value FROM meta WHERE key = 'materialized')",
+    ],
+    # 4 -> 5: the leader's process (leadership.py, process_proof), so that a
+    # coordinator restarted in place after a crash need not wait for the lease.
+    [
+        "ALTER TABLE fencepost_leader ADD COLUMN process TEXT NOT NULL DEFAULT ''",
     ],
 ]
 
