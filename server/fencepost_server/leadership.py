@@ -95,20 +95,29 @@ def _stat(pid: int | str) -> tuple[str, str] | None:
     return fields[0], fields[19]
 
 
-def process_proof(pid: int | None = None) -> str:
-    """What names this process uniquely while the machine runs: boot id, PID
-    namespace, pid, start time (Linux; '' where /proc cannot say)."""
-    pid = os.getpid() if pid is None else pid
+def _here() -> tuple[str, str] | None:
+    """(boot id, PID namespace) of this process, or None where /proc cannot say."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return (boot, ns) if boot and " " not in ns else None
+
+
+def process_proof(pid: int | None = None) -> str:
+    """What names this process uniquely while the machine runs: boot id, PID
+    namespace, pid, start time (Linux; '' where /proc cannot say)."""
+    pid = os.getpid() if pid is None else pid
+    here = _here()
+    try:
         stat = _stat(pid)
     except OSError:
         return ""
-    if stat is None or not boot or " " in ns:
+    if here is None or stat is None:
         return ""
-    return f"{boot} {ns} {pid} {stat[1]}"
+    return f"{here[0]} {here[1]} {pid} {stat[1]}"
 
 
 def process_gone(proof: str) -> bool:
@@ -116,13 +125,11 @@ def process_gone(proof: str) -> bool:
     last boot, in this PID namespace, that no longer runs: no process has its
     pid, or one started at another time does, or it is a zombie (it exited;
     its sockets are closed). False whenever that cannot be told."""
-    mine = process_proof()
     parts = proof.split(" ")
-    if not mine or len(parts) != 4:
+    if len(parts) != 4:
         return False
     boot, ns, pid, start = parts
-    my_boot, my_ns, _, _ = mine.split(" ")
-    if (boot, ns) != (my_boot, my_ns) or not pid.isdigit() or int(pid) <= 0:
+    if _here() != (boot, ns) or not pid.isdigit() or int(pid) <= 0:
         return False
     stat = _stat(pid)
     return stat is None or stat[1] != start or stat[0] in ("Z", "X")

@@ -71,19 +71,30 @@ def test_a_pid_reused_by_a_later_process_is_gone() -> None:
 
 
 def test_a_command_name_with_spaces_and_parentheses_is_read_right() -> None:
-    p = _child("open('/proc/self/comm', 'w').write('a) b (c'); import time; time.sleep(60)")
+    """The same process before and after it renames itself "a) b (c": a
+    parser that split the stat line at the first ")" or at every space would
+    read another field as its start time after the rename."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.stdin.readline(); "
+         "open('/proc/self/comm', 'w').write('a) b (c'); time.sleep(60)"],
+        stdin=subprocess.PIPE)
     try:
+        before = _proof_when_up(p)
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
         deadline = time.monotonic() + 10
         while "a) b (c" not in open(f"/proc/{p.pid}/stat").read():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         proof = process_proof(p.pid)
-        assert proof.split(" ")[2] == str(p.pid)
-        assert proof.split(" ")[3] == _proof_when_up(p).split(" ")[3]
+        assert proof == before
         assert not process_gone(proof)
     finally:
         p.kill()
         p.wait()
+        if p.stdin is not None:
+            p.stdin.close()
     assert process_gone(proof)
 
 
