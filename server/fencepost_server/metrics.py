@@ -284,6 +284,15 @@ class _StateCollector(Collector):
         yield CounterMetricFamily(
             "fencepost_writer_failed_commits", "Commits that failed", value=w.stats.failed_commits
         )
+        yield CounterMetricFamily(
+            "fencepost_writer_held_batches", "Batches the commit delay held open",
+            value=w.stats.held,
+        )
+        yield CounterMetricFamily(
+            "fencepost_writer_held_in_vain",
+            "Held batches that gathered almost nothing (the delay then backs off)",
+            value=w.stats.held_in_vain,
+        )
         leading, epoch = self.m.leadership()
         yield GaugeMetricFamily(
             "fencepost_leader", "1 while this coordinator leads and serves, 0 on a standby",

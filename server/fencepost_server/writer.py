@@ -70,6 +70,8 @@ class WriterStats:
     failed_commits: int = 0
     max_batch: int = 0
     commit_seconds: float = 0.0
+    held: int = 0  # batches held open by the commit delay
+    held_in_vain: int = 0  # of those, the ones that gathered (almost) nothing
 
     @property
     def mean_batch(self) -> float:
@@ -139,6 +141,12 @@ def prune_step(history_revisions: int) -> int:
 # takes, at the recent arrival rate, for this many to be queued.
 COMMIT_SIBLINGS = 4
 COMMIT_GATHER = 32
+# A hold that gathered (almost) nothing means the callers are all waiting on
+# this very batch (a closed loop: an engine with 16 runs in flight on one
+# stream); holding again would only slow them down. After such a hold the
+# next 1, 2, 4, ... batches (at most this many) are not held; a hold that
+# gathers starts over.
+COMMIT_HOLD_BACKOFF_MAX = 1024
 
 # Runs copied into the runs table per batch, at most. Each costs a row write
 # and its record's encoding in the writer thread: 4096 made a batch every half
@@ -237,6 +245,8 @@ class Writer:
         self._arrivals_per_s = 0.0  # moving average, measured batch to batch
         self._last_taken = 0.0  # perf_counter when the last batch was taken
         self._last_batch = 0
+        self._hold_backoff = 0  # batches not held after the last hold in vain
+        self._hold_skip = 0  # of those, still to come
         # run_id -> (its first change not yet in the runs table, when), oldest
         # first. Writer thread only.
         self._pending: dict[str, tuple[int, int]] = {}
@@ -558,9 +568,11 @@ class Writer:
                 stopping = True
             else:
                 batch.append(first)
-                delay = self._commit_delay(self._queue.qsize() + 1)
+                queued = self._queue.qsize() + 1
+                delay = self._commit_delay(queued)
                 if delay:
                     await asyncio.sleep(delay)
+                    self._held(self._queue.qsize() + 1 - queued, queued)
             while len(batch) < self.max_batch and not self._queue.empty():
                 item = self._queue.get_nowait()
                 if item is _STOP:
@@ -588,7 +600,22 @@ class Writer:
             or self._arrivals_per_s <= 0
         ):
             return 0.0
+        if self._hold_skip:
+            self._hold_skip -= 1
+            return 0.0
         return min(self.commit_delay_s, (COMMIT_GATHER - queued) / self._arrivals_per_s)
+
+    def _held(self, gained: int, queued: int) -> None:
+        """After a hold that found ``queued`` commands and gained ``gained``:
+        a hold gathering less than a quarter of what it waited for backs off
+        (``COMMIT_HOLD_BACKOFF_MAX``)."""
+        self.stats.held += 1
+        if gained * 4 >= COMMIT_GATHER - queued:
+            self._hold_backoff = 0
+            return
+        self.stats.held_in_vain += 1
+        self._hold_backoff = min(max(1, 2 * self._hold_backoff), COMMIT_HOLD_BACKOFF_MAX)
+        self._hold_skip = self._hold_backoff
 
     def _measure_arrivals(self, taken: int) -> None:
         """Commands per second between the last two batches taken (smoothed)."""

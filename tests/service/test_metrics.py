@@ -102,6 +102,9 @@ def test_traffic_shows_in_the_metrics(server: ServerThread, channel: grpc.Channe
     assert value(later, "fencepost_writer_commit_duration_seconds_count") == commits + 1
     assert value(later, "fencepost_writer_batches_total") == batches + 1
     assert value(later, "fencepost_writer_batch_size_sum") == sizes + 1
+    # one caller at a time is never held for a group commit
+    assert value(later, "fencepost_writer_held_batches_total") == 0
+    assert value(later, "fencepost_writer_held_in_vain_total") == 0
     assert value(text, "fencepost_build_info", version=fencepost_version()) == 1
     assert "m-taken" not in text and '"a"' not in text  # never a run id or owner label
     again = scrape(server)

@@ -176,6 +176,51 @@ async def test_commit_delay_never_holds_a_lone_caller(tmp_path: Path) -> None:
         await w.close()
 
 
+async def test_commit_delay_does_not_hold_a_closed_loop(tmp_path: Path) -> None:
+    """16 callers that each send their next write when the last is answered
+    (an engine with 16 runs in flight): every one of them waits on the batch
+    being held, so a hold gathers nothing. After a hold in vain the writer
+    backs off; it used to hold nearly every batch, for ever longer."""
+    w = Writer(SqliteStorage(tmp_path / "closed.db"), ManualClock(), commit_delay_ms=100.0)
+    await w.start()
+
+    async def caller(c: int) -> None:
+        for i in range(60):
+            await w.submit(L.Acquire(f"c{c}-{i}", "w"))
+
+    try:
+        await asyncio.gather(*(caller(c) for c in range(16)))
+        assert w.state.revision == 16 * 60
+        assert w.stats.batches >= 55, w.stats
+        assert w.stats.held <= 8, w.stats  # holds at batches 2, 4, 7, 12, 21, 38 or so
+        assert w.stats.held_in_vain == w.stats.held, w.stats
+    finally:
+        await w.close()
+
+
+async def test_commit_delay_holds_again_once_holding_gathers(tmp_path: Path) -> None:
+    """The back-off is no lock-out: open-loop arrivals after a closed loop are
+    held (and gathered) again."""
+    w = Writer(SqliteStorage(tmp_path / "again.db"), ManualClock(), commit_delay_ms=20.0)
+    await w.start()
+
+    async def caller(c: int) -> None:
+        for i in range(20):
+            await w.submit(L.Acquire(f"c{c}-{i}", "w"))
+
+    try:
+        await asyncio.gather(*(caller(c) for c in range(16)))
+        in_vain = w.stats.held_in_vain
+        assert in_vain >= 1, w.stats
+        before = w.stats.batches, w.stats.commands
+        await _steady_arrivals(w, 120, 4, 0.002)
+        batches, commands = w.stats.batches - before[0], w.stats.commands - before[1]
+        assert w.stats.held - in_vain >= 5, w.stats  # holds that gathered
+        assert commands / batches >= 8, (commands, batches)  # 4 per batch unheld
+    finally:
+        await w.close()
+
+
 @pytest.mark.parametrize("delay", [-1.0, 100.5])
 def test_commit_delay_out_of_range_is_refused(tmp_path: Path, delay: float) -> None:
     with pytest.raises(ValueError, match="commit_delay_ms"):
