@@ -290,7 +290,7 @@ class _StateCollector(Collector):
         )
         yield CounterMetricFamily(
             "fencepost_writer_held_in_vain",
-            "Held batches that gathered almost nothing (the delay then backs off)",
+            "Held batches that gathered nothing in the whole window",
             value=w.stats.held_in_vain,
         )
         leading, epoch = self.m.leadership()

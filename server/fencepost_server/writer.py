@@ -2,7 +2,8 @@
 
 Every write — ledger, raw seam, later the engine store — is a command put on
 one bounded queue. One task takes whatever is queued (up to ``max_batch``;
-under concurrent load it first waits up to ``commit_delay_ms`` for more),
+when the server is short of CPU it first waits up to ``commit_delay_ms`` for
+more),
 hands the whole batch to one dedicated thread that decides each command in
 order against the committed state plus the batch's own earlier changes,
 writes the rows and commits once; only after that commit is durable are the
@@ -97,6 +98,11 @@ class LedgerState:
 Answer = Callable[[Any], None]  # called once with the result or the LedgerError
 
 
+def _wake(fut: asyncio.Future[None] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
 @dataclass(slots=True)
 class _Item:
     cmd: L.Command
@@ -136,17 +142,26 @@ def prune_step(history_revisions: int) -> int:
     caught up with yet."""
     return max(1, history_revisions // 4)
 
-# The commit delay (see Writer): wait only while the last batch had at least
-# this many commands (there is concurrency to gather), and only as long as it
-# takes, at the recent arrival rate, for this many to be queued.
+# The commit delay (see Writer). A held batch saves the server the CPU of the
+# commits it merges, and costs its commands the wait. That pays only while the
+# server is short of CPU: so hold only while the event loop's thread was busy
+# at least COMMIT_HOLD_BUSY of the time (measured over the last
+# COMMIT_BUSY_SAMPLE_S or more) and the last batch had at least
+# COMMIT_SIBLINGS commands, and only until as many commands are queued as the
+# largest recent batch had (at most COMMIT_GATHER), or the window ends. The
+# largest recent batch is how many callers there are to gather: it decays by
+# COMMIT_GATHER_DECAY per batch (callers leave) and grows with any batch that
+# comes out larger (callers arrive). Holding for a fixed 32 whatever the load
+# held 16 worker processes with one run each for the whole window every time
+# (waiting for commands 16 callers can never send, while the server had CPU
+# to spare), and an engine with 16 runs in flight likewise.
 COMMIT_SIBLINGS = 4
 COMMIT_GATHER = 32
-# A hold that gathered (almost) nothing means the callers are all waiting on
-# this very batch (a closed loop: an engine with 16 runs in flight on one
-# stream); holding again would only slow them down. After such a hold the
-# next 1, 2, 4, ... batches (at most this many) are not held; a hold that
-# gathers starts over.
-COMMIT_HOLD_BACKOFF_MAX = 1024
+COMMIT_GATHER_DECAY = 63 / 64
+COMMIT_HOLD_BUSY = 0.5
+COMMIT_BUSY_SAMPLE_S = 0.25
+# The CPU seconds of the calling thread (the writer task runs on the loop's).
+loop_cpu_time = time.thread_time
 
 # Runs copied into the runs table per batch, at most. Each costs a row write
 # and its record's encoding in the writer thread: 4096 made a batch every half
@@ -237,16 +252,19 @@ class Writer:
         # binlog_group_commit_sync_delay): under concurrent load, hold a batch
         # open up to this long so more commands share its transaction, its
         # fsync and its thread hop. Never while idle or lightly loaded: only
-        # after a batch of COMMIT_SIBLINGS or more, and no longer than the
-        # recent arrival rate needs to queue COMMIT_GATHER commands.
+        # after a batch of COMMIT_SIBLINGS or more, only while the event loop
+        # is busy, and only until as many commands are queued as the largest
+        # recent batch had.
         if not 0 <= commit_delay_ms <= 100:
             raise ValueError("commit_delay_ms must be between 0 and 100")
         self.commit_delay_s = commit_delay_ms / 1000
-        self._arrivals_per_s = 0.0  # moving average, measured batch to batch
-        self._last_taken = 0.0  # perf_counter when the last batch was taken
         self._last_batch = 0
-        self._hold_backoff = 0  # batches not held after the last hold in vain
-        self._hold_skip = 0  # of those, still to come
+        self._gather = 0.0  # the largest recent batch, decaying
+        self._loop_busy = 0.0  # the loop thread's CPU share, last measured
+        self._busy_since = 0.0  # loop.time() and thread CPU time of that measure
+        self._busy_cpu = 0.0
+        self._hold_wake: asyncio.Future[None] | None = None  # while a batch is held
+        self._hold_target = 0  # commands queued (with the held one) that end the hold
         # run_id -> (its first change not yet in the runs table, when), oldest
         # first. Writer thread only.
         self._pending: dict[str, tuple[int, int]] = {}
@@ -328,6 +346,7 @@ class Writer:
         if self._closing:
             return
         self._closing = True
+        _wake(self._hold_wake)
         if self._task is not None:
             await self._queue.put(_STOP)
             await self._task
@@ -490,6 +509,8 @@ class Writer:
             await queue.put(_Item(cmd, fut))
         else:
             queue.put_nowait(_Item(cmd, fut))
+        if self._hold_wake is not None:
+            self._arrived()
         result = await fut
         return result  # type: ignore[no-any-return]
 
@@ -505,6 +526,8 @@ class Writer:
         except asyncio.QueueFull:
             raise LedgerError(Code.STORAGE_UNAVAILABLE, "writer queue is full; retry") from None
         self._idle.clear()
+        if self._hold_wake is not None:
+            self._arrived()
         return fut
 
     def submit_with_answer(self, cmd: L.Command, answer: Answer) -> bool:
@@ -520,6 +543,8 @@ class Writer:
         except asyncio.QueueFull:
             return False
         self._idle.clear()
+        if self._hold_wake is not None:
+            self._arrived()
         return True
 
     async def submit_with_answer_waiting(self, cmd: L.Command, answer: Answer) -> None:
@@ -530,6 +555,8 @@ class Writer:
             return
         self._idle.clear()
         await self._queue.put(_Item(cmd, None, answer))
+        if self._hold_wake is not None:
+            self._arrived()
 
     def register(self, command_type: type, executor: Executor) -> None:
         """Route commands of this type (e.g. the engine store's) to
@@ -568,11 +595,8 @@ class Writer:
                 stopping = True
             else:
                 batch.append(first)
-                queued = self._queue.qsize() + 1
-                delay = self._commit_delay(queued)
-                if delay:
-                    await asyncio.sleep(delay)
-                    self._held(self._queue.qsize() + 1 - queued, queued)
+                if self._holds(self._queue.qsize() + 1):
+                    await self._hold()
             while len(batch) < self.max_batch and not self._queue.empty():
                 item = self._queue.get_nowait()
                 if item is _STOP:
@@ -580,7 +604,9 @@ class Writer:
                     continue
                 batch.append(item)
             if batch:
-                self._measure_arrivals(len(batch))
+                self._last_batch = len(batch)
+                self._gather = max(float(len(batch)), self._gather * COMMIT_GATHER_DECAY)
+                self._measure_busy(loop.time())
                 self._busy = True
                 try:
                     await self._commit(loop, batch)
@@ -590,45 +616,52 @@ class Writer:
                 self._idle.set()
         # anything queued after the stop marker (cannot happen: submit refuses)
 
-    def _commit_delay(self, queued: int) -> float:
-        """How long to hold this batch open (seconds; 0: commit now)."""
-        if (
+    def _holds(self, queued: int) -> bool:
+        """Whether to hold this batch (of ``queued`` so far) open for more."""
+        return not (
             not self.commit_delay_s
             or self._closing
             or self._last_batch < COMMIT_SIBLINGS
-            or queued >= COMMIT_GATHER
-            or self._arrivals_per_s <= 0
-        ):
-            return 0.0
-        if self._hold_skip:
-            self._hold_skip -= 1
-            return 0.0
-        return min(self.commit_delay_s, (COMMIT_GATHER - queued) / self._arrivals_per_s)
+            or self._loop_busy < COMMIT_HOLD_BUSY
+            or queued >= self._gather_target()
+        )
 
-    def _held(self, gained: int, queued: int) -> None:
-        """After a hold that found ``queued`` commands and gained ``gained``:
-        a hold gathering less than a quarter of what it waited for backs off
-        (``COMMIT_HOLD_BACKOFF_MAX``)."""
-        self.stats.held += 1
-        if gained * 4 >= COMMIT_GATHER - queued:
-            self._hold_backoff = 0
+    def _gather_target(self) -> int:
+        """How many commands (the held one included) end a hold."""
+        return min(COMMIT_GATHER, int(self._gather))
+
+    def _measure_busy(self, now: float) -> None:
+        """The loop thread's share of CPU since the last measure, at most every
+        COMMIT_BUSY_SAMPLE_S (this task runs on the loop's thread)."""
+        since = now - self._busy_since
+        if since < COMMIT_BUSY_SAMPLE_S:
             return
-        self.stats.held_in_vain += 1
-        self._hold_backoff = min(max(1, 2 * self._hold_backoff), COMMIT_HOLD_BACKOFF_MAX)
-        self._hold_skip = self._hold_backoff
+        cpu = loop_cpu_time()
+        self._loop_busy = (cpu - self._busy_cpu) / since
+        self._busy_since, self._busy_cpu = now, cpu
 
-    def _measure_arrivals(self, taken: int) -> None:
-        """Commands per second between the last two batches taken (smoothed)."""
-        now = time.perf_counter()
-        since = now - self._last_taken
-        self._last_taken = now
-        self._last_batch = taken
-        if since > 1.0:  # idle in between: start over
-            self._arrivals_per_s = 0.0
-        elif since > 0:
-            rate = taken / since
-            avg = self._arrivals_per_s
-            self._arrivals_per_s = rate if not avg else 0.7 * avg + 0.3 * rate
+    async def _hold(self) -> None:
+        """Hold the batch open until as many commands are queued as the
+        largest recent batch had (at most COMMIT_GATHER), or the window ends."""
+        loop = asyncio.get_running_loop()
+        first = self._queue.qsize()
+        wake = self._hold_wake = loop.create_future()
+        self._hold_target = self._gather_target()
+        timer = loop.call_later(self.commit_delay_s, _wake, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            self._hold_wake = None
+        self.stats.held += 1
+        if self._queue.qsize() == first:
+            self.stats.held_in_vain += 1
+
+    def _arrived(self) -> None:
+        """A command was queued while a batch is held: end the hold once the
+        target is queued."""
+        if self._queue.qsize() + 1 >= self._hold_target:
+            _wake(self._hold_wake)
 
     async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
         now = self.clock.now_ms()
