@@ -15,6 +15,11 @@ creation order), on a fresh SQLite file at durability FULL:
    runs table, pruning, checkpoints); 50,000 average over it.
    The ratio of the last checkpoint to the first is the growth. Full garbage
    collections follow the schedule ``fencepost serve`` gives them (gcpolicy.py).
+   Once the fill is over and its writer closed, the first checkpoint's slice
+   is timed again on a fresh store (``--no-baseline-after`` skips it): the
+   cost at a few runs measured at the end of the run as well as at its start.
+   The growth against the mean of the two ("bracketed") does not take the
+   machine's drift over the fill, or the first slice's warm-up, for growth.
 2. **Live work**: ``--live`` more runs are acquired and left running.
 3. **Restart**: a real ``fencepost serve`` on that file, ``--restarts`` times
    (default 3; the median is reported): the time from spawn to gRPC health
@@ -57,6 +62,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import gc
 import json
 import re
 import shutil
@@ -115,58 +121,89 @@ def _store_mib(store: Store) -> float:
     return round(store.stat().st_size / 2**20, 1)
 
 
+class _Filler:
+    """Creates terminal runs through a writer: ``submitters`` concurrent tasks,
+    each an Acquire then a Finish per run."""
+
+    def __init__(self, writer: Writer, order: str, submitters: int) -> None:
+        self.writer = writer
+        self.ids = _ids(order)
+        self.submitters = submitters
+        self.made = 0
+
+    async def _one(self, owner: str) -> None:
+        run_id = next(self.ids)
+        rec = await self.writer.submit(Acquire(run_id, owner, ttl_ms=60_000))
+        assert isinstance(rec, Record)
+        await self.writer.submit(Finish(run_id, owner, rec.fencing_token, Status.COMPLETED))
+        self.made += 1
+
+    async def make(self, count: int) -> tuple[float, float, float]:
+        """Create ``count`` terminal runs: seconds taken, CPU seconds this
+        process used meanwhile (every thread), and the cores the hypervisor
+        gave to other machines meanwhile (steal)."""
+        target = self.made + count
+        t0, c0, s0 = time.perf_counter(), time.process_time(), _steal()
+
+        async def loop(k: int) -> None:
+            while self.made < target:
+                await self._one(f"w{k}")
+
+        await asyncio.gather(*(loop(k) for k in range(self.submitters)))
+        took = time.perf_counter() - t0
+        return took, time.process_time() - c0, (_steal() - s0) / took
+
+    async def timed_slice(self, at_runs: int, size: int, label: str) -> dict[str, Any]:
+        took, cpu, steal = await self.make(size)
+        us, cpu_us = took / size * 1e6, cpu / size * 1e6
+        print(f"  {label:<6} at {at_runs:>9,} runs: {us:7.1f} us per new run, {cpu_us:6.1f} us "
+              f"of CPU (steal {steal:.2f} cores)", flush=True)
+        return {"at_runs": at_runs, "us_per_run": round(us, 1),
+                "cpu_us_per_run": round(cpu_us, 1), "steal_cores": round(steal, 2)}
+
+
 async def _fill(store: Store, order: str, args: argparse.Namespace) -> dict[str, Any]:
     writer = Writer(_storage(store), SystemClock(), commit_delay_ms=8)
     await writer.start()
     collections = FullCollections()  # the collector's schedule `fencepost serve` runs with
     collections.start()
-    ids = _ids(order)
-    made = 0
+    filler = _Filler(writer, order, args.submitters)
     slices: list[dict[str, Any]] = []
-
-    async def one(owner: str) -> None:
-        nonlocal made
-        run_id = next(ids)
-        rec = await writer.submit(Acquire(run_id, owner, ttl_ms=60_000))
-        assert isinstance(rec, Record)
-        await writer.submit(Finish(run_id, owner, rec.fencing_token, Status.COMPLETED))
-        made += 1
-
-    async def make(count: int) -> tuple[float, float, float]:
-        """Create ``count`` terminal runs: seconds taken, CPU seconds this
-        process used meanwhile (every thread), and the cores the hypervisor
-        gave to other machines meanwhile (steal)."""
-        target = made + count
-        t0, c0, s0 = time.perf_counter(), time.process_time(), _steal()
-
-        async def loop(k: int) -> None:
-            while made < target:
-                await one(f"w{k}")
-
-        await asyncio.gather(*(loop(k) for k in range(args.submitters)))
-        took = time.perf_counter() - t0
-        return took, time.process_time() - c0, (_steal() - s0) / took
-
     try:
         for cp in sorted(args.checkpoints):
             if cp > args.runs:
                 break
-            if made < cp:
-                await make(cp - made)
-            took, cpu, steal = await make(args.slice)
-            us, cpu_us = took / args.slice * 1e6, cpu / args.slice * 1e6
-            slices.append({"at_runs": cp, "us_per_run": round(us, 1),
-                           "cpu_us_per_run": round(cpu_us, 1), "steal_cores": round(steal, 2)})
-            print(f"  {order:<6} at {cp:>9,} runs: {us:7.1f} us per new run, {cpu_us:6.1f} us "
-                  f"of CPU (steal {steal:.2f} cores)", flush=True)
-        if made < args.runs:
-            await make(args.runs - made)
+            if filler.made < cp:
+                await filler.make(cp - filler.made)
+            slices.append(await filler.timed_slice(cp, args.slice, order))
+        if filler.made < args.runs:
+            await filler.make(args.runs - filler.made)
         for k in range(args.live):
             await writer.submit(Acquire(f"live-{k:06d}", f"live-w{k % 16}", ttl_ms=3_600_000))
     finally:
         await collections.stop()
         await writer.close()
-    return {"slices": slices, "runs": made + args.live}
+    return {"slices": slices, "runs": filler.made + args.live}
+
+
+async def _baseline_after(store: Store, order: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The first checkpoint's slice again, on a fresh store, once the big fill
+    is over and its writer closed: the cost at a few runs, measured at the
+    end of the run as well as at its start, so that the machine's drift
+    over the fill (and the first slice's warm-up) shows."""
+    gc.collect()
+    writer = Writer(_storage(store), SystemClock(), commit_delay_ms=8)
+    await writer.start()
+    collections = FullCollections()
+    collections.start()
+    filler = _Filler(writer, order, args.submitters)
+    try:
+        first = min(args.checkpoints)
+        await filler.make(first)
+        return await filler.timed_slice(first, args.slice, f"{order}'")
+    finally:
+        await collections.stop()
+        await writer.close()
 
 
 def _steal() -> float:
@@ -287,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the filled files in DIR, and reuse those already there")
     p.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite",
                    help="the store measured (postgres: a throwaway cluster)")
+    p.add_argument("--no-baseline-after", dest="baseline_after", action="store_false",
+                   help="skip timing the first checkpoint's slice again on a fresh store "
+                        "after the fill")
     args = p.parse_args(argv)
     if args.restarts < 1:
         p.error("--restarts must be at least 1")
@@ -331,11 +371,27 @@ def main(argv: list[str] | None = None) -> int:
                 if args.keep is not None:
                     kept.write_text(json.dumps(fill, indent=2) + "\n")
             slices = fill["slices"]
+            if args.baseline_after and "baseline_after" not in fill and slices:
+                fresh: Store = workdir / f"{name}-baseline.db"
+                if cluster is not None:
+                    fresh = cluster.create_database(f"{name.replace('-', '_')}_baseline")
+                fill["baseline_after"] = asyncio.run(_baseline_after(fresh, order, args))
+                if isinstance(fresh, Path):
+                    fresh.unlink(missing_ok=True)
+                if args.keep is not None:
+                    kept.write_text(json.dumps(fill, indent=2) + "\n")
             if len(slices) >= 2:
                 fill["growth"] = round(slices[-1]["us_per_run"] / slices[0]["us_per_run"], 3)
                 if "cpu_us_per_run" in slices[0]:
                     fill["cpu_growth"] = round(
                         slices[-1]["cpu_us_per_run"] / slices[0]["cpu_us_per_run"], 3)
+                after = fill.get("baseline_after")
+                if after is not None:
+                    # against the mean of the two baselines, start and end
+                    for key, out in (("us_per_run", "growth_bracketed"),
+                                     ("cpu_us_per_run", "cpu_growth_bracketed")):
+                        base = (slices[0][key] + after[key]) / 2
+                        fill[out] = round(slices[-1][key] / base, 3)
             # unmeasured: brings a reused file's schema up to date and saves its index
             port = free_port()
             _restart(store, workdir, order, port, then_crash=False)
@@ -365,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {order:<6} {fill['runs']:,} runs ({fill['db_mib']} MiB, {args.store}; "
                   f"filled in {fill['fill_s']} s): new-run cost x{fill.get('growth', 0):.2f} "
                   f"(CPU x{fill.get('cpu_growth', 0):.2f}) from "
-                  f"{slices[0]['at_runs']:,} to {slices[-1]['at_runs']:,} runs; restart to "
+                  f"{slices[0]['at_runs']:,} to {slices[-1]['at_runs']:,} runs"
+                  + (f", x{fill['growth_bracketed']:.2f} (CPU x{fill['cpu_growth_bracketed']:.2f}) "
+                     f"against the mean of the first slice and the same slice timed again "
+                     f"after the fill" if "growth_bracketed" in fill else "")
+                  + "; restart to "
                   f"SERVING {fill['serving_s']:.2f} s (of {fill['serving_s_all']}) at "
                   f"{fill['rss_mib']} MiB RSS, after a crash "
                   f"{fill['after_crash_serving_s']:.2f} s (of "
