@@ -162,14 +162,24 @@ class _Filler:
                 "cpu_us_per_run": round(cpu_us, 1), "steal_cores": round(steal, 2)}
 
 
-async def _fill(store: Store, order: str, args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def _filling(store: Store, order: str, args: argparse.Namespace) -> Any:
+    """A ``_Filler`` on a writer over ``store``, with the full-collection
+    schedule `fencepost serve` runs with; both stopped on the way out."""
     writer = Writer(_storage(store), SystemClock(), commit_delay_ms=8)
     await writer.start()
-    collections = FullCollections()  # the collector's schedule `fencepost serve` runs with
+    collections = FullCollections()
     collections.start()
-    filler = _Filler(writer, order, args.submitters)
-    slices: list[dict[str, Any]] = []
     try:
+        yield _Filler(writer, order, args.submitters)
+    finally:
+        await collections.stop()
+        await writer.close()
+
+
+async def _fill(store: Store, order: str, args: argparse.Namespace) -> dict[str, Any]:
+    slices: list[dict[str, Any]] = []
+    async with _filling(store, order, args) as filler:
         for cp in sorted(args.checkpoints):
             if cp > args.runs:
                 break
@@ -179,10 +189,8 @@ async def _fill(store: Store, order: str, args: argparse.Namespace) -> dict[str,
         if filler.made < args.runs:
             await filler.make(args.runs - filler.made)
         for k in range(args.live):
-            await writer.submit(Acquire(f"live-{k:06d}", f"live-w{k % 16}", ttl_ms=3_600_000))
-    finally:
-        await collections.stop()
-        await writer.close()
+            await filler.writer.submit(
+                Acquire(f"live-{k:06d}", f"live-w{k % 16}", ttl_ms=3_600_000))
     return {"slices": slices, "runs": filler.made + args.live}
 
 
@@ -192,18 +200,10 @@ async def _baseline_after(store: Store, order: str, args: argparse.Namespace) ->
     end of the run as well as at its start, so that the machine's drift
     over the fill (and the first slice's warm-up) shows."""
     gc.collect()
-    writer = Writer(_storage(store), SystemClock(), commit_delay_ms=8)
-    await writer.start()
-    collections = FullCollections()
-    collections.start()
-    filler = _Filler(writer, order, args.submitters)
-    try:
+    async with _filling(store, order, args) as filler:
         first = min(args.checkpoints)
         await filler.make(first)
         return await filler.timed_slice(first, args.slice, f"{order}'")
-    finally:
-        await collections.stop()
-        await writer.close()
 
 
 def _steal() -> float:

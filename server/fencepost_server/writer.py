@@ -72,7 +72,7 @@ class WriterStats:
     max_batch: int = 0
     commit_seconds: float = 0.0
     held: int = 0  # batches held open by the commit delay
-    held_in_vain: int = 0  # of those, the ones that gathered (almost) nothing
+    held_in_vain: int = 0  # of those, the ones that gathered nothing
 
     @property
     def mean_batch(self) -> float:
@@ -509,8 +509,7 @@ class Writer:
             await queue.put(_Item(cmd, fut))
         else:
             queue.put_nowait(_Item(cmd, fut))
-        if self._hold_wake is not None:
-            self._arrived()
+        self._arrived()
         result = await fut
         return result  # type: ignore[no-any-return]
 
@@ -526,8 +525,7 @@ class Writer:
         except asyncio.QueueFull:
             raise LedgerError(Code.STORAGE_UNAVAILABLE, "writer queue is full; retry") from None
         self._idle.clear()
-        if self._hold_wake is not None:
-            self._arrived()
+        self._arrived()
         return fut
 
     def submit_with_answer(self, cmd: L.Command, answer: Answer) -> bool:
@@ -543,8 +541,7 @@ class Writer:
         except asyncio.QueueFull:
             return False
         self._idle.clear()
-        if self._hold_wake is not None:
-            self._arrived()
+        self._arrived()
         return True
 
     async def submit_with_answer_waiting(self, cmd: L.Command, answer: Answer) -> None:
@@ -555,8 +552,7 @@ class Writer:
             return
         self._idle.clear()
         await self._queue.put(_Item(cmd, None, answer))
-        if self._hold_wake is not None:
-            self._arrived()
+        self._arrived()
 
     def register(self, command_type: type, executor: Executor) -> None:
         """Route commands of this type (e.g. the engine store's) to
@@ -658,9 +654,9 @@ class Writer:
             self.stats.held_in_vain += 1
 
     def _arrived(self) -> None:
-        """A command was queued while a batch is held: end the hold once the
+        """A command was queued: if a batch is held, end the hold once the
         target is queued."""
-        if self._queue.qsize() + 1 >= self._hold_target:
+        if self._hold_wake is not None and self._queue.qsize() + 1 >= self._hold_target:
             _wake(self._hold_wake)
 
     async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
