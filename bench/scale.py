@@ -15,12 +15,15 @@ creation order), on a fresh SQLite file at durability FULL:
    runs table, pruning, checkpoints); 50,000 average over it.
    The ratio of the last checkpoint to the first is the growth. Full garbage
    collections follow the schedule ``fencepost serve`` gives them (gcpolicy.py).
-   Once the fill is over and its writer closed, the first checkpoint's slice
-   is timed again on a fresh store (``--no-baseline-after`` skips it): the
-   cost at a few runs measured at the end of the run as well as at its start.
-   The growth against the mean of the two ("bracketed") does not take the
-   machine's drift over the fill, or the first slice's warm-up, for growth.
 2. **Live work**: ``--live`` more runs are acquired and left running.
+   Then ``--rounds`` interleaved rounds (default 3; 0: none), each a slice
+   on the big store (its writer still the fill's) and, right after, the
+   first checkpoint's slice on a fresh small store (filled to that
+   checkpoint first, then timed the same way). The ratio of the two medians
+   is the growth measured side by side: the first and last checkpoints are a
+   minute apart, and this machine's speed drifts by 20-30 % over a minute
+   (the same slice on a fresh store took 30-43 µs per run in runs of one
+   day), which a single pair of slices takes for growth, or hides.
 3. **Restart**: a real ``fencepost serve`` on that file, ``--restarts`` times
    (default 3; the median is reported): the time from spawn to gRPC health
    SERVING, and its RSS then. The server's modules are compiled first, as an
@@ -62,7 +65,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
-import gc
 import json
 import re
 import shutil
@@ -72,6 +74,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +98,7 @@ Store = Path | str
 
 
 def _ids(order: str) -> Any:
-    n = 0
+    n = 0  # sorted ids of one store follow one another: one generator per store
     while True:
         n += 1
         yield uuid.uuid4().hex if order == "random" else f"run-{n:010d}"
@@ -177,8 +180,10 @@ async def _filling(store: Store, order: str, args: argparse.Namespace) -> Any:
         await writer.close()
 
 
-async def _fill(store: Store, order: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _fill(store: Store, order: str, args: argparse.Namespace,
+                small_store: Callable[[int], Store]) -> dict[str, Any]:
     slices: list[dict[str, Any]] = []
+    rounds: list[dict[str, Any]] = []
     async with _filling(store, order, args) as filler:
         for cp in sorted(args.checkpoints):
             if cp > args.runs:
@@ -191,19 +196,21 @@ async def _fill(store: Store, order: str, args: argparse.Namespace) -> dict[str,
         for k in range(args.live):
             await filler.writer.submit(
                 Acquire(f"live-{k:06d}", f"live-w{k % 16}", ttl_ms=3_600_000))
-    return {"slices": slices, "runs": filler.made + args.live}
-
-
-async def _baseline_after(store: Store, order: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The first checkpoint's slice again, on a fresh store, once the big fill
-    is over and its writer closed: the cost at a few runs, measured at the
-    end of the run as well as at its start, so that the machine's drift
-    over the fill (and the first slice's warm-up) shows."""
-    gc.collect()
-    async with _filling(store, order, args) as filler:
         first = min(args.checkpoints)
-        await filler.make(first)
-        return await filler.timed_slice(first, args.slice, f"{order}'")
+        for r in range(args.rounds if slices else 0):
+            big = await filler.timed_slice(filler.made + args.live, args.slice, f"{order}*")
+            async with _filling(small_store(r), order, args) as small:
+                await small.make(first)
+                rounds.append({"big": big, "small": await small.timed_slice(
+                    first, args.slice, f"{order}'")})
+    return {"slices": slices, "rounds": rounds, "runs": filler.made + args.live}
+
+
+def _side_by_side(rounds: list[dict[str, Any]], key: str) -> float:
+    """The interleaved rounds' growth: the big store's median slice over the
+    small store's."""
+    return round(median([r["big"][key] for r in rounds])
+                 / median([r["small"][key] for r in rounds]), 3)
 
 
 def _steal() -> float:
@@ -324,12 +331,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the filled files in DIR, and reuse those already there")
     p.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite",
                    help="the store measured (postgres: a throwaway cluster)")
-    p.add_argument("--no-baseline-after", dest="baseline_after", action="store_false",
-                   help="skip timing the first checkpoint's slice again on a fresh store "
-                        "after the fill")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds after the fill: a slice on the big store, then "
+                        "the first checkpoint's slice on a fresh store (0: none)")
     args = p.parse_args(argv)
     if args.restarts < 1:
         p.error("--restarts must be at least 1")
+    if args.rounds < 0:
+        p.error("--rounds must be 0 or more")
     if args.keep is not None and args.store == "postgres":
         p.error("--keep keeps SQLite files only")
     workdir = Path(tempfile.mkdtemp(prefix="fencepost-scale-"))
@@ -364,34 +373,27 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {order:<6} reusing {path} (filled {fill['filled_at']})", flush=True)
             else:
                 path.unlink(missing_ok=True)
+
+                def small_store(r: int, name: str = name) -> Store:
+                    if cluster is not None:
+                        return cluster.create_database(f"{name.replace('-', '_')}_small_{r}")
+                    return workdir / f"{name}-small-{r}.db"
+
                 t0 = time.perf_counter()
-                fill = asyncio.run(_fill(store, order, args))
+                fill = asyncio.run(_fill(store, order, args, small_store))
                 fill["fill_s"] = round(time.perf_counter() - t0, 1)
                 fill["filled_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
                 if args.keep is not None:
                     kept.write_text(json.dumps(fill, indent=2) + "\n")
             slices = fill["slices"]
-            if args.baseline_after and "baseline_after" not in fill and slices:
-                fresh: Store = workdir / f"{name}-baseline.db"
-                if cluster is not None:
-                    fresh = cluster.create_database(f"{name.replace('-', '_')}_baseline")
-                fill["baseline_after"] = asyncio.run(_baseline_after(fresh, order, args))
-                if isinstance(fresh, Path):
-                    fresh.unlink(missing_ok=True)
-                if args.keep is not None:
-                    kept.write_text(json.dumps(fill, indent=2) + "\n")
             if len(slices) >= 2:
                 fill["growth"] = round(slices[-1]["us_per_run"] / slices[0]["us_per_run"], 3)
                 if "cpu_us_per_run" in slices[0]:
                     fill["cpu_growth"] = round(
                         slices[-1]["cpu_us_per_run"] / slices[0]["cpu_us_per_run"], 3)
-                after = fill.get("baseline_after")
-                if after is not None:
-                    # against the mean of the two baselines, start and end
-                    for key, out in (("us_per_run", "growth_bracketed"),
-                                     ("cpu_us_per_run", "cpu_growth_bracketed")):
-                        base = (slices[0][key] + after[key]) / 2
-                        fill[out] = round(slices[-1][key] / base, 3)
+            if fill.get("rounds"):
+                fill["growth_side_by_side"] = _side_by_side(fill["rounds"], "us_per_run")
+                fill["cpu_growth_side_by_side"] = _side_by_side(fill["rounds"], "cpu_us_per_run")
             # unmeasured: brings a reused file's schema up to date and saves its index
             port = free_port()
             _restart(store, workdir, order, port, then_crash=False)
@@ -422,9 +424,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"filled in {fill['fill_s']} s): new-run cost x{fill.get('growth', 0):.2f} "
                   f"(CPU x{fill.get('cpu_growth', 0):.2f}) from "
                   f"{slices[0]['at_runs']:,} to {slices[-1]['at_runs']:,} runs"
-                  + (f", x{fill['growth_bracketed']:.2f} (CPU x{fill['cpu_growth_bracketed']:.2f}) "
-                     f"against the mean of the first slice and the same slice timed again "
-                     f"after the fill" if "growth_bracketed" in fill else "")
+                  + (f"; side by side x{fill['growth_side_by_side']:.2f} (CPU "
+                     f"x{fill['cpu_growth_side_by_side']:.2f}): the median of "
+                     f"{len(fill['rounds'])} slices at {fill['rounds'][-1]['big']['at_runs']:,} "
+                     f"runs over that of {len(fill['rounds'])} at "
+                     f"{fill['rounds'][0]['small']['at_runs']:,}, interleaved"
+                     if "growth_side_by_side" in fill else "")
                   + "; restart to "
                   f"SERVING {fill['serving_s']:.2f} s (of {fill['serving_s_all']}) at "
                   f"{fill['rss_mib']} MiB RSS, after a crash "
