@@ -69,7 +69,7 @@ bench: $(STAMP)  ## benchmarks (not tests): end to end vs echo, and the writer a
 	$(BIN)/python bench/run_all.py
 
 .PHONY: bench-peers
-bench-peers: $(STAMP)  ## fencepost (SQLite and PostgreSQL stores) vs etcd, PostgreSQL, Redis, same load (installs them if missing; ~10 min)
+bench-peers: $(STAMP)  ## fencepost (SQLite and PostgreSQL stores) vs etcd, PostgreSQL, Redis and a do-nothing gRPC server, same load (installs them if missing; ~12 min)
 	$(BIN)/python -c 'import asyncpg, redis, hiredis' 2>/dev/null || $(BIN)/python -m pip install --quiet asyncpg redis hiredis
 	$(BIN)/python bench/peers --install
 

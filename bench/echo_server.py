@@ -17,6 +17,8 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -61,6 +63,13 @@ class EchoLedger(ledger_pb2_grpc.LedgerServicer):
         self._renew = pb.RenewResponse(run=run)
         self._checkpoint = pb.RecordCheckpointResponse(run=run)
         self._finish = pb.FinishResponse(run=run)
+        self._by_kind = {
+            "acquire": self._acquire,
+            "renew": self._renew,
+            "record_checkpoint": self._checkpoint,
+            "finish": self._finish,
+            "release": pb.ReleaseResponse(run=run),
+        }
 
     async def Acquire(
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
@@ -81,6 +90,24 @@ class EchoLedger(ledger_pb2_grpc.LedgerServicer):
         self, request: pb.FinishRequest, context: grpc.aio.ServicerContext
     ) -> pb.FinishResponse:
         return self._finish
+
+    async def Execute(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ExecuteResponse]:
+        """Each message answered at once, every command with the prebuilt
+        response of its kind (a kind it has none for: UNIMPLEMENTED)."""
+        by_kind = self._by_kind
+        async for request in request_iterator:
+            response = pb.ExecuteResponse()
+            for cmd in request.commands:
+                result = response.results.add(id=cmd.id)
+                answer = by_kind.get(cmd.WhichOneof("kind") or "")
+                if answer is None:
+                    result.error.code = grpc.StatusCode.UNIMPLEMENTED.value[0]
+                    result.error.message = "the echo server answers lifecycle commands only"
+                else:
+                    getattr(result, cmd.WhichOneof("kind")).CopyFrom(answer)
+            yield response
 
 
 async def serve(listen: str) -> None:

@@ -30,6 +30,11 @@ etcd               2        Range, then Txn(compare mod_revision == read, put);
 postgres           1        one statement (INSERT .. ON CONFLICT / UPDATE .. WHERE
                             token, owner); a refusal costs a SELECT to say why
 redis              1        one EVALSHA of the command's Lua script
+echo-fleet,        as       the two SDK shapes against bench/echo_server.py: a Python
+echo-engine        above    gRPC Ledger that answers every command at once with a fixed
+                            record and stores nothing (no writer, no disk); not a peer
+                            but the ceiling any Python gRPC server has for these shapes
+                            on this machine (no contention run: it grants everything)
 =================  =======  ========================================================
 """
 
@@ -58,9 +63,13 @@ RPC_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 20.0
 
 BACKENDS = ("fencepost-unary", "fencepost-stream", "fencepost-fleet", "fencepost-engine",
-            "fencepost-pg-fleet", "fencepost-pg-engine", "etcd", "postgres", "redis")
+            "fencepost-pg-fleet", "fencepost-pg-engine", "etcd", "postgres", "redis",
+            "echo-fleet", "echo-engine")
+# the SDK's two shapes against bench/echo_server.py, a Ledger that answers at
+# once and stores nothing: the ceiling of any Python gRPC server for them
+ECHO_BACKENDS = ("echo-fleet", "echo-engine")
 SDK_BACKENDS = ("fencepost-fleet", "fencepost-engine", "fencepost-pg-fleet",
-                "fencepost-pg-engine")
+                "fencepost-pg-engine", *ECHO_BACKENDS)
 # fencepost with its PostgreSQL store: they need PostgreSQL's binaries, like the peer
 PG_BACKENDS = ("fencepost-pg-fleet", "fencepost-pg-engine")
 PEERS = ("etcd", "postgres", "redis")
@@ -74,6 +83,8 @@ ROUND_TRIPS = {
     "etcd": "2",
     "postgres": "1",
     "redis": "1",
+    "echo-fleet": "1 (SDK; no server work)",
+    "echo-engine": "1 shared (SDK; no server work)",
 }
 
 

@@ -7,7 +7,11 @@ process does (``fencepost-engine``: one Client per process), and over the raw
 protocol (``fencepost-unary``; ``fencepost-stream``, one Execute stream shared
 by all of a process's owners, which no SDK user can do); and with its
 PostgreSQL store (one coordinator, ``--db postgresql://...``) through the same
-two SDK shapes (``fencepost-pg-fleet``, ``fencepost-pg-engine``).
+two SDK shapes (``fencepost-pg-fleet``, ``fencepost-pg-engine``). The same two
+shapes also drive bench/echo_server.py (``echo-fleet``, ``echo-engine``), a
+Python gRPC Ledger that answers at once and stores nothing: the ceiling any
+Python server has for them here, so a gap to a peer can be split into what the
+SDK and gRPC cost and what fencepost's own server work costs.
 
 For each of ``--rounds`` rounds (default 3), every backend in a rotated order
 gets a fresh server on fresh data, a warm-up (default 2 s) and a measured
@@ -44,7 +48,7 @@ from benchlib import REPO, fmt_rate, machine, median
 from fencepost_server import pgcluster
 
 from . import servers
-from .backends import BACKENDS, PEERS, PG_BACKENDS, ROUND_TRIPS
+from .backends import BACKENDS, ECHO_BACKENDS, PEERS, PG_BACKENDS, ROUND_TRIPS
 from .history import check
 from .load import ContentionResult, RaceConfig, RunResult, drive
 
@@ -262,8 +266,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tries: list[RunResult] = []
                 for attempt in range(1 + args.retry_noisy):
                     tag = f"r{rnd}" + (f"-{attempt}" if attempt else "")
-                    # the engine shape has one owner per process: no contention run
-                    contend = race if last and not b.endswith("-engine") else None
+                    # the engine shape has one owner per process, and the echo
+                    # server grants everything: no contention run for them
+                    contend = (race if last and not b.endswith("-engine")
+                               and b not in ECHO_BACKENDS else None)
                     got = _one_run(b, rnd, tag, workdir, args, opts, contend, failures)
                     if got is None:
                         break

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from benchlib import BIN, HOST, ServerProcess, free_port, start_server, terminate
+from benchlib import BIN, HOST, REPO, ServerProcess, free_port, start_server, terminate
 
 from fencepost_server.pgcluster import Cluster, find_binary
 
-from .backends import PG_BACKENDS
+from .backends import ECHO_BACKENDS, PG_BACKENDS
 from .semantics import PG_SCHEMA, PG_USER
 
 # both PostgreSQL servers (the peer's, and fencepost-pg-*'s store) run with these
@@ -346,7 +346,15 @@ def start_redis(workdir: Path, tag: str) -> Running:
     return Running("redis", f"{HOST}:{port}", srv)
 
 
+def start_echo(backend: str, workdir: Path, tag: str) -> Running:
+    argv = [str(BIN / "python"), str(REPO / "bench" / "echo_server.py"), "--listen", f"{HOST}:0"]
+    srv = start_server(backend, argv, workdir / f"{backend}-{tag}.log")
+    return Running(backend, srv.wait_ready(r"echo serving on (\S+)"), srv)
+
+
 def start(backend: str, workdir: Path, tag: str) -> Running:
+    if backend in ECHO_BACKENDS:
+        return start_echo(backend, workdir, tag)
     if backend in PG_BACKENDS:
         return start_fencepost_pg(backend, workdir, tag)
     if backend.startswith("fencepost"):

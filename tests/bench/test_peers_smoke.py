@@ -2,9 +2,10 @@
 
 The checker tests drive the real contention clients against an in-memory
 backend, a correct one and two broken ones, so a checker that cannot fail is
-caught. The smoke run starts real servers: fencepost (unary and stream)
-always, etcd, PostgreSQL and Redis when installed (skipped otherwise; ``make
-bench-peers`` installs them), for about a second each.
+caught. The smoke run starts real servers: fencepost (unary, stream and the
+SDK's two shapes) and the do-nothing echo server always, etcd, PostgreSQL and
+Redis when installed (skipped otherwise; ``make bench-peers`` installs them),
+for about a second each.
 """
 
 from __future__ import annotations
@@ -121,13 +122,14 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     summary = result["summary"]
     assert {"fencepost-unary", "fencepost-stream", "fencepost-fleet",
-            "fencepost-engine"} <= set(summary), log
+            "fencepost-engine", "echo-fleet", "echo-engine"} <= set(summary), log
     if pgcluster.available():  # fencepost on its PostgreSQL store
         assert {"fencepost-pg-fleet", "fencepost-pg-engine"} <= set(summary), log
     for backend in result["backends"]:
         assert summary[backend]["ops_per_s"] > 0, (backend, log)
         assert summary[backend]["errors"] == 0, (backend, log)
-        if backend.endswith("-engine"):  # one owner per process: no contention run
+        # one owner per process, or a server that grants everything: no contention run
+        if backend.endswith("-engine") or backend.startswith("echo-"):
             assert backend not in result["contention"], log
             continue
         race = result["contention"][backend]
