@@ -39,7 +39,7 @@ import grpc
 
 from fencepost._security import is_loopback as _host_is_loopback
 
-from .core.errors import Code, LedgerError
+from .core.errors import Code, LedgerError, owner_bound_ok, owner_not_permitted
 
 log = logging.getLogger("fencepost.auth")
 
@@ -110,7 +110,7 @@ OWNER_FIELDS: dict[str, tuple[str, ...]] = {
     "fencepost.v1.EngineUpdateRunRequest": ("expect_owner",),
     # the raw seam writes a lease's owner directly
     "fencepost.v1.CreateRequest": ("run.lease.owner",),
-    # CompareAndSet: check_raw_lease_owner (keeping the current holder is no grant)
+    # CompareAndSet: decided by the writer (bound_to; keeping the holder is no grant)
     "fencepost.v1.KeepAliveHello": ("owner",),
 }
 
@@ -129,9 +129,7 @@ class Principal:
     bound: bool  # owner binding applies (identities are on and it is no admin)
 
     def may_use_owner(self, owner: str) -> bool:
-        if not self.bound:
-            return True
-        return owner == self.name or owner.startswith(self.name + "/")
+        return not self.bound or owner_bound_ok(self.name, owner)
 
 
 OPEN = Principal("", ALL_ROLES, bound=False)
@@ -162,15 +160,8 @@ def check_role(principal: Principal, allowed: frozenset[str], what: str) -> None
 
 
 def check_owner(principal: Principal, owner: str, field_name: str) -> None:
-    if principal.may_use_owner(owner):
-        return
-    raise LedgerError(
-        Code.OWNER_NOT_PERMITTED,
-        f"{field_name}: {principal.name!r} may only use the owner {principal.name!r} or "
-        f"owners starting with {principal.name + '/'!r}, not {owner!r}",
-        field=field_name,
-        metadata={"owner": owner, "principal": principal.name},
-    )
+    if not principal.may_use_owner(owner):
+        raise owner_not_permitted(principal.name, owner, field_name)
 
 
 def _get_path(msg: Any, path: str) -> str | None:
@@ -214,21 +205,12 @@ def check_transaction(principal: Principal, request: Any, prefix: str = "") -> N
         check_owners(principal, getattr(cmd, kind), prefix=f"{prefix}commands[{i}].{kind}.")
 
 
-def check_raw_lease_owner(principal: Principal, runs: Mapping[str, Any], request: Any) -> None:
-    """A raw CompareAndSet may keep the lease holder of the version it
-    replaces (rewriting another field); giving the lease to an owner is bound
-    like an Acquire. Sound against races: a different committed version makes
-    the swap fail anyway."""
-    if not principal.bound or getattr(request, "DESCRIPTOR", None) is None:
-        return  # no identities, or Malformed (the handler refuses it)
-    if not request.next.HasField("lease"):
-        return
-    current = runs.get(request.run_id)
-    owner = request.next.lease.owner
-    keeps = (current is not None and current.version == request.expected_version
-             and current.lease is not None and current.lease.owner == owner)
-    if not keeps:
-        check_owner(principal, owner, "next.lease.owner")
+def bound_to(principal: Principal) -> str | None:
+    """The name a raw CompareAndSet's new lease owner is bound to (None: not
+    bound). The writer judges it against the version the swap replaces, after
+    the request id: keeping that version's lease holder is no grant, and a
+    retry of a swap already made gets its answer, not a refusal."""
+    return principal.name if principal.bound else None
 
 
 def check_command(kind: str, request: Any) -> None:

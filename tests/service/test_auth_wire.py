@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -383,12 +384,15 @@ def test_raw_seam_owners_are_bound_without_a_policy(mtls_channels: dict[str, grp
                                                     channels: dict[str, grpc.Channel]) -> None:
     run = f"raw-{time.monotonic_ns()}"
     rec = record_pb2.Run(schema=1, run_id=run, status=record_pb2.RUN_STATUS_RUNNING,
-                         fencing_token=1, version=1,
+                         fencing_token=1, version=1, attempt=1,
                          lease=record_pb2.Lease(owner="w2"))
     got = _rpc(mtls_channels["w1"], "RunStore", "Create", run_store_pb2.CreateRequest(run=rec))
     _owner_refused(got, "w2", "w1")
+    later = record_pb2.Run()
+    later.CopyFrom(rec)
+    later.version = 2
     got = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet",
-               run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=0, next=rec))
+               run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=1, next=later))
     _owner_refused(got, "w2", "w1")
     # rewriting a record that keeps its current holder is no grant: allowed
     w2 = ledger_pb2_grpc.LedgerStub(mtls_channels["w2"])
@@ -402,7 +406,7 @@ def test_raw_seam_owners_are_bound_without_a_policy(mtls_channels: dict[str, grp
                                                   next=nxt))
     assert got.code is OK, got
     # ... but expecting another version is judged as a grant
-    nxt.version += 5
+    nxt.version = cur.version + 5
     got = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet",
                run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version + 4,
                                                   next=nxt))
@@ -410,6 +414,39 @@ def test_raw_seam_owners_are_bound_without_a_policy(mtls_channels: dict[str, grp
     # with a policy, the raw seam is the admin's, and an admin is not bound
     got = _rpc(channels["admin"], "RunStore", "Create", run_store_pb2.CreateRequest(run=rec))
     assert got.reason != "OWNER_NOT_PERMITTED", got
+
+
+def test_a_raw_swap_that_kept_the_holder_is_answered_again_on_retry(
+        mtls_channels: dict[str, grpc.Channel]) -> None:
+    """A retry of a swap already made (its answer lost with the connection)
+    gets that answer, though the version it expected is gone: the binding is
+    judged against the version the swap replaced, after the request id. The
+    same id from another principal is a different request."""
+    run = f"raw-retry-{time.monotonic_ns()}"
+    w2 = ledger_pb2_grpc.LedgerStub(mtls_channels["w2"])
+    cur = w2.Acquire(pb.AcquireRequest(run_id=run, owner="w2")).run
+    nxt = record_pb2.Run()
+    nxt.CopyFrom(cur)
+    nxt.version += 1
+    nxt.checkpoint_ref.key, nxt.checkpoint_ref.snapshot_version = "raw-k", 1
+    req = run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version,
+                                             next=nxt, request_id=uuid.uuid4().hex)
+    first = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet", req)
+    again = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet", req)
+    assert first.code is OK and again.code is OK, (first, again)
+    answers = [run_store_pb2.CompareAndSetResponse.FromString(a.responses[0])
+               for a in (first, again)]
+    assert answers[0] == answers[1] and answers[0].swapped, answers
+    assert answers[0].run.version == cur.version + 1
+    other = _rpc(mtls_channels["nobody"], "RunStore", "CompareAndSet", req)
+    assert (other.code, other.reason) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                          "RUN_VALIDATION_ERROR"), other
+    # a swap that would give the lease away is still refused, and so is its retry
+    nxt.version = cur.version + 5
+    give = run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version + 4,
+                                              next=nxt, request_id=uuid.uuid4().hex)
+    for _ in range(2):
+        _owner_refused(_rpc(mtls_channels["w1"], "RunStore", "CompareAndSet", give), "w2", "w1")
 
 
 def test_an_admin_may_use_any_owner(channels: dict[str, grpc.Channel]) -> None:

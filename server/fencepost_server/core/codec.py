@@ -21,7 +21,7 @@ def fingerprint(cmd: L.Command) -> str:
     different request is refused rather than answered with a stale answer.
 
     The digest is of the command's dataclass ``repr`` with ``request_id=''``
-    (and, for a command without a fence, without its ``fence=None``) — stable
+    (and without a ``fence`` or ``bound_to`` that is None) — stable
     across releases, since stored fingerprints must still match after an
     upgrade — built field by field (``_repr_without_request_id``): the
     generated ``__repr__`` behind ``dataclasses.replace`` cost 10 us a command."""
@@ -30,6 +30,7 @@ def fingerprint(cmd: L.Command) -> str:
 
 
 _REPR_FIELDS: dict[type, tuple[str, tuple[str, ...]]] = {}
+_NONE_LEFT_OUT = frozenset({"fence", "bound_to"})
 
 
 def _repr_without_request_id(cmd: Any) -> str:
@@ -40,12 +41,12 @@ def _repr_without_request_id(cmd: Any) -> str:
         names = tuple(f.name for f in fields(cls) if f.repr)
         spec = _REPR_FIELDS[cls] = (cls.__qualname__, names)
     qualname, names = spec
-    # An absent fence is left out, so that an unfenced command's fingerprint
-    # is the one it had before commands could carry a fence.
+    # An absent fence or binding is left out, so that such a command's
+    # fingerprint is the one it had before commands could carry them.
     parts = [
         "request_id=''" if name == "request_id" else f"{name}={value!r}"
         for name in names
-        if (value := getattr(cmd, name)) is not None or name != "fence"
+        if (value := getattr(cmd, name)) is not None or name not in _NONE_LEFT_OUT
     ]
     return f"{qualname}({', '.join(parts)})"
 

@@ -68,6 +68,23 @@ class LedgerError(Exception):
         return f"LedgerError({self.code.value}, {self.message!r})"
 
 
+def owner_bound_ok(principal: str, owner: str) -> bool:
+    """Whether a principal whose owners are bound (docs/SECURITY.md) may use
+    ``owner``: its own name, or a name under it (``principal/...``)."""
+    return owner == principal or owner.startswith(principal + "/")
+
+
+def owner_not_permitted(principal: str, owner: str, field: str) -> LedgerError:
+    """The refusal of an owner the principal may not use."""
+    return LedgerError(
+        Code.OWNER_NOT_PERMITTED,
+        f"{field}: {principal!r} may only use the owner {principal!r} or "
+        f"owners starting with {principal + '/'!r}, not {owner!r}",
+        field=field,
+        metadata={"owner": owner, "principal": principal},
+    )
+
+
 def validation(field: str, message: str) -> LedgerError:
     """A RUN_VALIDATION_ERROR whose message starts with the field it names."""
     return LedgerError(Code.RUN_VALIDATION_ERROR, f"{field}: {message}", field=field)

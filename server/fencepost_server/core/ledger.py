@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from .errors import Code, LedgerError, validation
+from .errors import Code, LedgerError, owner_bound_ok, owner_not_permitted, validation
 from .records import (
     CheckpointRef,
     Lease,
@@ -143,6 +143,10 @@ class RawCompareAndSet:
     expected_version: int
     next: Record
     request_id: str = ""
+    # The caller's name when its owners are bound (docs/SECURITY.md), else
+    # None: giving the lease to an owner it may not use is refused, keeping
+    # the replaced version's holder is not.
+    bound_to: str | None = None
 
 
 @dataclass(slots=True)
@@ -570,6 +574,12 @@ def _raw_cas(
         raise validation("next.run_id", "must equal run_id")
     if cmd.next.version != cmd.expected_version + 1:
         raise validation("next.version", "must be expected_version + 1")
+    new_lease = cmd.next.lease
+    if cmd.bound_to is not None and new_lease is not None:
+        keeps = (cur is not None and cur.version == cmd.expected_version
+                 and cur.lease is not None and cur.lease.owner == new_lease.owner)
+        if not keeps and not owner_bound_ok(cmd.bound_to, new_lease.owner):
+            raise owner_not_permitted(cmd.bound_to, new_lease.owner, "next.lease.owner")
     if cur is None or cur.version != cmd.expected_version:
         return Decision(None, Swapped(False, cur))
     if cmd.next.fencing_token < cur.fencing_token:
@@ -579,7 +589,6 @@ def _raw_cas(
             cur,
             field="next.fencing_token",
         )
-    new_lease = cmd.next.lease
     if (
         new_lease is not None
         and (cur.lease is None or cur.lease.owner != new_lease.owner)

@@ -51,8 +51,9 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
     async def CompareAndSet(
         self, request: pb.CompareAndSetRequest, context: grpc.aio.ServicerContext
     ) -> pb.CompareAndSetResponse:
-        auth.check_raw_lease_owner(auth.current(), self.writer.state.runs, request)
-        result = await self.writer.submit(convert.raw_cas(request))
+        cmd = convert.raw_cas(request)
+        cmd.bound_to = auth.bound_to(auth.current())
+        result = await self.writer.submit(cmd)
         assert isinstance(result, L.Swapped)
         resp = pb.CompareAndSetResponse(swapped=result.swapped)
         if result.record is not None:
