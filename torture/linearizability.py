@@ -11,6 +11,10 @@ revision included). Every recorded operation becomes one of:
 * **validate** (ValidateFence): a partial read of (found, token, status).
 * **write** (an acknowledged ledger command or raw CAS/Create): the result is
   version v+1, so it is a compare-and-set from version v to the returned value.
+  Every commit has a revision of its own, above those before it, so a write
+  (or a delete whose revision was answered) also follows only a record of a
+  lower revision: a record re-created at version 1 is not mistaken for an
+  earlier one of the same version.
   Suspend/Finish/Release/Cancel/RequestResume may also *converge* (return the
   record unchanged): then they are a read of the returned value.
 * **delete** (DeleteRun, raw Delete): present -> absent; DeleteRun's answered
@@ -90,6 +94,7 @@ class COp:
     vstatus: int = 0
     current: bool | None = None
     pre: str | None = None  # extends: the exact record it replaced
+    rev: int | None = None  # a write's or delete's commit revision, when known
 
 
 def normalize(ops: list[Op], run: str) -> list[COp]:
@@ -133,14 +138,15 @@ def normalize(ops: list[Op], run: str) -> list[COp]:
             if f == "raw_delete" and not op.x.get("deleted"):
                 add(op, READ, val=None)
             else:
-                add(op, DELETE, token=op.x.get("token"))
+                add(op, DELETE, token=op.x.get("token"), rev=op.x.get("revision"))
         elif f == "raw_create" and not op.x.get("created"):
             add(op, READ, val=canon(rec))
         elif f == "raw_cas" and not op.x.get("swapped"):
             add(op, READ, val=canon(rec) if rec is not None else None)
         else:
             assert rec is not None, op
-            add(op, WRITE, val=canon(rec), version=rec["version"], converge=f in CONVERGING)
+            add(op, WRITE, val=canon(rec), version=rec["version"], converge=f in CONVERGING,
+                rev=rec.get("revision"))
     return out
 
 
@@ -267,12 +273,16 @@ class Model:
             return s
         return None
 
+    def later(self, s: State, c: COp) -> bool:
+        """Whether ``c``'s commit can follow state ``s`` (known revisions only)."""
+        return s[0] != "R" or c.rev is None or int(self.rec(s[1])["revision"]) < c.rev
+
     def apply(self, s: State, c: COp) -> State | None:
         """Apply a known write, delete or extension. None: illegal here."""
         if c.kind == WRITE:
             if c.version == 1:
                 return ("R", c.val) if s[0] == "A" else None
-            if s[0] == "A" or self.version(s) != c.version - 1:
+            if s[0] == "A" or self.version(s) != c.version - 1 or not self.later(s, c):
                 return None
             return ("R", c.val)
         if c.kind == EXTENDS:
@@ -283,7 +293,7 @@ class Model:
                 return ("R", c.val) if compat else None
             return None
         if c.kind == DELETE:
-            if s[0] == "A":
+            if s[0] == "A" or not self.later(s, c):
                 return None
             tok = self.token(s)
             if c.token is not None and tok is not None and tok != c.token:

@@ -163,3 +163,23 @@ def test_liveness_bound() -> None:
 def test_invalid_status_is_reported() -> None:
     bad = C.check_answers([op("renew", 0, None, "unknown", code="INTERNAL", owner="A", token=1)])
     assert len(bad) == 1
+
+
+def test_a_recreated_run_is_not_mistaken_for_the_one_before() -> None:
+    """Two records of version 1 a delete apart, the later writes answered
+    after retries that span the others: only the revisions tell the order.
+    An order that put B's renew on A's record would be a fencing violation
+    that never happened."""
+    assert checks(
+        op("get_run", 0, 1, "fail", code="RUN_NOT_FOUND"),
+        op("raw_delete", 1, 40, x={"deleted": True, "revision": 48}),
+        op("acquire", 1, 41, r=rec(1, tok=52, owner="B", rev=49), owner="B", ttl=1000),
+        op("acquire", 20, 21, r=rec(1, tok=51, owner="A", rev=46), owner="A", ttl=1000),
+        op("renew", 50, 51, r=rec(2, tok=52, owner="B", rev=53), owner="B", token=52, since=1),
+    ) == {}
+    # and a renew of B's record with no delete between the two is still caught
+    assert checks(
+        op("get_run", 0, 1, "fail", code="RUN_NOT_FOUND"),
+        op("acquire", 20, 21, r=rec(1, tok=51, owner="A", rev=46), owner="A", ttl=1000),
+        op("renew", 50, 51, r=rec(2, tok=52, owner="B", rev=53), owner="B", token=52, since=1),
+    ).get("fencing") == 1
