@@ -8,6 +8,8 @@ stream, and across failovers. Longer runs: ``make torture DURATION=900`` (docs/R
 from __future__ import annotations
 
 import re
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -18,11 +20,27 @@ from torture.runner import Config, Outcome, run
 SEED = 1
 
 
+# where a failed run's history is kept: pytest deletes its temporary
+# directories after three later sessions, and a violation is read op by op
+KEPT = Path(__file__).resolve().parents[2] / "build" / "torture-failures"
+
+
 def _run(tmp_path: Path, **kw: object) -> Outcome:
     kw.setdefault("seed", SEED)
     outcome = run(Config(out=tmp_path / "torture", **kw))  # type: ignore[arg-type]
     print("\n" + outcome.summary())
     return outcome
+
+
+def _clean(outcome: Outcome, tmp_path: Path, name: str) -> str:
+    """The failure message for a run that should have been clean; its history
+    is copied under build/torture-failures first, and the message says where
+    (``python -m torture --check-only DIR`` checks it again)."""
+    if outcome.ok:
+        return ""
+    kept = KEPT / f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    shutil.copytree(tmp_path / "torture", kept, dirs_exist_ok=True)
+    return f"{outcome.summary()}\nhistory kept in {kept}"
 
 
 # the PostgreSQL mode: 3 coordinators, and a seed whose schedule holds every
@@ -40,7 +58,7 @@ def test_torture_fixed_seed_has_zero_violations(tmp_path: Path, mode: str) -> No
     pg = mode == "postgres"
     kw: dict[str, object] = PG if pg else {"tls": mode == "mutual-tls"}
     outcome = _run(tmp_path, duration_s=60.0, transport="mixed", **kw)
-    assert outcome.ok, outcome.summary()
+    assert outcome.ok, _clean(outcome, tmp_path, mode)
     # both transports carried ledger mutations, on the same runs
     tps = outcome.ops_by_transport
     least = 300 if pg else 500
