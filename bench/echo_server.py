@@ -101,12 +101,13 @@ class EchoLedger(ledger_pb2_grpc.LedgerServicer):
             response = pb.ExecuteResponse()
             for cmd in request.commands:
                 result = response.results.add(id=cmd.id)
-                answer = by_kind.get(cmd.WhichOneof("kind") or "")
+                kind = cmd.WhichOneof("kind") or ""
+                answer = by_kind.get(kind)
                 if answer is None:
                     result.error.code = grpc.StatusCode.UNIMPLEMENTED.value[0]
                     result.error.message = "the echo server answers lifecycle commands only"
                 else:
-                    getattr(result, cmd.WhichOneof("kind")).CopyFrom(answer)
+                    getattr(result, kind).CopyFrom(answer)
             yield response
 
 

@@ -380,6 +380,19 @@ def test_impersonation_on_the_engine_store(chans: dict[str, grpc.Channel]) -> No
                                                           ttl_ms=1000)).acquired
 
 
+def _held_by_w2_and_rewritten(chans: dict[str, grpc.Channel],
+                              run: str) -> tuple[record_pb2.Run, record_pb2.Run]:
+    """``run`` acquired by w2, and its next version that keeps w2's lease and
+    only points the checkpoint elsewhere (a rewrite, no grant)."""
+    cur = ledger_pb2_grpc.LedgerStub(chans["w2"]).Acquire(
+        pb.AcquireRequest(run_id=run, owner="w2")).run
+    nxt = record_pb2.Run()
+    nxt.CopyFrom(cur)
+    nxt.version += 1
+    nxt.checkpoint_ref.key, nxt.checkpoint_ref.snapshot_version = "raw-k", 1
+    return cur, nxt
+
+
 def test_raw_seam_owners_are_bound_without_a_policy(mtls_channels: dict[str, grpc.Channel],
                                                     channels: dict[str, grpc.Channel]) -> None:
     run = f"raw-{time.monotonic_ns()}"
@@ -395,12 +408,7 @@ def test_raw_seam_owners_are_bound_without_a_policy(mtls_channels: dict[str, grp
                run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=1, next=later))
     _owner_refused(got, "w2", "w1")
     # rewriting a record that keeps its current holder is no grant: allowed
-    w2 = ledger_pb2_grpc.LedgerStub(mtls_channels["w2"])
-    cur = w2.Acquire(pb.AcquireRequest(run_id=run, owner="w2")).run
-    nxt = record_pb2.Run()
-    nxt.CopyFrom(cur)
-    nxt.version += 1
-    nxt.checkpoint_ref.key, nxt.checkpoint_ref.snapshot_version = "raw-k", 1
+    cur, nxt = _held_by_w2_and_rewritten(mtls_channels, run)
     got = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet",
                run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version,
                                                   next=nxt))
@@ -422,13 +430,8 @@ def test_a_raw_swap_that_kept_the_holder_is_answered_again_on_retry(
     gets that answer, though the version it expected is gone: the binding is
     judged against the version the swap replaced, after the request id. The
     same id from another principal is a different request."""
-    run = f"raw-retry-{time.monotonic_ns()}"
-    w2 = ledger_pb2_grpc.LedgerStub(mtls_channels["w2"])
-    cur = w2.Acquire(pb.AcquireRequest(run_id=run, owner="w2")).run
-    nxt = record_pb2.Run()
-    nxt.CopyFrom(cur)
-    nxt.version += 1
-    nxt.checkpoint_ref.key, nxt.checkpoint_ref.snapshot_version = "raw-k", 1
+    cur, nxt = _held_by_w2_and_rewritten(mtls_channels, f"raw-retry-{time.monotonic_ns()}")
+    run = cur.run_id
     req = run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version,
                                              next=nxt, request_id=uuid.uuid4().hex)
     first = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet", req)
