@@ -125,6 +125,13 @@ def test_every_docs_page_mentioned_exists() -> None:
     assert missing == []
 
 
+def test_the_docs_index_links_every_page() -> None:
+    index = REPO / "docs" / "README.md"
+    linked = {(index.parent / t.partition("#")[0]).resolve() for _, t in links(index)}
+    pages = {p.resolve() for p in (REPO / "docs").glob("*.md")} - {index.resolve()}
+    assert sorted(p.name for p in pages - linked) == []
+
+
 def test_no_file_outside_tests_mentions_the_workspace() -> None:
     offenders = [name for name in tracked_files() if not name.startswith("tests/")
                  and "../shared" in (REPO / name).read_text(encoding="utf-8", errors="replace")]
