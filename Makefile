@@ -21,16 +21,21 @@ help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}' \
 	  | sed -e 's|$$(ADDR)|$(ADDR)|g' -e 's|$$(DB)|$(DB)|g'
 
-$(STAMP): pyproject.toml
+# Two distributions, both installed editable from the checkout: the SDK
+# (clients/python: fencepost) and the server (server: fencepost-server).
+PKG_FILES := pyproject.toml clients/python/pyproject.toml server/pyproject.toml server/setup.py
+EDITABLE  := -e clients/python -e server
+
+$(STAMP): $(PKG_FILES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet $(EDITABLE) -e '.[dev]'
 	touch $(STAMP) $(SERVE_STAMP)
 
-# Serving needs the package and its runtime dependencies only (no dev tools).
-$(SERVE_STAMP): pyproject.toml
+# Serving needs the packages and their runtime dependencies only (no dev tools).
+$(SERVE_STAMP): $(PKG_FILES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet $(EDITABLE)
 	touch $(SERVE_STAMP)
 
 all: test  ## exactly what CI runs (lint + every test)
@@ -57,9 +62,10 @@ test: $(STAMP) lint browser postgres  ## lint, then every test (slow ones includ
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 	$(MAKE) test-ts
 
-lint: $(STAMP)  ## ruff and mypy on our own code
+lint: $(STAMP)  ## ruff and mypy on our own code; proto/ against the last released API (buf breaking)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/api_breaking.py
 
 proto: $(STAMP) $(TS_STAMP)  ## regenerate the checked-in stubs from proto/ (Python and TypeScript)
 	$(BIN)/python -m fencepost_server._codegen $(GEN_DIR)

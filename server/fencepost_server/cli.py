@@ -31,7 +31,6 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import version
 from .storage.sqlite import Durability
 
 if TYPE_CHECKING:
@@ -280,9 +279,19 @@ def default_addr(env: Any) -> str:
     return "127.0.0.1:50051"
 
 
+class _Version(argparse.Action):
+    # not argparse's own: it rewraps lines, and the schemas import psycopg only when asked
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
+        from . import version_text
+
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fencepost", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"fencepost {version()}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print the release, API and storage schema versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     from . import cli_ops

@@ -188,7 +188,8 @@ def test_make_serve_installs_only_what_serving_needs(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=True).stdout
     installs = [line for line in plan.splitlines() if "pip install" in line]
     assert installs, plan
-    assert all("[dev]" not in line and "-e ." in line for line in installs), installs
+    assert all("[dev]" not in line and "-e clients/python -e server" in line
+               for line in installs), installs
 
 
 @pytest.mark.slow
