@@ -112,9 +112,42 @@ $(TS_STAMP): $(TS_DIR)/package-lock.json $(TS_DIR)/package.json
 test-ts: $(STAMP) $(TS_STAMP)  ## TypeScript clients: build, then their tests against real servers
 	cd $(TS_DIR) && FENCEPOST_BIN=$(abspath $(BIN))/fencepost npm test
 
+# Release artifacts. The wheels are built from the sdists (python -m build),
+# with the venv's setuptools: no build environment to fetch.
+DIST      ?= dist
+VERSION    = $(shell $(BIN)/python -c 'import fencepost; print(fencepost.__version__)')
+IMAGE_TAR  = $(DIST)/fencepost-server-$(VERSION).image.tar
+TS_PACKAGES := client oma chamvi
+.PHONY: dist dist-packages image
+dist-packages: $(STAMP) $(TS_STAMP)  ## the two Python sdists and wheels and the three npm tarballs in $(DIST)/
+	mkdir -p $(DIST)
+	$(BIN)/python -m build --no-isolation --outdir $(DIST) clients/python
+	$(BIN)/python -m build --no-isolation --outdir $(DIST) server
+	cd $(TS_DIR) && npm run --silent build
+	cd $(TS_DIR) && npm pack --silent --pack-destination $(abspath $(DIST)) \
+	  $(foreach p,$(TS_PACKAGES),--workspace packages/$(p))
+
+# The image is built with buildah from Debian's own packages (scripts/build_image.sh),
+# then run with podman and checked: health check, a lifecycle, non-root, SIGTERM.
+IMAGE_TOOLS := buildah podman debootstrap runc
+image: $(STAMP)  ## build the container image into $(DIST)/ and check it runs (buildah, podman; ~5 min)
+	@for t in $(IMAGE_TOOLS); do command -v $$t >/dev/null || { \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  $(SUDO) apt-get install -y -qq $(IMAGE_TOOLS); break; }; done
+	mkdir -p $(DIST)
+	scripts/build_image.sh $(VERSION) $(IMAGE_TAR)
+	FENCEPOST_IMAGE=$(abspath $(IMAGE_TAR)) $(BIN)/python -m pytest -q -n 0 -p no:cacheprovider \
+	  tests/release/test_image.py
+
+dist: $(STAMP)  ## every artifact (sdists, wheels, npm tarballs, the image) in $(DIST)/ with SHA256SUMS
+	rm -rf $(DIST)
+	$(MAKE) dist-packages image DIST=$(DIST)
+	cd $(DIST) && sha256sum $$(ls | grep -v '^SHA256SUMS$$') > SHA256SUMS
+
 clean:  ## remove the venv, caches and build output (never your data: see clean-data)
 	rm -rf $(TS_DIR)/node_modules $(TS_DIR)/packages/*/dist $(TS_DIR)/packages/*/tsconfig.tsbuildinfo
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info \
+	  clients/python/build clients/python/*.egg-info server/build server/*.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 .PHONY: clean-data
