@@ -118,11 +118,16 @@ DIST      ?= dist
 VERSION    = $(shell $(BIN)/python -c 'import fencepost; print(fencepost.__version__)')
 IMAGE_TAR  = $(DIST)/fencepost-server-$(VERSION).image.tar
 TS_PACKAGES := client oma chamvi
-.PHONY: dist dist-packages image
-dist-packages: $(STAMP) $(TS_STAMP)  ## the two Python sdists and wheels and the three npm tarballs in $(DIST)/
+.PHONY: dist dist-packages dist-python dist-npm image
+dist-packages: dist-python dist-npm  ## the two Python sdists and wheels and the three npm tarballs in $(DIST)/
+
+dist-python: $(STAMP)
 	mkdir -p $(DIST)
 	$(BIN)/python -m build --no-isolation --outdir $(DIST) clients/python
 	$(BIN)/python -m build --no-isolation --outdir $(DIST) server
+
+dist-npm: $(STAMP) $(TS_STAMP)
+	mkdir -p $(DIST)
 	cd $(TS_DIR) && npm run --silent build
 	cd $(TS_DIR) && npm pack --silent --pack-destination $(abspath $(DIST)) \
 	  $(foreach p,$(TS_PACKAGES),--workspace packages/$(p))
