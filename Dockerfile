@@ -10,7 +10,7 @@ FROM ${BASE} AS build
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
        python3 python3-venv ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
+    && apt-get clean && rm -rf /var/lib/apt/lists/*
 COPY clients/python /src/clients/python
 COPY server /src/server
 # The two distributions, as `pip install fencepost-server` would install them.
@@ -20,12 +20,12 @@ RUN --mount=type=secret,id=cacert \
     if [ -f /run/secrets/cacert ]; then export PIP_CERT=/run/secrets/cacert; fi \
     && python3 -m venv /opt/fencepost \
     && /opt/fencepost/bin/pip install --no-cache-dir /src/clients/python /src/server \
-    && /opt/fencepost/bin/pip uninstall --yes pip
+    && /opt/fencepost/bin/pip uninstall --yes setuptools pip
 
 FROM ${BASE}
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 \
-    && rm -rf /var/lib/apt/lists/* \
+    && apt-get clean && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 fencepost \
     && useradd --system --uid 10001 --gid 10001 --home-dir /data --no-create-home fencepost \
     && mkdir -p /data && chown fencepost:fencepost /data

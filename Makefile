@@ -141,7 +141,7 @@ image: $(STAMP)  ## build the container image into $(DIST)/ and check it runs (b
 	  $(SUDO) apt-get install -y -qq $(IMAGE_TOOLS); break; }; done
 	mkdir -p $(DIST)
 	scripts/build_image.sh $(VERSION) $(IMAGE_TAR)
-	FENCEPOST_IMAGE=$(abspath $(IMAGE_TAR)) $(BIN)/python -m pytest -q -n 0 -p no:cacheprovider \
+	FENCEPOST_IMAGE=$(abspath $(IMAGE_TAR)) $(BIN)/python -m pytest -q -s -n 0 -p no:cacheprovider \
 	  tests/release/test_image.py
 
 dist: $(STAMP)  ## every artifact (sdists, wheels, npm tarballs, the image) in $(DIST)/ with SHA256SUMS

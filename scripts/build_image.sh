@@ -33,7 +33,25 @@ if ! buildah inspect --type image "$base" >/dev/null 2>&1; then
   trap 'rm -rf "$rootfs"' EXIT
   # minbase: essential packages and apt, as the slim image has
   debootstrap --variant=minbase "$suite" "$rootfs" >&2
-  rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin
+  # as the slim image is: no documentation, manuals or translations (dpkg leaves
+  # them out of later installs too), no package lists or downloaded packages
+  cat > "$rootfs/etc/dpkg/dpkg.cfg.d/slim" <<'CFG'
+path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/groff/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/lintian/*
+path-exclude /usr/share/linda/*
+path-exclude /usr/share/locale/*
+path-include /usr/share/locale/locale.alias
+CFG
+  find "$rootfs/usr/share/doc" -mindepth 1 -not -name copyright -not -type d -delete
+  rm -rf "$rootfs"/usr/share/{man,groff,info,lintian,linda}/*
+  find "$rootfs/usr/share/locale" -mindepth 1 -maxdepth 1 -not -name locale.alias \
+    -exec rm -rf {} +
+  rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin \
+    "$rootfs"/var/cache/apt/archives/*.deb
   ctr=$(buildah from scratch)
   mnt=$(buildah mount "$ctr")
   tar -C "$rootfs" -cf - . | tar -C "$mnt" -xf -
