@@ -119,7 +119,7 @@ VERSION    = $(shell $(BIN)/python -c 'import fencepost; print(fencepost.__versi
 IMAGE_TAR  = $(DIST)/fencepost-server-$(VERSION).image.tar
 TS_PACKAGES := client oma chamvi
 .PHONY: dist dist-packages dist-python dist-npm image
-dist-packages: dist-python dist-npm  ## the two Python sdists and wheels and the three npm tarballs in $(DIST)/
+dist-packages: dist-python dist-npm  ## the two Python sdists and wheels and the three npm tarballs in dist/
 
 dist-python: $(STAMP)
 	mkdir -p $(DIST)
@@ -135,7 +135,7 @@ dist-npm: $(STAMP) $(TS_STAMP)
 # The image is built with buildah from Debian's own packages (scripts/build_image.sh),
 # then run with podman and checked: health check, a lifecycle, non-root, SIGTERM.
 IMAGE_TOOLS := buildah podman debootstrap runc
-image: $(STAMP)  ## build the container image into $(DIST)/ and check it runs (buildah, podman; ~5 min)
+image: $(STAMP)  ## build the container image into dist/ with buildah and check it runs with podman (~2 min)
 	@for t in $(IMAGE_TOOLS); do command -v $$t >/dev/null || { \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	  $(SUDO) apt-get install -y -qq $(IMAGE_TOOLS); break; }; done
@@ -144,7 +144,7 @@ image: $(STAMP)  ## build the container image into $(DIST)/ and check it runs (b
 	FENCEPOST_IMAGE=$(abspath $(IMAGE_TAR)) $(BIN)/python -m pytest -q -s -n 0 -p no:cacheprovider \
 	  tests/release/test_image.py
 
-dist: $(STAMP)  ## every artifact (sdists, wheels, npm tarballs, the image) in $(DIST)/ with SHA256SUMS
+dist: $(STAMP)  ## every artifact (sdists, wheels, npm tarballs, the image) in dist/ with SHA256SUMS
 	rm -rf $(DIST)
 	$(MAKE) dist-packages image DIST=$(DIST)
 	cd $(DIST) && sha256sum $$(ls | grep -v '^SHA256SUMS$$') > SHA256SUMS
