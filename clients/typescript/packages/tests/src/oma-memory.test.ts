@@ -8,7 +8,9 @@ import { randomUUID } from "node:crypto";
 import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
 import { after, before, describe, it } from "node:test";
+import { createRouterTransport } from "@connectrpc/connect";
 import { LeaseLostError, RunNotFoundError, ValidationError } from "@fencepost/client";
+import { Atomicity, RunStore as RunStoreService } from "@fencepost/client/gen/fencepost/v1/run_store_pb";
 import { startServer, type TestServer } from "@fencepost/client/testing";
 import {
   FencepostMemoryStore, FencepostRunJournal, FencepostRunStore, INLINE_VALUE_BYTES, MAX_JOURNAL_EVENTS, RunJournalError, type RunStore,
@@ -60,6 +62,22 @@ describe("FencepostMemoryStore: the MemoryStore contract", () => {
 
   it("declares cross-process atomicity from the server", () => {
     assert.equal(store.atomicity, "cross-process");
+  });
+
+  it("passes the client's options through unchanged", async () => {
+    // A stand-in server that declares in-process atomicity: only a transport option that reached the client can say so.
+    const declaring = createRouterTransport(({ service }) => {
+      service(RunStoreService, { describe: () => ({ atomicity: Atomicity.IN_PROCESS, backend: "test", schema: 1 }) } as never);
+    });
+    const weak = await FencepostMemoryStore.connect("unused", { connectTransport: declaring, namespace: "n" });
+    assert.equal(weak.atomicity, "process");
+    await weak.close();
+    const named = await FencepostMemoryStore.connect(server.address, { owner: "memory-owner", transport: "unary" });
+    assert.equal(named.client.owner, "memory-owner");
+    await named.close();
+    const journal = await FencepostRunJournal.connect(server.address, fresh(), { owner: "journal-owner" });
+    assert.equal(journal.client.owner, "journal-owner");
+    await journal.close();
   });
 
   it("gets what was set, null for an absent key, and keeps createdAt across overwrites", async () => {
@@ -220,6 +238,37 @@ describe("fenced checkpoints", () => {
       assert.deepEqual(await loadCheckpoint(memory, runId), { by: "b" });
       // the run record itself is not fenced by its own metadata (MemoryStoreRunStore writes fencingToken there)
       await new ContractLedger(runs, "b", clock, 1000).heartbeat(b);
+      if (variant === "ledger") await (runs as FencepostRunStore).close();
+      await memory.close();
+    });
+  }
+
+  for (const variant of ["ledger", "memory"] as const) {
+    it(`refuse a write whose run is taken over after the store looked it up (${variant})`, async () => {
+      const memory = await connect();
+      const runs: RunStore = variant === "ledger" ? await FencepostRunStore.connect(server.address) : new MemoryRunStore(memory, "cross-process");
+      const runId = fresh();
+      const clock = new ManualClock();
+      const a = await new ContractLedger(runs, "a", clock, 1000).acquire(runId);
+      await saveCheckpoint(memory, runId, { by: "a" }, { fencingToken: a.fencingToken });
+      // Land the takeover between the store's look-up of the run and its write.
+      const internals = memory as unknown as { fenceFor: (runId: string, token: number) => Promise<unknown> };
+      const lookUp = internals.fenceFor.bind(memory);
+      let calls = 0;
+      internals.fenceFor = async (id, token) => {
+        calls++;
+        const fence = await lookUp(id, token);
+        if (calls === 1) {
+          clock.advance(2000);
+          await new ContractLedger(runs, "b", clock, 1000).acquire(runId);
+        }
+        return fence;
+      };
+      await assert.rejects(saveCheckpoint(memory, runId, { by: "a, stale" }, { fencingToken: a.fencingToken }),
+        (e: unknown) => e instanceof LeaseLostError && e.code === "RUN_LEASE_LOST");
+      // the server refused the write (ledger); the record's guard failed and the retry saw the new token (memory)
+      assert.equal(calls, variant === "ledger" ? 1 : 2);
+      assert.deepEqual(await loadCheckpoint(memory, runId), { by: "a" });
       if (variant === "ledger") await (runs as FencepostRunStore).close();
       await memory.close();
     });
