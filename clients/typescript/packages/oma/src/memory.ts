@@ -212,12 +212,14 @@ export class FencepostMemoryStore implements MemoryStore {
   }
 
   /** The value as the register's output: inline, or uploaded first as an artifact. */
-  private async outputFor(value: string): Promise<unknown> {
+  private async outputFor(value: string, fence: FenceSpec | Guard | undefined): Promise<unknown> {
     const text = JSON.stringify(value);
     const bytes = enc.encode(text);
     if (bytes.byteLength <= INLINE_VALUE_BYTES) return { value };
     const blob = `oma-mem-blob/${this.namespace}/${randomUUID()}`;
-    await this.client.store.putArtifact({ id: blob, runId: this.agent, contentType: "application/json" }, bytes);
+    // A stale holder's upload is refused at its header, before any bytes move.
+    const opts = fence && "fencingToken" in fence ? { fence } : {};
+    await this.client.store.putArtifact({ id: blob, runId: this.agent, contentType: "application/json" }, bytes, opts);
     return { blob, bytes: bytes.byteLength };
   }
 
@@ -241,7 +243,7 @@ export class FencepostMemoryStore implements MemoryStore {
       if (next === null) {
         patch = { status: `gone:${n}`, clear: ["concurrency_key", "output", "metadata"] };
       } else {
-        output ??= await this.outputFor(next.value);
+        output ??= await this.outputFor(next.value, fence);
         const createdAt = live ? ((cur!.metadata as { createdAt?: string } | undefined)?.createdAt ?? cur!.createdAt.toISOString()) : new Date().toISOString();
         patch = {
           status: `live:${n}`, concurrencyKey: "live", input: { key }, output,

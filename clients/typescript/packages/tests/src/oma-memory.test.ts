@@ -233,7 +233,12 @@ describe("fenced checkpoints", () => {
         (e: unknown) => e instanceof LeaseLostError);
       await assert.rejects(memory.setWithExpiry(checkpointKey(runId), "{}", 3, { runId, fencingToken: a.fencingToken }),
         (e: unknown) => e instanceof LeaseLostError);
+      const large = "x".repeat(INLINE_VALUE_BYTES);
+      await assert.rejects(saveCheckpoint(memory, runId, { by: "a, stale", large }, { fencingToken: a.fencingToken }),
+        (e: unknown) => e instanceof LeaseLostError, "a large value is refused too");
       assert.deepEqual(await memory.get(checkpointKey(runId)), before);
+      await saveCheckpoint(memory.fencedFor(runId, b.fencingToken), runId, { by: "b", large });
+      assert.deepEqual(await loadCheckpoint(memory, runId), { by: "b", large });
       await saveCheckpoint(memory.fencedFor(runId, b.fencingToken), runId, { by: "b" });
       assert.deepEqual(await loadCheckpoint(memory, runId), { by: "b" });
       // the run record itself is not fenced by its own metadata (MemoryStoreRunStore writes fencingToken there)
