@@ -324,15 +324,21 @@ describe("fenced checkpoints", () => {
 });
 
 describe("two processes on one FencepostMemoryStore", () => {
-  it("compareAndSet increments from two processes lose none; each approval has one winner", async () => {
+  it("compareAndSet increments from two processes lose none, racing sets keep createdAt, each approval has one winner", async () => {
     const ns = fresh();
     const store = await connect(ns);
     const n = 40;
     for (let i = 0; i < n; i++) await ensureApprovalRequest(store, { id: `req-${i}`, runId: "r" });
+    await store.set("shared", "first");
+    const createdAt = (await store.get("shared"))!.createdAt;
     const startAt = Date.now() + 1500;
     const results = await Promise.all(["p1", "p2"].map(async (me) =>
       (await lines(spawnWorker(["cas", server.address, ns, me, String(startAt), String(n)]))).at(-1) as { me: string; retries: number; won: string[] }));
     assert.equal((await store.get("counter"))?.value, String(2 * n));
+    const shared = (await store.get("shared"))!;
+    assert.match(shared.value, new RegExp(`^p[12]-${n - 1}$`), "the last set of one of the processes");
+    assert.deepEqual(shared.metadata, { by: shared.value.slice(0, 2) });
+    assert.equal(shared.createdAt.getTime(), createdAt.getTime(), "racing sets keep the first createdAt");
     const won = results.flatMap((r) => r.won);
     assert.deepEqual([...won].sort(), Array.from({ length: n }, (_, i) => `req-${i}`).sort(), "every request decided exactly once");
     for (const r of results) {

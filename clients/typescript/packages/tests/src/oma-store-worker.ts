@@ -1,7 +1,7 @@
 // A second process for oma-memory.test.ts. Modes:
 //   cas <address> <namespace> <me> <startAt> <n>
-//       n compareAndSet increments of one counter, then a race to decide the
-//       approvals req-0 .. req-(n-1); prints what it won
+//       n compareAndSet increments of one counter, n sets of one shared key,
+//       then a race to decide the approvals req-0 .. req-(n-1); prints what it won
 //   journal <address> <name> <me> <startAt> <batches>
 //       appends batches of 1-5 events numbered from lastSeq() + 1, retrying
 //       a batch that another appender beat; prints how many it appended
@@ -32,6 +32,7 @@ if (mode === "cas") {
       retries++;
     }
   }
+  for (let i = 0; i < n; i++) await store.set("shared", `${me}-${i}`, { by: me });
   const won: string[] = [];
   for (let i = 0; i < n; i++) if (await decideApproval(store, `req-${i}`, me, "approved")) won.push(`req-${i}`);
   say({ me, retries, won });
