@@ -15,7 +15,9 @@ import { startServer, type TestServer } from "@fencepost/client/testing";
 import {
   FencepostMemoryStore, FencepostRunJournal, FencepostRunStore, INLINE_VALUE_BYTES, MAX_JOURNAL_EVENTS, RunJournalError, type RunStore,
 } from "@fencepost/oma";
-import { ContractLedger, ManualClock, runRunStoreContractSuite } from "@fencepost/oma/contract";
+import {
+  ContractLedger, ManualClock, runMemoryStoreContractSuite, runRunJournalContractSuite, runRunStoreContractSuite,
+} from "@fencepost/oma/contract";
 import {
   MemoryRunStore, approvalKey, checkpointKey, decideApproval, ensureApprovalRequest, loadCheckpoint, saveCheckpoint,
 } from "./oma-patterns.js";
@@ -47,10 +49,13 @@ function lines(child: ChildProcessWithoutNullStreams, onLine: (v: Record<string,
   });
 }
 
+runMemoryStoreContractSuite("FencepostMemoryStore", () => connect("memory-contract"));
+runRunJournalContractSuite("FencepostRunJournal", (name) => FencepostRunJournal.connect(server.address, name));
+
 // open-multi-agent's MemoryStoreRunStore, over this store, passes the run-store contract suite.
 runRunStoreContractSuite("MemoryStoreRunStore over FencepostMemoryStore", async () => new MemoryRunStore(await connect("runs-contract"), "cross-process"));
 
-describe("FencepostMemoryStore: the MemoryStore contract", () => {
+describe("FencepostMemoryStore beyond the contract", () => {
   let store: FencepostMemoryStore;
   let other: FencepostMemoryStore;
   before(async () => {
@@ -80,58 +85,7 @@ describe("FencepostMemoryStore: the MemoryStore contract", () => {
     await journal.close();
   });
 
-  it("gets what was set, null for an absent key, and keeps createdAt across overwrites", async () => {
-    assert.equal(await store.get("a"), null);
-    await store.set("a", "one", { agent: "x", n: 1 });
-    const first = (await other.get("a"))!;
-    assert.equal(first.key, "a");
-    assert.equal(first.value, "one");
-    assert.deepEqual(first.metadata, { agent: "x", n: 1 });
-    assert.ok(first.createdAt instanceof Date && !Number.isNaN(first.createdAt.getTime()));
-    await new Promise((r) => setTimeout(r, 5));
-    await other.set("a", "two");
-    const second = (await store.get("a"))!;
-    assert.equal(second.value, "two");
-    assert.equal(second.metadata, undefined, "set without metadata replaces it");
-    assert.equal(second.createdAt.getTime(), first.createdAt.getTime());
-  });
-
-  it("setWithExpiry records expiresAtTurn; a later set drops it and keeps createdAt", async () => {
-    await store.setWithExpiry("e", "v", 7, { m: true });
-    const a = (await store.get("e"))!;
-    assert.equal(a.expiresAtTurn, 7);
-    assert.deepEqual(a.metadata, { m: true });
-    await store.set("e", "w");
-    const b = (await store.get("e"))!;
-    assert.equal(b.expiresAtTurn, undefined);
-    assert.equal(b.createdAt.getTime(), a.createdAt.getTime());
-  });
-
-  it("compareAndSet: null means absent, a string must equal the stored value", async () => {
-    assert.equal(await store.compareAndSet("c", null, "1"), true);
-    assert.equal(await other.compareAndSet("c", null, "x"), false);
-    assert.equal(await other.compareAndSet("c", "0", "x"), false);
-    assert.equal(await other.compareAndSet("c", "1", "2", { by: "other" }), true);
-    assert.equal((await store.get("c"))?.value, "2");
-    assert.equal(await store.compareAndSet("absent", "2", "x"), false);
-    assert.equal(await store.get("absent"), null);
-    await store.delete("c");
-    assert.equal(await store.compareAndSet("c", "2", "x"), false, "a deleted key is absent");
-    assert.equal(await store.compareAndSet("c", null, "3"), true);
-  });
-
-  it("delete forgets the key and its createdAt; deleting an absent key is a no-op", async () => {
-    await store.set("d", "1");
-    const before = (await store.get("d"))!.createdAt;
-    await store.delete("d");
-    await store.delete("d");
-    assert.equal(await other.get("d"), null);
-    await new Promise((r) => setTimeout(r, 5));
-    await store.set("d", "2");
-    assert.ok((await store.get("d"))!.createdAt.getTime() > before.getTime());
-  });
-
-  it("lists every present entry in key order, and clear() empties the namespace only", async () => {
+  it("keeps namespaces apart: list() and clear() see their own keys only", async () => {
     const s = await connect();
     const neighbour = await connect();
     await neighbour.set("n", "kept");
