@@ -154,6 +154,7 @@ export class FencepostRunJournal implements RunJournal {
       } catch (e) {
         if (!(e instanceof InvalidRunStateError)) throw e;
       }
+      await backoff(attempt);
     }
     throw new InvalidRunStateError(`journal ${this.name}: ${MAX_ATTEMPTS} append attempts each lost to another appender`);
   }
@@ -222,4 +223,9 @@ export class FencepostRunJournal implements RunJournal {
 function state(head: EngineRun): { lastSeq: number; count: number; appends: number } {
   const o = head.output as { events: number; appends: number };
   return { lastSeq: Number(head.status.slice(4)), count: o.events, appends: o.appends };
+}
+
+/** A short jittered pause after losing a race, so that writers of one key do not retry in lockstep. */
+function backoff(attempt: number): Promise<void> {
+  return new Promise((r) => setTimeout(r, Math.random() * Math.min(50, 2 ** attempt)));
 }

@@ -255,6 +255,7 @@ export class FencepostMemoryStore implements MemoryStore {
       } catch (e) {
         if (!(e instanceof InvalidRunStateError)) throw e;
       }
+      await backoff(attempt);
     }
     throw new InvalidRunStateError(`${key}: ${MAX_ATTEMPTS} attempts each lost to another writer of the key`);
   }
@@ -336,4 +337,9 @@ function keyOf(run: EngineRun): string {
 
 function opt<K extends string, V>(k: K, v: V | undefined): { [P in K]?: V } {
   return (v === undefined ? {} : { [k]: v }) as { [P in K]?: V };
+}
+
+/** A short jittered pause after losing a race, so that writers of one key do not retry in lockstep. */
+function backoff(attempt: number): Promise<void> {
+  return new Promise((r) => setTimeout(r, Math.random() * Math.min(50, 2 ** attempt)));
 }
