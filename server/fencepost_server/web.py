@@ -70,6 +70,7 @@ SSE_HEARTBEAT_S = 15.0
 SSE_POLL_S = 1.0  # an idle stream notices this often that its client has gone
 SSE_CHUNK = 200  # changes per event message: a client that stops reading holds one
 SSE_WRITE_TIMEOUT_S = 10.0  # a message the client does not take in this long: dropped
+SSE_RESET_TIMEOUT_S = 1.0  # ...and the last word to a stream already dropped
 STATIC = resources.files("fencepost_server") / "web_static"
 STATUS_NAMES = {s.name.lower(): s for s in Status}
 LOOPBACK_NAMES = frozenset({"localhost", "[::1]"})
@@ -426,15 +427,17 @@ class Dashboard:
     def _drop(self, st: _Stream, reason: str) -> None:
         """Free a stream's queue; one that is stuck writing to a client that
         does not read is cut at once, one that reads is told to reload."""
-        st.ended, st.pending = reason, {}
+        first = not st.ended
+        st.ended, st.pending = st.ended or reason, {}
         self._streams.discard(st)
         st.wake.set()
-        if self.app.metrics is not None:
-            self.app.metrics.events_dropped.labels(reason).inc()
         transport = st.request.transport
         if st.writing and transport is not None:
             transport.abort()
-        log.info("dashboard event stream of %s dropped (%s)", st.request.remote, reason)
+        if first:
+            if self.app.metrics is not None:
+                self.app.metrics.events_dropped.labels(reason).inc()
+            log.info("dashboard event stream of %s dropped (%s)", st.request.remote, reason)
 
     # -- the guard: Host, Origin, identity and role
 
@@ -728,8 +731,8 @@ class Dashboard:
             idle = 0.0
             await asyncio.sleep(SSE_FLUSH_S)  # let a burst gather, then coalesce
             st.wake.clear()
-            if st.ended:
-                await self._write(st, resp, _sse("reset", {}))
+            if st.ended:  # a client that does not take even this is cut soon
+                await self._write(st, resp, _sse("reset", {}), SSE_RESET_TIMEOUT_S)
                 return
             batch, st.pending = list(st.pending.values()), {}
             now = self.app.clock.now_ms()
@@ -738,10 +741,11 @@ class Dashboard:
                 await self._write(st, resp, (f'event: changes\ndata: {{"now":{now},'
                                              f'"changes":[{body}]}}\n\n').encode())
 
-    async def _write(self, st: _Stream, resp: web.StreamResponse, data: bytes) -> None:
+    async def _write(self, st: _Stream, resp: web.StreamResponse, data: bytes,
+                     timeout_s: float = SSE_WRITE_TIMEOUT_S) -> None:
         st.writing = True
         try:
-            async with asyncio.timeout(SSE_WRITE_TIMEOUT_S):
+            async with asyncio.timeout(timeout_s):
                 await resp.write(data)
         except TimeoutError:
             self._drop(st, "write_timeout")
