@@ -127,22 +127,26 @@ def authz_server(tmp_path_factory: pytest.TempPathFactory, certs: Certs
         yield srv
 
 
-@pytest.fixture
-def token_server(tmp_path: Path) -> Iterator[ServerThread]:
-    """Bearer tokens only, plaintext on loopback: ops (operator), w (worker)."""
+def token_policy(tmp_path: Path) -> str:
+    """Bearer tokens: ops and ops2 (operators), w (a worker)."""
     policy = tmp_path / "policy.toml"
     policy.write_text(f'[roles]\noperator = ["ops", "ops2"]\nworker = ["w"]\n[tokens]\n'
                       f'ops = "{token_digest("ops-token")}"\nw = "{token_digest("w-token")}"\n'
                       f'ops2 = "{token_digest("ops2-token")}"\n')
-    with ServerThread(tmp_path / "fp.db", authz=str(policy),
-                      http_event_streams_per_client=2) as srv:
+    return str(policy)
+
+
+@pytest.fixture
+def token_server(tmp_path: Path) -> Iterator[ServerThread]:
+    """Bearer tokens only, plaintext on loopback."""
+    with ServerThread(tmp_path / "fp.db", authz=token_policy(tmp_path)) as srv:
         yield srv
 
 
 @pytest.fixture
 def open_server(tmp_path: Path) -> Iterator[ServerThread]:
     """The default: loopback, no identities."""
-    with ServerThread(tmp_path / "fp.db", http_allowed_hosts=("fp.internal",)) as srv:
+    with ServerThread(tmp_path / "fp.db") as srv:
         yield srv
 
 
@@ -285,7 +289,7 @@ def test_the_dashboard_picks_up_a_renewed_certificate(certs: Certs, tmp_path: Pa
 # -- DNS rebinding, origins, framing -------------------------------------------------
 
 
-def test_a_rebinding_host_is_refused(open_server: ServerThread) -> None:
+def test_a_rebinding_host_is_refused(open_server: ServerThread, tmp_path: Path) -> None:
     port = port_of(open_server)
     hold(open_server, "r-1")
     evil = {"Host": f"attacker.example:{port}", "Origin": f"http://attacker.example:{port}"}
@@ -296,14 +300,22 @@ def test_a_rebinding_host_is_refused(open_server: ServerThread) -> None:
     assert got.status == 421 and status_of(open_server, "r-1") == "running"
     for path in ("/", "/api/events", "/metrics"):
         assert request(port, "GET", path, headers={"Host": evil["Host"]}).status == 421
-    # the names it serves: loopback on any port (a port-forward moves it), the
-    # listen address with its port, the allowed names
-    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost:9999", f"[::1]:{port}",
-                 f"fp.internal:{port}", "FP.internal"):
+    # the names it serves: loopback on any port (a port-forward moves it) and
+    # the listen address with its port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost:9999", f"[::1]:{port}"):
         assert request(port, "GET", "/api/runs", headers={"Host": host}).status == 200, host
-    for host in ("fp.internal.attacker.example", "127.0.0.1.attacker.example", "", "a b"):
+    for host in ("fp.internal", "127.0.0.1.attacker.example", "", "a b"):
         assert request(port, "GET", "/api/runs", headers={"Host": host}).status == 421, host
     assert metric(port, "fencepost_http_refused_total", reason="host") == 9
+    # and the names given with --http-allowed-hosts (without a port: any port)
+    with ServerThread(tmp_path / "named.db",
+                      http_allowed_hosts=("fp.internal", "other.example:1")) as named:
+        port = port_of(named)
+        for host, status in ((f"fp.internal:{port}", 200), ("FP.internal", 200),
+                             ("other.example:1", 200), (f"other.example:{port}", 421),
+                             ("fp.internal.attacker.example", 421)):
+            got = request(port, "GET", "/api/runs", headers={"Host": host})
+            assert got.status == status, host
 
 
 def test_a_foreign_origin_cannot_change_anything(open_server: ServerThread) -> None:
@@ -433,8 +445,7 @@ def test_event_streams_are_capped_and_one_that_never_reads_is_dropped(tmp_path: 
     freed, and the slots come back when the clients go."""
     http_port = free_port()
     srv = ServerProc(tmp_path / "fp.db", tmp_path / "server.log",
-                     args=("--http-listen", f"127.0.0.1:{http_port}",
-                           "--http-event-queue", "2000"))
+                     args=("--http-listen", f"127.0.0.1:{http_port}"))
     srv.start()
     try:
         assert srv.proc is not None
@@ -477,8 +488,13 @@ def test_event_streams_are_capped_and_one_that_never_reads_is_dropped(tmp_path: 
         srv.kill()
 
 
-def test_event_streams_are_capped_per_principal(token_server: ServerThread) -> None:
-    port = port_of(token_server)
+def test_event_streams_are_capped_per_principal(tmp_path: Path) -> None:
+    with ServerThread(tmp_path / "fp.db", authz=token_policy(tmp_path),
+                      http_event_streams_per_client=2) as srv:
+        _capped_per_principal(port_of(srv))
+
+
+def _capped_per_principal(port: int) -> None:
     ops = "Authorization: Bearer ops-token\r\n"
     first = _open_streams(port, 3, "127.0.0.1", ops)
     assert [status for _, status in first] == [200, 200, 429]  # per address (cap 2)
