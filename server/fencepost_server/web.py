@@ -93,6 +93,7 @@ ROUTE_RPC = {
     "resume": "/fencepost.v1.Ledger/RequestResume",
 }
 _DIGITS = re.compile(r"[0-9]{1,19}")
+PRINCIPAL = web.RequestKey("principal", Principal)  # who made an API request (_guard)
 _HTTP_STATUS = {
     Code.RUN_VALIDATION_ERROR: 400,
     Code.UNAUTHENTICATED: 401,
@@ -462,7 +463,7 @@ class Dashboard:
             if rpc is not None:
                 principal = self.principal(request)
                 check_role(principal, RPC_ROLES[rpc], f"{request.method} {request.path}")
-                request["principal"] = principal
+                request[PRINCIPAL] = principal
             return await handler(request)
         except LedgerError as err:
             if err.code is Code.UNAUTHENTICATED:
@@ -503,11 +504,12 @@ class Dashboard:
         return any(h == name and (p is None or p == port) for h, p in self._hosts)
 
     def _same_origin(self, origin: str, host: str | None) -> bool:
+        """``Origin`` names the host and port asked (either scheme: a proxy in
+        front may terminate TLS)."""
         scheme, sep, netloc = origin.strip().lower().partition("://")
-        want = "https" if self._tls is not None else "http"
-        if host is None or not sep or scheme != want:
+        if host is None or not sep or scheme not in ("http", "https"):
             return False
-        default = ":443" if want == "https" else ":80"
+        default = ":443" if scheme == "https" else ":80"
         return netloc.removesuffix(default) == host.strip().lower().removesuffix(default)
 
     def _count(self, reason: str) -> None:
@@ -673,7 +675,7 @@ class Dashboard:
         only = request.query.get("run")
         if only is not None:
             validate.run_id(only, "run")
-        principal: Principal = request.get("principal", OPEN)
+        principal = request.get(PRINCIPAL, OPEN)
         address = request.remote or ""
         refused = self._admit(address, principal)
         if refused:
@@ -742,10 +744,10 @@ class Dashboard:
                                              f'"changes":[{body}]}}\n\n').encode())
 
     async def _write(self, st: _Stream, resp: web.StreamResponse, data: bytes,
-                     timeout_s: float = SSE_WRITE_TIMEOUT_S) -> None:
+                     timeout_s: float | None = None) -> None:
         st.writing = True
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s or SSE_WRITE_TIMEOUT_S):
                 await resp.write(data)
         except TimeoutError:
             self._drop(st, "write_timeout")

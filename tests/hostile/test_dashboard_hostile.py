@@ -183,6 +183,17 @@ def test_mutual_tls_authz_dashboard_needs_a_certificate_and_a_role(
     assert request(port, "GET", "/api/runs/victim", ctx=w1).status == 200
     assert request(port, "GET", "/api/engine/runs", ctx=w1).status == 200
     assert request(port, "GET", "/api/runs", ctx=w1).status == 403
+    # the principal is read from the certificate as on the gRPC port: the one
+    # SPIFFE id, else the first DNS SAN, else the CN
+    for name, kw, status in (("dns-op", {"cn": "nobody", "dns": ("op",)}, 200),
+                             ("uris-op", {"cn": "op", "uris": ("spiffe://a/1", "spiffe://a/2")},
+                              200),
+                             ("spiffe-op", {"cn": "op", "uris": ("spiffe://example.org/op",)},
+                              403)):
+        pair = certs.ca.issue(name, **kw)
+        ctx = client_ctx(certs, None)
+        ctx.load_cert_chain(pair.cert, pair.key)
+        assert request(port, "GET", "/api/runs", ctx=ctx).status == status, name
     # pages and their assets carry no data; /metrics and /healthz stay readable
     for path in ("/", "/static/app.js", "/healthz", "/metrics"):
         assert request(port, "GET", path, ctx=client_ctx(certs, "nobody")).status == 200, path
@@ -323,7 +334,7 @@ def test_a_foreign_origin_cannot_change_anything(open_server: ServerThread) -> N
     for run in ("o-1", "o-2", "o-3"):
         hold(open_server, run)
     for origin in ("http://attacker.example", f"http://localhost:{port + 1}", "null",
-                   f"https://127.0.0.1:{port}"):
+                   f"http://127.0.0.1:{port}.attacker.example", f"ftp://127.0.0.1:{port}"):
         got = request(port, "POST", "/api/cancel", headers={"Origin": origin},
                       body={"run_id": "o-1"})
         assert (got.status, got.error["code"]) == (403, "ORIGIN_NOT_ALLOWED"), origin
@@ -445,7 +456,8 @@ def test_event_streams_are_capped_and_one_that_never_reads_is_dropped(tmp_path: 
     freed, and the slots come back when the clients go."""
     http_port = free_port()
     srv = ServerProc(tmp_path / "fp.db", tmp_path / "server.log",
-                     args=("--http-listen", f"127.0.0.1:{http_port}"))
+                     args=("--http-listen", f"127.0.0.1:{http_port}"),
+                     env={"FENCEPOST_HTTP_EVENT_QUEUE": "2000"})
     srv.start()
     try:
         assert srv.proc is not None
@@ -465,11 +477,11 @@ def test_event_streams_are_capped_and_one_that_never_reads_is_dropped(tmp_path: 
             assert time.monotonic() < deadline, "the streams that never read were not dropped"
             time.sleep(0.1)
         grown = proc.memory_info().rss - before
-        dropped = metric(http_port, "fencepost_dashboard_event_streams_dropped_total",
-                         reason="queue_full")
+        dropped = {reason: metric(http_port, "fencepost_dashboard_event_streams_dropped_total",
+                                  reason=reason) for reason in ("queue_full", "write_timeout")}
         print(f"\nRSS grew {grown / 2**20:.0f} MiB over 200 streams and 20 000 changes; "
-              f"{dropped:.0f} streams dropped")
-        assert dropped == 32
+              f"streams dropped: {dropped}")
+        assert sum(dropped.values()) == 32
         assert grown < 150 * 2**20, grown
         assert metric(http_port, "fencepost_http_refused_total",
                       reason="too_many_streams") == 169
@@ -486,6 +498,26 @@ def test_event_streams_are_capped_and_one_that_never_reads_is_dropped(tmp_path: 
             time.sleep(0.1)
     finally:
         srv.kill()
+
+
+def test_a_stream_that_takes_nothing_is_dropped_after_the_write_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fencepost_server import web
+
+    monkeypatch.setattr(web, "SSE_WRITE_TIMEOUT_S", 0.5)  # 10 s in production
+    with ServerThread(tmp_path / "fp.db", http_event_queue=1_000_000) as srv:
+        port = port_of(srv)
+        (stuck, status), = _open_streams(port, 1)
+        assert status == 200
+        _burst(srv.address, 20_000)  # more than the socket buffers take
+        deadline = time.monotonic() + 10
+        while metric(port, "fencepost_open_streams", kind="dashboard_events") > 0:
+            assert time.monotonic() < deadline, "the stream that takes nothing was not dropped"
+            time.sleep(0.05)
+        assert metric(port, "fencepost_dashboard_event_streams_dropped_total",
+                      reason="write_timeout") == 1
+        stuck.close()
 
 
 def test_event_streams_are_capped_per_principal(tmp_path: Path) -> None:
