@@ -449,6 +449,7 @@ def _burst(address: str, runs: int) -> None:
                 for j in range(100)]), timeout=30)
 
 
+@pytest.mark.slow  # a server process, for its RSS
 def test_event_streams_are_capped_and_one_that_never_reads_is_dropped(tmp_path: Path) -> None:
     """200 streams that never read, then 20 000 changes: before the bounds the
     server grew by about 500 MB here and kept it; now the streams past the cap
