@@ -50,7 +50,9 @@ ENV PATH=/opt/fencepost/bin:/usr/local/bin:/usr/bin:/bin \
 WORKDIR /data
 USER fencepost
 VOLUME ["/data"]
-# gRPC; the dashboard and /metrics (set FENCEPOST_HTTP_LISTEN=0.0.0.0:8233 to publish them)
+# gRPC; the dashboard and /metrics (set FENCEPOST_HTTP_LISTEN=0.0.0.0:8233 to publish them:
+# like gRPC it needs TLS or FENCEPOST_ALLOW_INSECURE=1, and it answers Host names other
+# than localhost only when they are in FENCEPOST_HTTP_ALLOWED_HOSTS)
 EXPOSE 50051 8233
 
 # `fencepost health` asks the plaintext health-only port of
