@@ -384,6 +384,20 @@ def test_every_response_carries_the_framing_and_sniffing_headers(
     assert "frame-ancestors 'none'" in headers["content-security-policy"]
 
 
+def test_the_metrics_only_listener_checks_no_host(tmp_path: Path) -> None:
+    """Probes and scrapers reach it by whatever name or address they use; it
+    serves nothing but /metrics and /healthz."""
+    with ServerThread(tmp_path / "fp.db", metrics_listen="127.0.0.1:0") as srv:
+        assert srv.app is not None and srv.app.dashboard is not None
+        metrics_port = srv.app.dashboard.ports[1]
+        for path in ("/healthz", "/metrics"):
+            got = request(metrics_port, "GET", path, headers={"Host": "10.1.2.3:9464"})
+            assert got.status == 200 and got.headers["x-frame-options"] == "DENY", path
+        assert request(metrics_port, "GET", "/api/runs").status == 404
+        assert request(port_of(srv), "GET", "/healthz",
+                       headers={"Host": "10.1.2.3:9464"}).status == 421
+
+
 # -- query parameters ---------------------------------------------------------------
 
 
