@@ -82,6 +82,7 @@ ENGINE_STORE_RPCS = (
     "ListSteps", "SaveCheckpoint", "LatestCheckpoint", "ClaimKey", "AcquireLock",
     "ReleaseLock", "GetEffect", "PutEffect", "KvGet", "KvSet", "DocList", "DocUpsert",
     "DocDelete", "PutArtifact", "GetArtifact", "ReadArtifact", "ListArtifacts",
+    "DeleteArtifact",
 )
 RPC_ROLES.update({f"/fencepost.v1.EngineStore/{m}": _W for m in ENGINE_STORE_RPCS})
 

@@ -362,6 +362,120 @@ def test_uploads_a_crash_left_behind_are_swept_at_start(make_server: Any) -> Non
             )
 
 
+# -- artifacts: deleting ----------------------------------------------------------------------
+
+
+def read_all(es: Any, art_id: str) -> bytes:
+    return b"".join(m.chunk for m in es.ReadArtifact(pb.EngineReadArtifactRequest(id=art_id)))
+
+
+def test_delete_artifact_removes_its_metadata_and_every_chunk(
+    server: ServerThread, es_unary: Any
+) -> None:
+    old, kept = b"o" * 300_000, b"k" * 100_000
+    assert es_unary.PutArtifact(iter([header("x", len(old)), *chunks(old)])).created
+    assert es_unary.PutArtifact(iter([header("y", len(kept)), *chunks(kept)])).created
+    settle(server)
+    assert counts(server)["engine_chunks"] == 5 + 2
+    delete = pb.EngineDeleteArtifactRequest(id="x")
+    assert es_unary.DeleteArtifact(delete).deleted
+    assert counts(server)["engine_chunks"] == 2 and counts(server)["engine_artifacts"] == 1
+    assert not es_unary.GetArtifact(pb.EngineGetArtifactRequest(id="x")).found
+    got = refused(lambda: read_all(es_unary, "x"))
+    assert got == (grpc.StatusCode.NOT_FOUND, "RUN_NOT_FOUND", "fencepost", "id")
+    listed = list(es_unary.ListArtifacts(pb.EngineListArtifactsRequest(run_id="r")))
+    assert [a.id for page in listed for a in page.artifacts] == ["y"]
+    # idempotent: a second delete and an unknown id change nothing
+    assert not es_unary.DeleteArtifact(delete).deleted
+    assert not es_unary.DeleteArtifact(pb.EngineDeleteArtifactRequest(id="never")).deleted
+    assert read_all(es_unary, "y") == kept
+    # the id is free again: a new upload creates a new artifact
+    new = b"n" * 70_000
+    assert es_unary.PutArtifact(iter([header("x", len(new)), *chunks(new)])).created
+    assert read_all(es_unary, "x") == new
+    settle(server)
+    assert counts(server)["engine_chunks"] == 2 + 2 and counts(server)["engine_uploads"] == 0
+
+
+def test_delete_artifact_retries_and_bad_input(server: ServerThread, es_unary: Any) -> None:
+    assert es_unary.PutArtifact(iter([header("x", 3), pb.EnginePutArtifactRequest(chunk=b"abc")]))
+    first = pb.EngineDeleteArtifactRequest(id="x", request_id="d1")
+    assert es_unary.DeleteArtifact(first).deleted
+    assert es_unary.DeleteArtifact(first).deleted, "a retry gets the original answer"
+    reuse = pb.EngineDeleteArtifactRequest(id="other", request_id="d1")
+    got = refused(es_unary.DeleteArtifact, reuse)
+    assert got == (grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR", "fencepost",
+                   "request_id")
+    assert es_unary.PutArtifact(iter([header("z", 1), pb.EnginePutArtifactRequest(chunk=b"z")]))
+    for bad in (pb.EngineDeleteArtifactRequest(id=""),
+                pb.EngineDeleteArtifactRequest(id="z\x00"),
+                pb.EngineDeleteArtifactRequest(id="z" * 513)):
+        got = refused(es_unary.DeleteArtifact, bad)
+        assert got == (grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR", "fencepost",
+                       "id"), bad
+    fence = pb.Fence(run_id="no-such-run", fencing_token=1)
+    got = refused(es_unary.DeleteArtifact, pb.EngineDeleteArtifactRequest(id="z", fence=fence))
+    assert got == (grpc.StatusCode.NOT_FOUND, "RUN_NOT_FOUND", "fencepost", "fence.run_id")
+    assert read_all(es_unary, "z") == b"z"
+
+
+def test_a_read_that_meets_a_delete_fails_cleanly_and_never_mixes(
+    server: ServerThread, es_unary: Any
+) -> None:
+    """The reader walks the chunks one read at a time; the artifact is deleted
+    and stored again under its id with other bytes part way through. No
+    receive window to speak of (no BDP probing), so the server cannot have
+    read ahead to the end: the read fails with RUN_NOT_FOUND, and what it
+    sent before is the old artifact's beginning."""
+    size = 4 * 1024 * 1024
+    old, new = b"\x01" * size, b"\x02" * size
+    assert es_unary.PutArtifact(iter([header("x", size), *chunks(old, 16 * 1024)])).created
+    opts = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 * 1024)]
+    with grpc.insecure_channel(server.address, options=opts) as ch:
+        stub = engine_store_pb2_grpc.EngineStoreStub(ch)
+        call = stub.ReadArtifact(pb.EngineReadArtifactRequest(id="x"))
+        got = bytearray(next(call).chunk)
+        assert es_unary.DeleteArtifact(pb.EngineDeleteArtifactRequest(id="x")).deleted
+        assert es_unary.PutArtifact(iter([header("x", size), *chunks(new, 16 * 1024)])).created
+        with pytest.raises(grpc.RpcError) as ei:
+            for msg in call:
+                got += msg.chunk
+    assert error_of(ei.value) == (grpc.StatusCode.NOT_FOUND, "RUN_NOT_FOUND", "fencepost", "id")
+    assert 0 < len(got) < size and bytes(got) == old[: len(got)]
+    assert read_all(es_unary, "x") == new
+
+
+def test_an_upload_of_an_id_deleted_meanwhile_stores_nothing(
+    server: ServerThread, es_unary: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upload of an existing id keeps none of its bytes; when that artifact
+    is deleted before the stream ends, the upload is refused, not committed
+    as an artifact without bytes."""
+    assert es_unary.PutArtifact(iter([header("x", 3), pb.EnginePutArtifactRequest(chunk=b"abc")]))
+    checked = threading.Event()
+    real_exists = engine_sql.artifact_exists
+
+    def artifact_exists(db: Any, art_id: str) -> bool:
+        found = real_exists(db, art_id)
+        checked.set()
+        return found
+
+    monkeypatch.setattr(engine_sql, "artifact_exists", artifact_exists)
+
+    def stream() -> Iterator[pb.EnginePutArtifactRequest]:
+        yield header("x", 3)
+        assert checked.wait(10)
+        assert es_unary.DeleteArtifact(pb.EngineDeleteArtifactRequest(id="x")).deleted
+        yield pb.EnginePutArtifactRequest(chunk=b"xyz")
+
+    got = refused(es_unary.PutArtifact, stream())
+    assert got == (grpc.StatusCode.INVALID_ARGUMENT, "RUN_VALIDATION_ERROR", "fencepost",
+                   "header.id")
+    assert not es_unary.GetArtifact(pb.EngineGetArtifactRequest(id="x")).found
+    settle(server)
+    assert counts(server)["engine_chunks"] == 0 and counts(server)["engine_artifacts"] == 0
+
+
 # -- schema and threads ------------------------------------------------------------------------
 
 

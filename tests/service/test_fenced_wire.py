@@ -198,6 +198,17 @@ MUTATIONS = [
         lambda w, n: w.es.GetArtifact(epb.EngineGetArtifactRequest(id=f"a{n}")).found,
     ),
     Mutation(
+        "DeleteArtifact",  # unary over either transport: Execute does not carry it
+        lambda w, n: w.es.PutArtifact(iter([
+            epb.EnginePutArtifactRequest(
+                header=epb.EngineArtifactHeader(id=f"da{n}", run_id="R", size_bytes=1)
+            ),
+            epb.EnginePutArtifactRequest(chunk=b"d"),
+        ])),
+        lambda n: epb.EngineDeleteArtifactRequest(id=f"da{n}"),
+        lambda w, n: not w.es.GetArtifact(epb.EngineGetArtifactRequest(id=f"da{n}")).found,
+    ),
+    Mutation(
         "RecordCheckpoint",
         _held_run,
         _record_checkpoint,
@@ -213,10 +224,11 @@ def test_every_mutation_request_has_a_fence_and_every_one_is_tested() -> None:
         for m in epb.DESCRIPTOR.message_types_by_name.values()
         if "fence" in m.fields_by_name and m.name.endswith("Request")
     }
-    assert fenced | {"PutArtifact"} == set(ENGINE_KIND_OF) | {"PutArtifact"}
+    unary_only = {"PutArtifact", "DeleteArtifact"}  # not carried by Execute
+    assert fenced | {"PutArtifact"} == set(ENGINE_KIND_OF) | unary_only
     assert "fence" in epb.EngineArtifactHeader.DESCRIPTOR.fields_by_name
     assert "fence" in pb.RecordCheckpointRequest.DESCRIPTOR.fields_by_name
-    assert {m.rpc for m in MUTATIONS} == set(ENGINE_KIND_OF) | {"PutArtifact", "RecordCheckpoint"}
+    assert {m.rpc for m in MUTATIONS} == set(ENGINE_KIND_OF) | unary_only | {"RecordCheckpoint"}
 
 
 @pytest.fixture(params=["unary", "stream"])
@@ -233,7 +245,8 @@ def world(request: pytest.FixtureRequest, channel: grpc.Channel) -> Iterator[Wor
         return
     stream = StreamLedger(channel)
     kinds = {**ENGINE_KIND_OF, "RecordCheckpoint": "record_checkpoint"}
-    yield World(es, ledger, lambda rpc, req: stream._call(kinds[rpc], req))
+    yield World(es, ledger, lambda rpc, req: stream._call(kinds[rpc], req) if rpc in kinds
+                else getattr(es, rpc)(req))
     stream.close()
 
 

@@ -423,6 +423,15 @@ class CommitArtifact:
 
 
 @dataclass(frozen=True, slots=True)
+class DeleteArtifact:
+    """Delete an artifact's metadata and the chunks of its upload."""
+
+    id: str
+    request_id: str = ""
+    fence: Fence | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class DiscardUpload:
     """Delete a staged upload that will not become an artifact."""
 
@@ -476,7 +485,7 @@ class LockAnswer:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """A yes/no answer (ReleaseLock, DocDelete) or a write time (PutEffect,
+    """A yes/no answer (ReleaseLock, DocDelete, DeleteArtifact) or a write time (PutEffect,
     KvSet; ``ok`` True)."""
 
     ok: bool

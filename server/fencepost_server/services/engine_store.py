@@ -349,6 +349,14 @@ def doc_delete_cmd(req: pb.EngineDocDeleteRequest) -> E.DocDelete:
     )
 
 
+def delete_artifact_cmd(req: pb.EngineDeleteArtifactRequest) -> E.DeleteArtifact:
+    return E.DeleteArtifact(
+        id=E.ident("id", req.id),
+        request_id=validate.request_id(req.request_id),
+        fence=fence_from_pb(req),
+    )
+
+
 # -- writer result -> response ----------------------------------------------------------
 
 
@@ -796,6 +804,13 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
             return
         for seq in range(chunks):
             data = await self.reader.run(Q.read_chunk, upload_id, seq)
+            if data is None:  # deleted meanwhile: its chunks went with it
+                raise LedgerError(
+                    Code.RUN_NOT_FOUND,
+                    f"artifact {art_id!r} was deleted while it was being read "
+                    f"({seq} of {chunks} chunks sent)",
+                    field="id",
+                )
             msg = pb.EngineReadArtifactResponse(chunk=data)
             if seq == 0:
                 msg.artifact.CopyFrom(head)
@@ -807,6 +822,13 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     ) -> None:
         run_id = E.ident("run_id", request.run_id)
         await self._stream(context, self.reader.pages(Q.list_artifacts, _artifacts_page, run_id))
+
+    @handler
+    async def DeleteArtifact(
+        self, request: pb.EngineDeleteArtifactRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EngineDeleteArtifactResponse:
+        res: E.Done = await self._submit(delete_artifact_cmd(request))
+        return pb.EngineDeleteArtifactResponse(deleted=res.ok)
 
 
 def _consume(fut: asyncio.Future[Any]) -> None:

@@ -16,7 +16,9 @@ by an upload id), one writer command per chunk, so no artifact is ever held
 whole in memory; a final command inserts the metadata pointing at the upload.
 ``engine_uploads`` lists uploads not (yet) adopted by an artifact: a stream
 that fails discards its upload, and the start-up sweep removes any a crash
-left behind.
+left behind. Deleting an artifact deletes its metadata and its upload's
+chunks in one command; an upload id is never reused, so a reader still
+walking the old chunks finds them whole or missing, never another's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, TypeVar
 
 from ..core import engine as E
 from ..core import fence as F
+from ..core.errors import validation
 from .sql import broken
 
 T = TypeVar("T")
@@ -285,7 +288,16 @@ def commit_artifact(db: Any, cmd: E.CommitArtifact, now: int) -> E.ArtifactCommi
             "SELECT coalesce(sum(size), 0), count(*) FROM engine_chunks WHERE upload_id = ?",
             (cmd.upload_id,),
         ).fetchone()
-    new, result = E.decide_commit_artifact(_get_artifact(db, cmd.id), cmd, staged, now)
+    existing = _get_artifact(db, cmd.id)
+    if existing is None and not cmd.upload_id:
+        # the id existed when the stream began (its bytes were not kept) and
+        # was deleted since
+        raise validation(
+            "header.id",
+            f"artifact {cmd.id!r} was deleted while this upload of it was in flight, "
+            "and its bytes were not kept; send it again",
+        )
+    new, result = E.decide_commit_artifact(existing, cmd, staged, now)
     if new is None:
         if cmd.upload_id:
             _drop_upload(db, cmd.upload_id)  # a lost race: keep the stored artifact
@@ -308,6 +320,15 @@ def commit_artifact(db: Any, cmd: E.CommitArtifact, now: int) -> E.ArtifactCommi
     )
     db.execute("DELETE FROM engine_uploads WHERE upload_id = ?", (cmd.upload_id,))
     return result
+
+
+def delete_artifact(db: Any, cmd: E.DeleteArtifact, now: int) -> E.Done:
+    row = db.execute("SELECT upload_id FROM engine_artifacts WHERE id = ?", (cmd.id,)).fetchone()
+    if row is None:
+        return E.Done(False, now)
+    db.execute("DELETE FROM engine_artifacts WHERE id = ?", (cmd.id,))
+    _drop_upload(db, row[0])  # its chunks, unless another artifact points at them
+    return E.Done(True, now)
 
 
 def discard_upload(db: Any, cmd: E.DiscardUpload, now: int) -> E.Done:
@@ -338,6 +359,7 @@ EXECUTORS: dict[type, Callable[[Any, Any, int], Any]] = {
     E.DocDelete: doc_delete,
     E.StageChunk: stage_chunk,
     E.CommitArtifact: commit_artifact,
+    E.DeleteArtifact: delete_artifact,
     E.DiscardUpload: discard_upload,
     E.SweepUploads: sweep_uploads,
 }
@@ -523,13 +545,12 @@ def artifact_layout(db: Any, art_id: str) -> tuple[E.Artifact, str, int] | None:
     return _artifact(row[:8]), row[8], row[9]
 
 
-def read_chunk(db: Any, upload_id: str, seq: int) -> bytes:
+def read_chunk(db: Any, upload_id: str, seq: int) -> bytes | None:
+    """One stored chunk; None once the artifact holding it was deleted."""
     row = db.execute(
         "SELECT data FROM engine_chunks WHERE upload_id = ? AND seq = ?", (upload_id, seq)
     ).fetchone()
-    if row is None:  # cannot happen: an artifact's chunks are never deleted
-        raise RuntimeError(f"chunk {seq} of upload {upload_id} is missing")
-    return bytes(row[0])
+    return None if row is None else bytes(row[0])
 
 
 def list_artifacts(

@@ -46,7 +46,8 @@ domain "fencepost", as in ledger.proto. The engine store uses:
   RUN_VALIDATION_ERROR  INVALID_ARGUMENT     bad input; metadata["field"]
                                              names it; nothing was stored
   RUN_NOT_FOUND         NOT_FOUND            UpdateRun of an unknown run id;
-                                             ReadArtifact of an unknown id
+                                             ReadArtifact of an unknown id, or
+                                             of one deleted while being read
   INVALID_RUN_STATE     FAILED_PRECONDITION  an UpdateRun guard failed
   RUN_LEASE_LOST        FAILED_PRECONDITION  a `fence` on a ledger run no longer
                                              holds; the run record is attached
@@ -2065,3 +2066,55 @@ class EngineListArtifactsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EngineListArtifactsResponse: _TypeAlias = EngineListArtifactsResponse  # noqa: Y015
+
+@_typing.final
+class EngineDeleteArtifactRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The artifact id, 1-512 bytes."""
+    request_id: _builtins.str
+    """Retry token; see the file comment."""
+    @_builtins.property
+    def fence(self) -> Global___Fence:
+        """Optional precondition: write only while this fence holds, checked by the
+        writer in the same step as the write (see `Fence`). Absent: unfenced.
+        """
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        fence: Global___Fence | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "id", b"id", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineDeleteArtifactRequest: _TypeAlias = EngineDeleteArtifactRequest  # noqa: Y015
+
+@_typing.final
+class EngineDeleteArtifactResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    """True when an artifact was deleted; false when there was none."""
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineDeleteArtifactResponse: _TypeAlias = EngineDeleteArtifactResponse  # noqa: Y015

@@ -155,6 +155,11 @@ class EngineStoreStub:
                 request_serializer=fencepost_dot_v1_dot_engine__store__pb2.EngineListArtifactsRequest.SerializeToString,
                 response_deserializer=fencepost_dot_v1_dot_engine__store__pb2.EngineListArtifactsResponse.FromString,
                 _registered_method=True)
+        self.DeleteArtifact = channel.unary_unary(
+                '/fencepost.v1.EngineStore/DeleteArtifact',
+                request_serializer=fencepost_dot_v1_dot_engine__store__pb2.EngineDeleteArtifactRequest.SerializeToString,
+                response_deserializer=fencepost_dot_v1_dot_engine__store__pb2.EngineDeleteArtifactResponse.FromString,
+                _registered_method=True)
 
 
 class EngineStoreServicer:
@@ -378,7 +383,11 @@ class EngineStoreServicer:
         bytes) is kept and `created = false`. A stream that sends bytes before
         its header, a second header, more or fewer bytes than declared, or
         bytes whose SHA-256 differs from header.sha256 is RUN_VALIDATION_ERROR
-        and stores nothing; so does a stream the client cancels.
+        and stores nothing; so does a stream the client cancels. When the id
+        exists as the stream starts, its bytes are not stored; should that
+        artifact be deleted (DeleteArtifact) before the stream ends, nothing is
+        stored and the upload is RUN_VALIDATION_ERROR naming `header.id`: send
+        it again.
         Errors: RUN_VALIDATION_ERROR.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -395,8 +404,12 @@ class EngineStoreServicer:
 
     def ReadArtifact(self, request, context):
         """Stream an artifact's bytes, byte-exact, in the chunks they were stored
-        in. The first message also carries the metadata.
-        Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND (unknown id).
+        in. The first message also carries the metadata. The chunks are read one
+        at a time: a read that meets a DeleteArtifact either ends with every
+        byte of the artifact it started on, or fails with RUN_NOT_FOUND part
+        way; it never mixes in bytes of another artifact stored under the id.
+        Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND (unknown id, or deleted
+        while being read).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -405,6 +418,19 @@ class EngineStoreServicer:
     def ListArtifacts(self, request, context):
         """A run's artifacts' metadata, ordered by created_at then id. Streamed in
         pages. Errors: RUN_VALIDATION_ERROR.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteArtifact(self, request, context):
+        """Delete an artifact: its metadata and every stored chunk of its bytes go
+        in one commit of the writer, so the space is reused by later writes.
+        `deleted = false` (nothing changed) when no artifact has the id, so a
+        repeated delete is harmless. Afterwards GetArtifact is `found = false`,
+        ReadArtifact is RUN_NOT_FOUND, ListArtifacts omits it, and the id is
+        free: a later PutArtifact of it creates a new artifact.
+        Errors: RUN_VALIDATION_ERROR, and a `fence`'s (see `Fence`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -532,6 +558,11 @@ def add_EngineStoreServicer_to_server(servicer, server):
                     servicer.ListArtifacts,
                     request_deserializer=fencepost_dot_v1_dot_engine__store__pb2.EngineListArtifactsRequest.FromString,
                     response_serializer=fencepost_dot_v1_dot_engine__store__pb2.EngineListArtifactsResponse.SerializeToString,
+            ),
+            'DeleteArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteArtifact,
+                    request_deserializer=fencepost_dot_v1_dot_engine__store__pb2.EngineDeleteArtifactRequest.FromString,
+                    response_serializer=fencepost_dot_v1_dot_engine__store__pb2.EngineDeleteArtifactResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1183,6 +1214,33 @@ class EngineStore:
             '/fencepost.v1.EngineStore/ListArtifacts',
             fencepost_dot_v1_dot_engine__store__pb2.EngineListArtifactsRequest.SerializeToString,
             fencepost_dot_v1_dot_engine__store__pb2.EngineListArtifactsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencepost.v1.EngineStore/DeleteArtifact',
+            fencepost_dot_v1_dot_engine__store__pb2.EngineDeleteArtifactRequest.SerializeToString,
+            fencepost_dot_v1_dot_engine__store__pb2.EngineDeleteArtifactResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,7 +46,8 @@ domain "fencepost", as in ledger.proto. The engine store uses:
   RUN_VALIDATION_ERROR  INVALID_ARGUMENT     bad input; metadata["field"]
                                              names it; nothing was stored
   RUN_NOT_FOUND         NOT_FOUND            UpdateRun of an unknown run id;
-                                             ReadArtifact of an unknown id
+                                             ReadArtifact of an unknown id, or
+                                             of one deleted while being read
   INVALID_RUN_STATE     FAILED_PRECONDITION  an UpdateRun guard failed
   RUN_LEASE_LOST        FAILED_PRECONDITION  a `fence` on a ledger run no longer
                                              holds; the run record is attached
@@ -240,7 +241,11 @@ class EngineStoreStub:
     bytes) is kept and `created = false`. A stream that sends bytes before
     its header, a second header, more or fewer bytes than declared, or
     bytes whose SHA-256 differs from header.sha256 is RUN_VALIDATION_ERROR
-    and stores nothing; so does a stream the client cancels.
+    and stores nothing; so does a stream the client cancels. When the id
+    exists as the stream starts, its bytes are not stored; should that
+    artifact be deleted (DeleteArtifact) before the stream ends, nothing is
+    stored and the upload is RUN_VALIDATION_ERROR naming `header.id`: send
+    it again.
     Errors: RUN_VALIDATION_ERROR.
     """
     GetArtifact: _grpc.UnaryUnaryMultiCallable[_engine_store_pb2.EngineGetArtifactRequest, _engine_store_pb2.EngineGetArtifactResponse]
@@ -249,12 +254,25 @@ class EngineStoreStub:
     """
     ReadArtifact: _grpc.UnaryStreamMultiCallable[_engine_store_pb2.EngineReadArtifactRequest, _engine_store_pb2.EngineReadArtifactResponse]
     """Stream an artifact's bytes, byte-exact, in the chunks they were stored
-    in. The first message also carries the metadata.
-    Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND (unknown id).
+    in. The first message also carries the metadata. The chunks are read one
+    at a time: a read that meets a DeleteArtifact either ends with every
+    byte of the artifact it started on, or fails with RUN_NOT_FOUND part
+    way; it never mixes in bytes of another artifact stored under the id.
+    Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND (unknown id, or deleted
+    while being read).
     """
     ListArtifacts: _grpc.UnaryStreamMultiCallable[_engine_store_pb2.EngineListArtifactsRequest, _engine_store_pb2.EngineListArtifactsResponse]
     """A run's artifacts' metadata, ordered by created_at then id. Streamed in
     pages. Errors: RUN_VALIDATION_ERROR.
+    """
+    DeleteArtifact: _grpc.UnaryUnaryMultiCallable[_engine_store_pb2.EngineDeleteArtifactRequest, _engine_store_pb2.EngineDeleteArtifactResponse]
+    """Delete an artifact: its metadata and every stored chunk of its bytes go
+    in one commit of the writer, so the space is reused by later writes.
+    `deleted = false` (nothing changed) when no artifact has the id, so a
+    repeated delete is harmless. Afterwards GetArtifact is `found = false`,
+    ReadArtifact is RUN_NOT_FOUND, ListArtifacts omits it, and the id is
+    free: a later PutArtifact of it creates a new artifact.
+    Errors: RUN_VALIDATION_ERROR, and a `fence`'s (see `Fence`).
     """
 
 @_typing.type_check_only
@@ -399,7 +417,11 @@ class EngineStoreAsyncStub(EngineStoreStub):
     bytes) is kept and `created = false`. A stream that sends bytes before
     its header, a second header, more or fewer bytes than declared, or
     bytes whose SHA-256 differs from header.sha256 is RUN_VALIDATION_ERROR
-    and stores nothing; so does a stream the client cancels.
+    and stores nothing; so does a stream the client cancels. When the id
+    exists as the stream starts, its bytes are not stored; should that
+    artifact be deleted (DeleteArtifact) before the stream ends, nothing is
+    stored and the upload is RUN_VALIDATION_ERROR naming `header.id`: send
+    it again.
     Errors: RUN_VALIDATION_ERROR.
     """
     GetArtifact: _aio.UnaryUnaryMultiCallable[_engine_store_pb2.EngineGetArtifactRequest, _engine_store_pb2.EngineGetArtifactResponse]  # type: ignore[assignment]
@@ -408,12 +430,25 @@ class EngineStoreAsyncStub(EngineStoreStub):
     """
     ReadArtifact: _aio.UnaryStreamMultiCallable[_engine_store_pb2.EngineReadArtifactRequest, _engine_store_pb2.EngineReadArtifactResponse]  # type: ignore[assignment]
     """Stream an artifact's bytes, byte-exact, in the chunks they were stored
-    in. The first message also carries the metadata.
-    Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND (unknown id).
+    in. The first message also carries the metadata. The chunks are read one
+    at a time: a read that meets a DeleteArtifact either ends with every
+    byte of the artifact it started on, or fails with RUN_NOT_FOUND part
+    way; it never mixes in bytes of another artifact stored under the id.
+    Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND (unknown id, or deleted
+    while being read).
     """
     ListArtifacts: _aio.UnaryStreamMultiCallable[_engine_store_pb2.EngineListArtifactsRequest, _engine_store_pb2.EngineListArtifactsResponse]  # type: ignore[assignment]
     """A run's artifacts' metadata, ordered by created_at then id. Streamed in
     pages. Errors: RUN_VALIDATION_ERROR.
+    """
+    DeleteArtifact: _aio.UnaryUnaryMultiCallable[_engine_store_pb2.EngineDeleteArtifactRequest, _engine_store_pb2.EngineDeleteArtifactResponse]  # type: ignore[assignment]
+    """Delete an artifact: its metadata and every stored chunk of its bytes go
+    in one commit of the writer, so the space is reused by later writes.
+    `deleted = false` (nothing changed) when no artifact has the id, so a
+    repeated delete is harmless. Afterwards GetArtifact is `found = false`,
+    ReadArtifact is RUN_NOT_FOUND, ListArtifacts omits it, and the id is
+    free: a later PutArtifact of it creates a new artifact.
+    Errors: RUN_VALIDATION_ERROR, and a `fence`'s (see `Fence`).
     """
 
 class EngineStoreServicer(metaclass=_abc_1.ABCMeta):
@@ -681,7 +716,11 @@ class EngineStoreServicer(metaclass=_abc_1.ABCMeta):
         bytes) is kept and `created = false`. A stream that sends bytes before
         its header, a second header, more or fewer bytes than declared, or
         bytes whose SHA-256 differs from header.sha256 is RUN_VALIDATION_ERROR
-        and stores nothing; so does a stream the client cancels.
+        and stores nothing; so does a stream the client cancels. When the id
+        exists as the stream starts, its bytes are not stored; should that
+        artifact be deleted (DeleteArtifact) before the stream ends, nothing is
+        stored and the upload is RUN_VALIDATION_ERROR naming `header.id`: send
+        it again.
         Errors: RUN_VALIDATION_ERROR.
         """
 
@@ -702,8 +741,12 @@ class EngineStoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_engine_store_pb2.EngineReadArtifactResponse], _abc.AsyncIterator[_engine_store_pb2.EngineReadArtifactResponse]]:
         """Stream an artifact's bytes, byte-exact, in the chunks they were stored
-        in. The first message also carries the metadata.
-        Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND (unknown id).
+        in. The first message also carries the metadata. The chunks are read one
+        at a time: a read that meets a DeleteArtifact either ends with every
+        byte of the artifact it started on, or fails with RUN_NOT_FOUND part
+        way; it never mixes in bytes of another artifact stored under the id.
+        Errors: RUN_VALIDATION_ERROR, RUN_NOT_FOUND (unknown id, or deleted
+        while being read).
         """
 
     @_abc_1.abstractmethod
@@ -714,6 +757,21 @@ class EngineStoreServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_engine_store_pb2.EngineListArtifactsResponse], _abc.AsyncIterator[_engine_store_pb2.EngineListArtifactsResponse]]:
         """A run's artifacts' metadata, ordered by created_at then id. Streamed in
         pages. Errors: RUN_VALIDATION_ERROR.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteArtifact(
+        self,
+        request: _engine_store_pb2.EngineDeleteArtifactRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_store_pb2.EngineDeleteArtifactResponse, _abc.Awaitable[_engine_store_pb2.EngineDeleteArtifactResponse]]:
+        """Delete an artifact: its metadata and every stored chunk of its bytes go
+        in one commit of the writer, so the space is reused by later writes.
+        `deleted = false` (nothing changed) when no artifact has the id, so a
+        repeated delete is harmless. Afterwards GetArtifact is `found = false`,
+        ReadArtifact is RUN_NOT_FOUND, ListArtifacts omits it, and the id is
+        free: a later PutArtifact of it creates a new artifact.
+        Errors: RUN_VALIDATION_ERROR, and a `fence`'s (see `Fence`).
         """
 
 def add_EngineStoreServicer_to_server(servicer: EngineStoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
