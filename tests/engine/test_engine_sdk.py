@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 import fencepost
-from fencepost import InvalidRunStateError, RunNotFoundError, ValidationError
+from fencepost import InvalidRunStateError, LockLostError, RunNotFoundError, ValidationError
 from fencepost._store import (
     ABSENT,
     AsyncStore,
@@ -241,6 +241,27 @@ async def test_artifacts_from_bytes_and_iterables(astore: AsyncStore) -> None:
     assert [a.id for a in await astore.list_artifacts("r")] == ["a1", "a2", "a3", "a4", "a5"]
 
 
+async def test_delete_artifact_frees_it_and_respects_a_fence(astore: AsyncStore) -> None:
+    data = os.urandom(600_000)
+    assert (await astore.put_artifact("d1", data, run_id="r")).created
+    assert (await astore.put_artifact("d2", b"kept", run_id="r")).created
+    assert await astore.delete_artifact("d1")
+    assert not await astore.delete_artifact("d1") and not await astore.delete_artifact("none")
+    assert await astore.get_artifact("d1") is None
+    with pytest.raises(RunNotFoundError):
+        await astore.read_artifact("d1")
+    assert [a.id for a in await astore.list_artifacts("r")] == ["d2"]
+    lock = await astore.acquire_lock("gc", "a", 60_000)
+    await astore.release_lock("gc", "a")
+    stale = astore.fenced(lock_key="gc", fencing_token=lock.fencing_token)
+    with pytest.raises(LockLostError):
+        await stale.delete_artifact("d2")
+    assert await astore.read_artifact("d2") == b"kept"
+    with pytest.raises(ValidationError) as vi:
+        await astore.delete_artifact("")
+    assert vi.value.field == "id"
+
+
 def test_the_sync_store_has_the_same_api() -> None:
     def public(cls: type) -> dict[str, inspect.Signature]:
         return {
@@ -273,6 +294,7 @@ def test_the_sync_store_works(sstore: SyncStore) -> None:
     assert next(it)  # leaving early closes the stream
     it.close()  # type: ignore[attr-defined]
     assert sstore.read_artifact("x") == data
+    assert sstore.delete_artifact("x") and not sstore.delete_artifact("x")
     lock = sstore.acquire_lock("k", "o", 1000)
     assert lock.acquired and sstore.release_lock("k", "o")
     sstore.kv_set("a", "k", None)

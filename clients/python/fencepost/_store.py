@@ -25,7 +25,7 @@ acquire_lock, release_lock, put_effect, kv_set, doc_upsert, doc_delete) over
 the client's ``Ledger.Execute`` stream when the client's transport is "stream"
 (the default), exactly as the client's ledger mutations go (``_execute``):
 same answers, same errors, same retries. Reads, listings and artifact
-uploads and downloads stay unary, and so does everything of a store made
+uploads, downloads and deletes stay unary, and so does everything of a store made
 with ``AsyncStore.connect`` or ``AsyncStore(channel)``.
 
     async with AsyncStore.connect("127.0.0.1:50051") as store:
@@ -918,6 +918,13 @@ class AsyncStore:
         pages = await self._collect("ListArtifacts", req)
         return [_artifact(a) for page in pages for a in page.artifacts]
 
+    async def delete_artifact(self, id: str) -> bool:
+        """Delete an artifact, its metadata and bytes; False when there was
+        none. A read of it under way ends with every byte or ``RunNotFoundError``.
+        Always unary (not carried by Execute, nor part of a transaction)."""
+        req = pb.EngineDeleteArtifactRequest(id=id)
+        return bool((await self._unary("DeleteArtifact", req, mutation=True)).deleted)
+
 
 # -- the sync store -------------------------------------------------------------------------
 
@@ -1169,3 +1176,6 @@ class SyncStore:
 
     def list_artifacts(self, run_id: str) -> builtins.list[EngineArtifact]:
         return self._run(self._store.list_artifacts(run_id))
+
+    def delete_artifact(self, id: str) -> bool:
+        return self._run(self._store.delete_artifact(id))

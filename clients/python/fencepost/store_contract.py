@@ -68,6 +68,7 @@ __all__ = [
     "store_ns",
     "test_artifact_bad_streams_store_nothing",
     "test_artifact_bytes_are_exact_and_listed_like_runs",
+    "test_artifact_delete_frees_the_id_and_is_idempotent",
     "test_artifact_insert_if_absent_keeps_metadata_and_bytes",
     "test_artifact_unknown_ids",
     "test_bad_input_is_invalid_argument_and_stores_nothing",
@@ -919,6 +920,33 @@ def test_artifact_unknown_ids(engine_store: Any, store_ns: str) -> None:
     expect_error(
         lambda: read(engine_store, f"{store_ns}-none"), grpc.StatusCode.NOT_FOUND, "RUN_NOT_FOUND"
     )
+
+
+def test_artifact_delete_frees_the_id_and_is_idempotent(engine_store: Any, store_ns: str) -> None:
+    art_id, rid = f"{store_ns}-art", f"{store_ns}-run"
+    kept = upload(engine_store, f"{store_ns}-kept", rid, b"kept").artifact
+    assert upload(engine_store, art_id, rid, os.urandom(300_000), name="first").created
+
+    def delete(i: str, request_id: str = "") -> bool:
+        req = pb.EngineDeleteArtifactRequest(id=i, request_id=request_id)
+        return bool(engine_store.DeleteArtifact(req).deleted)
+
+    assert delete(art_id, f"{store_ns}-d1")
+    assert delete(art_id, f"{store_ns}-d1"), "a retry is answered deleted=true"
+    assert not delete(art_id) and not delete(f"{store_ns}-none")
+    assert get_artifact(engine_store, art_id) is None
+    expect_error(lambda: read(engine_store, art_id), grpc.StatusCode.NOT_FOUND, "RUN_NOT_FOUND")
+    listed = [
+        a
+        for page in engine_store.ListArtifacts(pb.EngineListArtifactsRequest(run_id=rid))
+        for a in page.artifacts
+    ]
+    assert listed == [kept]
+    again = os.urandom(70_000)
+    second = upload(engine_store, art_id, rid, again, name="second")
+    assert second.created and second.artifact.name == "second"
+    assert read(engine_store, art_id) == again
+    invalid(lambda: delete(""), "id")
 
 
 def test_artifact_bad_streams_store_nothing(engine_store: Any, store_ns: str) -> None:
