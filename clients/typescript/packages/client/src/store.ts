@@ -557,4 +557,15 @@ export class EngineStoreClient {
       return out;
     });
   }
+
+  /**
+   * Delete an artifact, its metadata and bytes; false when there was none.
+   * Retried on UNAVAILABLE with one request id; carries `opts.fence` or the
+   * view's. Always unary: not part of a transaction.
+   */
+  async deleteArtifact(id: string, opts: WriteOptions = {}): Promise<boolean> {
+    const request = { id, requestId: newRequestId(), ...(opts.fence ? fenceIn(opts.fence) : opt("fence", this.view.fence)) };
+    const r = await this.refusals(withRetry(this.retry, true, (timeoutMs) => this.stub.deleteArtifact(request, { timeoutMs })));
+    return r.deleted;
+  }
 }

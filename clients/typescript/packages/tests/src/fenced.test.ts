@@ -159,6 +159,24 @@ for (const transport of ["stream", "unary"] as const) {
       assert.equal(await a.store.getArtifact(art), undefined);
     });
 
+    it("deleteArtifact frees an artifact once, unary; a stale fence deletes nothing and marks the lease lost", async () => {
+      const lease = await a.acquire(fresh(`run-del-${transport}`), { ttlMs: TTL });
+      const [mine, kept] = [`${lease.runId}/mine`, `${lease.runId}/kept`];
+      await a.store.putArtifact({ id: mine, runId: lease.runId }, new Uint8Array(300_000).fill(9));
+      await a.store.putArtifact({ id: kept, runId: lease.runId }, new Uint8Array([1, 2, 3]));
+      const before = calls.filter((m) => m === "DeleteArtifact").length;
+      assert.equal(await lease.fenced().deleteArtifact(mine), true);
+      assert.equal(await a.store.deleteArtifact(mine), false, "already gone");
+      assert.equal(calls.filter((m) => m === "DeleteArtifact").length, before + 2, "always unary");
+      await assert.rejects(a.store.readArtifact(mine), RunNotFoundError);
+      assert.deepEqual((await a.store.listArtifacts(lease.runId)).map((x) => x.id), [kept]);
+      await takeOver(b, lease);
+      await assert.rejects(lease.fenced().deleteArtifact(kept), LeaseLostError);
+      assert.equal(lease.isLost, true);
+      assert.deepEqual(await a.store.readArtifact(kept), new Uint8Array([1, 2, 3]));
+      await assert.rejects(a.store.deleteArtifact(""), (e: unknown) => e instanceof ValidationError && e.field === "id");
+    });
+
     it("store.fenced() refuses a fence without exactly one target or an integer token, before anything is sent", () => {
       assert.throws(() => a.store.fenced({ runId: "r", lockKey: "k", fencingToken: 1 } as never),
         (e: unknown) => e instanceof ValidationError && e.field === "fence.run_id");
