@@ -19,11 +19,18 @@
 // wrote the key in between, so compareAndSet is atomic across processes and
 // set() never loses createdAt. A large value is uploaded first, in chunks,
 // as an immutable artifact; only the small pointer goes through the guard.
+//
+// Blobs. Once a guarded write has replaced a pointer (overwrite, delete,
+// clear), the blob it pointed at is deleted; a write refused for certain
+// deletes the blob it uploaded. A crash or a lost connection between the two
+// steps leaves that one blob behind. A reader that finds a blob gone reads
+// the key again: the key moved on, and it returns the newer value.
 import { createHash, randomUUID } from "node:crypto";
 import {
   FencepostClient,
   InvalidRunStateError,
   LeaseLostError,
+  LockLostError,
   RunNotFoundError,
   ValidationError,
   type EngineRun,
@@ -73,6 +80,9 @@ export interface MemoryStoreOptions extends ConnectOptions {
 interface Stored { value: string; metadata?: Record<string, unknown>; expiresAtTurn?: number }
 type Guard = { id: string; status: string };
 
+/** A blob read after its key moved on (its writer deleted it): read the key again. */
+class Moved extends Error {}
+
 function invalid(field: string, message: string): ValidationError {
   return new ValidationError(`${field}: ${message}`, { field });
 }
@@ -120,8 +130,7 @@ export class FencepostMemoryStore implements MemoryStore {
   }
 
   async get(key: string): Promise<MemoryEntry | null> {
-    const run = await this.client.store.getRun(this.idFor(checkKey(key)));
-    return run && isLive(run) ? this.entryOf(run) : null;
+    return this.read(this.idFor(checkKey(key)), (run) => this.entryOf(run));
   }
 
   /**
@@ -149,8 +158,11 @@ export class FencepostMemoryStore implements MemoryStore {
   /** Every present entry, in key order (by UTF-16 code units, as `[...keys].sort()`). */
   async list(): Promise<MemoryEntry[]> {
     const { runs } = await this.client.store.listRuns({ agent: this.agent, concurrencyKey: "live" });
-    const entries = await Promise.all(runs.filter(isLive).map((r) => this.entryOf(r)));
-    return entries.sort((a, b) => (a.key < b.key ? -1 : a.key > b.key ? 1 : 0));
+    const entries = await Promise.all(runs.filter(isLive).map((r) => this.entryOf(r).catch((e: unknown) => {
+      if (!(e instanceof Moved)) throw e;
+      return this.read(r.id, (run) => this.entryOf(run)); // overwritten (or deleted) since the listing
+    })));
+    return entries.filter((e): e is MemoryEntry => e !== null).sort((a, b) => (a.key < b.key ? -1 : a.key > b.key ? 1 : 0));
   }
 
   async delete(key: string): Promise<void> {
@@ -205,10 +217,45 @@ export class FencepostMemoryStore implements MemoryStore {
     return entry;
   }
 
+  /** The value; throws Moved when its blob was deleted because another write replaced it. */
   private async valueOf(run: EngineRun): Promise<string> {
-    const out = run.output as { value?: string; blob?: string } | undefined;
-    if (out?.blob !== undefined) return JSON.parse(new TextDecoder().decode(await this.client.store.readArtifact(out.blob))) as string;
-    return out?.value ?? "";
+    const blob = blobOf(run);
+    if (blob === undefined) return (run.output as { value?: string } | undefined)?.value ?? "";
+    let bytes: Uint8Array;
+    try {
+      bytes = await this.client.store.readArtifact(blob);
+    } catch (e) {
+      if (e instanceof RunNotFoundError) throw new Moved(blob);
+      throw e;
+    }
+    return JSON.parse(new TextDecoder().decode(bytes)) as string;
+  }
+
+  /** `use` of the register `id` when live (null when not), read again while its blob moves away under it. */
+  private async read<T>(id: string, use: (run: EngineRun) => Promise<T>): Promise<T | null> {
+    let last: EngineRun | undefined;
+    for (let attempt = 0; attempt < MAX_ATTEMPTS; attempt++) {
+      const run = await this.client.store.getRun(id);
+      if (!run || !isLive(run)) return null;
+      if (last && run.status === last.status) throw new RunNotFoundError(`${id}: its value's artifact ${blobOf(run)} is missing`);
+      try {
+        return await use(run);
+      } catch (e) {
+        if (!(e instanceof Moved)) throw e;
+        last = run;
+      }
+    }
+    throw new InvalidRunStateError(`${id}: ${MAX_ATTEMPTS} reads each overtaken by a write of the key`);
+  }
+
+  /** Delete a blob nothing points at any more; a failure leaves it behind (best effort). */
+  private async dropBlob(blob: string | undefined): Promise<void> {
+    if (blob === undefined) return;
+    try {
+      await this.client.store.deleteArtifact(blob);
+    } catch {
+      // the write itself succeeded or failed already; an unreachable server keeps this one blob
+    }
   }
 
   /** The value as the register's output: inline, or uploaded first as an artifact. */
@@ -228,14 +275,41 @@ export class FencepostMemoryStore implements MemoryStore {
    * a string or null: compareAndSet. Retries while other writers get in between.
    */
   private async write(key: string, next: Stored | null, expected: string | null | undefined): Promise<boolean> {
-    const id = this.idFor(key);
     const fencing = next !== null && key.startsWith(CHECKPOINT_KEY_PREFIX) ? fencingOf(next.metadata) : undefined;
-    let output: unknown;
+    const uploaded: { output?: unknown } = {};
+    let done: boolean;
+    try {
+      done = await this.attempts(key, next, expected, fencing, uploaded);
+    } catch (e) {
+      // Refused for certain: our blob was never pointed at. Otherwise (an
+      // unknown outcome) it may be the key's value now, and is kept.
+      if (e instanceof InvalidRunStateError || e instanceof LeaseLostError || e instanceof LockLostError
+        || e instanceof RunNotFoundError || e instanceof ValidationError) await this.dropBlob(outputBlob(uploaded.output));
+      throw e;
+    }
+    if (!done) await this.dropBlob(outputBlob(uploaded.output));
+    return done;
+  }
+
+  private async attempts(
+    key: string, next: Stored | null, expected: string | null | undefined,
+    fencing: { runId: string; token: number } | undefined, uploaded: { output?: unknown },
+  ): Promise<boolean> {
+    const id = this.idFor(key);
     for (let attempt = 0; attempt < MAX_ATTEMPTS; attempt++) {
       const cur = await this.client.store.getRun(id);
       const live = cur !== undefined && isLive(cur);
       if (expected === null && live) return false;
-      if (typeof expected === "string" && (!live || (await this.valueOf(cur!)) !== expected)) return false;
+      if (typeof expected === "string") {
+        let same: boolean;
+        try {
+          same = live && (await this.valueOf(cur!)) === expected;
+        } catch (e) {
+          if (e instanceof Moved) continue; // the key moved on since we read it
+          throw e;
+        }
+        if (!same) return false;
+      }
       if (next === null && !live) return true;
       const fence = fencing ? await this.fenceFor(fencing.runId, fencing.token) : undefined;
       const n = cur ? Number(cur.status.slice(5)) + 1 : 1;
@@ -243,7 +317,8 @@ export class FencepostMemoryStore implements MemoryStore {
       if (next === null) {
         patch = { status: `gone:${n}`, clear: ["concurrency_key", "output", "metadata"] };
       } else {
-        output ??= await this.outputFor(next.value, fence);
+        uploaded.output ??= await this.outputFor(next.value, fence);
+        const output = uploaded.output;
         const createdAt = live ? ((cur!.metadata as { createdAt?: string } | undefined)?.createdAt ?? cur!.createdAt.toISOString()) : new Date().toISOString();
         patch = {
           status: `live:${n}`, concurrencyKey: "live", input: { key }, output,
@@ -251,7 +326,11 @@ export class FencepostMemoryStore implements MemoryStore {
         };
       }
       try {
-        if (await this.apply(id, cur, patch, fence)) return true;
+        if (await this.apply(id, cur, patch, fence)) {
+          const old = cur ? blobOf(cur) : undefined;
+          if (old !== outputBlob(uploaded.output)) await this.dropBlob(old); // superseded: nothing points at it
+          return true;
+        }
       } catch (e) {
         if (!(e instanceof InvalidRunStateError)) throw e;
       }
@@ -294,9 +373,10 @@ export class FencepostMemoryStore implements MemoryStore {
       const epoch = decodeToken(r.run.fencingToken)[0];
       return { runId, fencingToken: Number(encodeToken(epoch, token)) };
     }
-    const rec = await this.client.store.getRun(this.idFor(RUN_KEY_PREFIX + runId));
-    if (!rec || !isLive(rec)) throw new RunNotFoundError(`metadata.runId: run ${runId} has no record to fence on`, { field: "metadata.runId" });
-    const record = JSON.parse(await this.valueOf(rec)) as { fencingToken?: number; status?: string; lease?: unknown };
+    const found = await this.read(this.idFor(RUN_KEY_PREFIX + runId), async (run) => ({ rec: run, text: await this.valueOf(run) }));
+    if (!found) throw new RunNotFoundError(`metadata.runId: run ${runId} has no record to fence on`, { field: "metadata.runId" });
+    const { rec } = found;
+    const record = JSON.parse(found.text) as { fencingToken?: number; status?: string; lease?: unknown };
     if (record.fencingToken !== token || record.status !== "running" || record.lease === undefined) {
       throw new LeaseLostError(
         `checkpoint of run ${runId} at fencing token ${token} refused: the run is ${record.status} at token ${record.fencingToken}; nothing was written`,
@@ -325,6 +405,14 @@ function fencingOf(metadata: Record<string, unknown> | undefined): { runId: stri
   }
   if (typeof runId !== "string" || runId.length === 0) throw invalid("metadata.runId", "must name the run whose fencingToken is given");
   return { runId, token };
+}
+
+function outputBlob(output: unknown): string | undefined {
+  return (output as { blob?: string } | undefined)?.blob;
+}
+
+function blobOf(run: EngineRun): string | undefined {
+  return outputBlob(run.output);
 }
 
 function isLive(run: EngineRun): boolean {

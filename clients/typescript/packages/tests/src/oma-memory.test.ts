@@ -3,17 +3,19 @@
 // (run records, checkpoints, approvals), fenced checkpoints, and a second
 // process for every atomicity and ordering claim.
 import assert from "node:assert/strict";
-import { spawn, type ChildProcessWithoutNullStreams } from "node:child_process";
+import { spawn, spawnSync, type ChildProcessWithoutNullStreams } from "node:child_process";
 import { randomUUID } from "node:crypto";
+import { existsSync } from "node:fs";
+import { dirname, join } from "node:path";
 import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
 import { after, before, describe, it } from "node:test";
 import { createRouterTransport } from "@connectrpc/connect";
 import { LeaseLostError, RunNotFoundError, ValidationError } from "@fencepost/client";
 import { Atomicity, RunStore as RunStoreService } from "@fencepost/client/gen/fencepost/v1/run_store_pb";
-import { startServer, type TestServer } from "@fencepost/client/testing";
+import { findFencepostBin, startServer, type TestServer } from "@fencepost/client/testing";
 import {
-  FencepostMemoryStore, FencepostRunJournal, FencepostRunStore, INLINE_VALUE_BYTES, MAX_JOURNAL_EVENTS, RunJournalError, type RunStore,
+  CHECKPOINT_KEY_PREFIX, FencepostMemoryStore, FencepostRunJournal, FencepostRunStore, INLINE_VALUE_BYTES, MAX_JOURNAL_EVENTS, RunJournalError, type RunStore,
 } from "@fencepost/oma";
 import {
   ContractLedger, ManualClock, runMemoryStoreContractSuite, runRunJournalContractSuite, runRunStoreContractSuite,
@@ -234,6 +236,42 @@ describe("fenced checkpoints", () => {
   }
 
   for (const variant of ["ledger", "memory"] as const) {
+    it(`a stale holder's large checkpoint, refused after its upload, leaves no blob behind (${variant})`, async () => {
+      const ns = fresh();
+      const memory = await connect(ns);
+      const runs: RunStore = variant === "ledger" ? await FencepostRunStore.connect(server.address) : new MemoryRunStore(memory, "cross-process");
+      const runId = fresh();
+      const clock = new ManualClock();
+      const a = await new ContractLedger(runs, "a", clock, 1000).acquire(runId);
+      const large = "x".repeat(INLINE_VALUE_BYTES);
+      await saveCheckpoint(memory, runId, { by: "a", large }, { fencingToken: a.fencingToken });
+      const blobs = async () => (await memory.client.store.listArtifacts(`oma-memory/${ns}`)).map((x) => x.id);
+      const live = await blobs();
+      assert.equal(live.length, 1);
+      // Land the takeover after the stale write has uploaded its blob, before its pointer write.
+      const internals = memory as unknown as { outputFor: (value: string, fence: unknown) => Promise<{ blob?: string }> };
+      const upload = internals.outputFor.bind(memory);
+      let uploaded: string | undefined;
+      internals.outputFor = async (value, fence) => {
+        const out = await upload(value, fence);
+        if (out.blob !== undefined && uploaded === undefined) {
+          uploaded = out.blob;
+          clock.advance(2000);
+          await new ContractLedger(runs, "b", clock, 1000).acquire(runId);
+        }
+        return out;
+      };
+      await assert.rejects(saveCheckpoint(memory, runId, { by: "a, stale", large }, { fencingToken: a.fencingToken }),
+        (e: unknown) => e instanceof LeaseLostError);
+      assert.ok(uploaded !== undefined && !live.includes(uploaded), "the stale write had uploaded a blob of its own");
+      assert.deepEqual(await blobs(), live, "the refused write deleted its blob; the live one is kept");
+      assert.deepEqual(await loadCheckpoint(memory, runId), { by: "a", large });
+      if (variant === "ledger") await (runs as FencepostRunStore).close();
+      await memory.close();
+    });
+  }
+
+  for (const variant of ["ledger", "memory"] as const) {
     it(`two processes, a takeover between the record write and the snapshot write: no stale snapshot is readable (${variant})`, async () => {
       const ns = fresh();
       const runId = fresh();
@@ -275,6 +313,87 @@ describe("fenced checkpoints", () => {
       await memory.close();
     });
   }
+});
+
+/** The bytes of artifact chunks in the server's database, read by a second process (Python's sqlite3, read-only). */
+function storedChunkBytes(): number {
+  const venvPython = join(dirname(findFencepostBin()), "python");
+  const sql = "SELECT coalesce(sum(size), 0) FROM engine_chunks";
+  const script = `import sqlite3, sys; print(sqlite3.connect(f"file:{sys.argv[1]}?mode=ro", uri=True).execute("${sql}").fetchone()[0])`;
+  const r = spawnSync(existsSync(venvPython) ? venvPython : "python3", ["-c", script, server.db], { encoding: "utf8", timeout: 30_000 });
+  if (r.status !== 0) throw new Error(`reading ${server.db}: ${r.stderr}`);
+  return Number(r.stdout.trim());
+}
+
+describe("large values leave no bytes behind", () => {
+  const MiB = 1024 * 1024;
+  const value = (i: number) => `${String(i).padStart(4, "0")}:${"c".repeat(MiB)}`;
+  const key = `${CHECKPOINT_KEY_PREFIX}run`;
+
+  it("N overwrites of a 1 MiB value keep one blob, a delete none: the stored bytes do not grow with N", async () => {
+    const ns = fresh();
+    const store = await connect(ns);
+    const other = await connect(ns);
+    const blobs = () => store.client.store.listArtifacts(`oma-memory/${ns}`);
+    const base = storedChunkBytes();
+    for (let i = 0; i < 3; i++) await store.set(key, value(i));
+    const after3 = await blobs();
+    assert.equal(after3.length, 1, "one blob, the live value's");
+    assert.equal(after3[0]!.sizeBytes, JSON.stringify(value(2)).length);
+    const bytes3 = storedChunkBytes();
+    assert.equal(bytes3 - base, after3[0]!.sizeBytes, "the server holds the live value's bytes and no more");
+    for (let i = 3; i < 15; i++) await store.set(key, value(i));
+    assert.equal((await blobs()).length, 1);
+    assert.equal(storedChunkBytes(), bytes3, "12 more overwrites store no more bytes");
+    assert.equal((await other.get(key))?.value, value(14));
+    // compareAndSet, setWithExpiry and a small value replace it the same way
+    assert.equal(await other.compareAndSet(key, value(14), value(15)), true);
+    await store.setWithExpiry(key, value(16), 3);
+    assert.equal((await blobs()).length, 1);
+    await store.set(key, "small");
+    assert.deepEqual(await blobs(), []);
+    assert.equal(storedChunkBytes(), base);
+    // delete and clear free what they remove
+    await store.set(key, value(17));
+    await store.set("other", value(18));
+    await store.delete(key);
+    assert.equal((await blobs()).length, 1);
+    assert.equal(await store.get(key), null);
+    await store.clear();
+    assert.deepEqual(await blobs(), []);
+    assert.equal(storedChunkBytes(), base, "nothing of 20 large writes is left on the server");
+    await store.close();
+    await other.close();
+  });
+
+  it("a reader whose blob an overwrite deletes under it reads the newer value", async () => {
+    const ns = fresh();
+    const writer = await connect(ns);
+    const reader = await connect(ns);
+    await writer.set(key, value(1));
+    await writer.set("side", "small"); // inline: the key's is the only blob list() reads
+    // Land an overwrite (which deletes the blob) between the reader's look-up of the key and its read of the blob.
+    const store = reader.client.store;
+    const readBlob = store.readArtifact.bind(store);
+    let next = 3;
+    let overwrites = 0;
+    store.readArtifact = async (id: string) => {
+      if (overwrites-- > 0) await writer.set(key, value(next++));
+      return readBlob(id);
+    };
+    overwrites = 1;
+    assert.equal((await reader.get(key))?.value, value(3));
+    overwrites = 1;
+    const listed = await reader.list();
+    assert.deepEqual(listed.map((e) => [e.key, e.value]), [[key, value(4)], ["side", "small"]], "list() reads the key again");
+    overwrites = 1;
+    assert.equal(await reader.compareAndSet(key, value(4), "lost"), false, "the key moved on: not the expected value");
+    assert.equal((await writer.get(key))?.value, value(5));
+    assert.equal(await reader.compareAndSet(key, value(5), "won"), true);
+    assert.deepEqual(await reader.client.store.listArtifacts(`oma-memory/${ns}`), [], "every replaced blob was deleted");
+    await writer.close();
+    await reader.close();
+  });
 });
 
 describe("two processes on one FencepostMemoryStore", () => {
