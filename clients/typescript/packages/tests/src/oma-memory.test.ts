@@ -391,6 +391,20 @@ describe("large values leave no bytes behind", () => {
     assert.equal((await writer.get(key))?.value, value(5));
     assert.equal(await reader.compareAndSet(key, value(5), "won"), true);
     assert.deepEqual(await reader.client.store.listArtifacts(`oma-memory/${ns}`), [], "every replaced blob was deleted");
+    // A compareAndSet that loses the race after uploading its value deletes that upload.
+    const internals = reader as unknown as { outputFor: (value: string, fence: unknown) => Promise<{ blob?: string }> };
+    const upload = internals.outputFor.bind(reader);
+    let uploaded: string | undefined;
+    internals.outputFor = async (v, fence) => {
+      const out = await upload(v, fence);
+      uploaded = out.blob;
+      await writer.set(key, "moved");
+      return out;
+    };
+    assert.equal(await reader.compareAndSet(key, "won", value(6)), false);
+    assert.ok(uploaded !== undefined, "it had uploaded its value");
+    assert.deepEqual(await reader.client.store.listArtifacts(`oma-memory/${ns}`), [], "and deleted it");
+    assert.equal((await reader.get(key))?.value, "moved");
     await writer.close();
     await reader.close();
   });
