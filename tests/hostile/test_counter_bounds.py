@@ -71,6 +71,8 @@ def test_a_token_at_int64s_edge_is_refused_and_the_server_goes_on(
         expect(store.Create, spb.CreateRequest(run=raw_run("big", token=token)), INVALID,
                VALIDATION, field="run.fencing_token")
     assert snapshot(db) == before
+    # the next step, an Acquire of that id, now meets no such record
+    assert led.Acquire(pb.AcquireRequest(run_id="big", owner="w")).run.fencing_token == 1
     assert led.Acquire(pb.AcquireRequest(run_id="other", owner="w")).run.fencing_token == 1
     server.restart()
     with grpc.insecure_channel(server.address) as ch:

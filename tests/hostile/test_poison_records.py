@@ -8,6 +8,7 @@ integer columns clamped, so no batch and no restart dies on it."""
 from __future__ import annotations
 
 import json
+import queue
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +119,17 @@ def test_a_start_on_it_serves_every_other_run_and_refuses_the_bad_ones(
             if not token:
                 break
         assert seen == ["a", "new", "z"]
+        # a KeepAlive tracking one hears it is lost, without the record
+        hello = pb.KeepAliveRequest(hello=pb.KeepAliveHello(owner="w"))
+        track = pb.KeepAliveRequest(track=pb.KeepAliveTrack(run_id="hot", fencing_token=1))
+        sent: queue.Queue[pb.KeepAliveRequest | None] = queue.Queue()
+        sent.put(hello)
+        sent.put(track)
+        stream = led.KeepAlive(iter(sent.get, None), timeout=30)  # open until read
+        first = next(stream)
+        sent.put(None)
+        stream.cancel()
+        assert first.lost.run_id == "hot" and not first.lost.HasField("record"), first
         # the change the unbounded server wrote is in the runs table now, its
         # token column clamped (the record's text keeps it exactly)
         with raw(db) as conn:
