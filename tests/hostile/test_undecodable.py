@@ -136,3 +136,33 @@ def test_the_largest_valid_varint_still_decodes(raw_channel: grpc.Channel) -> No
                   timeout=DEADLINE_S))
     e = wire_error(ei.value)
     assert e.metadata.get("field") == "from_revision", e
+
+
+def test_an_id_past_64_bits_that_reads_as_a_valid_uint64_is_refused_too(
+    raw_channel: grpc.Channel,
+) -> None:
+    """Its tenth byte odd: truncated, it is a fine uint64 command id."""
+    call = _raw(raw_channel, "stream_stream", "/fencepost.v1.Ledger/Execute")
+    acquire = (length_delimited(_field(pb.AcquireRequest, "run_id"), b"r")
+               + length_delimited(_field(pb.AcquireRequest, "owner"), b"w"))
+    command = (key(_field(pb.Command, "id"), 0) + b"\xff" * 9 + b"\x03"
+               + length_delimited(_field(pb.Command, "acquire"), acquire))
+    message = length_delimited(_field(pb.ExecuteRequest, "commands"), command)
+    out = [pb.ExecuteResponse.FromString(m) for m in call(iter([message]), timeout=DEADLINE_S)]
+    results = [r for m in out for r in m.results]
+    assert [(r.id, r.WhichOneof("kind")) for r in results] == [(0, "error")]
+    assert ledger_pb2_grpc.LedgerStub(raw_channel).ListRuns(pb.ListRunsRequest()).runs == []
+
+
+def test_text_that_looks_like_a_long_varint_is_taken(raw_channel: grpc.Channel) -> None:
+    """Nine bytes of CJK text then a byte above 1, in ids, owners and JSON."""
+    led = ledger_pb2_grpc.LedgerStub(raw_channel)
+    for run_id, owner in (("運行運行運行a", "作業者作業者"), ("運行運行運行b", "作業者"),
+                          ("ключключк1", "w")):
+        got = led.Acquire(pb.AcquireRequest(run_id=run_id, owner=owner))
+        assert (got.run.run_id, got.run.lease.owner) == (run_id, owner)
+    stream = led.Execute(iter([pb.ExecuteRequest(commands=[pb.Command(
+        id=2**63 + 5, acquire=pb.AcquireRequest(run_id="運行運行運行c", owner="作業者a"))])]),
+        timeout=DEADLINE_S)
+    results = [r for m in stream for r in m.results]
+    assert [(r.id, r.acquire.run.run_id) for r in results] == [(2**63 + 5, "運行運行運行c")]
