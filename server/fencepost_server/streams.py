@@ -23,7 +23,7 @@ from fencepost.v1 import ledger_pb2 as pb
 from .clock import Clock
 from .convert import _ts, record_to_pb
 from .core import ledger as L
-from .core.records import Record, Status, is_terminal
+from .core.records import Record, Status, is_terminal, out_of_range
 from .storage.sqlite import KIND_DELETE
 from .writer import ChangeEvent, Writer
 
@@ -386,7 +386,7 @@ class FenceHub:
 
 def lost_message(run_id: str, token: int, reason: int, rec: Record | None) -> pb.KeepAliveResponse:
     lost = pb.KeepAliveLost(run_id=run_id, fencing_token=token, reason=reason)  # type: ignore[arg-type]
-    if rec is not None:
+    if rec is not None and out_of_range(rec) is None:  # past the bound: never served
         lost.record.CopyFrom(record_to_pb(rec))
     return pb.KeepAliveResponse(lost=lost)
 

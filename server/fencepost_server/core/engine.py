@@ -18,15 +18,17 @@ One expiry rule (docs/SPEC.md §4): a thing granted at T with ttl D is live whil
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from decimal import Decimal
+from decimal import Decimal, DecimalException
 from typing import Any
 
 from . import codec, validate
 from .errors import Code, LedgerError, validation
 from .fence import Fence
+from .records import MAX_SAFE
 
 MAX_ID_BYTES = 512  # run, document and artifact ids
 MAX_NAME_BYTES = 256  # agents, collections, owners, step names
@@ -37,6 +39,11 @@ MAX_CONTENT_TYPE_BYTES = 256
 MIN_TTL_MS = 1
 MAX_TTL_MS = 365 * 24 * 60 * 60 * 1000
 MAX_FILTER_VALUES = 100
+# JSON values nest at most this deep (arrays and objects; the top level is 1),
+# checked at write time, so no stored value is too deep for a later query.
+MAX_JSON_DEPTH = 100
+# A number's exponent (scientific notation) must be smaller than this in magnitude.
+MAX_JSON_EXPONENT = 10**18
 
 RUN_CLEARABLE = ("concurrency_key", "input", "output", "error", "metadata", "claim")
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
@@ -85,16 +92,50 @@ def _exact_int(text: str) -> int | Decimal:
     return int(text) if len(text) <= _INT_DIGITS else Decimal(text)
 
 
+class _NumberOutOfRange(ValueError):
+    pass
+
+
+def _exact_decimal(text: str) -> Decimal:
+    try:
+        d = Decimal(text)
+    except DecimalException:  # an exponent past what Decimal holds
+        d = Decimal("Infinity")
+    if not d.is_finite() or abs(d.adjusted()) >= MAX_JSON_EXPONENT:
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise _NumberOutOfRange(
+            f"the number {shown} has an exponent of 10^18 or more in magnitude")
+    return d
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def json_depth(text: str) -> int:
+    """How deep a valid JSON text's arrays and objects nest (0: a scalar),
+    read from the text (its strings left out) rather than a walk of the value."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
+
+
 def parse_json(field: str, text: str) -> Any:
     """Parse a JSON text exactly (integers of any size, decimals as Decimal);
-    RUN_VALIDATION_ERROR naming ``field`` when it is not RFC 8259 JSON."""
+    RUN_VALIDATION_ERROR naming ``field`` when it is not RFC 8259 JSON, nests
+    deeper than MAX_JSON_DEPTH, or holds a number with a huge exponent."""
     try:
-        return json.loads(text, parse_float=Decimal, parse_int=_exact_int,
-                          parse_constant=_no_constants)
+        value = json.loads(text, parse_float=_exact_decimal, parse_int=_exact_int,
+                           parse_constant=_no_constants)
     except RecursionError:
-        raise validation(field, "JSON is nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, NaN/Infinity
+        raise validation(field, f"nests deeper than {MAX_JSON_DEPTH} arrays and objects") from None
+    except _NumberOutOfRange as exc:
+        raise validation(field, str(exc)) from None
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, a huge exponent
         raise validation(field, f"is not valid JSON ({exc})") from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and json_depth(text) > MAX_JSON_DEPTH:
+        raise validation(field, f"nests deeper than {MAX_JSON_DEPTH} arrays and objects")
+    return value
 
 
 def json_text(field: str, text: str) -> str:
@@ -158,10 +199,13 @@ def doc_matches(doc_text: str, where: dict[str, Any]) -> bool:
     """Whether a stored document's top-level fields equal every field of where."""
     if not where:
         return True
-    doc = json.loads(doc_text, parse_float=Decimal, parse_int=_exact_int)
-    if not isinstance(doc, dict):
+    try:
+        doc = json.loads(doc_text, parse_float=Decimal, parse_int=_exact_int)
+        if not isinstance(doc, dict):
+            return False
+        return all(k in doc and json_equal(doc[k], v) for k, v in where.items())
+    except RecursionError:  # stored before MAX_JSON_DEPTH was checked: too deep to compare
         return False
-    return all(k in doc and json_equal(doc[k], v) for k, v in where.items())
 
 
 def sha256_hex(field: str, value: str) -> str:
@@ -628,6 +672,8 @@ def decide_renew_claim(
 
 def decide_append_step(last_seq: int, cmd: AppendStep, now: int) -> Step:
     """Append-only: the next position in the run's log."""
+    if last_seq >= MAX_SAFE:
+        raise validation("step.seq", f"run {cmd.run_id!r} has no step position left below 2^53")
     return Step(
         run_id=cmd.run_id,
         seq=last_seq + 1,
@@ -678,6 +724,9 @@ def decide_acquire_lock(
         lock = Lock(cmd.key, cmd.owner, current.fencing_token, now + cmd.ttl_ms)
     else:
         token = (current.fencing_token if current is not None else 0) + 1
+        if token > MAX_SAFE:
+            raise validation(
+                "key", f"lock {cmd.key!r} is at token {token - 1}: it cannot move past 2^53 - 1")
         lock = Lock(cmd.key, cmd.owner, token, now + cmd.ttl_ms)
     return lock, LockAnswer(True, lock.fencing_token, cmd.owner, lock.expires_at)
 

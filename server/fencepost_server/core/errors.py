@@ -90,6 +90,18 @@ def validation(field: str, message: str) -> LedgerError:
     return LedgerError(Code.RUN_VALIDATION_ERROR, f"{field}: {message}", field=field)
 
 
+def unrepresentable(run_id: str, field: str, value: object) -> LedgerError:
+    """The refusal of a stored record whose ``field`` no client can represent
+    exactly (records.out_of_range): it is neither served nor changed."""
+    return LedgerError(
+        Code.RUN_INTEGRITY_ERROR,
+        f"{field}: run {run_id!r} is stored with {field} {value}, outside "
+        "0..9007199254740991 (2^53 - 1); it is not served and only a delete changes it",
+        field=field,
+        metadata={"run_id": run_id},
+    )
+
+
 def in_transaction(exc: LedgerError, index: int) -> LedgerError:
     """A transaction command's refusal as the transaction's: its message
     names the command, a field is prefixed ``commands[i].``."""

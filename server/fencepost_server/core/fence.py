@@ -33,8 +33,7 @@ def make(run_id: str, fencing_token: int, lock_key: str, prefix: str = "fence") 
         validate.text(f"{prefix}.run_id", run_id, validate.MAX_RUN_ID_BYTES)
     else:
         validate.text(f"{prefix}.lock_key", lock_key, validate.MAX_KEY_BYTES)
-    if fencing_token < 1:
-        raise validation(f"{prefix}.fencing_token", f"must be at least 1 (got {fencing_token})")
+    validate.fencing_token(fencing_token, f"{prefix}.fencing_token")
     return Fence(fencing_token, run_id, lock_key)
 
 

@@ -13,8 +13,17 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from .errors import Code, LedgerError, owner_bound_ok, owner_not_permitted, validation
+from .errors import (
+    Code,
+    LedgerError,
+    owner_bound_ok,
+    owner_not_permitted,
+    unrepresentable,
+    validation,
+)
 from .records import (
+    MAX_INT64,
+    MAX_SAFE,
     CheckpointRef,
     Lease,
     Outcome,
@@ -23,6 +32,7 @@ from .records import (
     Suspension,
     can_transition,
     is_terminal,
+    out_of_range,
 )
 
 if TYPE_CHECKING:
@@ -199,6 +209,8 @@ def extend_lease(cur: Record, cmd: ExtendLeases, now: int, rev: int) -> Record |
     lease = cur.lease
     if lease is None or lease.expires_at <= cmd.alive_at or is_terminal(cur.status):
         return None
+    if out_of_range(cur) is not None or cur.version >= MAX_SAFE:
+        return None  # never served nor changed (``decide``)
     return _write(cur, now, rev, lease=_extend(lease, lease.expires_at + cmd.by_ms))
 
 
@@ -275,8 +287,44 @@ def decide(
 
     ``tombstone`` is the last fencing token of a deleted run with this id (0 if
     none); ``revision`` is the revision a change made by this command gets.
+
+    No record leaves 0..MAX_SAFE: a command that would move a counter past it
+    is refused, and a stored record already outside it (written by hand) is
+    refused every command but a delete.
     """
-    return _DECIDERS[type(cmd)](cmd, current, tombstone, now, revision)
+    if current is not None and not (
+        0 <= current.fencing_token <= MAX_SAFE
+        and 0 <= current.attempt <= MAX_SAFE
+        and 0 <= current.version <= MAX_SAFE
+    ) and type(cmd) not in _REMOVES:
+        field = out_of_range(current) or "fencing_token"
+        raise unrepresentable(current.run_id, field, getattr(current, field))
+    decision = _DECIDERS[type(cmd)](cmd, current, tombstone, now, revision)
+    change = decision.change
+    if type(change) is Put:
+        rec = change.record
+        if rec.fencing_token > MAX_SAFE or rec.attempt > MAX_SAFE or rec.version > MAX_SAFE:
+            raise _no_room(rec, current)
+    return decision
+
+
+def _no_room(rec: Record, current: Record | None) -> LedgerError:
+    field = next(f for f in ("fencing_token", "attempt", "version") if getattr(rec, f) > MAX_SAFE)
+    return LedgerError(
+        Code.RUN_VALIDATION_ERROR,
+        f"{field}: run {rec.run_id!r} would move to {field} {getattr(rec, field)}, past "
+        f"{MAX_SAFE} (2^53 - 1, the largest integer every client can represent exactly); "
+        "nothing was written",
+        current,
+        field=field,
+    )
+
+
+def _last_token(cur: Record) -> int:
+    """A removed run's token for its tombstone: a hand-written one past what the
+    database holds is kept as int64's largest (still past MAX_SAFE: never reused)."""
+    t = cur.fencing_token
+    return t if type(t) is int and t <= MAX_INT64 else MAX_INT64
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -537,17 +585,15 @@ def _request_resume(
 def _delete_run(cmd: DeleteRun, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
     if cur is None:
         raise _not_found(cmd.run_id)
-    return Decision(
-        Delete(cmd.run_id, cur.fencing_token, rev), Deleted(True, rev, cur.fencing_token)
-    )
+    token = _last_token(cur)
+    return Decision(Delete(cmd.run_id, token, rev), Deleted(True, rev, token))
 
 
 def _retire(cmd: Retire, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
     if cur is None or cur.version != cmd.version or not is_terminal(cur.status):
         return Decision(None, Deleted(False))  # gone, changed or reopened: keep it
-    return Decision(
-        Delete(cmd.run_id, cur.fencing_token, rev), Deleted(True, rev, cur.fencing_token)
-    )
+    token = _last_token(cur)
+    return Decision(Delete(cmd.run_id, token, rev), Deleted(True, rev, token))
 
 
 # -- raw seam -----------------------------------------------------------------------
@@ -611,9 +657,8 @@ def _raw_cas(
 def _raw_delete(cmd: RawDelete, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
     if cur is None:
         return Decision(None, Deleted(False))
-    return Decision(
-        Delete(cmd.run_id, cur.fencing_token, rev), Deleted(True, rev, cur.fencing_token)
-    )
+    token = _last_token(cur)
+    return Decision(Delete(cmd.run_id, token, rev), Deleted(True, rev, token))
 
 
 _DECIDERS: dict[type, Callable[[Any, Record | None, int, int, int], Decision]] = {
@@ -631,8 +676,13 @@ _DECIDERS: dict[type, Callable[[Any, Record | None, int, int, int], Decision]] =
     RawCompareAndSet: _raw_cas,
     RawDelete: _raw_delete,
 }
+_REMOVES = frozenset({DeleteRun, Retire, RawDelete})
 
 
 def _iso(ms: int) -> str:
     """Milliseconds since the epoch as ISO 8601 UTC (for messages)."""
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
+    try:
+        return (datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")[:-6]
+                + "Z")
+    except (ValueError, OverflowError, OSError):  # past year 9999 (a raw record's lease)
+        return f"{ms} ms after the epoch"

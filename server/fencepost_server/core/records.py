@@ -18,6 +18,12 @@ from typing import Any
 
 SCHEMA = 1
 
+# The largest integer every client can represent exactly: JavaScript's
+# Number.MAX_SAFE_INTEGER (TypeScript clients read int64 fields as numbers).
+# A run's version, attempt and fencing token never go past it (docs/SPEC.md §10).
+MAX_SAFE = 2**53 - 1
+MAX_INT64 = 2**63 - 1  # what the database's integer columns and int64 fields hold
+
 
 class Status(IntEnum):
     """Run status; the numbers are the proto enum's (fencepost.v1.RunStatus)."""
@@ -105,6 +111,17 @@ class Record:
     suspension: Suspension | None = None
     revision: int = 0
     schema: int = SCHEMA
+
+
+def out_of_range(r: Record) -> str | None:
+    """The first counter of ``r`` outside 0..MAX_SAFE, or None. Only a record
+    written into the database by hand (or by a release without the bound)
+    has one; such a record is never served nor changed, only deleted."""
+    for name in ("fencing_token", "attempt", "version"):
+        v = getattr(r, name)
+        if not (isinstance(v, int) and 0 <= v <= MAX_SAFE):
+            return name
+    return None
 
 
 # -- plain-data form (JSON-able), used by storage and the request-id cache -------

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import ledger as L
 from .errors import validation
-from .records import Record, Status
+from .records import MAX_INT64, MAX_SAFE, Record, Status
 
 MAX_RUN_ID_BYTES = 512
 MAX_OWNER_BYTES = 256
@@ -20,7 +20,11 @@ MAX_MESSAGE_BYTES = 4096
 MAX_APPROVAL_IDS = 1000
 MAX_APPROVAL_ID_BYTES = 256
 MAX_LOCK_DELAY_MS = L.MAX_TTL_MS
-MAX_INT64 = 2**63 - 1
+# A version, attempt or token a client writes must leave room for the
+# server's next increment without passing MAX_SAFE (2^53 - 1).
+MAX_COUNTER_IN = MAX_SAFE - 1
+# The last millisecond a google.protobuf.Timestamp may hold: 9999-12-31T23:59:59.999Z.
+MAX_TIME_MS = 253_402_300_799_999
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -82,8 +86,27 @@ def ttl(value: int, field: str = "lease_ttl_ms") -> int:
     return int_range(field, value, L.MIN_TTL_MS, L.MAX_TTL_MS)
 
 
-def fencing_token(value: int) -> int:
-    return int_range("fencing_token", value, 1)
+def fencing_token(value: int, field: str = "fencing_token") -> int:
+    """A token naming one the server issued: 1..MAX_SAFE (none is ever larger)."""
+    return int_range(field, value, 1, MAX_SAFE)
+
+
+def counter(field: str, value: int) -> int:
+    """A version, attempt or token a client writes (the raw seam): 1..2^53 - 2,
+    so the server's next increment stays within what every client represents."""
+    if not 1 <= value <= MAX_COUNTER_IN:
+        raise validation(
+            field,
+            f"must be between 1 and {MAX_COUNTER_IN} (got {value}): the server moves it by "
+            f"one, and {MAX_SAFE} (2^53 - 1) is the largest integer every client can "
+            "represent exactly",
+        )
+    return value
+
+
+def time_ms(field: str, value: int, lo: int = 0) -> int:
+    """A time a client writes: lo..9999-12-31T23:59:59.999Z (a Timestamp's range)."""
+    return int_range(field, value, lo, MAX_TIME_MS)
 
 
 def approval_ids(ids: tuple[str, ...], field: str = "pending_approval_ids") -> tuple[str, ...]:
@@ -100,27 +123,29 @@ def record(rec: Record, prefix: str = "run") -> Record:
     if rec.schema != 1:
         raise validation(p + "schema", "must be 1")
     run_id(rec.run_id, p + "run_id")
-    int_range(p + "version", rec.version, 1)
+    counter(p + "version", rec.version)
     if not isinstance(rec.status, Status):
         raise validation(p + "status", "must be a known status")
-    int_range(p + "attempt", rec.attempt, 1)
-    int_range(p + "fencing_token", rec.fencing_token, 1)
-    int_range(p + "created_at", rec.created_at, 0)
-    int_range(p + "updated_at", rec.updated_at, rec.created_at)
+    counter(p + "attempt", rec.attempt)
+    counter(p + "fencing_token", rec.fencing_token)
+    time_ms(p + "created_at", rec.created_at)
+    time_ms(p + "updated_at", rec.updated_at, rec.created_at)
     if rec.lease is not None:
         owner(rec.lease.owner, p + "lease.owner")
-        int_range(p + "lease.acquired_at", rec.lease.acquired_at, 0)
-        int_range(p + "lease.expires_at", rec.lease.expires_at, rec.lease.acquired_at)
+        time_ms(p + "lease.acquired_at", rec.lease.acquired_at)
+        time_ms(p + "lease.expires_at", rec.lease.expires_at, rec.lease.acquired_at)
         int_range(p + "lease.ttl_ms", rec.lease.ttl_ms, 0, L.MAX_TTL_MS)
         int_range(p + "lease.lock_delay_ms", rec.lease.lock_delay_ms, 0, MAX_LOCK_DELAY_MS)
     if rec.checkpoint_ref is not None:
         text(p + "checkpoint_ref.key", rec.checkpoint_ref.key, MAX_KEY_BYTES)
         int_range(p + "checkpoint_ref.snapshot_version", rec.checkpoint_ref.snapshot_version, 0)
+        time_ms(p + "checkpoint_ref.saved_at", rec.checkpoint_ref.saved_at)
     if rec.outcome is not None:
         text(p + "outcome.code", rec.outcome.code, MAX_CODE_BYTES)
         if rec.outcome.message is not None:
             text(p + "outcome.message", rec.outcome.message, MAX_MESSAGE_BYTES, min_bytes=0)
     if rec.suspension is not None:
+        time_ms(p + "suspension.suspended_at", rec.suspension.suspended_at)
         approval_ids(rec.suspension.pending_approval_ids, p + "suspension.pending_approval_ids")
     return rec
 
@@ -193,7 +218,7 @@ def _raw_create(cmd: L.RawCreate) -> None:
 
 def _raw_cas(cmd: L.RawCompareAndSet) -> None:
     run_id(cmd.run_id)
-    int_range("expected_version", cmd.expected_version, 1, MAX_INT64 - 1)
+    counter("expected_version", cmd.expected_version)
     record(cmd.next, "next")
     if cmd.next.run_id != cmd.run_id:
         raise validation("next.run_id", "must equal run_id")

@@ -16,6 +16,7 @@ from grpc_status import rpc_status
 
 from ..convert import record_to_pb
 from ..core.errors import Code, LedgerError, validation
+from ..core.records import out_of_range
 from ._registry import Malformed
 
 DOMAIN = "fencepost"
@@ -66,16 +67,19 @@ def status_proto(err: LedgerError) -> status_pb2.Status:
     metadata = dict(err.metadata) if err.metadata else {}
     if err.field is not None:
         metadata["field"] = err.field
-    if err.record is not None:
-        metadata["run_id"] = err.record.run_id
-        metadata["fencing_token"] = str(err.record.fencing_token)
-        metadata["version"] = str(err.record.version)
+    record = err.record
+    if record is not None and out_of_range(record) is not None:
+        record = None  # stored past the bound: never served (convert.fill_record_pb)
+    if record is not None:
+        metadata["run_id"] = record.run_id
+        metadata["fencing_token"] = str(record.fencing_token)
+        metadata["version"] = str(record.version)
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=err.code.value, domain=DOMAIN, metadata=metadata))
     details = [info]
-    if err.record is not None:
+    if record is not None:
         rec = any_pb2.Any()
-        rec.Pack(record_to_pb(err.record))
+        rec.Pack(record_to_pb(record))
         details.append(rec)
     return status_pb2.Status(code=code.value[0], message=err.message, details=details)
 

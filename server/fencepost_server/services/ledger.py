@@ -15,8 +15,8 @@ from fencepost.v1 import ledger_pb2_grpc
 
 from .. import convert
 from ..core import validate
-from ..core.errors import Code, LedgerError, validation
-from ..core.records import Record, Status
+from ..core.errors import Code, LedgerError, unrepresentable, validation
+from ..core.records import Record, Status, out_of_range
 from ..storage.sqlite import HistoryReader
 from ..streams import FenceHub
 from ..writer import Writer
@@ -199,8 +199,11 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         runs, token = await list_page(
             self.writer, statuses, request.owner, size, request.page_token
         )
+        # a record stored past the bound is left out: it is never served
         return pb.ListRunsResponse(
-            runs=[convert.record_to_pb(r) for r in runs], next_page_token=token, revision=revision
+            runs=[convert.record_to_pb(r) for r in runs if out_of_range(r) is None],
+            next_page_token=token,
+            revision=revision,
         )
 
     @handler
@@ -224,6 +227,8 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         rec = await self.writer.read_run(request.run_id)
         if rec is None:
             return pb.ValidateFenceResponse(current=False, found=False, revision=revision)
+        if (field := out_of_range(rec)) is not None:
+            raise unrepresentable(rec.run_id, field, getattr(rec, field))
         revision = max(revision, rec.revision)
         current = (
             rec.fencing_token == request.fencing_token

@@ -24,6 +24,7 @@ from .. import auth
 from ..core import ledger as L
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
+from ..core.records import MAX_SAFE, out_of_range
 from ..storage.sqlite import HistoryReader
 from ..streams import FenceHub, Session, Stop, Watch, lost_reason, watch_message
 from ._registry import Malformed
@@ -94,7 +95,9 @@ class StreamHandlers:
         first = await anext(requests, None)
         if first is None:
             return
-        if isinstance(first, Malformed) or first.WhichOneof("kind") != "hello":
+        if isinstance(first, Malformed):
+            raise validation(first.field, f"undecodable {first.type_name}: {first.error}")
+        if first.WhichOneof("kind") != "hello":
             raise validation("hello", "the first message must be hello{owner}")
         owner = validate.owner(first.hello.owner, "hello.owner")
         auth.check_owner(auth.current(), owner, "hello.owner")
@@ -135,7 +138,7 @@ class StreamHandlers:
                 elif kind == "track":
                     run_id = msg.track.run_id
                     validate.run_id(run_id, "track.run_id")
-                    token = validate.int_range("track.fencing_token", msg.track.fencing_token, 1)
+                    token = validate.fencing_token(msg.track.fencing_token, "track.fencing_token")
                     self._check_room(session, run_id)
                     self.hub.track(session, run_id, token)
                 elif kind == "untrack":
@@ -224,7 +227,7 @@ class StreamHandlers:
             raise validation("run_ids", f"at most {MAX_WATCH_IDS} ids")
         for i, rid in enumerate(request.run_ids):
             validate.run_id(rid, f"run_ids[{i}]")
-        start = validate.int_range("from_revision", request.from_revision, 0)
+        start = validate.int_range("from_revision", request.from_revision, 0, MAX_SAFE)
         watch = Watch(frozenset(request.run_ids), limit=self.hub.queue_limit)
         self.hub.watchers.add(watch)  # subscribe first ...
         self.hub.opened(watch)
@@ -258,6 +261,8 @@ class StreamHandlers:
                         f"revision {nxt} was compacted during replay; re-list and watch again",
                     )
                 for rev, run_id, kind, rec in rows:
+                    if rec is not None and out_of_range(rec) is not None:
+                        continue  # stored past the bound (by hand): never served
                     if not watch.run_ids or run_id in watch.run_ids:
                         await context.write(watch_message(rev, kind, run_id, rec))
                 nxt = rows[-1][0] + 1

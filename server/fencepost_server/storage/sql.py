@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import contextlib
 import itertools
+import json
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -16,7 +17,14 @@ import orjson
 
 from ..core import codec
 from ..core.errors import LedgerError
-from ..core.records import Record, record_from_dict, record_to_dict
+from ..core.records import (
+    MAX_INT64,
+    MAX_SAFE,
+    Record,
+    out_of_range,
+    record_from_dict,
+    record_to_dict,
+)
 
 # Statuses whose runs are held in memory ("hot"); the terminal ones are read
 # from the runs table on demand once it reflects them.
@@ -86,7 +94,19 @@ PRUNE_CHUNK = 8192
 def _dumps(obj: Any) -> str:
     """Compact JSON text, UTF-8 unescaped (orjson: about 5x the stdlib encoder,
     which was a fifth of the writer thread's time)."""
-    return orjson.dumps(obj).decode()
+    try:
+        return orjson.dumps(obj).decode()
+    except TypeError:  # an integer past 64 bits (a record written by hand)
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _int64(v: Any) -> int:
+    """A value for an integer column: a record's counter written by hand past
+    what the column holds is kept there as the nearest int64 (the record's
+    text keeps it exactly; such a record is never served: convert.py)."""
+    if type(v) is int and -MAX_INT64 - 1 <= v <= MAX_INT64:
+        return v
+    return MAX_INT64 if v > 0 else -MAX_INT64 - 1
 
 
 _loads = orjson.loads
@@ -243,9 +263,23 @@ class SqlStorage:
                 replayed.setdefault(key, []).append(run_id)
         state.cold += [(st, owner, ids) for (st, owner), ids in replayed.items()]
         state.compacted = self._compacted(db, state.revision)
+        self._flag_out_of_range(state.runs)
         if prepare is not None:
             prepare(state)
         return state
+
+    def _flag_out_of_range(self, runs: dict[str, Record]) -> None:
+        """Say loudly which loaded runs hold a counter past 2^53 - 1 (written by
+        hand, or by a release without the bound): each is refused on access and
+        to every command but a delete, and everything else is served."""
+        bad = [run_id for run_id, r in runs.items()
+               if not (0 <= r.fencing_token <= MAX_SAFE and 0 <= r.attempt <= MAX_SAFE
+                       and 0 <= r.version <= MAX_SAFE)]
+        if bad:
+            shown = ", ".join(f"{run_id!r} ({out_of_range(runs[run_id])})" for run_id in bad[:10])
+            log.warning("%s: %d runs are stored with a counter outside 0..2^53-1 and are not "
+                        "served (RUN_INTEGRITY_ERROR) until deleted: %s%s", self.path, len(bad),
+                        shown, ", ..." if len(bad) > 10 else "")
 
     def _cold_groups(
         self, db: Any, replay: dict[str, Record | None]
@@ -465,9 +499,9 @@ class SqlStorage:
             puts.append((
                 block,
                 run_id,
-                r.version,
+                _int64(r.version),
                 int(r.status),
-                r.fencing_token,
+                _int64(r.fencing_token),
                 r.lease.owner if r.lease else None,
                 r.revision,
                 _dumps(record_to_dict(r)),
