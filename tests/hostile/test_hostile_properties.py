@@ -213,6 +213,7 @@ TEMPLATES: dict[str, Any] = {
     "DocDelete": epb.EngineDocDeleteRequest(agent="a", collection="c", id="d"),
     "PutArtifact": epb.EnginePutArtifactRequest(
         header=epb.EngineArtifactHeader(id="x", run_id="r", size_bytes=1)),
+    "DeleteArtifact": epb.EngineDeleteArtifactRequest(id="x"),
 }
 
 
