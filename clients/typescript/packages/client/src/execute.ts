@@ -22,7 +22,7 @@ export type CommandKind = WriteKind | "transaction";
 
 export type Transport = "stream" | "unary";
 
-type CallOpts = { timeoutMs: number | undefined };
+type CallOpts = { timeoutMs: number | undefined; signal?: AbortSignal };
 type AnyUnary = (req: unknown, opts: CallOpts) => Promise<unknown>;
 
 interface Pending {
@@ -54,6 +54,15 @@ export class CommandChannel {
     return new Promise<T>((resolve, reject) => {
       const id = this.nextId++;
       const p: Pending = { resolve: resolve as (v: unknown) => void, reject, timer: undefined };
+      const signal = opts.signal;
+      if (signal) {
+        // the caller gave up: its command may still be applied (its retry would say)
+        const onAbort = () => { if (this.pending.delete(id)) { if (p.timer) clearTimeout(p.timer); reject(signal.reason); } };
+        signal.addEventListener("abort", onAbort, { once: true });
+        const settle = p.resolve, fail = p.reject;
+        p.resolve = (v) => { signal.removeEventListener("abort", onAbort); settle(v); };
+        p.reject = (e) => { signal.removeEventListener("abort", onAbort); fail(e); };
+      }
       if (opts.timeoutMs) {
         p.timer = setTimeout(() => {
           if (this.pending.delete(id)) reject(new UnavailableError(`no answer within ${opts.timeoutMs} ms`, { grpcCode: Code.DeadlineExceeded }, "DEADLINE_EXCEEDED"));

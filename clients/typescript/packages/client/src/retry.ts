@@ -67,29 +67,53 @@ export const sleep = (ms: number, signal?: AbortSignal) =>
     signal?.addEventListener("abort", onAbort, { once: true });
   });
 
+/** What one call may add to its policy: a signal that aborts it, a bound on its whole time. */
+export interface CallLimits {
+  signal?: AbortSignal | undefined;
+  timeoutMs?: number | undefined;
+}
+
+/** Per-attempt call options for a generated stub: the attempt's deadline and the caller's signal. */
+export interface AttemptOptions {
+  timeoutMs: number | undefined;
+  signal?: AbortSignal;
+}
+
 /**
- * Run `attempt(timeoutMs)` until it succeeds, fails with a non-retryable
- * error, or the policy runs out. `mutation`: a final UNAVAILABLE means the
- * outcome is unknown (OutcomeUnknownError), unless the server said it did
- * nothing (SHUTTING_DOWN).
+ * Run `attempt` until it succeeds, fails with a non-retryable error, the
+ * policy runs out, or `limits` end it (an aborted signal throws its reason;
+ * `timeoutMs` bounds every attempt and the retries). `mutation`: a final
+ * UNAVAILABLE means the outcome is unknown (OutcomeUnknownError), unless the
+ * server said it did nothing (SHUTTING_DOWN).
  */
 export async function withRetry<T>(
   policy: FullRetryPolicy,
   mutation: boolean,
-  attempt: (timeoutMs: number | undefined) => Promise<T>,
+  attempt: (opts: AttemptOptions) => Promise<T>,
+  limits: CallLimits = {},
 ): Promise<T> {
   const started = performance.now();
   const delay = backoffDelays(policy);
+  const signal = limits.signal;
+  if (limits.timeoutMs !== undefined && !(limits.timeoutMs > 0)) throw new RangeError("timeoutMs: must be > 0");
+  const total = Math.min(policy.totalTimeoutMs, limits.timeoutMs ?? Number.POSITIVE_INFINITY);
   for (let n = 1; ; n++) {
+    if (signal?.aborted) throw signal.reason;
     let err: FencepostError;
+    let deadline: number | undefined = policy.attemptTimeoutMs || undefined;
+    if (limits.timeoutMs !== undefined) {
+      const left = Math.max(1, Math.ceil(limits.timeoutMs - (performance.now() - started)));
+      deadline = deadline === undefined ? left : Math.min(deadline, left);
+    }
     try {
-      return await attempt(policy.attemptTimeoutMs || undefined);
+      return await attempt(signal ? { timeoutMs: deadline, signal } : { timeoutMs: deadline });
     } catch (e) {
+      if (signal?.aborted) throw signal.reason;
       err = fromCallError(e);
     }
     if (!isRetryable(err)) throw err;
     const wait = delay();
-    if (n >= policy.maxAttempts || performance.now() - started + wait > policy.totalTimeoutMs) {
+    if (n >= policy.maxAttempts || performance.now() - started + wait > total) {
       if (mutation && !(err instanceof ShuttingDownError)) {
         throw new OutcomeUnknownError(`no answer after ${n} attempt(s): ${err.message}`, {
           cause: err, ...(err.grpcCode !== undefined ? { grpcCode: err.grpcCode } : {}),
@@ -97,6 +121,6 @@ export async function withRetry<T>(
       }
       throw err;
     }
-    await sleep(wait);
+    await sleep(wait, signal);
   }
 }

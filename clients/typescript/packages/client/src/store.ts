@@ -223,7 +223,7 @@ function ttl(ms: number): bigint {
 }
 
 /** Runs a mutation (the unary request as an init object) with one request id for all its attempts. */
-export type CommandRunner = <T>(kind: CommandKind, request: Record<string, unknown>) => Promise<T>;
+export type CommandRunner = <T>(kind: CommandKind, request: Record<string, unknown>, options?: { signal?: AbortSignal; timeoutMs?: number }) => Promise<T>;
 
 /**
  * @internal Where a view's writes go instead of the server: a transaction
@@ -298,7 +298,7 @@ export class EngineStoreClient {
   }
 
   private read<T>(call: (o: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
-    return withRetry(this.retry, false, (timeoutMs) => call({ timeoutMs }));
+    return withRetry(this.retry, false, (o) => call(o));
   }
 
   /**
@@ -515,7 +515,7 @@ export class EngineStoreClient {
       }
     };
     const policy = whole ? this.retry : { ...this.retry, maxAttempts: 1 };
-    const r = await this.refusals(withRetry(policy, true, (timeoutMs) => this.stub.putArtifact(messages(), { timeoutMs })));
+    const r = await this.refusals(withRetry(policy, true, (o) => this.stub.putArtifact(messages(), o)));
     return { created: r.created, artifact: artifactFromPb(r.artifact!) };
   }
 
