@@ -24,7 +24,7 @@ type HeaderInit = Parameters<Transport["unary"]>[3];
 export const CONNECT_WAIT_MS = 2000;
 
 /** PEM text or bytes. */
-export type Pem = string | Uint8Array;
+export type Pem = string | Buffer | Uint8Array;
 
 export interface TlsOptions {
   /** The CA that signed the server's certificate (default: Node's root CAs). */
@@ -52,6 +52,8 @@ export interface ConnectionOptions {
   token?: string;
   /** HTTP/2 keepalive pings, so calls behind a frozen coordinator fail over; false: none. */
   keepalive?: KeepalivePingOptions | false;
+  /** Connect interceptors for every call (after the token's). */
+  interceptors?: Interceptor[];
 }
 
 /** `"a"`, `"a,b"` or `["a", "b"]`: the addresses in order, each once. Throws TypeError naming `field`. */
@@ -95,7 +97,7 @@ export function checkConnection(address: string, options: ConnectionOptions): vo
   }
 }
 
-const asBuffer = (p: Pem | undefined) => (p === undefined ? undefined : typeof p === "string" ? p : Buffer.from(p));
+const asBuffer = (p: Pem | undefined) => (p === undefined ? undefined : typeof p === "string" || Buffer.isBuffer(p) ? p : Buffer.from(p as Uint8Array));
 
 class Endpoint {
   answers = false;
@@ -124,6 +126,7 @@ function openEndpoint(address: string, options: ConnectionOptions): Endpoint {
     const value = `Bearer ${options.token.trim()}`;
     interceptors.push((next) => (req) => { req.header.set("authorization", value); return next(req); });
   }
+  interceptors.push(...(options.interceptors ?? []));
   const transport = createGrpcTransport({ baseUrl, sessionManager: manager, interceptors });
   return new Endpoint(address, manager, transport);
 }
@@ -183,6 +186,20 @@ export class Endpoints implements Transport {
 
   private answered(e: Endpoint): void { e.answers = true; }
 
+  /**
+   * A connection the peer cut before any answer surfaces from Node as a
+   * cancelled stream: unless the caller aborted, it is UNAVAILABLE, with a hint
+   * (a plaintext client at a TLS port, or a handshake the server refused).
+   */
+  private explain(err: unknown, signal: AbortSignal | undefined): unknown {
+    const ce = ConnectError.from(err);
+    if (ce.code !== Code.Canceled || signal?.aborted) return err;
+    const hint = this.options.tls
+      ? "the server may have refused the TLS handshake: check tls.ca, cert and key"
+      : "the server may require TLS: pass the tls option";
+    return new ConnectError(`${ce.rawMessage} (${hint})`, Code.Unavailable, undefined, undefined, err);
+  }
+
   /** Move on from `e` when `cause` says so; true when a standby named a leader, now the current endpoint. */
   private afterFailure(e: Endpoint, cause: unknown): boolean {
     const err = fromCallError(cause);
@@ -226,7 +243,8 @@ export class Endpoints implements Transport {
         const r = await e.transport.unary(method, signal, timeoutMs, header, input, contextValues);
         this.answered(e);
         return r;
-      } catch (err) {
+      } catch (thrown) {
+        const err = this.explain(thrown, signal);
         if (!this.afterFailure(e, err) || hop >= this.all.length + 1) throw err;
       }
     }
@@ -241,7 +259,8 @@ export class Endpoints implements Transport {
     try {
       await this.reachable(e, signal);
       r = await e.transport.stream(method, signal, timeoutMs, header, input, contextValues);
-    } catch (err) {
+    } catch (thrown) {
+      const err = this.explain(thrown, signal);
       this.afterFailure(e, err);
       throw err;
     }
@@ -253,7 +272,8 @@ export class Endpoints implements Transport {
           self.answered(e);
           yield m;
         }
-      } catch (err) {
+      } catch (thrown) {
+        const err = self.explain(thrown, signal);
         self.afterFailure(e, err);
         throw err;
       }

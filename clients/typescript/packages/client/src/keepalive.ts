@@ -18,6 +18,7 @@ import {
   type Ledger,
 } from "./gen/fencepost/v1/ledger_pb.js";
 import { AsyncQueue } from "./queue.js";
+import { fromCallError, PermissionDeniedError, UnauthenticatedError } from "./errors.js";
 import { lostReasonFromPb, recordFromPb, type LostReason, type RunRecord } from "./records.js";
 import { backoffDelays, retryPolicy, sleep } from "./retry.js";
 
@@ -210,6 +211,13 @@ export class KeepAliveSession {
       } catch (e) {
         // dropped: reconnect below unless closing
         if (process.env["FENCEPOST_DEBUG"]) console.error("KeepAlive stream ended:", e);
+        const err = fromCallError(e);
+        if (!this.closed && (err instanceof PermissionDeniedError || err instanceof UnauthenticatedError)) {
+          // refused for this owner or these credentials: every reconnect would be too
+          const refused = [...this.entries.values()];
+          this.entries.clear();
+          for (const entry of refused) for (const l of entry.listeners) l.error?.(err.code, err.message);
+        }
       }
       queue.close();
       if (this.queue === queue) {
