@@ -187,17 +187,25 @@ export class Endpoints implements Transport {
   private answered(e: Endpoint): void { e.answers = true; }
 
   /**
-   * A connection the peer cut before any answer surfaces from Node as a
-   * cancelled stream: unless the caller aborted, it is UNAVAILABLE, with a hint
-   * (a plaintext client at a TLS port, or a handshake the server refused).
+   * A connection that broke under a call surfaces from Node as an aborted,
+   * cancelled or reset stream: unless the caller aborted, it is UNAVAILABLE
+   * (retried, and the next attempt may go elsewhere). Cut before any answer
+   * it gets a hint: a plaintext client at a TLS port, or a refused handshake.
    */
   private explain(err: unknown, signal: AbortSignal | undefined): unknown {
     const ce = ConnectError.from(err);
-    if (ce.code !== Code.Canceled || signal?.aborted) return err;
-    const hint = this.options.tls
-      ? "the server may have refused the TLS handshake: check tls.ca, cert and key"
-      : "the server may require TLS: pass the tls option";
-    return new ConnectError(`${ce.rawMessage} (${hint})`, Code.Unavailable, undefined, undefined, err);
+    if (signal?.aborted) return err;
+    const fromNode = typeof (ce.cause as { code?: unknown } | undefined)?.code === "string" || /^http\/2 stream closed/.test(ce.rawMessage);
+    if (ce.code === Code.Canceled) {
+      const hint = this.options.tls
+        ? "the server may have refused the TLS handshake: check tls.ca, cert and key"
+        : "the server may require TLS: pass the tls option";
+      return new ConnectError(`${ce.rawMessage} (${hint})`, Code.Unavailable, undefined, undefined, err);
+    }
+    if (fromNode && (ce.code === Code.Aborted || ce.code === Code.Internal || ce.code === Code.Unknown)) {
+      return new ConnectError(`the connection broke: ${ce.rawMessage}`, Code.Unavailable, undefined, undefined, err);
+    }
+    return err;
   }
 
   /** Move on from `e` when `cause` says so; true when a standby named a leader, now the current endpoint. */

@@ -36,6 +36,8 @@ export class CommandChannel {
   private pending = new Map<bigint, Pending>();
   private batch: Command[] = [];
   private queue: AsyncQueue<ExecuteRequest> | undefined;
+  /** The ids of the commands given to the open stream. */
+  private queued: Set<bigint> | undefined;
   private abort = new AbortController();
   private downUntil = 0;
   private closed = false;
@@ -94,6 +96,8 @@ export class CommandChannel {
     this.batch = [];
     if (!commands.length) return;
     if (!this.queue) this.open();
+    // counted as the stream's from now: one that fails before sending them must fail them too
+    for (const c of commands) this.queued!.add(c.id);
     this.queue!.push(create(ExecuteRequestSchema, { commands }));
   }
 
@@ -102,6 +106,7 @@ export class CommandChannel {
     this.queue = queue;
     this.connects++;
     const mine = new Set<bigint>();
+    this.queued = mine;
     void (async () => {
       let failure: unknown;
       try {
@@ -109,7 +114,10 @@ export class CommandChannel {
       } catch (e) {
         failure = e;
       }
-      if (this.queue === queue) this.queue = undefined;
+      if (this.queue === queue) {
+        this.queue = undefined;
+        this.queued = undefined;
+      }
       queue.close();
       // Unanswered commands of this stream have an unknown outcome: fail them as
       // UNAVAILABLE so their retries repeat them (same request ids).
