@@ -195,7 +195,7 @@ export class FencepostClient {
   /** A mutation on a generated stub: one request id for every attempt. */
   async mutate<T>(call: (requestId: string, opts: AttemptOptions) => Promise<T>, options: CallOptions = {}): Promise<T> {
     const requestId = newRequestId();
-    return withRetry(this.retry, true, (o) => call(requestId, o), options);
+    return withRetry(this.retry, true, (o) => call(requestId, o), options, this.endpoints);
   }
 
   /**
@@ -205,12 +205,12 @@ export class FencepostClient {
   async command<K extends CommandKind>(kind: K, request: CommandRequest<K>, options: CallOptions = {}): Promise<CommandResponse<K>> {
     const requestId = newRequestId();
     return withRetry(this.retry, true,
-      (o) => this.channel.run<CommandResponse<K>>(kind, { ...request, requestId }, o), options);
+      (o) => this.channel.run<CommandResponse<K>>(kind, { ...request, requestId }, o), options, this.endpoints);
   }
 
   /** A read on a generated stub, retried while the server is unavailable. */
   async read<T>(call: (opts: AttemptOptions) => Promise<T>, options: CallOptions = {}): Promise<T> {
-    return withRetry(this.retry, false, call, options);
+    return withRetry(this.retry, false, call, options, this.endpoints);
   }
 
   /**

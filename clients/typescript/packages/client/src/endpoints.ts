@@ -17,6 +17,7 @@ import type { DescMessage, DescMethodStreaming, DescMethodUnary, MessageInitShap
 import { Code, ConnectError, type ContextValues, type Interceptor, type StreamResponse, type Transport, type UnaryResponse } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import { fromCallError, NotLeaderError, OutcomeUnknownError, UnavailableError, type FencepostError } from "./errors.js";
+import type { RetryContext } from "./retry.js";
 
 type HeaderInit = Parameters<Transport["unary"]>[3];
 
@@ -101,6 +102,8 @@ const asBuffer = (p: Pem | undefined) => (p === undefined ? undefined : typeof p
 
 class Endpoint {
   answers = false;
+  /** How its last call failed, for the error a caller gets when every endpoint failed. */
+  lastFailure = "";
   readonly transport: Transport;
   constructor(readonly address: string, readonly manager: Http2SessionManager | undefined, transport: Transport) {
     this.transport = transport;
@@ -138,16 +141,28 @@ function movesOn(err: FencepostError): boolean {
   return err.grpcCode === Code.Unavailable || err.grpcCode === Code.DeadlineExceeded;
 }
 
+/** No connection to an endpoint: nothing of the call was sent. */
+export class Unreachable extends ConnectError {}
+
 const unreachable = (address: string, why: string) =>
-  new ConnectError(`${address}: no connection within ${CONNECT_WAIT_MS} ms (${why})`, Code.Unavailable);
+  new Unreachable(`${address}: no connection (${why})`, Code.Unavailable);
+
+/** Whether a failed attempt certainly did nothing: a standby's refusal, or no connection at all. */
+export function notSent(err: FencepostError): boolean {
+  if (err instanceof NotLeaderError || err.cause instanceof Unreachable) return true;
+  if (!(err.cause instanceof ConnectError)) return false;
+  // an Execute stream's command failed with its stream: refused by a standby, or never connected
+  return (err.cause.cause as { code?: unknown } | undefined)?.code === "ECONNREFUSED" || fromCallError(err.cause) instanceof NotLeaderError;
+}
 
 /**
  * A Connect Transport over every endpoint of a client: each call goes to the
  * endpoint believed to lead, and its failures move that belief.
  */
-export class Endpoints implements Transport {
+export class Endpoints implements Transport, RetryContext {
   private readonly all: Endpoint[];
   private current: Endpoint;
+  private leaderHint = "";
   readonly listed: readonly string[];
 
   constructor(addresses: readonly string[], private readonly options: ConnectionOptions, fixed?: Transport) {
@@ -161,6 +176,15 @@ export class Endpoints implements Transport {
 
   /** Every endpoint: those given, then leaders learned from standbys. */
   get addresses(): string[] { return this.all.map((e) => e.address); }
+
+  notSent(err: FencepostError): boolean { return notSent(err); }
+
+  /** With several endpoints: each one's last failure and the last leader a standby named. */
+  describe(): string {
+    if (this.all.length < 2 && !this.leaderHint) return "";
+    const tried = this.all.map((e) => `${e.address}: ${e.lastFailure || "not tried"}`).join("; ");
+    return ` [endpoints: ${tried}; last leader hint: ${this.leaderHint || "none"}]`;
+  }
 
   close(): void {
     for (const e of this.all) e.manager?.abort();
@@ -213,6 +237,8 @@ export class Endpoints implements Transport {
     const err = fromCallError(cause);
     if (!movesOn(err)) return false;
     e.answers = false;
+    e.lastFailure = err instanceof NotLeaderError ? "a standby" : err.message;
+    if (err instanceof NotLeaderError) this.leaderHint = err.leader;
     if (err instanceof NotLeaderError && err.leader && err.leader !== e.address) {
       const target = this.find(err.leader);
       if (target) {
@@ -250,6 +276,7 @@ export class Endpoints implements Transport {
         await this.reachable(e, signal);
         const r = await e.transport.unary(method, signal, timeoutMs, header, input, contextValues);
         this.answered(e);
+        e.lastFailure = "";
         return r;
       } catch (thrown) {
         const err = this.explain(thrown, signal);

@@ -73,6 +73,14 @@ export interface CallLimits {
   timeoutMs?: number | undefined;
 }
 
+/** How a client's retries see its endpoints (several coordinators). */
+export interface RetryContext {
+  /** Whether a failed attempt certainly did nothing (refused by a standby, never connected). */
+  notSent(err: FencepostError): boolean;
+  /** Appended to the final error's message: the endpoints tried and how they failed. */
+  describe(): string;
+}
+
 /** Per-attempt call options for a generated stub: the attempt's deadline and the caller's signal. */
 export interface AttemptOptions {
   timeoutMs: number | undefined;
@@ -91,7 +99,9 @@ export async function withRetry<T>(
   mutation: boolean,
   attempt: (opts: AttemptOptions) => Promise<T>,
   limits: CallLimits = {},
+  context?: RetryContext,
 ): Promise<T> {
+  let maybeApplied = false;
   const started = performance.now();
   const delay = backoffDelays(policy);
   const signal = limits.signal;
@@ -112,13 +122,16 @@ export async function withRetry<T>(
       err = fromCallError(e);
     }
     if (!isRetryable(err)) throw err;
+    if (!(err instanceof ShuttingDownError) && !context?.notSent(err)) maybeApplied = true;
     const wait = delay();
     if (n >= policy.maxAttempts || performance.now() - started + wait > total) {
-      if (mutation && !(err instanceof ShuttingDownError)) {
-        throw new OutcomeUnknownError(`no answer after ${n} attempt(s): ${err.message}`, {
+      const where = context?.describe() ?? "";
+      if (mutation && maybeApplied) {
+        throw new OutcomeUnknownError(`no answer after ${n} attempt(s): ${err.message}${where}`, {
           cause: err, ...(err.grpcCode !== undefined ? { grpcCode: err.grpcCode } : {}),
         });
       }
+      if (where) (err as { message: string }).message += where;
       throw err;
     }
     await sleep(wait, signal);
