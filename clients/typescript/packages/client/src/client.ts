@@ -16,17 +16,11 @@ import { Endpoints, parseEndpoints, type ConnectionOptions } from "./endpoints.j
 import { KeepAliveSession, type FenceListener } from "./keepalive.js";
 import { Lease, type LeaseHost } from "./lease.js";
 import { recordFromPb, statusFromPb, statusToPb, toBigInt, toNumber, type RunRecord, type RunStatus } from "./records.js";
-import { backoffDelays, newRequestId, retryPolicy, sleep, withRetry, type AttemptOptions, type FullRetryPolicy, type RetryPolicy } from "./retry.js";
+import { backoffDelays, newRequestId, retryPolicy, sleep, withRetry, type AttemptOptions, type CallOptions, type FullRetryPolicy, type RetryPolicy } from "./retry.js";
 import { EngineStoreClient, fencePb } from "./store.js";
 import { CommandChannel, type CommandKind, type Transport as CommandTransport } from "./execute.js";
 
-/** Every call takes these. */
-export interface CallOptions {
-  /** Aborts the call (and its retries); a mutation already sent may still be applied. */
-  signal?: AbortSignal;
-  /** The call's whole time, retries included, ms (default: the retry policy's totalTimeoutMs). */
-  timeoutMs?: number;
-}
+export type { CallOptions };
 
 export interface ClientOptions extends ConnectionOptions {
   /** Worker identity for acquire and the KeepAlive stream (default: host-pid-random). */

@@ -67,10 +67,12 @@ export const sleep = (ms: number, signal?: AbortSignal) =>
     signal?.addEventListener("abort", onAbort, { once: true });
   });
 
-/** What one call may add to its policy: a signal that aborts it, a bound on its whole time. */
-export interface CallLimits {
-  signal?: AbortSignal | undefined;
-  timeoutMs?: number | undefined;
+/** Every call takes these. */
+export interface CallOptions {
+  /** Aborts the call (and its retries) with the signal's reason; a mutation already sent may still be applied. */
+  signal?: AbortSignal;
+  /** The call's whole time, retries included, ms (default: the retry policy's totalTimeoutMs). */
+  timeoutMs?: number;
 }
 
 /** How a client's retries see its endpoints (several coordinators). */
@@ -98,7 +100,7 @@ export async function withRetry<T>(
   policy: FullRetryPolicy,
   mutation: boolean,
   attempt: (opts: AttemptOptions) => Promise<T>,
-  limits: CallLimits = {},
+  limits: CallOptions = {},
   context?: RetryContext,
 ): Promise<T> {
   let maybeApplied = false;
