@@ -3,35 +3,19 @@
 // acquire, KeepAlive and the Execute stream; tokens carry their role;
 // refusals are typed and never retried.
 import assert from "node:assert/strict";
-import { execFileSync } from "node:child_process";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
-import { dirname, join } from "node:path";
-import { fileURLToPath } from "node:url";
+import { join } from "node:path";
 import { after, before, describe, it } from "node:test";
 import type { Interceptor } from "@connectrpc/connect";
 import {
   FencepostClient, OwnerNotPermittedError, PermissionDeniedError, RunNotFoundError, UnauthenticatedError,
   UnavailableError, type ClientOptions, type TlsOptions,
 } from "@fencepost/client";
-import { diagnostics, findFencepostBin, startServer, type TestServer } from "@fencepost/client/testing";
+import { diagnostics, startServer, type TestServer } from "@fencepost/client/testing";
+import { makeCerts, mtlsArgs, type Certs } from "./pki.js";
 import { KeepAliveRequestSchema } from "@fencepost/client/gen/fencepost/v1/ledger_pb";
 import { create } from "@bufbuild/protobuf";
-
-interface Certs {
-  ca: string;
-  server: { cert: string; key: string };
-  clients: Record<string, { cert: string; key: string }>;
-  policy: string;
-  tokens: { admin: string; script: string };
-}
-
-/** Certificates and a policy, made by the repository's test CA (helpers/make_certs.py). */
-export function makeCerts(dir: string): Certs {
-  const python = join(dirname(findFencepostBin()), "python");
-  const script = join(dirname(fileURLToPath(import.meta.url)), "..", "helpers", "make_certs.py");
-  return JSON.parse(execFileSync(python, [script, dir], { encoding: "utf8" })) as Certs;
-}
 
 let dir: string;
 let certs: Certs;
@@ -63,7 +47,7 @@ before(async () => {
   certs = makeCerts(dir);
   server = await startServer({
     testHooks: false,
-    args: ["--tls-cert", certs.server.cert, "--tls-key", certs.server.key, "--client-ca", certs.ca, "--authz", certs.policy],
+    args: mtlsArgs(certs),
     connect: { tls: tlsFor("admin") },
   });
   tokenServer = await startServer({ testHooks: false, args: ["--authz", certs.policy], connect: { token: certs.tokens.admin } });
