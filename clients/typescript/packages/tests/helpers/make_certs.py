@@ -12,9 +12,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[5]
 sys.path.insert(0, str(REPO))
 
-from torture.certs import CA  # noqa: E402
-
 from fencepost_server.auth import token_digest  # noqa: E402
+from torture.certs import CA  # noqa: E402
 
 PRINCIPALS = ("alice", "bob", "op", "admin")
 TOKENS = {"cli-admin": "ts-admin-token", "script": "ts-script-token"}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[5] / "tests" / "sdk"))
 
-from _standby import Standby  # noqa: E402
+from _standby import Standby
 
 
 def main() -> None:
