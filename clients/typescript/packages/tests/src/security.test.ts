@@ -12,7 +12,9 @@ import {
   FencepostClient, OwnerNotPermittedError, PermissionDeniedError, RunNotFoundError, UnauthenticatedError,
   UnavailableError, type ClientOptions, type TlsOptions,
 } from "@fencepost/client";
-import { diagnostics, startServer, type TestServer } from "@fencepost/client/testing";
+import { diagnostics, freePort, startServer, type TestServer } from "@fencepost/client/testing";
+import { FencepostStore } from "@fencepost/chamvi";
+import { FencepostRunStore } from "@fencepost/oma";
 import { makeCerts, mtlsArgs, type Certs } from "./pki.js";
 import { KeepAliveRequestSchema } from "@fencepost/client/gen/fencepost/v1/ledger_pb";
 import { create } from "@bufbuild/protobuf";
@@ -134,6 +136,29 @@ describe("TLS, identities and roles", () => {
     const err = await plain.get("x").catch((e: unknown) => e);
     assert.ok(err instanceof UnavailableError, String(err));
     assert.match(err.message, /TLS/);
+  });
+
+  it("FencepostRunStore and chamvi's FencepostStore take the same options and endpoints", async () => {
+    const down = `127.0.0.1:${await freePort()}`;
+    // the raw RunStore seam is an admin's
+    const runs = await FencepostRunStore.connect([down, server.address], { tls: tlsFor("admin"), owner: "admin" });
+    try {
+      assert.equal(await runs.get("sec-none"), null);
+    } finally {
+      await runs.close();
+    }
+    // an engine process is a worker: its claims are bound to its identity
+    const store = await FencepostStore.connect(`${down},${server.address}`, { tls: tlsFor("alice"), owner: "alice/engine" });
+    try {
+      await store.createRun({ id: "sec-engine", agent: "a", status: "queued" });
+      assert.equal(await store.claimRun("sec-engine", "alice/engine", 5000), true);
+      assert.equal((await store.getRun("sec-engine"))?.claim?.owner, "alice/engine");
+      await assert.rejects(store.claimRun("sec-engine", "bob/engine", 5000), OwnerNotPermittedError);
+    } finally {
+      await store.close();
+    }
+    const refused = await FencepostStore.connect(server.address, { tls: tlsFor(), retry: { totalTimeoutMs: 1000 } }).catch((e: unknown) => e);
+    assert.ok(refused instanceof UnavailableError, String(refused)); // no client certificate: the handshake fails
   });
 
   it("refuses options that cannot work, naming them", () => {
