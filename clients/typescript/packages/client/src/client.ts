@@ -13,6 +13,7 @@ import { EngineStore } from "./gen/fencepost/v1/engine_store_pb.js";
 import { TestHooks } from "./gen/fencepost/v1/testing_pb.js";
 import { fromCallError, RevisionCompactedError, StreamTooSlowError, type FencepostError } from "./errors.js";
 import { Endpoints, parseEndpoints, type ConnectionOptions } from "./endpoints.js";
+import { acquireShared, releaseShared, shareKey } from "./shared.js";
 import { KeepAliveSession, type FenceListener } from "./keepalive.js";
 import { Lease, type LeaseHost } from "./lease.js";
 import { recordFromPb, statusFromPb, statusToPb, toBigInt, toNumber, type RunRecord, type RunStatus } from "./records.js";
@@ -108,6 +109,7 @@ export const internals = Symbol("fencepost.internals");
 export interface ClientInternals {
   testHooks: Client<typeof TestHooks>;
   executeConnects(): number;
+  executeCommands(): number;
   keepAliveConnects(): number;
   keepAliveMessages(): number;
 }
@@ -130,6 +132,8 @@ export class FencepostClient {
   private readonly endpoints: Endpoints;
   private keepAlive: KeepAliveSession;
   private channel: CommandChannel;
+  private readonly shareKey: string | undefined;
+  private readonly sharedChannel: boolean;
   private _closed = false;
   /** @internal */
   readonly [internals]: ClientInternals;
@@ -145,7 +149,10 @@ export class FencepostClient {
     this.owner = options.owner ?? defaultOwner();
     this.defaultTtlMs = options.defaultTtlMs ?? 60_000;
     this.retry = retryPolicy(options.retry);
-    this.endpoints = new Endpoints(addresses, options, options.connectTransport);
+    // clients of one process with the same endpoints and credentials share connections and one Execute stream
+    this.shareKey = options.connectTransport ? undefined : shareKey(addresses, options);
+    const sharing = this.shareKey !== undefined ? acquireShared(this.shareKey, addresses, options) : undefined;
+    this.endpoints = sharing?.endpoints ?? new Endpoints(addresses, options, options.connectTransport);
     const transport: Transport = this.endpoints;
     this.stubs = {
       ledger: createClient(Ledger, transport),
@@ -154,11 +161,15 @@ export class FencepostClient {
     };
     const testHooks = createClient(TestHooks, transport);
     this.keepAlive = new KeepAliveSession(this.stubs.ledger, this.owner);
-    this.channel = new CommandChannel(this.stubs.ledger, this.stubs.engineStore, options.transport ?? "stream");
+    const transportKind = options.transport ?? "stream";
+    this.sharedChannel = sharing !== undefined && transportKind === "stream";
+    this.channel = this.sharedChannel ? sharing!.channel()
+      : new CommandChannel(this.stubs.ledger, this.stubs.engineStore, transportKind);
     this.store = new EngineStoreClient(this.stubs.engineStore, this.retry, (kind, req, o) => this.command(kind, req as never, o) as never);
     this[internals] = {
       testHooks,
       executeConnects: () => this.channel.connects,
+      executeCommands: () => this.channel.commandsSent,
       keepAliveConnects: () => this.keepAlive.connects,
       keepAliveMessages: () => this.keepAlive.messages,
     };
@@ -179,9 +190,10 @@ export class FencepostClient {
   async close(): Promise<void> {
     if (this._closed) return;
     this._closed = true;
-    await this.channel.close();
+    if (!this.sharedChannel) await this.channel.close();
     await this.keepAlive.close();
-    this.endpoints.close();
+    if (this.shareKey !== undefined) await releaseShared(this.shareKey);
+    else this.endpoints.close();
   }
 
   async [Symbol.asyncDispose](): Promise<void> { await this.close(); }

@@ -43,6 +43,8 @@ export class CommandChannel {
   private closed = false;
   /** How many times the Execute stream was opened. */
   connects = 0;
+  /** How many commands were sent on it. */
+  commandsSent = 0;
 
   constructor(
     private readonly ledger: Client<typeof Ledger>,
@@ -98,6 +100,7 @@ export class CommandChannel {
     if (!this.queue) this.open();
     // counted as the stream's from now: one that fails before sending them must fail them too
     for (const c of commands) this.queued!.add(c.id);
+    this.commandsSent += commands.length;
     this.queue!.push(create(ExecuteRequestSchema, { commands }));
   }
 

@@ -27,8 +27,13 @@ export async function jumpClock(client: FencepostClient, ms: number): Promise<nu
 }
 
 export interface Diagnostics {
-  /** How many times the Execute command stream has been opened (1 while it stays up). */
+  /**
+   * How many times the Execute command stream has been opened (1 while it
+   * stays up); a stream shared by several clients counts for all of them.
+   */
   executeConnects: number;
+  /** How many commands the Execute stream has carried (for all the clients sharing it). */
+  executeCommands: number;
   /** How many times the shared KeepAlive stream has been opened (1 while it stays up). */
   keepAliveConnects: number;
   /** How many messages the KeepAlive stream has written (hello, renewals, track, untrack). */
@@ -38,7 +43,7 @@ export interface Diagnostics {
 /** A client's stream counters, read now. */
 export function diagnostics(client: FencepostClient): Diagnostics {
   const i = client[internals];
-  return { executeConnects: i.executeConnects(), keepAliveConnects: i.keepAliveConnects(), keepAliveMessages: i.keepAliveMessages() };
+  return { executeConnects: i.executeConnects(), executeCommands: i.executeCommands(), keepAliveConnects: i.keepAliveConnects(), keepAliveMessages: i.keepAliveMessages() };
 }
 
 export interface TestServer {
