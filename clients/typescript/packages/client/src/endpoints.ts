@@ -90,6 +90,12 @@ export function isLoopback(address: string): boolean {
 export function checkConnection(address: string, options: ConnectionOptions): void {
   const { tls, token } = options;
   if (tls && (tls.cert === undefined) !== (tls.key === undefined)) throw new TypeError("tls: cert and key go together");
+  if (options.keepalive) {
+    for (const f of ["intervalMs", "timeoutMs"] as const) {
+      const v = options.keepalive[f];
+      if (v !== undefined && !(Number.isSafeInteger(v) && v > 0)) throw new TypeError(`keepalive.${f}: must be a positive integer (got ${String(v)})`);
+    }
+  }
   if (token !== undefined) {
     if (typeof token !== "string" || !token.trim()) throw new TypeError("token: must not be empty");
     if (!tls && !isLoopback(address)) {

@@ -179,7 +179,8 @@ export class KeepAliveSession {
   }
 
   private async loop(): Promise<void> {
-    const delay = backoffDelays(retryPolicy({ initialBackoffMs: 50, maxBackoffMs: 2000 }));
+    const policy = retryPolicy({ initialBackoffMs: 50, maxBackoffMs: 2000 });
+    let delay = backoffDelays(policy);
     while (!this.closed && this.entries.size > 0) {
       const queue = new AsyncQueue<KeepAliveRequest>();
       this.queue = queue;
@@ -204,9 +205,11 @@ export class KeepAliveSession {
       if (renews.length) this.push(queue, create(KeepAliveRequestSchema, { renews }));
       this.schedule();
       this.connects++;
+      let answered = false;
       try {
         for await (const resp of this.ledger.keepAlive(queue, { signal: this.abort.signal })) {
           this.handle(resp);
+          answered = true;
         }
       } catch (e) {
         // dropped: reconnect below unless closing
@@ -225,6 +228,7 @@ export class KeepAliveSession {
         this.name = "";
       }
       if (this.closed || this.entries.size === 0) break;
+      if (answered) delay = backoffDelays(policy); // a stream that worked starts the backoff over
       try {
         await sleep(delay(), this.abort.signal);
       } catch {

@@ -165,5 +165,6 @@ describe("TLS, identities and roles", () => {
     assert.throws(() => new FencepostClient("10.0.0.1:50051", { token: "t" }), /token: .*only over TLS/);
     assert.throws(() => new FencepostClient("127.0.0.1:50051", { token: " " }), /token: must not be empty/);
     assert.throws(() => new FencepostClient("127.0.0.1:50051", { tls: { cert: "x" } }), /tls: cert and key go together/);
+    assert.throws(() => new FencepostClient("127.0.0.1:50051", { keepalive: { intervalMs: 0 } }), /keepalive.intervalMs: must be a positive integer/);
   });
 });
