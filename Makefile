@@ -21,16 +21,21 @@ help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}' \
 	  | sed -e 's|$$(ADDR)|$(ADDR)|g' -e 's|$$(DB)|$(DB)|g'
 
-$(STAMP): pyproject.toml
+# Two distributions, both installed editable from the checkout: the SDK
+# (clients/python: fencepost) and the server (server: fencepost-server).
+PKG_FILES := pyproject.toml clients/python/pyproject.toml server/pyproject.toml server/setup.py
+EDITABLE  := -e clients/python -e server
+
+$(STAMP): $(PKG_FILES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet $(EDITABLE) -e '.[dev]'
 	touch $(STAMP) $(SERVE_STAMP)
 
-# Serving needs the package and its runtime dependencies only (no dev tools).
-$(SERVE_STAMP): pyproject.toml
+# Serving needs the packages and their runtime dependencies only (no dev tools).
+$(SERVE_STAMP): $(PKG_FILES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet $(EDITABLE)
 	touch $(SERVE_STAMP)
 
 all: test  ## exactly what CI runs (lint + every test)
@@ -57,9 +62,10 @@ test: $(STAMP) lint browser postgres  ## lint, then every test (slow ones includ
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 	$(MAKE) test-ts
 
-lint: $(STAMP)  ## ruff and mypy on our own code
+lint: $(STAMP)  ## ruff and mypy on our own code; proto/ against the last released API (buf breaking)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/api_breaking.py
 
 proto: $(STAMP) $(TS_STAMP)  ## regenerate the checked-in stubs from proto/ (Python and TypeScript)
 	$(BIN)/python -m fencepost_server._codegen $(GEN_DIR)
@@ -106,9 +112,47 @@ $(TS_STAMP): $(TS_DIR)/package-lock.json $(TS_DIR)/package.json
 test-ts: $(STAMP) $(TS_STAMP)  ## TypeScript clients: build, then their tests against real servers
 	cd $(TS_DIR) && FENCEPOST_BIN=$(abspath $(BIN))/fencepost npm test
 
+# Release artifacts. The wheels are built from the sdists (python -m build),
+# with the venv's setuptools: no build environment to fetch.
+DIST      ?= dist
+VERSION    = $(shell $(BIN)/python -c 'import fencepost; print(fencepost.__version__)')
+IMAGE_TAR  = $(DIST)/fencepost-server-$(VERSION).image.tar
+TS_PACKAGES := client oma chamvi
+.PHONY: dist dist-packages dist-python dist-npm image
+dist-packages: dist-python dist-npm  ## the two Python sdists and wheels and the three npm tarballs in dist/
+
+dist-python: $(STAMP)
+	mkdir -p $(DIST)
+	$(BIN)/python -m build --no-isolation --outdir $(DIST) clients/python
+	$(BIN)/python -m build --no-isolation --outdir $(DIST) server
+
+dist-npm: $(STAMP) $(TS_STAMP)
+	mkdir -p $(DIST)
+	cd $(TS_DIR) && npm run --silent build
+	cd $(TS_DIR) && npm pack --silent --pack-destination $(abspath $(DIST)) \
+	  $(foreach p,$(TS_PACKAGES),--workspace packages/$(p))
+
+# The image is built with buildah from Debian's own packages (scripts/build_image.sh),
+# then run with podman and checked: health check, a lifecycle, non-root, SIGTERM.
+IMAGE_TOOLS := buildah podman debootstrap runc
+image: $(STAMP)  ## build the container image into dist/ with buildah and check it runs with podman (~2 min)
+	@for t in $(IMAGE_TOOLS); do command -v $$t >/dev/null || { \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  $(SUDO) apt-get install -y -qq $(IMAGE_TOOLS); break; }; done
+	mkdir -p $(DIST)
+	scripts/build_image.sh $(VERSION) $(IMAGE_TAR)
+	FENCEPOST_IMAGE=$(abspath $(IMAGE_TAR)) $(BIN)/python -m pytest -q -s -n 0 -p no:cacheprovider \
+	  tests/release/test_image.py
+
+dist: $(STAMP)  ## every artifact (sdists, wheels, npm tarballs, the image) in dist/ with SHA256SUMS
+	rm -rf $(DIST)
+	$(MAKE) dist-packages image DIST=$(DIST)
+	cd $(DIST) && sha256sum $$(ls | grep -v '^SHA256SUMS$$') > SHA256SUMS
+
 clean:  ## remove the venv, caches and build output (never your data: see clean-data)
 	rm -rf $(TS_DIR)/node_modules $(TS_DIR)/packages/*/dist $(TS_DIR)/packages/*/tsconfig.tsbuildinfo
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info \
+	  clients/python/build clients/python/*.egg-info server/build server/*.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 .PHONY: clean-data

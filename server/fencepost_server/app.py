@@ -135,6 +135,12 @@ class Settings:
     http_listen: str = "127.0.0.1:8233"
     # Only /metrics and /healthz, e.g. on 0.0.0.0 for a scraper; "" is off.
     metrics_listen: str = ""
+    # Host names the dashboard answers besides its listen address and the
+    # loopback names, and its event-stream bounds (web.py, docs/SECURITY.md).
+    http_allowed_hosts: tuple[str, ...] = ()
+    http_max_event_streams: int = 1024  # open at once, every client together
+    http_event_streams_per_client: int = 32  # per remote address, and per principal
+    http_event_queue: int = 10_000  # changed runs one stream may lag before it is dropped
     # Coordinators on one PostgreSQL database (leadership.py, docs/OPERATIONS.md):
     # the address clients reach this one at ("": the listen address), the
     # leader row's lease and renewal interval, and the clock bound ("0": off).
@@ -178,6 +184,10 @@ class Settings:
             "FENCEPOST_MAX_INFLIGHT_PER_STREAM": ("max_inflight_per_stream", int),
             "FENCEPOST_HTTP_LISTEN": ("http_listen", str),
             "FENCEPOST_METRICS_LISTEN": ("metrics_listen", str),
+            "FENCEPOST_HTTP_ALLOWED_HOSTS": ("http_allowed_hosts", _comma_list),
+            "FENCEPOST_HTTP_MAX_EVENT_STREAMS": ("http_max_event_streams", int),
+            "FENCEPOST_HTTP_EVENT_STREAMS_PER_CLIENT": ("http_event_streams_per_client", int),
+            "FENCEPOST_HTTP_EVENT_QUEUE": ("http_event_queue", int),
             "FENCEPOST_ADVERTISE": ("advertise", str),
             "FENCEPOST_LEADER_LEASE": ("leader_lease", str),
             "FENCEPOST_LEADER_RENEW": ("leader_renew", str),
@@ -216,6 +226,7 @@ _CHECKS = {
     "history_max_age_s": "FENCEPOST_HISTORY_MAX_AGE_S",
     "http_listen": "FENCEPOST_HTTP_LISTEN",
     "metrics_listen": "FENCEPOST_METRICS_LISTEN",
+    "http_allowed_hosts": "FENCEPOST_HTTP_ALLOWED_HOSTS",
     "retain_terminal": "FENCEPOST_RETAIN_TERMINAL",
     "leader_lease": "FENCEPOST_LEADER_LEASE",
     "leader_renew": "FENCEPOST_LEADER_RENEW",
@@ -252,6 +263,39 @@ def split_address(text: str, default_port: int) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def host_entry(text: str) -> tuple[str, int | None]:
+    """A Host allow-list entry or a Host header, ``name[:port]`` (``[v6]:port``
+    too) -> (lower-case name, port or None); ValueError when malformed."""
+    t = text.strip().lower()
+    if not t or len(t) > 300 or any(c in t for c in "/@?#*\\ \t"):
+        raise ValueError("expected a host name or address, optionally with :PORT "
+                         "(no scheme or path)")
+    if t.startswith("["):
+        end = t.find("]")
+        if end < 2:
+            raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
+        host, rest = t[: end + 1], t[end + 1 :]
+    elif t.count(":") > 1:
+        raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
+    else:
+        host, sep, port_text = t.partition(":")
+        rest = sep + port_text
+    host = host.rstrip(".")
+    if not host:
+        raise ValueError("the host is missing")
+    if not rest:
+        return host, None
+    digits = rest[1:]
+    if (rest[0] != ":" or not (digits.isascii() and digits.isdigit())
+            or not 0 < int(digits) <= 65535):
+        raise ValueError(f"the port must be a number in 1..65535 (got {rest[1:]!r})")
+    return host, int(digits)
+
+
 def duration_ms(text: str, name: str = "") -> int:
     """A leadership duration in ms ("500ms", "5s", "1m" or seconds); the clock
     bound may also be "0" or "off" (no check). ValueError otherwise."""
@@ -274,6 +318,11 @@ def _check(name: str, value: Any, from_env: bool) -> Any:
 
 
 def _normalise(name: str, value: Any) -> Any:
+    if name == "http_allowed_hosts":
+        hosts = (value,) if isinstance(value, str) else tuple(value)
+        for h in hosts:
+            host_entry(h)
+        return tuple(h.strip().lower() for h in hosts)
     if name in ("listen", "http_listen", "metrics_listen"):
         if name != "listen" and str(value).strip().lower() in ("", "off", "0", "none"):
             return ""
@@ -330,6 +379,7 @@ class App:
     retention: Retention | None = None
     metrics: Metrics | None = None
     dashboard: Dashboard | None = None
+    authn: Authenticator | None = None  # None: no identities (the dashboard shares it)
     serving: bool = False
     leadership: Leadership | None = None  # PostgreSQL: who leads (leadership.py)
     identity: str = ""
@@ -344,6 +394,7 @@ class App:
         if s.fault and s.fault not in FAULTS:
             raise RuntimeError(f"unknown --fault {s.fault!r}; known: {', '.join(FAULTS)}")
         authn, credentials = security(s)  # before anything opens: a bad flag changes nothing
+        self.authn = authn
         retain_ms = parse_duration_ms(s.retain_terminal, "--retain-terminal") \
             if s.retain_terminal else 0
         self._retain_ms = retain_ms
@@ -730,7 +781,10 @@ def security(s: Settings) -> tuple[Authenticator | None, grpc.ServerCredentials 
     for name, value in (("--max-message-bytes", s.max_message_bytes),
                         ("--max-concurrent-streams", s.max_concurrent_streams),
                         ("--max-tracked-per-stream", s.max_tracked_per_stream),
-                        ("--max-inflight-per-stream", s.max_inflight_per_stream)):
+                        ("--max-inflight-per-stream", s.max_inflight_per_stream),
+                        ("--http-max-event-streams", s.http_max_event_streams),
+                        ("--http-event-streams-per-client", s.http_event_streams_per_client),
+                        ("--http-event-queue", s.http_event_queue)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, not {value}")
     if is_url(s.db_path) and duration_ms(s.leader_renew) >= duration_ms(s.leader_lease):
@@ -744,6 +798,13 @@ def security(s: Settings) -> tuple[Authenticator | None, grpc.ServerCredentials 
             "or fence any lease. Serve TLS (--tls-cert FILE --tls-key FILE, and --client-ca "
             "FILE for mutual TLS), listen on 127.0.0.1, or pass --allow-insecure if the "
             "network itself is trusted"
+        )
+    if (s.http_listen and not s.tls_cert and not s.allow_insecure
+            and not is_loopback(s.http_listen)):
+        raise ConfigError(
+            f"refusing to serve the dashboard in plaintext on {s.http_listen}: it reads "
+            "every run and cancels them. Serve TLS (--tls-cert/--tls-key, used by the "
+            "dashboard too), keep --http-listen on 127.0.0.1, or pass --allow-insecure"
         )
     policy = None
     if s.authz:

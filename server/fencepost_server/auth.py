@@ -344,18 +344,29 @@ class Authenticator:
     def authenticate(self, context: grpc.aio.ServicerContext) -> Principal:
         if not self.identities:
             return OPEN
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                scheme, _, token = str(value).partition(" ")
-                if scheme.lower() != "bearer" or not token.strip():
-                    raise LedgerError(Code.UNAUTHENTICATED,
-                                      "the authorization header must be 'Bearer TOKEN'")
-                name = self.policy.tokens.get(token_digest(token.strip()))
-                if name is None:
-                    raise LedgerError(Code.UNAUTHENTICATED, "unknown bearer token")
-                return self._principal_named(name)
+        header = next((str(value) for key, value in context.invocation_metadata() or ()
+                       if key == "authorization"), None)
+        return self.identify(header, context.auth_context)
+
+    def identify(self, authorization: str | None,
+                 certificate: Callable[[], Mapping[str, Iterable[bytes]]]) -> Principal:
+        """The principal of a call with this ``authorization`` header (None:
+        absent) over a connection whose verified certificate ``certificate()``
+        describes (gRPC's auth-context keys). The gRPC port and the dashboard
+        share it, so both accept and refuse the same credentials."""
+        if not self.identities:
+            return OPEN
+        if authorization is not None:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise LedgerError(Code.UNAUTHENTICATED,
+                                  "the authorization header must be 'Bearer TOKEN'")
+            name = self.policy.tokens.get(token_digest(token.strip()))
+            if name is None:
+                raise LedgerError(Code.UNAUTHENTICATED, "unknown bearer token")
+            return self._principal_named(name)
         if self.mtls:
-            name = self._from_certificate(context.auth_context())
+            name = self._from_certificate(certificate())
             if name is None:
                 wanted = ("a SPIFFE id, DNS SAN or CN" if self.identity_from == "auto"
                           else self.identity_from)
@@ -367,6 +378,24 @@ class Authenticator:
             "this server requires credentials: a client certificate or "
             "'authorization: Bearer TOKEN'",
         )
+
+
+def certificate_fields(peercert: Mapping[str, Any] | None) -> dict[str, list[bytes]]:
+    """A verified peer certificate as Python's ssl module gives it
+    (``getpeercert()``), under the auth-context keys gRPC uses: a SPIFFE id
+    only when it is the one URI SAN, as gRPC has it."""
+    if not peercert:
+        return {}
+    sans = peercert.get("subjectAltName", ())
+    uris = [v for k, v in sans if k == "URI"]
+    out = {
+        "peer_dns": [v.encode() for k, v in sans if k == "DNS"],
+        "x509_common_name": [v.encode() for rdn in peercert.get("subject", ())
+                             for k, v in rdn if k == "commonName"][:1],
+    }
+    if len(uris) == 1 and uris[0].lower().startswith("spiffe://"):
+        out["peer_spiffe_id"] = [uris[0].encode()]
+    return out
 
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]

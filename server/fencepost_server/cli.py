@@ -31,7 +31,6 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import version
 from .storage.sqlite import Durability
 
 if TYPE_CHECKING:
@@ -134,6 +133,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="seconds in-flight calls get on SIGTERM (default 5)",
     )
     _security_flags(p)
+    _web_flags(p)
     _leadership_flags(p)
     p.add_argument(
         "--retain-terminal",
@@ -156,6 +156,25 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="TEST ONLY: a deliberately broken build proving the torture checkers can "
         "fail; honoured only with --test-hooks (env FENCEPOST_FAULT)",
     )
+
+
+def _web_flags(p: argparse.ArgumentParser) -> None:
+    """The dashboard port's Host allow-list and event-stream bounds (docs/SECURITY.md)."""
+    g = p.add_argument_group("the dashboard port (docs/SECURITY.md)")
+    g.add_argument("--http-allowed-hosts", action="append", metavar="HOST[:PORT]",
+                   help="a Host the dashboard answers besides its listen address and "
+                   "localhost/127.0.0.1/[::1]; repeatable (a name without a port: any port). "
+                   "Others get 421 (env FENCEPOST_HTTP_ALLOWED_HOSTS, comma-separated)")
+    g.add_argument("--http-max-event-streams", type=int, metavar="N",
+                   help="live-update streams open at once, every client together; more get "
+                   "429 (env FENCEPOST_HTTP_MAX_EVENT_STREAMS; default 1024)")
+    g.add_argument("--http-event-streams-per-client", type=int, metavar="N",
+                   help="live-update streams per remote address, and per principal with "
+                   "identities on; more get 429 (env FENCEPOST_HTTP_EVENT_STREAMS_PER_CLIENT; "
+                   "default 32)")
+    g.add_argument("--http-event-queue", type=int, metavar="N",
+                   help="changed runs a live-update stream may have unsent before it is "
+                   "dropped (env FENCEPOST_HTTP_EVENT_QUEUE; default 10000)")
 
 
 def _leadership_flags(p: argparse.ArgumentParser) -> None:
@@ -259,7 +278,12 @@ def _serve_settings(args: argparse.Namespace, settings_cls: type[Settings]) -> S
 
 
 def _web_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {"http_listen": args.http_listen, "metrics_listen": args.metrics_listen}
+    hosts = args.http_allowed_hosts
+    return {"http_listen": args.http_listen, "metrics_listen": args.metrics_listen,
+            "http_allowed_hosts": tuple(hosts) if hosts else None,
+            "http_max_event_streams": args.http_max_event_streams,
+            "http_event_streams_per_client": args.http_event_streams_per_client,
+            "http_event_queue": args.http_event_queue}
 
 
 def default_addr(env: Any) -> str:
@@ -280,9 +304,19 @@ def default_addr(env: Any) -> str:
     return "127.0.0.1:50051"
 
 
+class _Version(argparse.Action):
+    # not argparse's own: it rewraps lines, and the schemas import psycopg only when asked
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
+        from . import version_text
+
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fencepost", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"fencepost {version()}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print the release, API and storage schema versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     from . import cli_ops

@@ -48,6 +48,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Long-lived streams, by method name (the rest are calls, or listings that end).
 STREAM_KINDS = {"KeepAlive": "keepalive", "WatchRuns": "watch", "Execute": "execute"}
 LEASE_STATES = ("live", "lock_delay", "expired")
+HTTP_REFUSALS = ("host", "origin", "unauthenticated", "permission_denied", "too_many_streams")
+EVENT_DROPS = ("queue_full", "write_timeout")
 # Records a scrape counts between two yields to the event loop (render_async):
 # counting 100 000 leases in one go stalled every call for ~50 ms
 LEASE_SCAN_CHUNK = 4096
@@ -107,6 +109,20 @@ class Metrics:
         )
         for kind in (*STREAM_KINDS.values(), "dashboard_events"):
             self.open_streams.labels(kind)
+        # The dashboard port (web.py): requests it refused before any handler,
+        # and event streams it dropped.
+        self.http_refused = Counter(
+            "fencepost_http_refused", "Dashboard requests refused, by reason",
+            ["reason"], registry=r,
+        )
+        for reason in HTTP_REFUSALS:
+            self.http_refused.labels(reason)
+        self.events_dropped = Counter(
+            "fencepost_dashboard_event_streams_dropped",
+            "Dashboard event streams dropped for not reading, by reason", ["reason"], registry=r,
+        )
+        for reason in EVENT_DROPS:
+            self.events_dropped.labels(reason)
         info = Gauge(
             "fencepost_build_info", "Always 1; the labels tell the build",
             ["version", "python"], registry=r,

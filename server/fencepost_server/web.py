@@ -16,9 +16,15 @@ the coordinator's own event loop (aiohttp).
 Every other path is 404. Paging happens here, on the sorted id list the
 writer keeps, so a page costs the same at 100 000 runs as at 10. POSTs must
 be ``application/json`` (a form on another site cannot send one without a
-CORS preflight, which this server never grants). The page sends
-``authorization: Bearer TOKEN`` with its actions when a token is entered;
-``authorize`` is the one place that decides whether an action is allowed.
+CORS preflight, which this server never grants).
+
+Before any handler (``_guard``): a ``Host`` the port does not serve is 421
+(DNS rebinding), a state-changing request from another ``Origin`` is 403, and
+each API route needs the roles of the gRPC call that does the same thing
+(``ROUTE_RPC``), with the principal found as on the gRPC port (auth.py):
+the side port grants nothing the gRPC port refuses. With TLS on, the port
+serves TLS with the same files (and asks for client certificates the same
+way); every response carries the framing and sniffing headers.
 
 A metrics-only listener (``--metrics-listen``) serves just ``/metrics`` and
 ``/healthz``.
@@ -28,17 +34,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
-from collections.abc import Awaitable, Callable
+import os
+import re
+import ssl
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from .auth import OPEN, RPC_ROLES, Principal, certificate_fields, check_role, is_loopback
+from .core import engine as E
 from .core import ledger as L
 from .core import validate
-from .core.errors import Code, LedgerError
+from .core.errors import Code, LedgerError, validation
 from .core.records import Record, Status
 from .metrics import CONTENT_TYPE
 from .storage.sqlite import KIND_DELETE
@@ -53,24 +66,43 @@ PAGE_DEFAULT = 50
 PAGE_MAX = 500
 HISTORY_LIMIT = 2000  # changes read for one run's timeline (newest first)
 SSE_FLUSH_S = 0.2  # changes are coalesced per run and sent at most this often
-SSE_QUEUE_LIMIT = 50_000  # changes a dashboard may lag before it is told to reload
 SSE_HEARTBEAT_S = 15.0
+SSE_POLL_S = 1.0  # an idle stream notices this often that its client has gone
+SSE_CHUNK = 200  # changes per event message: a client that stops reading holds one
+SSE_WRITE_TIMEOUT_S = 10.0  # a message the client does not take in this long: dropped
+SSE_RESET_TIMEOUT_S = 1.0  # ...and the last word to a stream already dropped
 STATIC = resources.files("fencepost_server") / "web_static"
 STATUS_NAMES = {s.name.lower(): s for s in Status}
+LOOPBACK_NAMES = frozenset({"localhost", "[::1]"})
+# Every response: no framing (clickjacking the Cancel buttons), no sniffing,
+# and the pages may load only their own assets.
+SECURITY_HEADERS = {
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; "
+    "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
+# API route -> the gRPC call whose roles it needs (auth.RPC_ROLES).
+ROUTE_RPC = {
+    "runs": "/fencepost.v1.Ledger/ListRuns",
+    "run": "/fencepost.v1.Ledger/GetRun",
+    "events": "/fencepost.v1.Ledger/WatchRuns",
+    "engine_runs": "/fencepost.v1.EngineStore/ListRuns",
+    "cancel": "/fencepost.v1.Ledger/Cancel",
+    "resume": "/fencepost.v1.Ledger/RequestResume",
+}
+_DIGITS = re.compile(r"[0-9]{1,19}")
+PRINCIPAL = web.RequestKey("principal", Principal)  # who made an API request (_guard)
 _HTTP_STATUS = {
     Code.RUN_VALIDATION_ERROR: 400,
+    Code.UNAUTHENTICATED: 401,
+    Code.PERMISSION_DENIED: 403,
     Code.RUN_NOT_FOUND: 404,
     Code.STORAGE_FULL: 503,
     Code.STORAGE_UNAVAILABLE: 503,
     Code.SHUTTING_DOWN: 503,
 }
-
-Authorize = Callable[[web.Request, str], Awaitable[None]]
-
-
-async def allow_all(request: web.Request, action: str) -> None:
-    """The default: without identities every caller may act (the gRPC API lets
-    anyone cancel too). Replace to check the bearer token against roles."""
 
 
 # -- JSON forms ---------------------------------------------------------------------
@@ -187,14 +219,95 @@ def _describe(prev: Record | None, rec: Record | None, kind: int, *, first: bool
 # -- the server ---------------------------------------------------------------------
 
 
+class _Change:
+    """One change as the event streams send it, serialised once for all of them."""
+
+    __slots__ = ("_event", "_json", "run_id")
+
+    def __init__(self, event: ChangeEvent) -> None:
+        self.run_id = event.run_id
+        self._event: ChangeEvent | None = event
+        self._json = ""
+
+    def json(self) -> str:
+        if self._event is not None:
+            e, self._event = self._event, None
+            self._json = json.dumps(
+                {"revision": e.revision, "run_id": e.run_id,
+                 "kind": "delete" if e.kind == KIND_DELETE else "put",
+                 "run": record_doc(e.record) if e.record else None},
+                separators=(",", ":"), ensure_ascii=False)
+        return self._json
+
+
+class _Stream:
+    """One open event stream: the changes it has not sent yet, latest per run."""
+
+    __slots__ = ("ended", "only", "pending", "request", "wake", "writing")
+
+    def __init__(self, request: web.Request, only: str | None) -> None:
+        self.request = request
+        self.only = only
+        self.pending: dict[str, _Change] = {}
+        self.wake = asyncio.Event()
+        self.ended = ""  # why it ends: "stop", or the drop reason
+        self.writing = False
+
+
+class _TlsFiles:
+    """The dashboard's TLS context from the gRPC port's files, rebuilt before a
+    handshake when one of them changed (as the gRPC port does)."""
+
+    def __init__(self, cert: str, key: str, client_ca: str | None) -> None:
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self.paths = tuple(p for p in (cert, key, client_ca) if p)
+        self._stamp = self._stat()
+        self.context = self._build()
+        self.context.sni_callback = self._check  # called on every handshake, SNI or not
+        self.current = self.context
+
+    def _stat(self) -> tuple[tuple[int, int], ...]:
+        return tuple((st.st_mtime_ns, st.st_size) for st in map(os.stat, self.paths))
+
+    def _build(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key)
+        if self.client_ca:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(self.client_ca)
+        return ctx
+
+    def _check(self, conn: Any, server_name: str | None, ctx: ssl.SSLContext) -> None:
+        try:
+            stamp = self._stat()
+            if stamp != self._stamp:
+                self._stamp = stamp
+                self.current = self._build()
+                log.info("dashboard TLS certificate files reloaded")
+        except (OSError, ssl.SSLError, ValueError) as exc:  # half-written: keep the old one
+            log.warning("TLS files changed but could not be loaded for the dashboard (%s); "
+                        "keeping the previous certificate", exc)
+        if self.current is not ctx:
+            conn.context = self.current
+
+
 class Dashboard:
     """The aiohttp application of one App (its writer, metrics, health)."""
 
-    def __init__(self, app: App, authorize: Authorize = allow_all) -> None:
+    def __init__(self, app: App) -> None:
         self.app = app
-        self.authorize = authorize
+        s = app.settings
+        self.max_streams = s.http_max_event_streams
+        self.per_client = s.http_event_streams_per_client
+        self.queue_limit = s.http_event_queue
         self._runners: list[web.AppRunner] = []
-        self._streams: set[asyncio.Queue[ChangeEvent | None]] = set()
+        self._streams: set[_Stream] = set()
+        self._open = 0
+        self._per_address: Counter[str] = Counter()
+        self._per_principal: Counter[str] = Counter()
+        self._hosts: list[tuple[str, int | None]] = []  # besides the loopback names
+        self._tls: _TlsFiles | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self.ports: list[int] = []  # every port listened on
         self.http_port = 0  # the dashboard's (0: not served)
@@ -202,19 +315,21 @@ class Dashboard:
     # -- lifecycle
 
     def _application(self, full: bool) -> web.Application:
-        application = web.Application(client_max_size=64 * 1024)
+        application = web.Application(client_max_size=64 * 1024,
+                                      middlewares=[self._guard] if full else [])
+        application.on_response_prepare.append(_security_headers)
         routes = [web.get("/metrics", self.metrics), web.get("/healthz", self.healthz)]
         if full:
             routes += [
                 web.get("/", self.page("index.html")),
                 web.get("/runs/{run_id:.+}", self.page("run.html")),
                 web.get("/static/{name}", self.static),
-                web.get("/api/runs", self.list_runs),
-                web.get("/api/runs/{run_id:.+}", self.get_run),
-                web.post("/api/cancel", self.cancel),
-                web.post("/api/resume", self.resume),
-                web.get("/api/engine/runs", self.engine_runs),
-                web.get("/api/events", self.events),
+                web.get("/api/runs", self.list_runs, name="runs"),
+                web.get("/api/runs/{run_id:.+}", self.get_run, name="run"),
+                web.post("/api/cancel", self.cancel, name="cancel"),
+                web.post("/api/resume", self.resume, name="resume"),
+                web.get("/api/engine/runs", self.engine_runs, name="engine_runs"),
+                web.get("/api/events", self.events, name="events"),
             ]
         application.add_routes(routes)
         return application
@@ -223,9 +338,13 @@ class Dashboard:
         """Listen on both addresses ("" skips one). The default dashboard
         address being taken (another fencepost on this machine) is a warning;
         an address asked for that cannot be had is an error."""
-        from .app import split_address
+        from .app import host_entry, split_address
 
+        s = self.app.settings
         assert self.app.writer is not None
+        if s.tls_cert and http_listen:
+            self._tls = _TlsFiles(s.tls_cert, s.tls_key, s.client_ca or None)
+        self._hosts = [host_entry(h) for h in s.http_allowed_hosts]
         self._unsubscribe = self.app.writer.subscribe(self._on_changes)
         for address, full in ((http_listen, True), (metrics_listen, False)):
             if not address:
@@ -234,7 +353,9 @@ class Dashboard:
             runner = web.AppRunner(self._application(full), access_log=None,
                                    handle_signals=False, shutdown_timeout=1.0)
             await runner.setup()
-            site = web.TCPSite(runner, host.strip("[]"), port, reuse_address=True)
+            tls = self._tls.context if full and self._tls is not None else None
+            site = web.TCPSite(runner, host.strip("[]"), port, reuse_address=True,
+                               ssl_context=tls)
             try:
                 await site.start()
             except OSError as exc:
@@ -250,27 +371,154 @@ class Dashboard:
             self.ports.append(sockets[0].getsockname()[1] if sockets else port)
             if full:
                 self.http_port = self.ports[-1]
-            log.info("%s on http://%s:%d/", "dashboard and /metrics" if full else "/metrics",
-                     host, self.ports[-1])
+                self._announce(host, self.http_port)
+            else:
+                log.info("/metrics on http://%s:%d/", host, self.ports[-1])
+
+    def _announce(self, host: str, port: int) -> None:
+        """Log where the dashboard is, and say loudly what it will not answer."""
+        s = self.app.settings
+        wildcard = host.strip("[]") in ("0.0.0.0", "::")
+        if not wildcard:
+            self._hosts.append((host.lower(), port))
+        scheme = "https" if self._tls is not None else "http"
+        log.info("dashboard and /metrics on %s://%s:%d/ (%s)", scheme, host, port,
+                 "roles from --authz" if self.app.authn is not None and s.authz else
+                 "client certificates or tokens required" if self.app.authn is not None
+                 else "no identities: every caller may read and cancel")
+        if not is_loopback(f"{host}:{port}"):
+            if self._tls is None:
+                log.warning("THE DASHBOARD IS SERVED IN PLAINTEXT on %s:%d (--allow-insecure): "
+                            "bearer tokens and every run cross the network in the clear", host,
+                            port)
+            if self.app.authn is None:
+                log.warning("THE DASHBOARD ON %s:%d HAS NO IDENTITIES: anyone who reaches it "
+                            "can read and cancel every run (use --client-ca or --authz with "
+                            "[tokens])", host, port)
+            if wildcard and not s.http_allowed_hosts:
+                log.warning("the dashboard on %s:%d answers only Host localhost, 127.0.0.1 and "
+                            "[::1]: pass --http-allowed-hosts NAME for the names browsers use",
+                            host, port)
 
     async def stop(self) -> None:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        for q in list(self._streams):
-            q.put_nowait(None)  # every event stream ends
+        for st in list(self._streams):
+            st.ended = "stop"  # every event stream is told to reload, and ends
+            st.wake.set()
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
 
     def _on_changes(self, events: list[ChangeEvent]) -> None:
-        for q in list(self._streams):
-            if q.qsize() + len(events) > SSE_QUEUE_LIMIT:
-                q.put_nowait(None)  # too slow: told to reload, then dropped
-                self._streams.discard(q)
-                continue
-            for e in events:
-                q.put_nowait(e)
+        if not self._streams:
+            return
+        changes = [_Change(e) for e in events]
+        for st in list(self._streams):
+            pending = st.pending
+            for c in changes:
+                if st.only is None or c.run_id == st.only:
+                    pending[c.run_id] = c
+            if len(pending) > self.queue_limit:
+                self._drop(st, "queue_full")
+            elif pending:
+                st.wake.set()
+
+    def _drop(self, st: _Stream, reason: str) -> None:
+        """Free a stream's queue; one that is stuck writing to a client that
+        does not read is cut at once, one that reads is told to reload."""
+        first = not st.ended
+        st.ended, st.pending = st.ended or reason, {}
+        self._streams.discard(st)
+        st.wake.set()
+        transport = st.request.transport
+        if st.writing and transport is not None:
+            transport.abort()
+        if first:
+            if self.app.metrics is not None:
+                self.app.metrics.events_dropped.labels(reason).inc()
+            log.info("dashboard event stream of %s dropped (%s)", st.request.remote, reason)
+
+    # -- the guard: Host, Origin, identity and role
+
+    @web.middleware
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                     ) -> web.StreamResponse:
+        host = request.headers.get("Host")
+        if host is not None and not self._host_ok(host):
+            return self._refuse(421, "host", "HOST_NOT_ALLOWED",
+                                f"this server does not answer for Host {host[:300]!r}; it "
+                                "answers its listen address, localhost, 127.0.0.1, [::1] and "
+                                "the names given with --http-allowed-hosts")
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            origin = request.headers.get("Origin")
+            if origin is not None and not self._same_origin(origin, host):
+                return self._refuse(403, "origin", "ORIGIN_NOT_ALLOWED",
+                                    f"a request from Origin {origin[:300]!r} may not change "
+                                    "anything here: only the dashboard's own pages may")
+        rpc = ROUTE_RPC.get(request.match_info.route.name or "")
+        try:
+            if rpc is not None:
+                principal = self.principal(request)
+                check_role(principal, RPC_ROLES[rpc], f"{request.method} {request.path}")
+                request[PRINCIPAL] = principal
+            return await handler(request)
+        except LedgerError as err:
+            if err.code is Code.UNAUTHENTICATED:
+                self._count("unauthenticated")
+            elif err.code is Code.PERMISSION_DENIED:
+                self._count("permission_denied")
+            resp = _error(err)
+            if err.code is Code.UNAUTHENTICATED:
+                resp.headers["WWW-Authenticate"] = 'Bearer realm="fencepost"'
+            return resp
+
+    def principal(self, request: web.Request) -> Principal:
+        """Who is asking: the bearer token's principal, else the client
+        certificate's (auth.Authenticator, as on the gRPC port)."""
+        authn = self.app.authn
+        if authn is None:
+            return OPEN
+
+        def certificate() -> Mapping[str, list[bytes]]:
+            transport = request.transport
+            conn = transport.get_extra_info("ssl_object") if transport is not None else None
+            return certificate_fields(conn.getpeercert() if conn is not None else None)
+
+        return authn.identify(request.headers.get("Authorization"), certificate)
+
+    def _host_ok(self, header: str) -> bool:
+        from .app import host_entry
+
+        try:
+            name, port = host_entry(header)
+        except ValueError:
+            return False
+        if name in LOOPBACK_NAMES:
+            return True  # any port: a port-forward may move it; no page can own these names
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(name).is_loopback:
+                return True
+        return any(h == name and (p is None or p == port) for h, p in self._hosts)
+
+    def _same_origin(self, origin: str, host: str | None) -> bool:
+        """``Origin`` names the host and port asked (either scheme: a proxy in
+        front may terminate TLS)."""
+        scheme, sep, netloc = origin.strip().lower().partition("://")
+        if host is None or not sep or scheme not in ("http", "https"):
+            return False
+        default = ":443" if scheme == "https" else ":80"
+        return netloc.removesuffix(default) == host.strip().lower().removesuffix(default)
+
+    def _count(self, reason: str) -> None:
+        if self.app.metrics is not None:
+            self.app.metrics.http_refused.labels(reason).inc()
+
+    def _refuse(self, status: int, reason: str, code: str, message: str) -> web.Response:
+        self._count(reason)
+        return _json({"error": {"code": code, "message": message}}, status=status)
 
     # -- pages
 
@@ -308,17 +556,16 @@ class Dashboard:
         for raw in q.getall("status", []):
             for name in filter(None, raw.split(",")):
                 if name not in STATUS_NAMES:
-                    return _bad("status", f"unknown status {name!r}; one of "
+                    return _bad("status", f"unknown status {name[:64]!r}; one of "
                                 + ", ".join(STATUS_NAMES))
                 statuses.add(STATUS_NAMES[name])
-        try:
-            limit = int(q.get("limit", PAGE_DEFAULT))
-        except ValueError:
-            return _bad("limit", "not an integer")
-        if not 1 <= limit <= PAGE_MAX:
-            return _bad("limit", f"must be between 1 and {PAGE_MAX}")
-        owner, prefix = q.get("owner") or None, q.get("prefix", "")
-        after, before = q.get("after"), q.get("before")
+        limit = _int_param(q, "limit", PAGE_DEFAULT, 1, PAGE_MAX)
+        owner = _text_param(q, "owner", validate.MAX_OWNER_BYTES) or None
+        prefix = _text_param(q, "prefix", validate.MAX_RUN_ID_BYTES) or ""
+        after = _text_param(q, "after", validate.MAX_RUN_ID_BYTES)
+        before = _text_param(q, "before", validate.MAX_RUN_ID_BYTES)
+        if after is not None and before is not None:
+            return _bad("before", "give after or before, not both")
         writer = self.app.writer
         assert writer is not None
         state = writer.state
@@ -342,7 +589,7 @@ class Dashboard:
         })
 
     async def get_run(self, request: web.Request) -> web.Response:
-        run_id = request.match_info["run_id"]
+        run_id = validate.run_id(request.match_info["run_id"])
         assert self.app.writer is not None
         rec = await self.app.writer.read_run(run_id)
         changes = await self.app.run_history(run_id, HISTORY_LIMIT)
@@ -362,14 +609,13 @@ class Dashboard:
         message = body.get("message") or None
         if message is not None and not isinstance(message, str):
             return _bad("message", "must be a string")
-        return await self._act(request, "cancel",
-                               L.Cancel(str(body.get("run_id", "")), message))
+        return await self._act(L.Cancel(str(body.get("run_id", "")), message))
 
     async def resume(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         if isinstance(body, web.Response):
             return body
-        return await self._act(request, "resume", L.RequestResume(str(body.get("run_id", ""))))
+        return await self._act(L.RequestResume(str(body.get("run_id", ""))))
 
     async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
         if request.content_type != "application/json":
@@ -384,84 +630,154 @@ class Dashboard:
             return _bad("run_id", "required, a string")
         return body
 
-    async def _act(self, request: web.Request, action: str, cmd: L.Command) -> web.Response:
+    async def _act(self, cmd: L.Command) -> web.Response:
         try:
-            await self.authorize(request, action)
             validate.command(cmd)
             assert self.app.writer is not None
             result = await self.app.writer.submit(cmd)
         except LedgerError as err:
             return _error(err)
-        except web.HTTPException as exc:
-            return _json({"error": {"code": exc.reason.upper().replace(" ", "_"),
-                                    "message": exc.text or exc.reason}}, status=exc.status)
         rec = result if isinstance(result, Record) else getattr(result, "record", None)
         return _json({"run": record_doc(rec) if isinstance(rec, Record) else None})
 
     async def engine_runs(self, request: web.Request) -> web.Response:
         q = request.query
-        try:
-            limit = int(q.get("limit", PAGE_DEFAULT))
-            offset = int(q.get("offset", 0))
-        except ValueError:
-            return _bad("limit", "limit and offset are integers")
-        if not 1 <= limit <= PAGE_MAX or offset < 0:
-            return _bad("limit", f"limit 1-{PAGE_MAX}, offset >= 0")
+        limit = _int_param(q, "limit", PAGE_DEFAULT, 1, PAGE_MAX)
+        offset = _int_param(q, "offset", 0, 0, validate.MAX_INT64)
+        agent = _text_param(q, "agent", E.MAX_NAME_BYTES) or None
+        statuses = [s for s in q.getall("status", []) if s]
+        if len(statuses) > E.MAX_FILTER_VALUES:
+            return _bad("status", f"at most {E.MAX_FILTER_VALUES} values (got {len(statuses)})")
+        for value in statuses:
+            E.ident("status", value, E.MAX_STATUS_BYTES)
         runs, total = await self.app.engine_runs(
-            agent=q.get("agent") or None, statuses=[s for s in q.getall("status", []) if s],
-            limit=limit, offset=offset)
+            agent=agent, statuses=statuses, limit=limit, offset=offset)
         now = self.app.clock.now_ms()
         return _json({"runs": [_engine_doc(r) for r in runs], "total": total, "offset": offset,
                       "now": now})
 
+    # -- live updates
+
+    def _admit(self, address: str, principal: Principal) -> str:
+        """Why one more event stream is refused ("": it is not)."""
+        if self._open >= self.max_streams:
+            return (f"{self._open} live-update streams are open, the most this server allows "
+                    "(--http-max-event-streams)")
+        if self._per_address[address] >= self.per_client:
+            return (f"{address} has {self.per_client} live-update streams open, the most one "
+                    "client may (--http-event-streams-per-client)")
+        if principal.name and self._per_principal[principal.name] >= self.per_client:
+            return (f"{principal.name!r} has {self.per_client} live-update streams open, the "
+                    "most one principal may (--http-event-streams-per-client)")
+        return ""
+
     async def events(self, request: web.Request) -> web.StreamResponse:
         only = request.query.get("run")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
-        q: asyncio.Queue[ChangeEvent | None] = asyncio.Queue()
-        self._streams.add(q)
+        if only is not None:
+            validate.run_id(only, "run")
+        principal = request.get(PRINCIPAL, OPEN)
+        address = request.remote or ""
+        refused = self._admit(address, principal)
+        if refused:
+            return self._refuse(429, "too_many_streams", "TOO_MANY_STREAMS", refused)
+        st = _Stream(request, only)
+        self._streams.add(st)
+        self._open += 1
+        self._per_address[address] += 1
+        if principal.name:
+            self._per_principal[principal.name] += 1
         gauge = self.app.metrics.open_streams.labels("dashboard_events") if (
             self.app.metrics is not None) else None
         if gauge is not None:
             gauge.inc()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
         try:
-            await resp.write(_sse("hello", {"revision": self.app.writer_state.revision,
-                                            "now": self.app.clock.now_ms()}))
-            while True:
-                try:
-                    # not wait_for, which may swallow a cancellation (Leadership.keep)
-                    async with asyncio.timeout(SSE_HEARTBEAT_S):
-                        first = await q.get()
-                except TimeoutError:
-                    await resp.write(b": heartbeat\n\n")
-                    continue
-                await asyncio.sleep(SSE_FLUSH_S)  # let a burst gather, then coalesce
-                batch = [first, *(q.get_nowait() for _ in range(q.qsize()))]
-                if None in batch:
-                    await resp.write(_sse("reset", {}))
-                    break
-                latest: dict[str, ChangeEvent] = {}
-                for ev in batch:
-                    if ev is not None and (only is None or ev.run_id == only):
-                        latest[ev.run_id] = ev
-                if latest:
-                    await resp.write(_sse("changes", {
-                        "now": self.app.clock.now_ms(),
-                        "changes": [{"revision": e.revision, "run_id": e.run_id,
-                                     "kind": "delete" if e.kind == KIND_DELETE else "put",
-                                     "run": record_doc(e.record) if e.record else None}
-                                    for e in latest.values()]}))
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass
+            await resp.prepare(request)
+            await self._write(st, resp, _sse("hello", {"revision": self.app.writer_state.revision,
+                                                       "now": self.app.clock.now_ms()}))
+            await self._follow(st, resp)
+        except ConnectionError:
+            pass  # the client went, or was dropped
         finally:
-            self._streams.discard(q)
+            self._streams.discard(st)
+            st.pending = {}
+            self._open -= 1
+            _release(self._per_address, address)
+            if principal.name:
+                _release(self._per_principal, principal.name)
             if gauge is not None:
                 gauge.dec()
-        with contextlib.suppress(ConnectionResetError, RuntimeError):
+        with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
         return resp
+
+    async def _follow(self, st: _Stream, resp: web.StreamResponse) -> None:
+        idle = 0.0
+        while True:
+            if not st.pending and not st.ended:
+                try:
+                    # not wait_for, which may swallow a cancellation (Leadership.keep)
+                    async with asyncio.timeout(SSE_POLL_S):
+                        await st.wake.wait()
+                except TimeoutError:
+                    transport = st.request.transport
+                    if transport is None or transport.is_closing():
+                        return  # the client has gone
+                    idle += SSE_POLL_S
+                    if idle >= SSE_HEARTBEAT_S:
+                        idle = 0.0
+                        await self._write(st, resp, b": heartbeat\n\n")
+                    continue
+            idle = 0.0
+            await asyncio.sleep(SSE_FLUSH_S)  # let a burst gather, then coalesce
+            st.wake.clear()
+            if st.ended:  # a client that does not take even this is cut soon
+                await self._write(st, resp, _sse("reset", {}), SSE_RESET_TIMEOUT_S)
+                return
+            batch, st.pending = list(st.pending.values()), {}
+            now = self.app.clock.now_ms()
+            for i in range(0, len(batch), SSE_CHUNK):
+                body = ",".join(c.json() for c in batch[i:i + SSE_CHUNK])
+                await self._write(st, resp, (f'event: changes\ndata: {{"now":{now},'
+                                             f'"changes":[{body}]}}\n\n').encode())
+
+    async def _write(self, st: _Stream, resp: web.StreamResponse, data: bytes,
+                     timeout_s: float | None = None) -> None:
+        st.writing = True
+        try:
+            async with asyncio.timeout(timeout_s or SSE_WRITE_TIMEOUT_S):
+                await resp.write(data)
+        except TimeoutError:
+            self._drop(st, "write_timeout")
+            raise ConnectionResetError("the client stopped reading") from None
+        finally:
+            st.writing = False
+
+
+def _release(counts: Counter[str], key: str) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers.update(SECURITY_HEADERS)
+
+
+def _int_param(q: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = q.get(name)
+    if raw is None:
+        return default
+    if not _DIGITS.fullmatch(raw):
+        raise validation(name, f"must be a whole number between {lo} and {hi}")
+    return validate.int_range(name, int(raw), lo, hi)
+
+
+def _text_param(q: Mapping[str, str], name: str, max_bytes: int) -> str | None:
+    raw = q.get(name)
+    return None if raw is None else validate.text(name, raw, max_bytes, min_bytes=0)
 
 
 _NO_CACHE = {"Cache-Control": "no-cache"}

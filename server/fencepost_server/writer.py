@@ -135,26 +135,11 @@ _STOP = object()
 
 def prune_step(history_revisions: int) -> int:
     """New revisions that bring the next prune forward, whatever its timer
-    says: a quarter of the history limit (at least one). With the timer alone
-    (every 30 s) a fast fill grew the changes table to several times its
-    limit between two prunes, and the file with it; this way the table holds
-    about 1.25 times the limit at most, plus what the runs table has not
-    caught up with yet."""
+    says: a quarter of the history limit, at least one (WRITER.md)."""
     return max(1, history_revisions // 4)
 
-# The commit delay (see Writer). A held batch saves the server the CPU of the
-# commits it merges, and costs its commands the wait. That pays only while the
-# server is short of CPU: so hold only while the event loop's thread was busy
-# at least COMMIT_HOLD_BUSY of the time (measured over the last
-# COMMIT_BUSY_SAMPLE_S or more) and the last batch had at least
-# COMMIT_SIBLINGS commands, and only until as many commands are queued as the
-# largest recent batch had (at most COMMIT_GATHER), or the window ends. The
-# largest recent batch is how many callers there are to gather: it decays by
-# COMMIT_GATHER_DECAY per batch (callers leave) and grows with any batch that
-# comes out larger (callers arrive). Holding for a fixed 32 whatever the load
-# held 16 worker processes with one run each for the whole window every time
-# (waiting for commands 16 callers can never send, while the server had CPU
-# to spare), and an engine with 16 runs in flight likewise.
+# When a batch is held open for more commands, and why (WRITER.md, "The commit
+# delay"): only while the loop's thread is busy, and only for recent callers.
 COMMIT_SIBLINGS = 4
 COMMIT_GATHER = 32
 COMMIT_GATHER_DECAY = 63 / 64
@@ -163,11 +148,8 @@ COMMIT_BUSY_SAMPLE_S = 0.25
 # The CPU seconds of the calling thread (the writer task runs on the loop's).
 loop_cpu_time = time.thread_time
 
-# Runs copied into the runs table per batch, at most. Each costs a row write
-# and its record's encoding in the writer thread: 4096 made a batch every half
-# second take ~50 ms at 5 000 renewals/s, a stall every command in it waited
-# out; 512 spreads the same copying over more batches (~5-10 ms each), and
-# still copies ~30 000 runs a second at 60 batches a second.
+# Runs copied into the runs table per batch, at most: 4096 stalled a batch for
+# ~50 ms, 512 takes ~5-10 ms (WRITER.md, "Copying into runs").
 MATERIALIZE_CHUNK = 512
 MAX_PENDING = 65_536  # past this many unwritten runs, copy without waiting
 

@@ -103,7 +103,9 @@ class ServerProc:
         env: dict[str, str] | None = None,
         prelude: str = "",
         credentials: grpc.ChannelCredentials | None = None,
+        exe: Path = FENCEPOST,
     ) -> None:
+        self.exe = exe  # another install's `fencepost` (the artifacts as a user installs them)
         self.db_path = db_path
         self.log_path = log_path
         self.port = port or free_port()
@@ -139,7 +141,7 @@ class ServerProc:
         self._log.write(f"\n=== start #{self.starts + 1} ===\n".encode())
         self._log.flush()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        cmd = [str(FENCEPOST), "serve", "--listen", self.address, "--db", str(self.db_path),
+        cmd = [str(self.exe), "serve", "--listen", self.address, "--db", str(self.db_path),
                *self.args]
         if self.prelude:  # a fresh interpreter sets the child up, then execs the server
             code = f"{self.prelude}\nimport os, sys\nos.execv(sys.argv[1], sys.argv[1:])"

@@ -175,7 +175,7 @@ def test_dockerignore_keeps_the_venv_and_databases_out_and_the_sources_in() -> N
     dockerfile = (REPO / "Dockerfile").read_text()
     copied = [src for line in dockerfile.splitlines() if line.startswith("COPY ")
               for src in line.split()[1:-1]]
-    assert "server" in copied and "pyproject.toml" in copied
+    assert "server" in copied and "clients/python" in copied
     for src in copied:
         assert not _ignored(src, patterns), src
     static = REPO / "server" / "fencepost_server" / "web_static"
@@ -188,7 +188,8 @@ def test_make_serve_installs_only_what_serving_needs(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=True).stdout
     installs = [line for line in plan.splitlines() if "pip install" in line]
     assert installs, plan
-    assert all("[dev]" not in line and "-e ." in line for line in installs), installs
+    assert all("[dev]" not in line and "-e clients/python -e server" in line
+               for line in installs), installs
 
 
 @pytest.mark.slow

@@ -105,10 +105,10 @@ def test_a_build_without_the_epoch_check_is_caught(tmp_path: Path) -> None:
     no-epoch-check``), with the leader deposed mid-batch (its database session
     stalled with the COMMIT still to come, or the leader paused): a deposed
     leader's batch then commits after the takeover, and the epochs check says
-    so. The same nemesis finds nothing on the real build (RELIABILITY_LOG.md)."""
+    so. The same nemesis finds nothing on the real build (notes/RELIABILITY_LOG.md)."""
     # 40 s, not 20: the catch needs a stall to land on a batch at the right
     # moment; 20 s runs made 4-6 stalls and one in 17 (with 4) caught
-    # nothing, 40 s runs make 5-11 and 2-3 leader stops (RELIABILITY_LOG.md)
+    # nothing, 40 s runs make 5-11 and 2-3 leader stops (notes/RELIABILITY_LOG.md)
     outcome = _run(tmp_path, duration_s=40.0, store="postgres", coordinators=3, seed=4,
                    nemesis="deposed", fault="no-epoch-check", liveness_bound_s=5.0)
     assert outcome.faults["by_kind"]["pg-stall"] >= 1, outcome.faults

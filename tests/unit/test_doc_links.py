@@ -1,9 +1,10 @@
-"""The repository explains itself: every relative link in README.md and
-docs/*.md (and in .proto comments) resolves to a file in the repository, and
-to a heading when it names an anchor; no link leaves the repository; every
-``docs/NAME.md`` a tracked file mentions exists; and nothing outside tests/
-points at the workspace's ``../shared`` files. Pages added to docs/ are
-checked without touching this file."""
+"""The repository explains itself: every relative link in README.md, docs/*.md,
+the dated logs in notes/, the design notes beside the code (and .proto comments)
+resolves to a file in the repository, and to a heading when it names an anchor;
+no link leaves the repository; every ``docs/NAME.md`` or ``notes/NAME.md`` a
+tracked file mentions exists; and nothing outside tests/ points at the
+workspace's ``../shared`` files. Pages added to docs/ are checked without
+touching this file."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ _REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$", re.M)
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
 _HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.*?)\s*#*\s*$")
-_DOC_MENTION = re.compile(r"\bdocs/[A-Z][A-Z0-9_]*\.md\b")
+_DOC_MENTION = re.compile(r"\b(?:docs|notes)/[A-Z][A-Z0-9_]*\.md\b")
 
 
 def tracked_files() -> list[str]:
@@ -31,7 +32,10 @@ def tracked_files() -> list[str]:
 
 
 def doc_pages() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    """README.md, docs/, the dated logs in notes/ and the design notes beside the code."""
+    beside_code = sorted((REPO / "server").rglob("*.md"))
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+            *sorted((REPO / "notes").glob("*.md")), *beside_code]
 
 
 def prose_lines(text: str, *, spans: bool = False) -> list[tuple[int, str]]:
@@ -119,6 +123,13 @@ def test_every_docs_page_mentioned_exists() -> None:
         missing += [f"{name}: {m}" for m in set(_DOC_MENTION.findall(text))
                     if not (REPO / m).exists()]
     assert missing == []
+
+
+def test_the_docs_index_links_every_page() -> None:
+    index = REPO / "docs" / "README.md"
+    linked = {(index.parent / t.partition("#")[0]).resolve() for _, t in links(index)}
+    pages = {p.resolve() for p in (REPO / "docs").glob("*.md")} - {index.resolve()}
+    assert sorted(p.name for p in pages - linked) == []
 
 
 def test_no_file_outside_tests_mentions_the_workspace() -> None:

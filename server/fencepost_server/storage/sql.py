@@ -1,46 +1,5 @@
-"""The SQL both backends share: loading the ledger, reading runs and stored
-answers, and the one write path of a batch (storage/sqlite.py and
-storage/postgres.py add opening, schema and their dialect's few differences).
-
-The change log is the source of truth for the ledger; the ``runs`` table is a
-checkpoint of it. A batch appends its changes (sequential pages) and does not
-touch ``runs``; the writer copies each changed run's latest record into
-``runs`` about a second later (``Batch.materialize``, in some later batch's
-transaction) and moves ``meta.materialized``: every change at or below it is
-reflected in ``runs``. Changes above the mark are never pruned, and ``load``
-replays them. Updating ``runs`` in every batch wrote one page per command
-(concurrently active runs rarely share a page), which doubled the commit time
-and its fsync.
-
-Rows of ``runs`` are keyed by (``block``, run id): ``block`` counts up by
-one for every ``BLOCK_RUNS`` runs first copied there, so a new run's row goes
-among the table's last pages whatever its id, and ``SqlStorage.rows``, a map
-held in memory, says which block each run is in. Run ids are often random
-(UUIDs): a B-tree keyed by them alone — the table itself, as it was, or a
-unique index — put each new run on a different page, which was written,
-checkpointed and, once the cache no longer held it, read back, so a new run
-cost about twice as much at a million runs as at ten thousand. The status
-index is ordered by block within a (status, owner) group, for the same
-reason. A block number is one int object shared by its runs, so the map
-costs its entries alone.
-
-A clean shutdown saves the finished runs' index entries (``saved_index``:
-their ids in order with their blocks, by status and owner, as of the
-revision it wrote last), and the next start reads them there instead of
-gathering and sorting a million ids: about half a start-up at a million
-runs. Every later copy into ``runs`` also records the blocks it changed
-(``touched_blocks``, in the same transaction; the save empties it), so the
-saved entries and those blocks together always describe the table: a start
-after a crash reads the saved entries, leaves out those of the changed
-blocks and gathers those blocks again from the table, a cost that follows
-what changed since the last clean shutdown rather than every run stored.
-The result is used only if it accounts for every row of the table exactly
-once; otherwise the start gathers every id from the status index.
-
-Statements are written once, with ``?`` placeholders; a connection is
-anything with the ``sqlite3.Connection`` methods used here (``execute``,
-``executemany``, ``in_transaction``); ``postgres.PgConnection`` is one.
-"""
+"""The SQL both backends share: loading the ledger, reads, one batch's write path.
+Why the log, the runs table and the saved index are as they are: storage/DESIGN.md."""
 
 from __future__ import annotations
 

@@ -531,9 +531,9 @@ class _WriteConnection(sqlite3.Connection):
     take it back after; while another thread runs Python each take-back can
     wait a whole switch interval (5 ms): 80 rows beside a spinning thread took
     86-93 ms stepped one by one and 11-16 ms as one statement (the measurement
-    is in docs/PERFORMANCE_LOG.md). Rows are inserted in order, so an
+    is in notes/PERFORMANCE_LOG.md). Rows are inserted in order, so an
     upsert's conflicts resolve as they would one row at a time
-    (docs/ARCHITECTURE.md, "Decisions worth knowing")."""
+    (storage/DESIGN.md)."""
 
     def executemany(  # type: ignore[override]
         self, sql: str, rows: Iterable[Sequence[Any]], /

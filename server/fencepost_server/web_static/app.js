@@ -58,12 +58,15 @@ function toast(text, isError) {
   toast.timer = setTimeout(() => { t.hidden = true; }, isError ? 6000 : 3000);
 }
 
-// -- token (sent as a bearer token with actions; kept for this tab only) ----------
+// -- token (sent as a bearer token with every request; kept for this tab only) ----------
 
 function setupToken() {
   const input = document.getElementById("token");
   input.value = sessionStorage.getItem("fencepost-token") || "";
-  input.addEventListener("change", () => sessionStorage.setItem("fencepost-token", input.value));
+  input.addEventListener("change", () => {
+    sessionStorage.setItem("fencepost-token", input.value);
+    location.reload();  // every read and the live feed again, with the new token
+  });
 }
 function authHeaders() {
   const token = sessionStorage.getItem("fencepost-token") || document.getElementById("token").value;
@@ -128,25 +131,60 @@ function statusBadge(status) { return el("span", { class: `st st-${status}` }, s
 // -- live updates (server-sent events fed by the change feed) ----------------------
 
 function liveUpdates(query, onChanges, onReset) {
+  // fetch, not EventSource: it can send the token (authorization: Bearer).
   const badge = document.getElementById("live");
-  let source = null;
-  function connect() {
-    source = new EventSource(`/api/events${query}`);
-    source.addEventListener("hello", (e) => {
-      noteNow(JSON.parse(e.data).now);
+  const handlers = {
+    hello: (doc) => {
+      noteNow(doc.now);
       badge.className = "live on"; badge.textContent = "live";
       onReset();
-    });
-    source.addEventListener("changes", (e) => {
-      const doc = JSON.parse(e.data);
-      noteNow(doc.now);
-      onChanges(doc.changes);
-    });
-    source.addEventListener("reset", () => { onReset(); });
-    source.onerror = () => { badge.className = "live off"; badge.textContent = "reconnecting…"; };
+    },
+    changes: (doc) => { noteNow(doc.now); onChanges(doc.changes); },
+    reset: () => { onReset(); },
+  };
+  let controller = null;
+  function off(text) { badge.className = "live off"; badge.textContent = text; }
+  async function connect() {
+    controller = new AbortController();
+    let retryMs = 1000;
+    try {
+      const resp = await fetch(`/api/events${query}`,
+                               { headers: authHeaders(), signal: controller.signal });
+      if (!resp.ok) {
+        const doc = await resp.json().catch(() => ({}));
+        off(doc.error ? `live off: ${doc.error.code}` : "reconnecting…");
+        badge.title = doc.error ? doc.error.message : "";
+        retryMs = 5000;
+        onReset();  // no live feed (refused): load anyway, every retry, and show why
+      } else {
+        const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+        let buf = "";
+        for (;;) {
+          const { value, done } = await reader.read();
+          if (done) break;
+          buf += value;
+          let cut;
+          while ((cut = buf.indexOf("\n\n")) >= 0) {
+            const block = buf.slice(0, cut);
+            buf = buf.slice(cut + 2);
+            let name = "message", data = "";
+            for (const line of block.split("\n")) {
+              if (line.startsWith("event: ")) name = line.slice(7);
+              else if (line.startsWith("data: ")) data += line.slice(6);
+            }
+            if (data && handlers[name]) handlers[name](JSON.parse(data));
+          }
+        }
+        off("reconnecting…");
+      }
+    } catch (e) {
+      if (controller.signal.aborted) return;
+      off("reconnecting…");
+    }
+    setTimeout(connect, retryMs);
   }
   connect();
-  window.addEventListener("beforeunload", () => source && source.close());
+  window.addEventListener("beforeunload", () => controller && controller.abort());
 }
 
 // -- the runs page ----------------------------------------------------------------

@@ -363,3 +363,5 @@ export function runRunStoreContractSuite(name: string, factory: () => RunStore |
 }
 
 export type { RunLifecycleStatus };
+export { runMemoryStoreContractSuite, runRunJournalContractSuite } from "./contract-memory.js";
+export type { MemoryStoreSuiteOptions } from "./contract-memory.js";
