@@ -7,7 +7,7 @@
 import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { timestampMs } from "@bufbuild/protobuf/wkt";
-import type { Client } from "@connectrpc/connect";
+import { Code, ConnectError, type Client } from "@connectrpc/connect";
 import {
   KeepAliveRenewSchema,
   KeepAliveTrackSchema,
@@ -48,6 +48,8 @@ export class KeepAliveSession {
   private entries = new Map<string, Entry>();
   private queue: AsyncQueue<KeepAliveRequest> | undefined;
   private abort = new AbortController();
+  /** Ends the open stream alone (a coordinator that stopped answering it). */
+  private streamAbort: AbortController | undefined;
   private running = false;
   private timer: NodeJS.Timeout | undefined;
   private closed = false;
@@ -123,6 +125,7 @@ export class KeepAliveSession {
     if (this.timer) clearTimeout(this.timer);
     this.queue?.close();
     this.abort.abort();
+    this.streamAbort?.abort();
   }
 
   private entry(runId: string, token: bigint, listener: FenceListener): Entry {
@@ -159,8 +162,17 @@ export class KeepAliveSession {
 
   /** Send every renewal due within the next 50 ms in one message. */
   private flushDue(): void {
-    if (!this.queue) return this.schedule();
+    // no stream: its reconnect renews what is due and schedules the rest
+    if (!this.queue) return;
     const now = performance.now();
+    // a renewal unanswered for a third of its ttl: that coordinator stopped answering
+    // (frozen, or behind something that answers pings); reopen on the one that leads
+    for (const e of this.entries.values()) {
+      if (e.renewTtlMs !== undefined && e.sent.length && now - e.sent[0]! >= e.renewTtlMs / 3) {
+        this.streamAbort?.abort(new ConnectError("a renewal went unanswered for a third of its ttl", Code.DeadlineExceeded));
+        return;
+      }
+    }
     const renews = [];
     for (const [runId, e] of this.entries) {
       if (e.renewTtlMs === undefined || e.dueAt > now + 50) continue;
@@ -207,7 +219,10 @@ export class KeepAliveSession {
       this.connects++;
       let answered = false;
       try {
-        for await (const resp of this.ledger.keepAlive(queue, { signal: this.abort.signal })) {
+        const streamAbort = new AbortController();
+        this.streamAbort = streamAbort;
+        if (this.closed) break;
+        for await (const resp of this.ledger.keepAlive(queue, { signal: streamAbort.signal })) {
           this.handle(resp);
           answered = true;
         }

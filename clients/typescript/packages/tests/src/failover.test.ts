@@ -155,6 +155,34 @@ describe("failover on PostgreSQL", { concurrency: false }, () => {
     }
   });
 
+  it("moves KeepAlive off a frozen leader once a renewal goes unanswered for a third of the ttl", async (t) => {
+    if (!group) return t.skip(skip);
+    await group.revive();
+    const leader = await group.leader();
+    const standby = group.endpoints.find((a) => a !== leader.address)!;
+    const ttlMs = 9000;
+    // no pings: only the unanswered renewal can tell the stream that its coordinator is gone
+    const client = new FencepostClient(group.endpoints, { owner: "worker", transport: "unary", keepalive: false });
+    try {
+      const lease = await client.acquire(`frozen-ka-${leader.pid}`, { ttlMs });
+      const renewed = lease.safeUntil;
+      await until(() => lease.safeUntil > renewed, "a renewal on the old leader", 10_000);
+      process.kill(leader.pid, "SIGSTOP");
+      const frozenAt = performance.now();
+      try {
+        await until(() => lease.safeUntil > frozenAt + ttlMs, "a renewal on the new leader", 20_000);
+        assert.ok(lease.isActive && !lease.atRisk);
+        assert.equal(client.address, standby);
+      } finally {
+        process.kill(leader.pid, "SIGCONT");
+      }
+      assert.equal((await group.exitCode(leader.address)).code, 3);
+      await lease.finish();
+    } finally {
+      await client.close();
+    }
+  });
+
   for (const transport of ["stream", "unary"] as const) {
     it(`answers calls in flight at a frozen leader on the new one (${transport})`, async (t) => {
       if (!group) return t.skip(skip);
