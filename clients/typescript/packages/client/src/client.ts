@@ -4,24 +4,26 @@ import { hostname } from "node:os";
 import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { Code, createClient, type Client, type Transport } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
 import {
-  ChangeKind, Ledger, ListRunsRequestSchema,
-  type AcquireResponse, type CancelResponse, type DeleteRunResponse, type RequestResumeResponse,
+  ChangeKind, Ledger, ListRunsRequestSchema, type Command, type CommandResult,
 } from "./gen/fencepost/v1/ledger_pb.js";
-import { OutcomeSchema, type Run as PbRun } from "./gen/fencepost/v1/record_pb.js";
+import { OutcomeSchema } from "./gen/fencepost/v1/record_pb.js";
 import { RunStore } from "./gen/fencepost/v1/run_store_pb.js";
 import { EngineStore } from "./gen/fencepost/v1/engine_store_pb.js";
 import { TestHooks } from "./gen/fencepost/v1/testing_pb.js";
-import { fromCallError, RevisionCompactedError, StreamTooSlowError, ValidationError, type FencepostError } from "./errors.js";
+import { fromCallError, RevisionCompactedError, StreamTooSlowError, type FencepostError } from "./errors.js";
+import { Endpoints, parseEndpoints, type ConnectionOptions } from "./endpoints.js";
+import { acquireShared, releaseShared, shareKey } from "./shared.js";
 import { KeepAliveSession, type FenceListener } from "./keepalive.js";
 import { Lease, type LeaseHost } from "./lease.js";
 import { recordFromPb, statusFromPb, statusToPb, toBigInt, toNumber, type RunRecord, type RunStatus } from "./records.js";
-import { backoffDelays, newRequestId, retryPolicy, sleep, withRetry, type FullRetryPolicy, type RetryPolicy } from "./retry.js";
+import { backoffDelays, newRequestId, retryPolicy, sleep, withRetry, type AttemptOptions, type CallOptions, type FullRetryPolicy, type RetryPolicy } from "./retry.js";
 import { EngineStoreClient, fencePb } from "./store.js";
 import { CommandChannel, type CommandKind, type Transport as CommandTransport } from "./execute.js";
 
-export interface ClientOptions {
+export type { CallOptions };
+
+export interface ClientOptions extends ConnectionOptions {
   /** Worker identity for acquire and the KeepAlive stream (default: host-pid-random). */
   owner?: string;
   /** Lease ttl for acquire when none is given, ms (default 60 000). */
@@ -35,11 +37,17 @@ export interface ClientOptions {
    * Answers, errors, request ids and retries are the same either way.
    */
   transport?: CommandTransport;
-  /** Use this Connect transport instead of opening a gRPC connection to the address. */
+  /** Use this Connect transport instead of opening a gRPC connection to the address (it follows no leader). */
   connectTransport?: Transport;
 }
 
-export interface AcquireOptions {
+/** The request of a command kind, as an init object without its request id. */
+export type CommandRequest<K extends CommandKind> =
+  Omit<Partial<Extract<Command["kind"], { case: K }>["value"]>, "requestId" | "$typeName" | "$unknown">;
+/** The response of a command kind. */
+export type CommandResponse<K extends CommandKind> = Extract<CommandResult["kind"], { case: K }>["value"];
+
+export interface AcquireOptions extends CallOptions {
   /** Lease ttl, ms (100 - 86 400 000; default the client's defaultTtlMs). */
   ttlMs?: number;
   /** Lock-delay, ms (SPEC §5.6; default 0). */
@@ -48,7 +56,7 @@ export interface AcquireOptions {
   renew?: boolean;
 }
 
-export interface ListRunsOptions {
+export interface ListRunsOptions extends CallOptions {
   statuses?: RunStatus[];
   owner?: string;
   pageSize?: number;
@@ -92,85 +100,123 @@ export function defaultOwner(): string {
 }
 
 type Mutable = Record<string, unknown>;
+type FencedKind = "renew" | "recordCheckpoint" | "suspend" | "finish" | "release";
+
+/** @internal What the testing entry point reaches: test hooks and diagnostic counters. */
+export const internals = Symbol("fencepost.internals");
+
+/** @internal */
+export interface ClientInternals {
+  testHooks: Client<typeof TestHooks>;
+  executeConnects(): number;
+  executeCommands(): number;
+  keepAliveConnects(): number;
+  keepAliveMessages(): number;
+}
 
 export class FencepostClient {
-  readonly address: string;
   readonly owner: string;
   readonly defaultTtlMs: number;
-  /** The generated Connect clients, for anything the typed API does not cover. */
+  /**
+   * The generated Connect clients, for anything the typed API does not cover
+   * (each call goes to the endpoint believed to lead).
+   */
   readonly stubs: {
     ledger: Client<typeof Ledger>;
     runStore: Client<typeof RunStore>;
     engineStore: Client<typeof EngineStore>;
-    testHooks: Client<typeof TestHooks>;
   };
   /** The engine store (SPEC §11) with plain JavaScript values. */
   readonly store: EngineStoreClient;
   readonly retry: FullRetryPolicy;
+  private readonly endpoints: Endpoints;
   private keepAlive: KeepAliveSession;
   private channel: CommandChannel;
+  private readonly shareKey: string | undefined;
+  private readonly sharedChannel: boolean;
   private _closed = false;
+  /** @internal */
+  readonly [internals]: ClientInternals;
 
-  constructor(address: string, options: ClientOptions = {}) {
-    this.address = address;
+  /**
+   * `address`: one coordinator (`"host:port"`), or several (an array, or one
+   * comma-separated string): each call then goes to the one that leads.
+   * Throws TypeError for an empty address or options that cannot work
+   * (a token in plaintext to another machine, a certificate without its key).
+   */
+  constructor(address: string | readonly string[], options: ClientOptions = {}) {
+    const addresses = parseEndpoints(address);
     this.owner = options.owner ?? defaultOwner();
     this.defaultTtlMs = options.defaultTtlMs ?? 60_000;
     this.retry = retryPolicy(options.retry);
-    const transport = options.connectTransport ??
-      createGrpcTransport({ baseUrl: address.includes("://") ? address : `http://${address}` });
+    // clients of one process with the same endpoints and credentials share connections and one Execute stream
+    this.shareKey = options.connectTransport ? undefined : shareKey(addresses, options);
+    const sharing = this.shareKey !== undefined ? acquireShared(this.shareKey, addresses, options) : undefined;
+    this.endpoints = sharing?.endpoints ?? new Endpoints(addresses, options, options.connectTransport);
+    const transport: Transport = this.endpoints;
     this.stubs = {
       ledger: createClient(Ledger, transport),
       runStore: createClient(RunStore, transport),
       engineStore: createClient(EngineStore, transport),
-      testHooks: createClient(TestHooks, transport),
     };
+    const testHooks = createClient(TestHooks, transport);
     this.keepAlive = new KeepAliveSession(this.stubs.ledger, this.owner);
-    this.channel = new CommandChannel(this.stubs.ledger, this.stubs.engineStore, options.transport ?? "stream");
-    this.store = new EngineStoreClient(this.stubs.engineStore, this.retry, (kind, req) => this.command(kind, req));
+    const transportKind = options.transport ?? "stream";
+    this.sharedChannel = sharing !== undefined && transportKind === "stream";
+    this.channel = this.sharedChannel ? sharing!.channel()
+      : new CommandChannel(this.stubs.ledger, this.stubs.engineStore, transportKind);
+    this.store = new EngineStoreClient(this.stubs.engineStore, this.retry, (kind, req, o) => this.command(kind, req as never, o) as never);
+    this[internals] = {
+      testHooks,
+      executeConnects: () => this.channel.connects,
+      executeCommands: () => this.channel.commandsSent,
+      keepAliveConnects: () => this.keepAlive.connects,
+      keepAliveMessages: () => this.keepAlive.messages,
+    };
   }
+
+  /** The endpoint calls go to now: the first given, or the one found to lead. */
+  get address(): string { return this.endpoints.address; }
+
+  /** The endpoints given, in order. */
+  get endpointList(): readonly string[] { return this.endpoints.listed; }
 
   get closed(): boolean { return this._closed; }
 
   /** "stream" or "unary": how mutations travel. */
   get transport(): CommandTransport { return this.channel.transport; }
 
-  /** How many times the Execute command stream has been opened (1 while it stays up). */
-  get executeConnects(): number { return this.channel.connects; }
-
-  /** How many times the shared KeepAlive stream has been opened (1 while it stays up). */
-  get keepAliveConnects(): number { return this.keepAlive.connects; }
-
-  /** How many messages the KeepAlive stream has written (hello, renewals, track, untrack). */
-  get keepAliveMessages(): number { return this.keepAlive.messages; }
-
-  /** Stop renewing, close the KeepAlive stream. Leases live on by their ttl. */
+  /** Stop renewing, close the streams and connections. Leases live on by their ttl. */
   async close(): Promise<void> {
+    if (this._closed) return;
     this._closed = true;
-    await this.channel.close();
+    if (!this.sharedChannel) await this.channel.close();
     await this.keepAlive.close();
+    if (this.shareKey !== undefined) await releaseShared(this.shareKey);
+    else this.endpoints.close();
   }
 
   async [Symbol.asyncDispose](): Promise<void> { await this.close(); }
 
-  /** A mutation: one request id for every attempt. */
-  async mutate<T>(call: (requestId: string, opts: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
+  /** A mutation on a generated stub: one request id for every attempt. */
+  async mutate<T>(call: (requestId: string, opts: AttemptOptions) => Promise<T>, options: CallOptions = {}): Promise<T> {
     const requestId = newRequestId();
-    return withRetry(this.retry, true, (timeoutMs) => call(requestId, { timeoutMs }));
+    return withRetry(this.retry, true, (o) => call(requestId, o), options, this.endpoints);
   }
 
   /**
-   * A ledger command or engine-store mutation (a unary request as an init
-   * object, without request id) over the client's transport: one request id
-   * for every attempt.
+   * A ledger command or engine-store mutation (its request without request
+   * id) over the client's transport: one request id for every attempt.
    */
-  async command<T>(kind: CommandKind, request: Record<string, unknown>): Promise<T> {
+  async command<K extends CommandKind>(kind: K, request: CommandRequest<K>, options: CallOptions = {}): Promise<CommandResponse<K>> {
     const requestId = newRequestId();
-    return withRetry(this.retry, true, (timeoutMs) => this.channel.run<T>(kind, { ...request, requestId }, { timeoutMs }));
+    return withRetry(this.retry, true,
+      (o) => this.channel.run<CommandResponse<K>>(kind, { ...request, requestId }, o), options, this.endpoints);
   }
 
-  /** A read, retried while the server is unavailable. */
-  async read<T>(call: (opts: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
-    return withRetry(this.retry, false, (timeoutMs) => call({ timeoutMs }));
+  /** A read on a generated stub, retried while the server is unavailable. */
+  async read<T>(call: (opts: AttemptOptions) => Promise<T>, options: CallOptions = {}): Promise<T> {
+    return withRetry(this.retry, false, call, options, this.endpoints);
   }
 
   /**
@@ -185,10 +231,10 @@ export class FencepostClient {
     // The server tracks the lease on our KeepAlive stream at the acquire's
     // commit when we name it: no `track` message after the answer.
     const trackOn = this.keepAlive.streamName;
-    const resp = await this.command<AcquireResponse>("acquire", {
+    const resp = await this.command("acquire", {
       runId, owner: this.owner, leaseTtlMs: toBigInt(ttlMs, "ttl_ms"),
       lockDelayMs: toBigInt(options.lockDelayMs ?? 0, "lock_delay_ms"), trackOn,
-    });
+    }, options);
     const record = recordFromPb(resp.run!);
     const renew = options.renew ?? true;
     return new Lease(this.leaseHost(renew, resp.tracked ? trackOn : ""), record, ttlMs, sentAt);
@@ -196,7 +242,7 @@ export class FencepostClient {
 
   private leaseHost(renew: boolean, trackedOn = ""): LeaseHost {
     return {
-      fenced: (kind, lease, extra) => this.fenced(kind, lease, extra),
+      fenced: (kind, lease, extra, options) => this.fenced(kind, lease, extra, options),
       fencedStore: (lease) => this.store.withView({ fence: fencePb(lease.fence), onRefused: (e) => lease.fenceRefused(e) }),
       startRenewing: (lease, listener) => {
         const token = BigInt(lease.fencingToken);
@@ -207,7 +253,7 @@ export class FencepostClient {
     };
   }
 
-  private async fenced(kind: "renew" | "recordCheckpoint" | "suspend" | "finish" | "release", lease: Lease, extra: Mutable): Promise<RunRecord> {
+  private async fenced(kind: FencedKind, lease: Lease, extra: Mutable, options: CallOptions): Promise<RunRecord> {
     const req: Mutable = { runId: lease.runId, owner: lease.owner, fencingToken: BigInt(lease.fencingToken), ...extra };
     if (kind === "finish") {
       req["status"] = statusToPb((extra["status"] as RunStatus | undefined) ?? "completed");
@@ -215,13 +261,13 @@ export class FencepostClient {
       if (outcome) req["outcome"] = create(OutcomeSchema, outcome);
       else delete req["outcome"];
     }
-    const resp = await this.command<{ run?: PbRun }>(kind, req);
+    const resp = await this.command(kind, req as CommandRequest<FencedKind>, options);
     return recordFromPb(resp.run!);
   }
 
   /** Read one run. Throws RunNotFoundError. */
-  async get(runId: string): Promise<RunRecord> {
-    const resp = await this.read((o) => this.stubs.ledger.getRun({ runId }, o));
+  async get(runId: string, options: CallOptions = {}): Promise<RunRecord> {
+    const resp = await this.read((o) => this.stubs.ledger.getRun({ runId }, o), options);
     return recordFromPb(resp.run!);
   }
 
@@ -233,7 +279,7 @@ export class FencepostClient {
       pageSize: options.pageSize ?? 0,
       pageToken: options.pageToken ?? "",
     });
-    const resp = await this.read((o) => this.stubs.ledger.listRuns(req, o));
+    const resp = await this.read((o) => this.stubs.ledger.listRuns(req, o), options);
     return { runs: resp.runs.map(recordFromPb), nextPageToken: resp.nextPageToken, revision: toNumber(resp.revision) };
   }
 
@@ -252,27 +298,27 @@ export class FencepostClient {
   }
 
   /** Operator: cancel a run, fencing its worker. */
-  async cancel(runId: string, message?: string): Promise<RunRecord> {
-    const resp = await this.command<CancelResponse>("cancel", { runId, ...(message === undefined ? {} : { message }) });
+  async cancel(runId: string, message?: string, options: CallOptions = {}): Promise<RunRecord> {
+    const resp = await this.command("cancel", { runId, ...(message === undefined ? {} : { message }) }, options);
     return recordFromPb(resp.run!);
   }
 
   /** Operator: make a suspended run (or one whose lease expired) queued again. */
-  async requestResume(runId: string): Promise<RunRecord> {
-    const resp = await this.command<RequestResumeResponse>("requestResume", { runId });
+  async requestResume(runId: string, options: CallOptions = {}): Promise<RunRecord> {
+    const resp = await this.command("requestResume", { runId }, options);
     return recordFromPb(resp.run!);
   }
 
   /** Admin: hard-delete a run; its last token is kept so a later acquire continues above it. */
-  async delete(runId: string): Promise<{ revision: number; fencingToken: number }> {
-    const resp = await this.command<DeleteRunResponse>("deleteRun", { runId });
+  async delete(runId: string, options: CallOptions = {}): Promise<{ revision: number; fencingToken: number }> {
+    const resp = await this.command("deleteRun", { runId }, options);
     return { revision: toNumber(resp.revision), fencingToken: toNumber(resp.fencingToken) };
   }
 
   /** Whether `fencingToken` is still the run's current one (for downstream resources). */
-  async validateFence(runId: string, fencingToken: number): Promise<FenceStatus> {
+  async validateFence(runId: string, fencingToken: number, options: CallOptions = {}): Promise<FenceStatus> {
     const resp = await this.read((o) =>
-      this.stubs.ledger.validateFence({ runId, fencingToken: toBigInt(fencingToken, "fencing_token") }, o));
+      this.stubs.ledger.validateFence({ runId, fencingToken: toBigInt(fencingToken, "fencing_token") }, o), options);
     return {
       current: resp.current, found: resp.found, fencingToken: toNumber(resp.fencingToken),
       status: resp.found ? statusFromPb(resp.status) : undefined, revision: toNumber(resp.revision),
@@ -324,12 +370,5 @@ export class FencepostClient {
       if (options.signal?.aborted) return;
       await sleep(delay()).catch(() => undefined);
     }
-  }
-
-  /** TEST-ONLY (a server started with --test-hooks): move the server's clock forward by `ms`. */
-  async jumpClock(ms: number): Promise<number> {
-    if (!Number.isSafeInteger(ms) || ms < 0) throw new ValidationError("ms: must be a non-negative integer", { field: "ms" });
-    const resp = await this.stubs.testHooks.jumpClock({ ms: BigInt(ms) });
-    return toNumber(resp.nowMs);
   }
 }

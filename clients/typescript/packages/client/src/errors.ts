@@ -133,6 +133,38 @@ export class OutcomeUnknownError extends UnavailableError {
     super(message, options, "OUTCOME_UNKNOWN");
   }
 }
+/**
+ * A coordinator that is a standby refused the call (it did nothing with it):
+ * `leader` is the leader's advertised address, "" while a takeover is under
+ * way. The client follows it by itself; this surfaces only when no endpoint
+ * took the call before the retry policy gave up.
+ */
+export class NotLeaderError extends UnavailableError {
+  static readonly code = "NOT_LEADER";
+  constructor(message: string, options: ErrorOptions = {}) {
+    super(message, options, "NOT_LEADER");
+  }
+  get leader(): string { return this.metadata["leader"] ?? ""; }
+}
+/** No credentials, a token the server does not know, or a certificate without the identity it needs. Never retried. */
+export class UnauthenticatedError extends reason("UNAUTHENTICATED") {}
+/**
+ * The caller's roles may not make this call; `metadata.role` names the
+ * roles that would, `metadata.principal` who the caller is. Never retried.
+ */
+export class PermissionDeniedError extends FencepostError {
+  static readonly code: string = "PERMISSION_DENIED";
+  constructor(message: string, options: ErrorOptions = {}, code = "PERMISSION_DENIED") {
+    super(code, message, options);
+  }
+}
+/** The owner is neither the caller's principal nor under `principal/`; `metadata.owner`, `metadata.principal`. */
+export class OwnerNotPermittedError extends PermissionDeniedError {
+  static override readonly code: string = "OWNER_NOT_PERMITTED";
+  constructor(message: string, options: ErrorOptions = {}) {
+    super(message, options, "OWNER_NOT_PERMITTED");
+  }
+}
 /** A status with a reason this client has no class for (`code` is the reason or the gRPC code name). */
 export class RpcError extends FencepostError {}
 
@@ -153,6 +185,10 @@ const BY_REASON: Record<string, Ctor> = {
   SHUTTING_DOWN: ShuttingDownError,
   RUN_REVISION_COMPACTED: RevisionCompactedError,
   STREAM_TOO_SLOW: StreamTooSlowError,
+  NOT_LEADER: NotLeaderError,
+  UNAUTHENTICATED: UnauthenticatedError,
+  PERMISSION_DENIED: PermissionDeniedError,
+  OWNER_NOT_PERMITTED: OwnerNotPermittedError,
 };
 
 /** The error class for a reason and its fields. */
@@ -175,6 +211,9 @@ export function fromCallError(err: unknown): FencepostError {
   if (ce.code === Code.Unavailable || ce.code === Code.DeadlineExceeded) {
     return new UnavailableError(ce.rawMessage, options, codeName(ce.code));
   }
+  // A refusal by something in front of the server (a proxy, a load balancer) carries no reason.
+  if (ce.code === Code.Unauthenticated) return new UnauthenticatedError(ce.rawMessage, options);
+  if (ce.code === Code.PermissionDenied) return new PermissionDeniedError(ce.rawMessage, options);
   return new RpcError(codeName(ce.code), ce.rawMessage, options);
 }
 

@@ -22,7 +22,7 @@ export type CommandKind = WriteKind | "transaction";
 
 export type Transport = "stream" | "unary";
 
-type CallOpts = { timeoutMs: number | undefined };
+type CallOpts = { timeoutMs: number | undefined; signal?: AbortSignal };
 type AnyUnary = (req: unknown, opts: CallOpts) => Promise<unknown>;
 
 interface Pending {
@@ -36,11 +36,15 @@ export class CommandChannel {
   private pending = new Map<bigint, Pending>();
   private batch: Command[] = [];
   private queue: AsyncQueue<ExecuteRequest> | undefined;
+  /** The ids of the commands given to the open stream. */
+  private queued: Set<bigint> | undefined;
   private abort = new AbortController();
   private downUntil = 0;
   private closed = false;
   /** How many times the Execute stream was opened. */
   connects = 0;
+  /** How many commands were sent on it. */
+  commandsSent = 0;
 
   constructor(
     private readonly ledger: Client<typeof Ledger>,
@@ -54,6 +58,15 @@ export class CommandChannel {
     return new Promise<T>((resolve, reject) => {
       const id = this.nextId++;
       const p: Pending = { resolve: resolve as (v: unknown) => void, reject, timer: undefined };
+      const signal = opts.signal;
+      if (signal) {
+        // the caller gave up: its command may still be applied (its retry would say)
+        const onAbort = () => { if (this.pending.delete(id)) { if (p.timer) clearTimeout(p.timer); reject(signal.reason); } };
+        signal.addEventListener("abort", onAbort, { once: true });
+        const settle = p.resolve, fail = p.reject;
+        p.resolve = (v) => { signal.removeEventListener("abort", onAbort); settle(v); };
+        p.reject = (e) => { signal.removeEventListener("abort", onAbort); fail(e); };
+      }
       if (opts.timeoutMs) {
         p.timer = setTimeout(() => {
           if (this.pending.delete(id)) reject(new UnavailableError(`no answer within ${opts.timeoutMs} ms`, { grpcCode: Code.DeadlineExceeded }, "DEADLINE_EXCEEDED"));
@@ -85,6 +98,9 @@ export class CommandChannel {
     this.batch = [];
     if (!commands.length) return;
     if (!this.queue) this.open();
+    // counted as the stream's from now: one that fails before sending them must fail them too
+    for (const c of commands) this.queued!.add(c.id);
+    this.commandsSent += commands.length;
     this.queue!.push(create(ExecuteRequestSchema, { commands }));
   }
 
@@ -93,6 +109,7 @@ export class CommandChannel {
     this.queue = queue;
     this.connects++;
     const mine = new Set<bigint>();
+    this.queued = mine;
     void (async () => {
       let failure: unknown;
       try {
@@ -100,7 +117,10 @@ export class CommandChannel {
       } catch (e) {
         failure = e;
       }
-      if (this.queue === queue) this.queue = undefined;
+      if (this.queue === queue) {
+        this.queue = undefined;
+        this.queued = undefined;
+      }
       queue.close();
       // Unanswered commands of this stream have an unknown outcome: fail them as
       // UNAVAILABLE so their retries repeat them (same request ids).

@@ -1,6 +1,6 @@
 export { FencepostClient, defaultOwner } from "./client.js";
 export type {
-  AcquireOptions, ClientOptions, FenceStatus, ListRunsOptions, RunChange, RunPage, WatchOptions,
+  AcquireOptions, CallOptions, ClientOptions, CommandRequest, CommandResponse, FenceStatus, ListRunsOptions, RunChange, RunPage, WatchOptions,
 } from "./client.js";
 export { Lease } from "./lease.js";
 export type { FenceListener } from "./keepalive.js";
@@ -16,8 +16,12 @@ export {
   InvalidTransitionError, LeaseAtRiskError, LockLostError, LeaseHeldError, LeaseLostError, OutcomeUnknownError,
   RevisionCompactedError, RpcError, RunNotFoundError, RunSuspendedError, ShuttingDownError, StorageFullError,
   StorageUnavailableError, StreamTooSlowError, UnavailableError, ValidationError, errorFor, fromCallError, fromStatus,
+  NotLeaderError, OwnerNotPermittedError, PermissionDeniedError, UnauthenticatedError,
 } from "./errors.js";
 export { TERMINAL_STATUSES, recordFromPb, recordToPb, statusFromPb, statusToPb } from "./records.js";
 export type { CheckpointRef, LeaseInfo, LostReason, Outcome, RunRecord, RunStatus, Suspension } from "./records.js";
 export { newRequestId } from "./retry.js";
 export type { RetryPolicy } from "./retry.js";
+export { parseEndpoints } from "./endpoints.js";
+export type { ConnectionOptions, KeepalivePingOptions, Pem, TlsOptions } from "./endpoints.js";
+export type { CommandKind, Transport } from "./execute.js";

@@ -7,7 +7,7 @@
 import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { timestampMs } from "@bufbuild/protobuf/wkt";
-import type { Client } from "@connectrpc/connect";
+import { Code, ConnectError, type Client } from "@connectrpc/connect";
 import {
   KeepAliveRenewSchema,
   KeepAliveTrackSchema,
@@ -18,6 +18,7 @@ import {
   type Ledger,
 } from "./gen/fencepost/v1/ledger_pb.js";
 import { AsyncQueue } from "./queue.js";
+import { fromCallError, PermissionDeniedError, UnauthenticatedError } from "./errors.js";
 import { lostReasonFromPb, recordFromPb, type LostReason, type RunRecord } from "./records.js";
 import { backoffDelays, retryPolicy, sleep } from "./retry.js";
 
@@ -47,6 +48,8 @@ export class KeepAliveSession {
   private entries = new Map<string, Entry>();
   private queue: AsyncQueue<KeepAliveRequest> | undefined;
   private abort = new AbortController();
+  /** Ends the open stream alone (a coordinator that stopped answering it). */
+  private streamAbort: AbortController | undefined;
   private running = false;
   private timer: NodeJS.Timeout | undefined;
   private closed = false;
@@ -122,6 +125,7 @@ export class KeepAliveSession {
     if (this.timer) clearTimeout(this.timer);
     this.queue?.close();
     this.abort.abort();
+    this.streamAbort?.abort();
   }
 
   private entry(runId: string, token: bigint, listener: FenceListener): Entry {
@@ -158,8 +162,17 @@ export class KeepAliveSession {
 
   /** Send every renewal due within the next 50 ms in one message. */
   private flushDue(): void {
-    if (!this.queue) return this.schedule();
+    // no stream: its reconnect renews what is due and schedules the rest
+    if (!this.queue) return;
     const now = performance.now();
+    // a renewal unanswered for a third of its ttl: that coordinator stopped answering
+    // (frozen, or behind something that answers pings); reopen on the one that leads
+    for (const e of this.entries.values()) {
+      if (e.renewTtlMs !== undefined && e.sent.length && now - e.sent[0]! >= e.renewTtlMs / 3) {
+        this.streamAbort?.abort(new ConnectError("a renewal went unanswered for a third of its ttl", Code.DeadlineExceeded));
+        return;
+      }
+    }
     const renews = [];
     for (const [runId, e] of this.entries) {
       if (e.renewTtlMs === undefined || e.dueAt > now + 50) continue;
@@ -178,7 +191,8 @@ export class KeepAliveSession {
   }
 
   private async loop(): Promise<void> {
-    const delay = backoffDelays(retryPolicy({ initialBackoffMs: 50, maxBackoffMs: 2000 }));
+    const policy = retryPolicy({ initialBackoffMs: 50, maxBackoffMs: 2000 });
+    let delay = backoffDelays(policy);
     while (!this.closed && this.entries.size > 0) {
       const queue = new AsyncQueue<KeepAliveRequest>();
       this.queue = queue;
@@ -203,13 +217,25 @@ export class KeepAliveSession {
       if (renews.length) this.push(queue, create(KeepAliveRequestSchema, { renews }));
       this.schedule();
       this.connects++;
+      let answered = false;
       try {
-        for await (const resp of this.ledger.keepAlive(queue, { signal: this.abort.signal })) {
+        const streamAbort = new AbortController();
+        this.streamAbort = streamAbort;
+        if (this.closed) break;
+        for await (const resp of this.ledger.keepAlive(queue, { signal: streamAbort.signal })) {
           this.handle(resp);
+          answered = true;
         }
       } catch (e) {
         // dropped: reconnect below unless closing
         if (process.env["FENCEPOST_DEBUG"]) console.error("KeepAlive stream ended:", e);
+        const err = fromCallError(e);
+        if (!this.closed && (err instanceof PermissionDeniedError || err instanceof UnauthenticatedError)) {
+          // refused for this owner or these credentials: every reconnect would be too
+          const refused = [...this.entries.values()];
+          this.entries.clear();
+          for (const entry of refused) for (const l of entry.listeners) l.error?.(err.code, err.message);
+        }
       }
       queue.close();
       if (this.queue === queue) {
@@ -217,6 +243,7 @@ export class KeepAliveSession {
         this.name = "";
       }
       if (this.closed || this.entries.size === 0) break;
+      if (answered) delay = backoffDelays(policy); // a stream that worked starts the backoff over
       try {
         await sleep(delay(), this.abort.signal);
       } catch {

@@ -6,6 +6,7 @@ import { LeaseAtRiskError, LeaseLostError, fromCallError, type FencepostError, t
 import type { FenceListener } from "./keepalive.js";
 import { deriveLostReason, type LostReason, type Outcome, type RunRecord, type RunStatus } from "./records.js";
 import type { EngineStoreClient } from "./store.js";
+import type { CallOptions } from "./client.js";
 import { StoreTransaction, type Answered, type TransactionLease } from "./transaction.js";
 
 /** What a Lease needs from its client (kept narrow so the client stays the only RPC user). */
@@ -14,6 +15,7 @@ export interface LeaseHost {
     kind: "renew" | "recordCheckpoint" | "suspend" | "finish" | "release",
     lease: Lease,
     extra: Record<string, unknown>,
+    options: CallOptions,
   ): Promise<RunRecord>;
   /** The client's engine store with every write fenced by `lease`, refusals reported to it. */
   fencedStore(lease: Lease): EngineStoreClient;
@@ -22,7 +24,7 @@ export interface LeaseHost {
   stopRenewing(lease: Lease, listener: FenceListener, untrack?: boolean): void;
 }
 
-export class Lease implements TransactionLease {
+export class Lease implements TransactionLease, AsyncDisposable {
   readonly runId: string;
   readonly owner: string;
   readonly fencingToken: number;
@@ -141,8 +143,8 @@ export class Lease implements TransactionLease {
   }
 
   /** Renew now; a new ttl also becomes the one background renewals ask for. */
-  async renew(ttlMs?: number): Promise<RunRecord> {
-    const rec = await this.call("renew", ttlMs === undefined ? {} : { leaseTtlMs: BigInt(ttlMs) }, true);
+  async renew(ttlMs?: number, options: CallOptions = {}): Promise<RunRecord> {
+    const rec = await this.call("renew", ttlMs === undefined ? {} : { leaseTtlMs: BigInt(ttlMs) }, options, true);
     if (ttlMs !== undefined && ttlMs !== this._ttlMs) {
       this._ttlMs = ttlMs;
       if (this.isActive) this.host.startRenewing(this, this.listener);
@@ -150,33 +152,46 @@ export class Lease implements TransactionLease {
     return rec;
   }
 
-  recordCheckpoint(key: string, snapshotVersion: number): Promise<RunRecord> {
-    return this.call("recordCheckpoint", { key, snapshotVersion: BigInt(snapshotVersion) }, true);
+  recordCheckpoint(key: string, snapshotVersion: number, options: CallOptions = {}): Promise<RunRecord> {
+    return this.call("recordCheckpoint", { key, snapshotVersion: BigInt(snapshotVersion) }, options, true);
   }
 
-  async suspend(pendingApprovalIds: string[] = []): Promise<RunRecord> {
-    const r = await this.call("suspend", { pendingApprovalIds });
+  async suspend(pendingApprovalIds: string[] = [], options: CallOptions = {}): Promise<RunRecord> {
+    const r = await this.call("suspend", { pendingApprovalIds }, options);
     this.markDone();
     return r;
   }
 
-  async finish(status: Extract<RunStatus, "completed" | "failed" | "cancelled"> = "completed", outcome?: Outcome): Promise<RunRecord> {
-    const r = await this.call("finish", { status, outcome });
+  async finish(status: Extract<RunStatus, "completed" | "failed" | "cancelled"> = "completed", outcome?: Outcome, options: CallOptions = {}): Promise<RunRecord> {
+    const r = await this.call("finish", { status, outcome }, options);
     this.markDone();
     return r;
   }
 
-  async release(): Promise<RunRecord> {
-    const r = await this.call("release", {});
+  async release(options: CallOptions = {}): Promise<RunRecord> {
+    const r = await this.call("release", {}, options);
     this.markDone();
     return r;
   }
 
-  private async call(kind: Parameters<LeaseHost["fenced"]>[0], extra: Record<string, unknown>, renews = false): Promise<RunRecord> {
+  /**
+   * `await using lease = await client.acquire(...)`: leaving the block
+   * releases the lease unless it was finished, suspended, released or lost.
+   */
+  async [Symbol.asyncDispose](): Promise<void> {
+    if (!this.isActive) return;
+    try {
+      await this.release();
+    } catch (e) {
+      if (!(e instanceof LeaseLostError)) throw e; // lost meanwhile: nothing left to give up
+    }
+  }
+
+  private async call(kind: Parameters<LeaseHost["fenced"]>[0], extra: Record<string, unknown>, options: CallOptions, renews = false): Promise<RunRecord> {
     if (this.isLost) throw this._lost;
     const sentAt = performance.now();
     try {
-      const rec = await this.host.fenced(kind, this, extra);
+      const rec = await this.host.fenced(kind, this, extra, options);
       if (renews) this.answered(rec, sentAt, typeof extra["leaseTtlMs"] === "bigint" ? Number(extra["leaseTtlMs"]) : undefined);
       else this._record = rec;
       return rec;

@@ -67,36 +67,75 @@ export const sleep = (ms: number, signal?: AbortSignal) =>
     signal?.addEventListener("abort", onAbort, { once: true });
   });
 
+/** Every call takes these. */
+export interface CallOptions {
+  /** Aborts the call (and its retries) with the signal's reason; a mutation already sent may still be applied. */
+  signal?: AbortSignal;
+  /** The call's whole time, retries included, ms (default: the retry policy's totalTimeoutMs). */
+  timeoutMs?: number;
+}
+
+/** How a client's retries see its endpoints (several coordinators). */
+export interface RetryContext {
+  /** Whether a failed attempt certainly did nothing (refused by a standby, never connected). */
+  notSent(err: FencepostError): boolean;
+  /** Appended to the final error's message: the endpoints tried and how they failed. */
+  describe(): string;
+}
+
+/** Per-attempt call options for a generated stub: the attempt's deadline and the caller's signal. */
+export interface AttemptOptions {
+  timeoutMs: number | undefined;
+  signal?: AbortSignal;
+}
+
 /**
- * Run `attempt(timeoutMs)` until it succeeds, fails with a non-retryable
- * error, or the policy runs out. `mutation`: a final UNAVAILABLE means the
- * outcome is unknown (OutcomeUnknownError), unless the server said it did
- * nothing (SHUTTING_DOWN).
+ * Run `attempt` until it succeeds, fails with a non-retryable error, the
+ * policy runs out, or `limits` end it (an aborted signal throws its reason;
+ * `timeoutMs` bounds every attempt and the retries). `mutation`: a final
+ * UNAVAILABLE means the outcome is unknown (OutcomeUnknownError), unless the
+ * server said it did nothing (SHUTTING_DOWN).
  */
 export async function withRetry<T>(
   policy: FullRetryPolicy,
   mutation: boolean,
-  attempt: (timeoutMs: number | undefined) => Promise<T>,
+  attempt: (opts: AttemptOptions) => Promise<T>,
+  limits: CallOptions = {},
+  context?: RetryContext,
 ): Promise<T> {
+  let maybeApplied = false;
   const started = performance.now();
   const delay = backoffDelays(policy);
+  const signal = limits.signal;
+  if (limits.timeoutMs !== undefined && !(limits.timeoutMs > 0)) throw new RangeError("timeoutMs: must be > 0");
+  const total = Math.min(policy.totalTimeoutMs, limits.timeoutMs ?? Number.POSITIVE_INFINITY);
   for (let n = 1; ; n++) {
+    if (signal?.aborted) throw signal.reason;
     let err: FencepostError;
+    let deadline: number | undefined = policy.attemptTimeoutMs || undefined;
+    if (limits.timeoutMs !== undefined) {
+      const left = Math.max(1, Math.ceil(limits.timeoutMs - (performance.now() - started)));
+      deadline = deadline === undefined ? left : Math.min(deadline, left);
+    }
     try {
-      return await attempt(policy.attemptTimeoutMs || undefined);
+      return await attempt(signal ? { timeoutMs: deadline, signal } : { timeoutMs: deadline });
     } catch (e) {
+      if (signal?.aborted) throw signal.reason;
       err = fromCallError(e);
     }
     if (!isRetryable(err)) throw err;
+    if (!(err instanceof ShuttingDownError) && !context?.notSent(err)) maybeApplied = true;
     const wait = delay();
-    if (n >= policy.maxAttempts || performance.now() - started + wait > policy.totalTimeoutMs) {
-      if (mutation && !(err instanceof ShuttingDownError)) {
-        throw new OutcomeUnknownError(`no answer after ${n} attempt(s): ${err.message}`, {
+    if (n >= policy.maxAttempts || performance.now() - started + wait > total) {
+      const where = context?.describe() ?? "";
+      if (mutation && maybeApplied) {
+        throw new OutcomeUnknownError(`no answer after ${n} attempt(s): ${err.message}${where}`, {
           cause: err, ...(err.grpcCode !== undefined ? { grpcCode: err.grpcCode } : {}),
         });
       }
+      if (where) (err as { message: string }).message += where;
       throw err;
     }
-    await sleep(wait);
+    await sleep(wait, signal);
   }
 }

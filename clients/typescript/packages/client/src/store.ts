@@ -27,7 +27,7 @@ import {
 } from "./gen/fencepost/v1/engine_store_pb.js";
 import { fromCallError, LeaseLostError, LockLostError, ValidationError } from "./errors.js";
 import { toBigInt, toNumber } from "./records.js";
-import { newRequestId, withRetry, type FullRetryPolicy } from "./retry.js";
+import { newRequestId, withRetry, type AttemptOptions, type CallOptions, type FullRetryPolicy } from "./retry.js";
 import type { CommandKind, WriteKind } from "./execute.js";
 import type { TransactionResponse } from "./gen/fencepost/v1/ledger_pb.js";
 import { StoreTransaction, type Answered } from "./transaction.js";
@@ -109,7 +109,8 @@ export interface Lookup<T> { found: boolean; value: T | undefined; at: Date | un
  */
 export type FenceSpec = { runId: string; fencingToken: number } | { lockKey: string; fencingToken: number };
 
-export interface WriteOptions {
+/** A write's options: its fence, and the call options every call takes. */
+export interface WriteOptions extends CallOptions {
   fence?: FenceSpec;
 }
 
@@ -223,7 +224,7 @@ function ttl(ms: number): bigint {
 }
 
 /** Runs a mutation (the unary request as an init object) with one request id for all its attempts. */
-export type CommandRunner = <T>(kind: CommandKind, request: Record<string, unknown>) => Promise<T>;
+export type CommandRunner = <T>(kind: CommandKind, request: Record<string, unknown>, options?: { signal?: AbortSignal; timeoutMs?: number }) => Promise<T>;
 
 /**
  * @internal Where a view's writes go instead of the server: a transaction
@@ -297,8 +298,8 @@ export class EngineStoreClient {
     return this.refusals(this.command<TransactionResponse>("transaction", request));
   }
 
-  private read<T>(call: (o: { timeoutMs: number | undefined }) => Promise<T>): Promise<T> {
-    return withRetry(this.retry, false, (timeoutMs) => call({ timeoutMs }));
+  private read<T>(call: (o: AttemptOptions) => Promise<T>, options: CallOptions = {}): Promise<T> {
+    return withRetry(this.retry, false, (o) => call(o), options);
   }
 
   /**
@@ -307,7 +308,7 @@ export class EngineStoreClient {
    * gave one, and `convert` turns the answer into the result. In a
    * transaction's view it is queued instead, and bad input throws at once.
    */
-  private write<R, T>(kind: WriteKind, build: () => Record<string, unknown>, convert: (response: R) => T): Promise<T> {
+  private write<R, T>(kind: WriteKind, build: () => Record<string, unknown>, convert: (response: R) => T, call: CallOptions = {}): Promise<T> {
     if (this.view.queue) return this.view.queue(kind, build(), convert as (response: never) => unknown) as Promise<T>;
     let request: Record<string, unknown>;
     try {
@@ -316,7 +317,10 @@ export class EngineStoreClient {
       return Promise.reject(e);
     }
     if (request["fence"] === undefined && this.view.fence) request["fence"] = this.view.fence;
-    return this.refusals(this.command<R>(kind, request)).then(convert);
+    const limits: CallOptions = {};
+    if (call.signal) limits.signal = call.signal;
+    if (call.timeoutMs !== undefined) limits.timeoutMs = call.timeoutMs;
+    return this.refusals(this.command<R>(kind, request, limits)).then(convert);
   }
 
   /** A refused fence is also reported to the view's owner (a lease marks itself lost). */
@@ -337,11 +341,11 @@ export class EngineStoreClient {
         ...valuesIn(run, "run"),
       }),
       ...fenceIn(opts.fence),
-    }), (r: Resp<"createRun">) => ({ created: r.created, run: engineRunFromPb(r.run!) }));
+    }), (r: Resp<"createRun">) => ({ created: r.created, run: engineRunFromPb(r.run!) }), opts);
   }
 
-  async getRun(id: string): Promise<EngineRun | undefined> {
-    const r = await this.read((o) => this.stub.getRun({ id }, o));
+  async getRun(id: string, options: CallOptions = {}): Promise<EngineRun | undefined> {
+    const r = await this.read((o) => this.stub.getRun({ id }, o), options);
     return r.found && r.run ? engineRunFromPb(r.run) : undefined;
   }
 
@@ -356,11 +360,11 @@ export class EngineStoreClient {
       }),
       expectStatus: [...(guards.expectStatus ?? [])], ...opt("expectOwner", guards.expectOwner),
       ...fenceIn(guards.fence),
-    }), (r: Resp<"updateRun">) => engineRunFromPb(r.run!));
+    }), (r: Resp<"updateRun">) => engineRunFromPb(r.run!), guards);
   }
 
   /** Ordered by createdAt then id; `total` ignores limit and offset; no limit returns every match. */
-  async listRuns(q: { agent?: string; statuses?: string[]; concurrencyKey?: string; limit?: number; offset?: number } = {}): Promise<{ runs: EngineRun[]; total: number }> {
+  async listRuns(q: { agent?: string; statuses?: string[]; concurrencyKey?: string; limit?: number; offset?: number } = {}, options: CallOptions = {}): Promise<{ runs: EngineRun[]; total: number }> {
     const req = create(EngineListRunsRequestSchema, {
       ...opt("agent", q.agent), statuses: [...(q.statuses ?? [])], ...opt("concurrencyKey", q.concurrencyKey),
       ...opt("limit", q.limit === undefined ? undefined : toBigInt(q.limit, "limit")),
@@ -374,17 +378,17 @@ export class EngineStoreClient {
         for (const r of page.runs) runs.push(engineRunFromPb(r));
       }
       return { runs, total };
-    });
+    }, options);
   }
 
   claimRun(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ claimed: boolean; run: EngineRun | undefined }> {
     return this.write("claimRun", () => ({ id, owner, ttlMs: ttl(ttlMs), ...fenceIn(opts.fence) }),
-      (r: Resp<"claimRun">) => ({ claimed: r.claimed, run: r.run ? engineRunFromPb(r.run) : undefined }));
+      (r: Resp<"claimRun">) => ({ claimed: r.claimed, run: r.run ? engineRunFromPb(r.run) : undefined }), opts);
   }
 
   renewClaim(id: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ renewed: boolean; run: EngineRun | undefined }> {
     return this.write("renewClaim", () => ({ id, owner, ttlMs: ttl(ttlMs), ...fenceIn(opts.fence) }),
-      (r: Resp<"renewClaim">) => ({ renewed: r.renewed, run: r.run ? engineRunFromPb(r.run) : undefined }));
+      (r: Resp<"renewClaim">) => ({ renewed: r.renewed, run: r.run ? engineRunFromPb(r.run) : undefined }), opts);
   }
 
   appendStep(step: { runId: string; name: string; status?: string; input?: unknown; output?: unknown; error?: unknown; metadata?: unknown }, opts: WriteOptions = {}): Promise<EngineStep> {
@@ -394,15 +398,15 @@ export class EngineStoreClient {
         ...valuesIn(step, "step"),
       }),
       ...fenceIn(opts.fence),
-    }), (r: Resp<"appendStep">) => stepFromPb(r.step!));
+    }), (r: Resp<"appendStep">) => stepFromPb(r.step!), opts);
   }
 
-  async listSteps(runId: string): Promise<EngineStep[]> {
+  async listSteps(runId: string, options: CallOptions = {}): Promise<EngineStep[]> {
     return this.read(async (o) => {
       const out: EngineStep[] = [];
       for await (const page of this.stub.listSteps({ runId }, o)) for (const s of page.steps) out.push(stepFromPb(s));
       return out;
-    });
+    }, options);
   }
 
   /** Keeps the highest stepIndex; an equal index replaces; a lower one is ignored (saved false). */
@@ -413,53 +417,53 @@ export class EngineStoreClient {
         checkpoint: { runId: cp.runId, stepIndex: toBigInt(cp.stepIndex, "checkpoint.step_index"), ...opt("state", state) },
         ...fenceIn(opts.fence),
       };
-    }, (r: Resp<"saveCheckpoint">) => ({ saved: r.saved, checkpoint: checkpointFromPb(r.checkpoint!) }));
+    }, (r: Resp<"saveCheckpoint">) => ({ saved: r.saved, checkpoint: checkpointFromPb(r.checkpoint!) }), opts);
   }
 
-  async latestCheckpoint(runId: string): Promise<EngineCheckpoint | undefined> {
-    const r = await this.read((o) => this.stub.latestCheckpoint({ runId }, o));
+  async latestCheckpoint(runId: string, options: CallOptions = {}): Promise<EngineCheckpoint | undefined> {
+    const r = await this.read((o) => this.stub.latestCheckpoint({ runId }, o), options);
     return r.found && r.checkpoint ? checkpointFromPb(r.checkpoint) : undefined;
   }
 
   /** The first caller per (scope, key) wins; the others get the winner's runId until the key expires. */
   claimKey(scope: string, key: string, runId: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ created: boolean; runId: string; expiresAt: Date }> {
     return this.write("claimKey", () => ({ scope, key, runId, ttlMs: ttl(ttlMs), ...fenceIn(opts.fence) }),
-      (r: Resp<"claimKey">) => ({ created: r.created, runId: r.runId, expiresAt: date(r.expiresAt) }));
+      (r: Resp<"claimKey">) => ({ created: r.created, runId: r.runId, expiresAt: date(r.expiresAt) }), opts);
   }
 
   acquireLock(key: string, owner: string, ttlMs: number, opts: WriteOptions = {}): Promise<{ acquired: boolean; fencingToken: number; owner: string; expiresAt: Date }> {
     return this.write("acquireLock", () => ({ key, owner, ttlMs: ttl(ttlMs), ...fenceIn(opts.fence) }),
-      (r: Resp<"acquireLock">) => ({ acquired: r.acquired, fencingToken: toNumber(r.fencingToken), owner: r.owner, expiresAt: date(r.expiresAt) }));
+      (r: Resp<"acquireLock">) => ({ acquired: r.acquired, fencingToken: toNumber(r.fencingToken), owner: r.owner, expiresAt: date(r.expiresAt) }), opts);
   }
 
   releaseLock(key: string, owner: string, opts: WriteOptions = {}): Promise<boolean> {
-    return this.write("releaseLock", () => ({ key, owner, ...fenceIn(opts.fence) }), (r: Resp<"releaseLock">) => r.released);
+    return this.write("releaseLock", () => ({ key, owner, ...fenceIn(opts.fence) }), (r: Resp<"releaseLock">) => r.released, opts);
   }
 
-  async getEffect(key: string): Promise<Lookup<unknown>> {
-    const r = await this.read((o) => this.stub.getEffect({ key }, o));
+  async getEffect(key: string, options: CallOptions = {}): Promise<Lookup<unknown>> {
+    const r = await this.read((o) => this.stub.getEffect({ key }, o), options);
     return { found: r.found, value: r.found ? jsonOut(r.result) : undefined, at: r.recordedAt ? date(r.recordedAt) : undefined };
   }
 
   putEffect(key: string, result: unknown, opts: WriteOptions = {}): Promise<Date> {
     return this.write("putEffect", () => ({
       key, ...opt("result", jsonIn(result === undefined ? null : result, "result")), ...fenceIn(opts.fence),
-    }), (r: Resp<"putEffect">) => date(r.recordedAt));
+    }), (r: Resp<"putEffect">) => date(r.recordedAt), opts);
   }
 
-  async kvGet(agent: string, key: string): Promise<Lookup<unknown>> {
-    const r = await this.read((o) => this.stub.kvGet({ agent, key }, o));
+  async kvGet(agent: string, key: string, options: CallOptions = {}): Promise<Lookup<unknown>> {
+    const r = await this.read((o) => this.stub.kvGet({ agent, key }, o), options);
     return { found: r.found, value: r.found ? jsonOut(r.value) : undefined, at: r.updatedAt ? date(r.updatedAt) : undefined };
   }
 
   kvSet(agent: string, key: string, value: unknown, opts: WriteOptions = {}): Promise<Date> {
     return this.write("kvSet", () => ({
       agent, key, ...opt("value", jsonIn(value === undefined ? null : value, "value")), ...fenceIn(opts.fence),
-    }), (r: Resp<"kvSet">) => date(r.updatedAt));
+    }), (r: Resp<"kvSet">) => date(r.updatedAt), opts);
   }
 
   /** Documents ordered by id whose top-level fields equal every field of `where`. */
-  async docList(agent: string, collection: string, q: { where?: Record<string, unknown>; limit?: number } = {}): Promise<EngineDoc[]> {
+  async docList(agent: string, collection: string, q: { where?: Record<string, unknown>; limit?: number } = {}, options: CallOptions = {}): Promise<EngineDoc[]> {
     const where = jsonIn(q.where, "where");
     const limit = q.limit === undefined ? undefined : toBigInt(q.limit, "limit");
     return this.read(async (o) => {
@@ -468,16 +472,16 @@ export class EngineStoreClient {
         for (const d of page.docs) out.push(docFromPb(d));
       }
       return out;
-    });
+    }, options);
   }
 
   docUpsert(agent: string, collection: string, id: string, doc: Record<string, unknown>, opts: WriteOptions = {}): Promise<{ created: boolean; doc: EngineDoc }> {
     return this.write("docUpsert", () => ({ agent, collection, id, ...opt("doc", jsonIn(doc, "doc")), ...fenceIn(opts.fence) }),
-      (r: Resp<"docUpsert">) => ({ created: r.created, doc: docFromPb(r.doc!) }));
+      (r: Resp<"docUpsert">) => ({ created: r.created, doc: docFromPb(r.doc!) }), opts);
   }
 
   docDelete(agent: string, collection: string, id: string, opts: WriteOptions = {}): Promise<boolean> {
-    return this.write("docDelete", () => ({ agent, collection, id, ...fenceIn(opts.fence) }), (r: Resp<"docDelete">) => r.deleted);
+    return this.write("docDelete", () => ({ agent, collection, id, ...fenceIn(opts.fence) }), (r: Resp<"docDelete">) => r.deleted, opts);
   }
 
   /**
@@ -515,12 +519,15 @@ export class EngineStoreClient {
       }
     };
     const policy = whole ? this.retry : { ...this.retry, maxAttempts: 1 };
-    const r = await this.refusals(withRetry(policy, true, (timeoutMs) => this.stub.putArtifact(messages(), { timeoutMs })));
+    const limits: CallOptions = {};
+    if (opts.signal) limits.signal = opts.signal;
+    if (opts.timeoutMs !== undefined) limits.timeoutMs = opts.timeoutMs;
+    const r = await this.refusals(withRetry(policy, true, (o) => this.stub.putArtifact(messages(), o), limits));
     return { created: r.created, artifact: artifactFromPb(r.artifact!) };
   }
 
-  async getArtifact(id: string): Promise<EngineArtifact | undefined> {
-    const r = await this.read((o) => this.stub.getArtifact({ id }, o));
+  async getArtifact(id: string, options: CallOptions = {}): Promise<EngineArtifact | undefined> {
+    const r = await this.read((o) => this.stub.getArtifact({ id }, o), options);
     return r.found && r.artifact ? artifactFromPb(r.artifact) : undefined;
   }
 
@@ -536,26 +543,26 @@ export class EngineStoreClient {
   }
 
   /** The whole artifact as one plain Uint8Array. Throws RunNotFoundError for an unknown id. */
-  async readArtifact(id: string): Promise<Uint8Array> {
-    return this.read(async () => {
+  async readArtifact(id: string, options: CallOptions = {}): Promise<Uint8Array> {
+    return this.read(async (o) => {
       const parts: Uint8Array[] = [];
       let n = 0;
-      for await (const m of this.stub.readArtifact({ id })) {
+      for await (const m of this.stub.readArtifact({ id }, o)) {
         if (m.chunk.byteLength) { parts.push(m.chunk); n += m.chunk.byteLength; }
       }
       const out = new Uint8Array(n);
       let off = 0;
       for (const p of parts) { out.set(p, off); off += p.byteLength; }
       return out;
-    });
+    }, options);
   }
 
-  async listArtifacts(runId: string): Promise<EngineArtifact[]> {
+  async listArtifacts(runId: string, options: CallOptions = {}): Promise<EngineArtifact[]> {
     return this.read(async (o) => {
       const out: EngineArtifact[] = [];
       for await (const page of this.stub.listArtifacts({ runId }, o)) for (const a of page.artifacts) out.push(artifactFromPb(a));
       return out;
-    });
+    }, options);
   }
 
   /**

@@ -1,13 +1,50 @@
-// Real fencepost servers for tests: `startServer()` spawns
-// `fencepost serve` on a free 127.0.0.1 port over a fresh SQLite file in a
-// temporary directory (with the test clock hooks unless asked not to), waits
-// until it answers, and `stop()` ends it by PID.
+// For tests, not production (`@fencepost/client/testing`): real fencepost
+// servers (`startServer()` spawns `fencepost serve` on a free 127.0.0.1 port
+// over a fresh SQLite file in a temporary directory, with the test clock hooks
+// unless asked not to, waits until it answers, and `stop()` ends it by PID),
+// the server's test clock, and a client's diagnostic counters.
 import { spawn, type ChildProcess } from "node:child_process";
 import { mkdtempSync, rmSync, existsSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
-import { FencepostClient } from "./client.js";
+import type { Client } from "@connectrpc/connect";
+import { FencepostClient, internals, type ClientOptions } from "./client.js";
+import { ValidationError } from "./errors.js";
+import type { TestHooks } from "./gen/fencepost/v1/testing_pb.js";
+import { toNumber } from "./records.js";
+
+/** The TestHooks service (a server started with --test-hooks) on the client's connection. */
+export function testHooks(client: FencepostClient): Client<typeof TestHooks> {
+  return client[internals].testHooks;
+}
+
+/** Move the server's clock forward by `ms` (a server started with --test-hooks); its new now, ms. */
+export async function jumpClock(client: FencepostClient, ms: number): Promise<number> {
+  if (!Number.isSafeInteger(ms) || ms < 0) throw new ValidationError("ms: must be a non-negative integer", { field: "ms" });
+  const resp = await testHooks(client).jumpClock({ ms: BigInt(ms) });
+  return toNumber(resp.nowMs);
+}
+
+export interface Diagnostics {
+  /**
+   * How many times the Execute command stream has been opened (1 while it
+   * stays up); a stream shared by several clients counts for all of them.
+   */
+  executeConnects: number;
+  /** How many commands the Execute stream has carried (for all the clients sharing it). */
+  executeCommands: number;
+  /** How many times the shared KeepAlive stream has been opened (1 while it stays up). */
+  keepAliveConnects: number;
+  /** How many messages the KeepAlive stream has written (hello, renewals, track, untrack). */
+  keepAliveMessages: number;
+}
+
+/** A client's stream counters, read now. */
+export function diagnostics(client: FencepostClient): Diagnostics {
+  const i = client[internals];
+  return { executeConnects: i.executeConnects(), executeCommands: i.executeCommands(), keepAliveConnects: i.keepAliveConnects(), keepAliveMessages: i.keepAliveMessages() };
+}
 
 export interface TestServer {
   address: string;
@@ -26,6 +63,8 @@ export interface StartOptions {
   testHooks?: boolean;
   /** Extra command-line flags. */
   args?: string[];
+  /** How the readiness check connects (a server with --tls-cert needs tls). */
+  connect?: ClientOptions;
 }
 
 export function findFencepostBin(): string {
@@ -52,8 +91,9 @@ export function freePort(): Promise<number> {
   });
 }
 
-async function waitReady(address: string, child: ChildProcess, log: () => string): Promise<void> {
-  const client = new FencepostClient(address, { retry: { maxAttempts: 1, attemptTimeoutMs: 1000 } });
+/** Wait until a server answers (`options`: its TLS or token, when it needs them). */
+export async function waitReady(address: string, child: ChildProcess, log: () => string, options: ClientOptions = {}): Promise<void> {
+  const client = new FencepostClient(address, { ...options, retry: { maxAttempts: 1, attemptTimeoutMs: 1000 } });
   const deadline = Date.now() + 30_000;
   try {
     for (;;) {
@@ -61,7 +101,10 @@ async function waitReady(address: string, child: ChildProcess, log: () => string
       try {
         await client.stubs.runStore.describe({}, { timeoutMs: 1000 });
         return;
-      } catch {
+      } catch (e) {
+        // refused (no role for the raw seam): it answers all the same
+        const code = (e as { code?: unknown }).code;
+        if (code === 7 || code === 16) return;
         if (Date.now() > deadline) throw new Error(`fencepost did not answer on ${address} within 30 s:\n${log()}`);
         await new Promise((r) => setTimeout(r, 50));
       }
@@ -84,7 +127,7 @@ export async function startServer(options: StartOptions = {}): Promise<TestServe
     child = spawn(bin, args, { stdio: ["ignore", "pipe", "pipe"] });
     child.stdout?.on("data", (d) => { output = (output + d).slice(-20_000); });
     child.stderr?.on("data", (d) => { output = (output + d).slice(-20_000); });
-    await waitReady(address, child, () => output);
+    await waitReady(address, child, () => output, options.connect);
   };
   const kill = async () => {
     if (child.exitCode !== null || child.signalCode !== null) return;

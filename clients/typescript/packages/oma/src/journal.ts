@@ -84,7 +84,7 @@ export class FencepostRunJournal implements RunJournal {
   }
 
   /** Open journal `name` with the same options as FencepostClient (passed on unchanged), plus `maxEvents` and `client`. */
-  static async connect(address: string, name: string, options: RunJournalOptions = {}): Promise<FencepostRunJournal> {
+  static async connect(address: string | readonly string[], name: string, options: RunJournalOptions = {}): Promise<FencepostRunJournal> {
     const { client: given, maxEvents = MAX_JOURNAL_EVENTS, ...clientOptions } = options;
     if (typeof name !== "string" || name.length === 0 || enc.encode(name).byteLength > 480 || /[\u0000-\u001f\u007f]/.test(name)) {
       throw new RunJournalError("JOURNAL_VALIDATION_ERROR", "name: must be 1-480 bytes without control characters", "name");

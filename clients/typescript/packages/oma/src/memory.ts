@@ -114,7 +114,7 @@ export class FencepostMemoryStore implements MemoryStore {
   }
 
   /** Connect with the same options as FencepostClient (passed on unchanged), plus `namespace` and `client`. */
-  static async connect(address: string, options: MemoryStoreOptions = {}): Promise<FencepostMemoryStore> {
+  static async connect(address: string | readonly string[], options: MemoryStoreOptions = {}): Promise<FencepostMemoryStore> {
     const { client: given, namespace = "default", ...clientOptions } = options;
     if (typeof namespace !== "string" || namespace.length === 0 || enc.encode(namespace).byteLength > 200 || /[\u0000-\u001f\u007f/]/.test(namespace)) {
       throw invalid("namespace", "must be 1-200 bytes without control characters or '/'");

@@ -202,7 +202,7 @@ export class FencepostRunStore implements RunStore {
   }
 
   /** Connect to a fencepost server and read its atomicity declaration (RunStore.Describe). */
-  static async connect(address: string, options: ConnectOptions = {}): Promise<FencepostRunStore> {
+  static async connect(address: string | readonly string[], options: ConnectOptions = {}): Promise<FencepostRunStore> {
     const { client: given, ...clientOptions } = options;
     const client = given ?? new FencepostClient(address, clientOptions);
     try {

@@ -7,7 +7,7 @@ import {
   AlreadyTerminalError, FencepostClient, FencepostError, LeaseAtRiskError, LeaseHeldError, LeaseLostError,
   RunNotFoundError, RunSuspendedError, ValidationError, type RunChange,
 } from "@fencepost/client";
-import { startServer, type TestServer } from "@fencepost/client/testing";
+import { startServer, type TestServer, diagnostics, jumpClock } from "@fencepost/client/testing";
 
 let server: TestServer;
 const clients: FencepostClient[] = [];
@@ -53,7 +53,7 @@ describe("FencepostClient", () => {
       assert.equal(rec.lease?.owner, "owner-renew");
       assert.ok(rec.lease!.expiresAt.getTime() > Date.now() - 50);
     }
-    assert.equal(a.keepAliveConnects, 1);
+    assert.equal(diagnostics(a).keepAliveConnects, 1);
     const other = await client("owner-x").acquire("c-r1").catch((e: unknown) => e);
     assert.ok(other instanceof LeaseHeldError, "a renewed lease stays held");
   });
@@ -65,14 +65,14 @@ describe("FencepostClient", () => {
     await sleep(300);
     // the stream opened for a fresh lease tracks it; its first renewal is due in 20 s
     assert.equal((await a.get("c-quiet-0")).version, 1);
-    const sent = a.keepAliveMessages;
+    const sent = diagnostics(a).keepAliveMessages;
     const lease = await a.acquire("c-quiet-1", { ttlMs: 60_000 }); // first renewal due in 20 s
     await lease.finish();
     const watched = await a.acquire("c-quiet-2", { ttlMs: 60_000 });
     await op.cancel("c-quiet-2", "stop"); // pushed although no renewal has tracked it yet
     const lost = await within(watched.lost, 2000, "lost push");
     assert.equal(lost.reason, "cancelled");
-    assert.equal(a.keepAliveMessages, sent, "no track, untrack or renewal was sent");
+    assert.equal(diagnostics(a).keepAliveMessages, sent, "no track, untrack or renewal was sent");
   });
 
   it("pushes a cancel to the lease: lost, aborted signal, and fenced calls refused", async () => {
@@ -122,7 +122,7 @@ describe("FencepostClient", () => {
     const watched = await a.acquire("c-clock-2", { ttlMs: 60_000 });
     void watched;
     await sleep(100);
-    await a.jumpClock(61_000);
+    await jumpClock(a, 61_000);
     await within(new Promise((r) => lease.signal.addEventListener("abort", r)), 3000, "expiring push");
     assert.ok(lease.signal.reason instanceof LeaseAtRiskError);
     assert.equal(lease.atRisk, true);
@@ -228,8 +228,10 @@ describe("FencepostClient", () => {
   it("multiplexes mutations on one Execute stream, and retries a dropped stream's commands with their request ids", async () => {
     const a = client("owner-exec");
     assert.equal(a.transport, "stream");
+    const opened = diagnostics(a).executeConnects; // the process's shared stream may be open already
     const first = await Promise.all(Array.from({ length: 20 }, (_, i) => a.acquire(`c-exec-${i}`, { ttlMs: 60_000, renew: false })));
-    assert.equal(a.executeConnects, 1);
+    const afterFirst = diagnostics(a).executeConnects;
+    assert.ok(afterFirst - opened <= 1, "one stream for the twenty");
     assert.ok(first.every((l) => l.fencingToken === 1));
     // errors over the stream are the same typed errors, with the record
     const held = await client("owner-exec-2").acquire("c-exec-0").catch((e: unknown) => e);
@@ -243,7 +245,32 @@ describe("FencepostClient", () => {
     for (const l of leases.slice(0, 10)) assert.equal((await a.get(l.runId)).version, 1);
     await sleep(1200); // unary while the stream is down, then the stream again
     await a.acquire("c-exec-after", { renew: false });
-    assert.ok(a.executeConnects >= 2, "the stream was opened again after the restart");
+    assert.ok(diagnostics(a).executeConnects > afterFirst, "the stream was opened again after the restart");
+  });
+
+  it("shares one Execute stream among the clients of a process with the same endpoints and credentials", async () => {
+    const [a, b] = [client("share-a"), client("share-b")];
+    await (await a.acquire("c-share-warm")).finish(); // the stream is open
+    const sent = diagnostics(b).executeCommands;
+    const [la, lb] = await Promise.all([a.acquire("c-share-a"), b.acquire("c-share-b")]);
+    assert.equal(diagnostics(b).executeCommands, sent + 2, "both clients' commands on one stream");
+    const opened = diagnostics(a).executeConnects;
+    assert.equal(diagnostics(b).executeConnects, opened);
+    // each command keeps its own owner on the shared stream
+    assert.equal(la.record.lease?.owner, "share-a");
+    assert.equal(lb.record.lease?.owner, "share-b");
+    await assert.rejects(b.acquire("c-share-a"), LeaseHeldError);
+    // a client that closes leaves the stream to the others
+    await a.close();
+    await lb.recordCheckpoint("k", 1);
+    await lb.finish();
+    assert.equal(diagnostics(b).executeConnects, opened);
+    // interceptors (or other credentials) get a stream of their own
+    const own = client("share-own", { interceptors: [(next) => (req) => next(req)] });
+    const before = diagnostics(b).executeCommands;
+    await (await own.acquire("c-share-own")).finish();
+    assert.equal(diagnostics(own).executeCommands, 2);
+    assert.equal(diagnostics(b).executeCommands, before);
   });
 
   it("sends everything unary with transport: 'unary', with the same answers and errors", async () => {
@@ -256,7 +283,7 @@ describe("FencepostClient", () => {
     await assert.rejects(a.acquire("c-unary-bad", { ttlMs: 1 }), (e: unknown) => e instanceof ValidationError && e.field === "lease_ttl_ms");
     assert.equal((await a.store.claimKey("s", "c-unary", "r1", 1000)).created, true);
     await lease.finish();
-    assert.equal(a.executeConnects, 0);
+    assert.equal(diagnostics(a).executeConnects, 0);
   });
 
   it("reconnects the KeepAlive stream after a server restart and keeps renewing", async () => {
@@ -265,7 +292,7 @@ describe("FencepostClient", () => {
     await sleep(100);
     await server.restart();
     await sleep(3500); // past the ttl: only renewals on the new stream keep the lease
-    assert.ok(a.keepAliveConnects >= 2, `connects ${a.keepAliveConnects}`);
+    assert.ok(diagnostics(a).keepAliveConnects >= 2, `connects ${diagnostics(a).keepAliveConnects}`);
     assert.equal(lease.isLost, false);
     assert.equal(lease.atRisk, false);
     const rec = await a.get("c-reconnect");
@@ -312,7 +339,7 @@ describe("FencepostClient", () => {
     assert.deepEqual((await a.store.kvGet("agent-f", "k")).value, { v: 1 });
     const lock = await a.store.acquireLock("lock-f", "me", 1000);
     await a.store.putEffect("eff-f", "ok", { fence: { lockKey: "lock-f", fencingToken: lock.fencingToken } });
-    await a.jumpClock(2000);
+    await jumpClock(a, 2000);
     const taken = await op.store.acquireLock("lock-f", "other", 60_000);
     assert.equal(taken.fencingToken, lock.fencingToken + 1);
     await assert.rejects(a.store.putEffect("eff-f", "stale", { fence: { lockKey: "lock-f", fencingToken: lock.fencingToken } }), LockLostError);

@@ -9,7 +9,10 @@ import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { promisify } from "node:util";
 import { after, before, describe, it } from "node:test";
-import { startServer, type TestServer } from "@fencepost/client/testing";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { freePort, startServer, type TestServer } from "@fencepost/client/testing";
+import { makeCerts, mtlsArgs } from "./pki.js";
 
 const run = promisify(execFile);
 const here = fileURLToPath(new URL(".", import.meta.url));
@@ -28,8 +31,26 @@ function printed(example: string): string | undefined {
 }
 
 let server: TestServer;
-before(async () => { server = await startServer(); });
-after(async () => { await server.stop(); });
+// for the examples that read FENCEPOST_PKI: a mutual-TLS server, listed after a coordinator that is down
+let secure: TestServer;
+let pki: string;
+let endpoints: string;
+before(async () => {
+  server = await startServer();
+  pki = mkdtempSync(join(tmpdir(), "fencepost-ts-pki-"));
+  const certs = makeCerts(pki);
+  const admin = certs.clients["admin"]!;
+  secure = await startServer({
+    args: mtlsArgs(certs),
+    connect: { tls: { ca: readFileSync(certs.ca), cert: readFileSync(admin.cert), key: readFileSync(admin.key) } },
+  });
+  endpoints = `127.0.0.1:${await freePort()},${secure.address}`;
+});
+after(async () => {
+  await server.stop();
+  await secure?.stop();
+  rmSync(pki, { recursive: true, force: true });
+});
 
 describe("docs/TYPESCRIPT.md", () => {
   it("shows every example file verbatim, and no other ts block", () => {
@@ -46,7 +67,8 @@ describe("docs/TYPESCRIPT.md", () => {
     it(`example ${f} runs twice in a row`, async () => {
       for (let i = 0; i < 2; i++) {
         const { stdout } = await run(process.execPath, [join(distExamples, f.replace(/\.ts$/, ".js"))], {
-          env: { ...process.env, FENCEPOST_ADDR: server.address }, timeout: 60_000,
+          env: { ...process.env, FENCEPOST_ADDR: server.address, FENCEPOST_ENDPOINTS: endpoints, FENCEPOST_PKI: pki },
+          timeout: 60_000,
         });
         assert.ok(stdout.length > 0);
         const shown = printed(readFileSync(join(srcExamples, f), "utf8"));

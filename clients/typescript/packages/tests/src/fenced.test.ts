@@ -10,7 +10,7 @@ import {
   FencepostClient, InvalidRunStateError, LeaseLostError, LockLostError, QueuedWrite, RunNotFoundError, StoreTransaction,
   ValidationError, type EngineStoreClient, type Lease,
 } from "@fencepost/client";
-import { startServer, type TestServer } from "@fencepost/client/testing";
+import { startServer, type TestServer, diagnostics, jumpClock } from "@fencepost/client/testing";
 
 let server: TestServer;
 const clients: FencepostClient[] = [];
@@ -57,7 +57,7 @@ const WRITES: Record<string, WriteKind> = {
 
 /** A takeover: the server's clock passes the lease's ttl, and `rival` acquires the run. */
 async function takeOver(rival: FencepostClient, lease: Lease): Promise<Lease> {
-  await rival.jumpClock(TTL + 1);
+  await jumpClock(rival, TTL + 1);
   const taken = await rival.acquire(lease.runId, { ttlMs: TTL });
   assert.ok(taken.fencingToken > lease.fencingToken);
   return taken;
@@ -125,7 +125,7 @@ for (const transport of ["stream", "unary"] as const) {
         const mine = await a.store.acquireLock(key, "worker-1", 1000);
         const locked = a.store.fenced({ lockKey: key, fencingToken: mine.fencingToken });
         await kind.write(locked, id, 1);
-        await a.jumpClock(2000);
+        await jumpClock(a, 2000);
         const theirs = await b.store.acquireLock(key, "worker-2", 60_000);
         assert.equal(theirs.fencingToken, mine.fencingToken + 1);
         const err = await kind.write(locked, id, 2).catch((e: unknown) => e);
@@ -222,7 +222,7 @@ for (const transport of ["stream", "unary"] as const) {
       assert.equal((await a.store.getRun(runId))?.status, "charged");
       // one Transact: over the Execute stream, or one unary call
       assert.equal(transacts() - before, transport === "unary" ? 1 : 0);
-      if (transport === "stream") assert.ok(a.executeConnects >= 1);
+      if (transport === "stream") assert.ok(diagnostics(a).executeConnects >= 1);
       await lease.release();
     });
 
@@ -280,10 +280,10 @@ for (const transport of ["stream", "unary"] as const) {
 
       // known lost: refused without a round trip
       const before = calls.length;
-      const connects = a.executeConnects;
+      const connects = diagnostics(a).executeConnects;
       await assert.rejects(lease.transaction((tx) => { tx.kvSet("agent", runId, 1); }), LeaseLostError);
       assert.equal(calls.length, before, "no call at all");
-      assert.equal(a.executeConnects, connects);
+      assert.equal(diagnostics(a).executeConnects, connects);
       // the new holder's transaction commits
       const { cp } = await taken.transaction((tx) => ({ cp: tx.saveCheckpoint({ runId, stepIndex: 2, state: "theirs" }) }));
       assert.equal(cp.saved, true);
@@ -330,7 +330,7 @@ for (const transport of ["stream", "unary"] as const) {
       const fence = { lockKey: key, fencingToken: mine.fencingToken };
       const [one, two] = await a.store.transaction((tx) => [tx.kvSet("agent", `${id}/1`, 1), tx.kvSet("agent", `${id}/2`, 2)] as const, { fence });
       assert.ok(one instanceof Date && two instanceof Date);
-      await a.jumpClock(2000);
+      await jumpClock(a, 2000);
       await b.store.acquireLock(key, "worker-2", 60_000);
       await assert.rejects(a.store.transaction((tx) => { tx.kvSet("agent", `${id}/1`, "stale"); tx.kvSet("agent", `${id}/3`, 3); }, { fence }),
         (e: unknown) => e instanceof LockLostError && e.owner === "worker-2");
@@ -382,7 +382,7 @@ describe("transaction retries (stream)", () => {
     const { c } = counted("worker-restart", "stream");
     const lease = await c.acquire(fresh("run-txrestart"), { ttlMs: 60_000, renew: false });
     await lease.transaction((tx) => { tx.kvSet("agent", `${lease.runId}/warm`, 0); });
-    assert.equal(c.executeConnects, 1);
+    assert.equal(diagnostics(c).executeConnects, 1);
     const ids = Array.from({ length: 20 }, (_, i) => `${lease.runId}/${i}`);
     const burst = ids.map((id) => lease.transaction((tx) => ({ step: tx.appendStep({ runId: id, name: "once" }), at: tx.kvSet("agent", id, 1) })));
     await server.restart();

@@ -1,0 +1,170 @@
+// The client against a server with TLS, mutual TLS, roles and bearer tokens
+// (docs/SECURITY.md): owners bound to the certificate's identity on
+// acquire, KeepAlive and the Execute stream; tokens carry their role;
+// refusals are typed and never retried.
+import assert from "node:assert/strict";
+import { mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { after, before, describe, it } from "node:test";
+import type { Interceptor } from "@connectrpc/connect";
+import {
+  FencepostClient, OwnerNotPermittedError, PermissionDeniedError, RunNotFoundError, UnauthenticatedError,
+  UnavailableError, type ClientOptions, type TlsOptions,
+} from "@fencepost/client";
+import { diagnostics, freePort, startServer, type TestServer } from "@fencepost/client/testing";
+import { FencepostStore } from "@fencepost/chamvi";
+import { FencepostRunStore } from "@fencepost/oma";
+import { makeCerts, mtlsArgs, type Certs } from "./pki.js";
+import { KeepAliveRequestSchema } from "@fencepost/client/gen/fencepost/v1/ledger_pb";
+import { create } from "@bufbuild/protobuf";
+
+let dir: string;
+let certs: Certs;
+let server: TestServer;
+let tokenServer: TestServer;
+const clients: FencepostClient[] = [];
+
+function tlsFor(who?: string): TlsOptions {
+  const ca = readFileSync(certs.ca, "utf8");
+  if (!who) return { ca };
+  const pair = certs.clients[who]!;
+  return { ca, cert: readFileSync(pair.cert), key: readFileSync(pair.key, "utf8") };
+}
+
+function client(address: string, options: ClientOptions): FencepostClient {
+  const c = new FencepostClient(address, options);
+  clients.push(c);
+  return c;
+}
+
+/** Counts the calls made, by method name. */
+function counter(): { calls: Record<string, number>; interceptor: Interceptor } {
+  const calls: Record<string, number> = {};
+  return { calls, interceptor: (next) => (req) => { calls[req.method.name] = (calls[req.method.name] ?? 0) + 1; return next(req); } };
+}
+
+before(async () => {
+  dir = mkdtempSync(join(tmpdir(), "fencepost-ts-certs-"));
+  certs = makeCerts(dir);
+  server = await startServer({
+    testHooks: false,
+    args: mtlsArgs(certs),
+    connect: { tls: tlsFor("admin") },
+  });
+  tokenServer = await startServer({ testHooks: false, args: ["--authz", certs.policy], connect: { token: certs.tokens.admin } });
+});
+
+after(async () => {
+  for (const c of clients) await c.close();
+  await server?.stop();
+  await tokenServer?.stop();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+describe("TLS, identities and roles", () => {
+  for (const transport of ["stream", "unary"] as const) {
+    it(`a worker over mutual TLS holds its own owners and is refused another's (${transport})`, async () => {
+      const alice = client(server.address, { owner: "alice/worker-1", tls: tlsFor("alice"), transport });
+      const lease = await alice.acquire(`alice-${transport}`, { ttlMs: 5000 });
+      await lease.recordCheckpoint("k", 1);
+      await lease.finish("completed");
+      if (transport === "stream") assert.ok(diagnostics(alice).executeConnects >= 1, "commands went on the Execute stream");
+      const del = await alice.delete(`alice-${transport}`).catch((e: unknown) => e);
+      assert.ok(del instanceof PermissionDeniedError, String(del));
+      assert.equal(del.metadata["role"], "admin");
+
+      const posing = client(server.address, { owner: "bob/worker-1", tls: tlsFor("alice"), transport });
+      const err = await posing.acquire(`bob-${transport}`).catch((e: unknown) => e);
+      assert.ok(err instanceof OwnerNotPermittedError, String(err));
+      assert.ok(err instanceof PermissionDeniedError);
+      assert.equal(err.code, "OWNER_NOT_PERMITTED");
+      assert.deepEqual([err.metadata["owner"], err.metadata["principal"]], ["bob/worker-1", "alice"]);
+      if (transport === "stream") assert.ok(diagnostics(posing).executeConnects >= 1, "refused on the Execute stream");
+    });
+  }
+
+  it("refuses a KeepAlive stream for another's owner", async () => {
+    const posing = client(server.address, { owner: "bob/w", tls: tlsFor("alice") });
+    // raw: the hello is refused, the stream ends with the typed status
+    const hello = create(KeepAliveRequestSchema, { kind: { case: "hello", value: { owner: "bob/w" } } });
+    const raw = await (async () => {
+      async function* requests() { yield hello; await new Promise((r) => setTimeout(r, 5000)); }
+      for await (const _ of posing.stubs.ledger.keepAlive(requests(), { timeoutMs: 5000 })) { /* nothing comes */ }
+    })().catch((e: unknown) => e);
+    const { fromCallError } = await import("@fencepost/client");
+    const mapped = fromCallError(raw);
+    assert.ok(mapped instanceof OwnerNotPermittedError, String(raw));
+    // the client's shared stream reports it to the watcher instead of reconnecting forever
+    const heard = await new Promise<string>((resolve) => {
+      posing.watchFence("some-run", 1, { lost: () => resolve("lost"), error: (code) => resolve(code) });
+    });
+    assert.equal(heard, "OWNER_NOT_PERMITTED");
+  });
+
+  it("never retries a refusal", async () => {
+    const c = counter();
+    const w = client(server.address, {
+      owner: "bob/x", tls: tlsFor("alice"), transport: "unary", interceptors: [c.interceptor],
+      retry: { maxAttempts: 10, totalTimeoutMs: 30_000 },
+    });
+    await assert.rejects(w.acquire("never"), OwnerNotPermittedError);
+    await assert.rejects(w.cancel("never"), PermissionDeniedError);
+    assert.deepEqual(c.calls, { Acquire: 1, Cancel: 1 });
+    const t = counter();
+    const bad = client(tokenServer.address, { token: "wrong", transport: "unary", interceptors: [t.interceptor], retry: { maxAttempts: 10 } });
+    await assert.rejects(bad.get("x"), UnauthenticatedError);
+    assert.deepEqual(t.calls, { GetRun: 1 });
+  });
+
+  it("a token client gets its role", async () => {
+    const admin = client(tokenServer.address, { token: certs.tokens.admin });
+    await assert.rejects(admin.get("nope"), RunNotFoundError);
+    const script = client(tokenServer.address, { token: certs.tokens.script, owner: "script" });
+    const page = await script.list();
+    assert.equal(page.runs.length, 0);
+    const err = await script.delete("nope").catch((e: unknown) => e);
+    assert.ok(err instanceof PermissionDeniedError, String(err));
+    assert.equal(err.metadata["principal"], "script");
+    await assert.rejects(script.acquire("script-run"), PermissionDeniedError); // an operator is no worker
+    const none = client(tokenServer.address, {});
+    await assert.rejects(none.get("nope"), UnauthenticatedError);
+  });
+
+  it("a plaintext client against the TLS port gets a clear error", async () => {
+    const plain = client(server.address, { retry: { totalTimeoutMs: 1000, attemptTimeoutMs: 500 } });
+    const err = await plain.get("x").catch((e: unknown) => e);
+    assert.ok(err instanceof UnavailableError, String(err));
+    assert.match(err.message, /TLS/);
+  });
+
+  it("FencepostRunStore and chamvi's FencepostStore take the same options and endpoints", async () => {
+    const down = `127.0.0.1:${await freePort()}`;
+    // the raw RunStore seam is an admin's
+    const runs = await FencepostRunStore.connect([down, server.address], { tls: tlsFor("admin"), owner: "admin" });
+    try {
+      assert.equal(await runs.get("sec-none"), null);
+    } finally {
+      await runs.close();
+    }
+    // an engine process is a worker: its claims are bound to its identity
+    const store = await FencepostStore.connect(`${down},${server.address}`, { tls: tlsFor("alice"), owner: "alice/engine" });
+    try {
+      await store.createRun({ id: "sec-engine", agent: "a", status: "queued" });
+      assert.equal(await store.claimRun("sec-engine", "alice/engine", 5000), true);
+      assert.equal((await store.getRun("sec-engine"))?.claim?.owner, "alice/engine");
+      await assert.rejects(store.claimRun("sec-engine", "bob/engine", 5000), OwnerNotPermittedError);
+    } finally {
+      await store.close();
+    }
+    const refused = await FencepostStore.connect(server.address, { tls: tlsFor(), retry: { totalTimeoutMs: 1000 } }).catch((e: unknown) => e);
+    assert.ok(refused instanceof UnavailableError, String(refused)); // no client certificate: the handshake fails
+  });
+
+  it("refuses options that cannot work, naming them", () => {
+    assert.throws(() => new FencepostClient("10.0.0.1:50051", { token: "t" }), /token: .*only over TLS/);
+    assert.throws(() => new FencepostClient("127.0.0.1:50051", { token: " " }), /token: must not be empty/);
+    assert.throws(() => new FencepostClient("127.0.0.1:50051", { tls: { cert: "x" } }), /tls: cert and key go together/);
+    assert.throws(() => new FencepostClient("127.0.0.1:50051", { keepalive: { intervalMs: 0 } }), /keepalive.intervalMs: must be a positive integer/);
+  });
+});
