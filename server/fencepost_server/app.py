@@ -43,7 +43,7 @@ from .storage import is_url
 from .storage.engine_sql import EngineReader
 from .storage.sql import HistoryReader, SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
-from .streams import FenceHub
+from .streams import ClientLimits, FenceHub
 from .writer import Writer
 
 if TYPE_CHECKING:
@@ -131,6 +131,12 @@ class Settings:
     health_listen: str = ""  # also serve only gRPC health here, plaintext (probes under TLS)
     max_tracked_per_stream: int = 100_000  # leases one KeepAlive stream may track
     max_inflight_per_stream: int = 4096  # unanswered commands per Execute stream
+    # What one client's streams may hold (streams.ClientLimits): items queued
+    # for a reader (stream_queue_limit per stream) and leases tracked.
+    max_queued_per_connection: int = 131_072
+    max_queued_per_principal: int = 262_144
+    max_tracked_per_connection: int = 100_000
+    max_tracked_per_principal: int = 1_000_000
     # The dashboard, its JSON API and /metrics (web.py); "" turns it off.
     http_listen: str = "127.0.0.1:8233"
     # Only /metrics and /healthz, e.g. on 0.0.0.0 for a scraper; "" is off.
@@ -182,6 +188,11 @@ class Settings:
             "FENCEPOST_MAX_CONCURRENT_STREAMS": ("max_concurrent_streams", int),
             "FENCEPOST_MAX_TRACKED_PER_STREAM": ("max_tracked_per_stream", int),
             "FENCEPOST_MAX_INFLIGHT_PER_STREAM": ("max_inflight_per_stream", int),
+            "FENCEPOST_MAX_QUEUED_PER_STREAM": ("stream_queue_limit", int),
+            "FENCEPOST_MAX_QUEUED_PER_CONNECTION": ("max_queued_per_connection", int),
+            "FENCEPOST_MAX_QUEUED_PER_PRINCIPAL": ("max_queued_per_principal", int),
+            "FENCEPOST_MAX_TRACKED_PER_CONNECTION": ("max_tracked_per_connection", int),
+            "FENCEPOST_MAX_TRACKED_PER_PRINCIPAL": ("max_tracked_per_principal", int),
             "FENCEPOST_HTTP_LISTEN": ("http_listen", str),
             "FENCEPOST_METRICS_LISTEN": ("metrics_listen", str),
             "FENCEPOST_HTTP_ALLOWED_HOSTS": ("http_allowed_hosts", _comma_list),
@@ -430,7 +441,12 @@ class App:
         else:
             await self.writer.start()
         self.engine_store, self._engine_reader = start_engine_store(self.writer, storage.reader)
-        self.hub = FenceHub(self.writer, self.clock, queue_limit=s.stream_queue_limit)
+        self.hub = FenceHub(self.writer, self.clock, queue_limit=s.stream_queue_limit,
+                            limits=ClientLimits(
+                                max_queued_per_connection=s.max_queued_per_connection,
+                                max_queued_per_principal=s.max_queued_per_principal,
+                                max_tracked_per_connection=s.max_tracked_per_connection,
+                                max_tracked_per_principal=s.max_tracked_per_principal))
         self.hub.start()
         self.metrics = Metrics(self.writer, self.hub, self.clock, version())
         self.metrics.leadership = self._leader_gauge
@@ -784,7 +800,12 @@ def security(s: Settings) -> tuple[Authenticator | None, grpc.ServerCredentials 
                         ("--max-inflight-per-stream", s.max_inflight_per_stream),
                         ("--http-max-event-streams", s.http_max_event_streams),
                         ("--http-event-streams-per-client", s.http_event_streams_per_client),
-                        ("--http-event-queue", s.http_event_queue)):
+                        ("--http-event-queue", s.http_event_queue),
+                        ("--max-queued-per-stream", s.stream_queue_limit),
+                        ("--max-queued-per-connection", s.max_queued_per_connection),
+                        ("--max-queued-per-principal", s.max_queued_per_principal),
+                        ("--max-tracked-per-connection", s.max_tracked_per_connection),
+                        ("--max-tracked-per-principal", s.max_tracked_per_principal)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, not {value}")
     if is_url(s.db_path) and duration_ms(s.leader_renew) >= duration_ms(s.leader_lease):

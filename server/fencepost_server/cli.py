@@ -219,6 +219,23 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-inflight-per-stream", type=int,
                    help="unanswered commands per Execute stream before the server stops "
                    "reading it (env FENCEPOST_MAX_INFLIGHT_PER_STREAM; default 4096)")
+    g.add_argument("--max-tracked-per-connection", type=int,
+                   help="leases all KeepAlive streams of one connection may track (env "
+                   "FENCEPOST_MAX_TRACKED_PER_CONNECTION; default 100000)")
+    g.add_argument("--max-tracked-per-principal", type=int,
+                   help="with identities on: leases all streams of one principal may track "
+                   "(env FENCEPOST_MAX_TRACKED_PER_PRINCIPAL; default 1000000)")
+    g.add_argument("--max-queued-per-stream", type=int, dest="stream_queue_limit",
+                   metavar="MAX_QUEUED_PER_STREAM",
+                   help="KeepAlive messages, WatchRuns events or Execute results queued for a "
+                   "client that does not read before its stream is dropped with "
+                   "STREAM_TOO_SLOW (env FENCEPOST_MAX_QUEUED_PER_STREAM; default 65536)")
+    g.add_argument("--max-queued-per-connection", type=int,
+                   help="the same over all streams of one connection; past it its slowest "
+                   "stream is dropped (env FENCEPOST_MAX_QUEUED_PER_CONNECTION; default 131072)")
+    g.add_argument("--max-queued-per-principal", type=int,
+                   help="with identities on: the same over all streams of one principal "
+                   "(env FENCEPOST_MAX_QUEUED_PER_PRINCIPAL; default 262144)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -269,6 +286,11 @@ def _serve_settings(args: argparse.Namespace, settings_cls: type[Settings]) -> S
         max_concurrent_streams=args.max_concurrent_streams,
         max_tracked_per_stream=args.max_tracked_per_stream,
         max_inflight_per_stream=args.max_inflight_per_stream,
+        stream_queue_limit=args.stream_queue_limit,
+        max_queued_per_connection=args.max_queued_per_connection,
+        max_queued_per_principal=args.max_queued_per_principal,
+        max_tracked_per_connection=args.max_tracked_per_connection,
+        max_tracked_per_principal=args.max_tracked_per_principal,
         advertise=args.advertise,
         leader_lease=args.leader_lease,
         leader_renew=args.leader_renew,

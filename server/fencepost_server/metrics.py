@@ -50,6 +50,9 @@ STREAM_KINDS = {"KeepAlive": "keepalive", "WatchRuns": "watch", "Execute": "exec
 LEASE_STATES = ("live", "lock_delay", "expired")
 HTTP_REFUSALS = ("host", "origin", "unauthenticated", "permission_denied", "too_many_streams")
 EVENT_DROPS = ("queue_full", "write_timeout")
+CLIENT_KINDS = ("connection", "principal")
+STREAM_LIMITS = tuple(f"max_{what}_per_{per}" for what in ("queued", "tracked")
+                      for per in ("stream", "connection", "principal"))
 # Records a scrape counts between two yields to the event loop (render_async):
 # counting 100 000 leases in one go stalled every call for ~50 ms
 LEASE_SCAN_CHUNK = 4096
@@ -342,3 +345,28 @@ class _StateCollector(Collector):
             if number:
                 lost.add_metric([_reason_name(number)], pushed.get(number, 0))
         yield lost
+        hub = self.m.hub
+        queued, tracked = hub.totals()
+        yield GaugeMetricFamily(
+            "fencepost_stream_queued",
+            "KeepAlive messages, WatchRuns events and Execute results queued for readers",
+            value=queued,
+        )
+        yield GaugeMetricFamily(
+            "fencepost_stream_tracked", "Leases tracked by KeepAlive streams", value=tracked
+        )
+        clients = GaugeMetricFamily(
+            "fencepost_stream_clients", "Connections and principals with open streams",
+            labels=["kind"],
+        )
+        for kind in CLIENT_KINDS:
+            clients.add_metric([kind], sum(1 for k, _ in hub.budgets if k == kind))
+        yield clients
+        hits = CounterMetricFamily(
+            "fencepost_stream_limit_refusals",
+            "Tracks refused (STREAM_LIMIT_EXCEEDED) and streams dropped (STREAM_TOO_SLOW), "
+            "by the limit reached", labels=["limit"],
+        )
+        for limit in STREAM_LIMITS:
+            hits.add_metric([limit], hub.limit_hits.get(limit, 0))
+        yield hits

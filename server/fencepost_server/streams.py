@@ -32,6 +32,18 @@ log = logging.getLogger("fencepost.streams")
 SESSION_QUEUE_LIMIT = 65_536
 
 
+@dataclass(frozen=True)
+class ClientLimits:
+    """What one client may hold in the server through its streams
+    (docs/SECURITY.md "Limits"): per connection and, with identities on,
+    per principal over all of its connections."""
+
+    max_queued_per_connection: int = 131_072
+    max_queued_per_principal: int = 262_144
+    max_tracked_per_connection: int = 100_000
+    max_tracked_per_principal: int = 1_000_000
+
+
 class Drains(Protocol):
     """An open stream the server ends at shutdown: a KeepAlive session or a
     watch at once, an Execute stream (services/execute.py) once it has
@@ -84,7 +96,8 @@ Tracked = tuple[int, str, int, bool, int]
 
 class Stop:
     """Why a stream must end: set once, awaited by the stream's handler, which
-    cancels its pump even when that pump is blocked on a full HTTP/2 window."""
+    cancels its pump even when that pump is blocked on a full HTTP/2 window.
+    An overflow names the limit it passed (``limit``: name, value)."""
 
     OVERFLOW = "overflow"
     SHUTDOWN = "shutdown"
@@ -92,18 +105,91 @@ class Stop:
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.reason: str | None = None
+        self.limit: tuple[str, int] | None = None
 
-    def set(self, reason: str) -> None:
+    def set(self, reason: str, limit: tuple[str, int] | None = None) -> None:
         if self.reason is None:
             self.reason = reason
+            self.limit = limit
             self.event.set()
+
+
+class Budget:
+    """What the open streams of one client hold: a connection (its gRPC peer)
+    or, with identities on, a principal over all its connections. Every
+    stream is charged to its connection's budget and its principal's."""
+
+    __slots__ = ("key", "kind", "max_queued", "max_tracked", "queued", "streams", "tracked")
+
+    def __init__(self, kind: str, key: str, max_queued: int, max_tracked: int) -> None:
+        self.kind = kind  # "connection" or "principal"
+        self.key = key
+        self.max_queued = max_queued
+        self.max_tracked = max_tracked
+        self.queued = 0  # messages, events and results waiting for the client to read
+        self.tracked = 0  # leases its KeepAlive streams track (renewals in flight too)
+        self.streams: set[Buffered] = set()
+
+    def overflow(self) -> None:
+        """More queued than allowed: drop the stream that has queued the most
+        (the slowest reader), not the one that happened to add the last item."""
+        victim = max(self.streams, key=lambda s: s.queued)
+        victim.overflow((f"max_queued_per_{self.kind}", self.max_queued))
+
+
+class Buffered:
+    """A stream's count of what it has queued for its client, charged to its
+    own limit and to its budgets; past any of them the stream is dropped
+    (STREAM_TOO_SLOW) and what it had queued is let go at once."""
+
+    limit: int
+    stop: Stop
+    queued: int = 0
+    budgets: tuple[Budget, ...] = ()
+    hits: collections.Counter[str] | None = None  # the hub's: limits reached, by name
+
+    def charge(self, n: int) -> bool:
+        """Count ``n`` more queued items; False (the stream is stopped) past a limit."""
+        if self.stop.reason is not None:
+            return False
+        if self.queued + n > self.limit:
+            self.overflow(("max_queued_per_stream", self.limit))
+            return False
+        self.queued += n
+        for b in self.budgets:
+            b.queued += n
+        for b in self.budgets:
+            if b.queued > b.max_queued:
+                b.overflow()
+        return self.stop.reason is None
+
+    def uncharge(self, n: int) -> None:
+        """``n`` items left the queue for the client."""
+        self.queued -= n
+        for b in self.budgets:
+            b.queued -= n
+
+    def overflow(self, limit: tuple[str, int]) -> None:
+        if self.stop.reason is None:
+            if self.hits is not None:
+                self.hits[limit[0]] += 1
+            self.stop.set(Stop.OVERFLOW, limit)
+        self.release()
+
+    def release(self) -> None:
+        """Let go of everything queued (the stream ends without sending it)."""
+        self.uncharge(self.queued)
+        self.clear()
+
+    def clear(self) -> None:
+        """Empty the stream's queue (each kind of stream its own)."""
 
 
 _session_keys = itertools.count(1)
 
 
 @dataclass(eq=False)
-class Session:
+class Session(Buffered):
     """One KeepAlive stream."""
 
     owner: str
@@ -122,12 +208,27 @@ class Session:
         self.stop.set(Stop.SHUTDOWN)
 
     def send(self, msg: pb.KeepAliveResponse) -> None:
-        if self.stop.reason is not None:
-            return
-        if self.outbox.qsize() >= self.limit:
-            self.stop.set(Stop.OVERFLOW)
-            return
-        self.outbox.put_nowait(msg)
+        if self.charge(1):
+            self.outbox.put_nowait(msg)
+
+    def clear(self) -> None:
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+
+    def count_tracked(self, n: int) -> None:
+        """``n`` more (or fewer) runs tracked or being renewed, for the budgets."""
+        for b in self.budgets:
+            b.tracked += n
+
+    def start_renewing(self, run_id: str) -> None:
+        if run_id not in self.renewing:
+            self.renewing.add(run_id)
+            self.count_tracked(1)
+
+    def done_renewing(self, run_id: str) -> None:
+        if run_id in self.renewing:
+            self.renewing.discard(run_id)
+            self.count_tracked(-1)
 
 
 class FenceHub:
@@ -142,9 +243,15 @@ class FenceHub:
         *,
         expiry_poll_s: float = 0.02,
         queue_limit: int = SESSION_QUEUE_LIMIT,
+        limits: ClientLimits | None = None,
     ) -> None:
         self.writer = writer
         self.queue_limit = queue_limit
+        self.limits = limits or ClientLimits()
+        # (kind, key) -> the budget of a connection or principal with open streams
+        self.budgets: dict[tuple[str, str], Budget] = {}
+        # limits reached (a refused track, a dropped stream), by limit name (metrics.py)
+        self.limit_hits: collections.Counter[str] = collections.Counter()
         self.clock = clock
         self.expiry_poll_s = expiry_poll_s
         # run id -> the session tracking it, or a set when several do (rare:
@@ -185,6 +292,48 @@ class FenceHub:
         (after shutdown() ended the open ones) ends at once too."""
         if self.shut:
             stream.drain()
+
+    # -- budgets ----------------------------------------------------------------------
+
+    def enter(self, stream: Buffered, peer: str, principal: str) -> None:
+        """Charge ``stream`` to its connection's budget (``peer``: gRPC's
+        ``context.peer()``) and, with identities on, its principal's."""
+        lim = self.limits
+        wanted = [("connection", peer, lim.max_queued_per_connection,
+                   lim.max_tracked_per_connection)]
+        if principal:
+            wanted.append(("principal", principal, lim.max_queued_per_principal,
+                           lim.max_tracked_per_principal))
+        budgets = []
+        for kind, key, max_queued, max_tracked in wanted:
+            b = self.budgets.get((kind, key))
+            if b is None:
+                b = self.budgets[(kind, key)] = Budget(kind, key, max_queued, max_tracked)
+            b.streams.add(stream)
+            budgets.append(b)
+        stream.budgets = tuple(budgets)
+        stream.hits = self.limit_hits
+
+    def leave(self, stream: Buffered) -> None:
+        """The stream ended: let go of what it queued and tracked; a budget
+        left without streams goes (its client's memory with it)."""
+        stream.release()
+        if isinstance(stream, Session):
+            stream.count_tracked(-len(stream.renewing) - len(stream.tracked))
+        for b in stream.budgets:
+            b.streams.discard(stream)
+            if not b.streams:
+                del self.budgets[(b.kind, b.key)]
+        stream.budgets = ()
+
+    def totals(self) -> tuple[int, int]:
+        """(items queued for readers, leases tracked) over every open stream."""
+        queued = tracked = 0
+        for (kind, _), b in self.budgets.items():
+            if kind == "connection":
+                queued += b.queued
+                tracked += b.tracked
+        return queued, tracked
 
     async def close(self) -> None:
         self.shutdown()
@@ -239,6 +388,7 @@ class FenceHub:
         scheduled = 0
         if entry is None:
             self._add_session(run_id, session)
+            session.count_tracked(1)
         else:
             was_token, was_owner, was_expiry, _, was_scheduled = entry
             if was_token == token and was_owner == owner:
@@ -262,6 +412,7 @@ class FenceHub:
 
     def untrack(self, session: Session, run_id: str) -> None:
         if session.tracked.pop(run_id, None) is not None:
+            session.count_tracked(-1)
             have = self.by_run.get(run_id)
             if have is session:
                 del self.by_run[run_id]
@@ -394,7 +545,7 @@ def lost_message(run_id: str, token: int, reason: int, rec: Record | None) -> pb
 # -- WatchRuns ------------------------------------------------------------------------------
 
 
-class Watch:
+class Watch(Buffered):
     """One WatchRuns subscriber: a bounded queue fed by the change feed. When
     the queue is full the watch is stopped (never the writer)."""
 
@@ -413,10 +564,13 @@ class Watch:
         for ev in events:
             if self.run_ids and ev.run_id not in self.run_ids:
                 continue
-            if self.queue.qsize() >= self.limit:
-                self.stop.set(Stop.OVERFLOW)
+            if not self.charge(1):
                 return
             self.queue.put_nowait(ev)
+
+    def clear(self) -> None:
+        while not self.queue.empty():
+            self.queue.get_nowait()
 
 
 def watch_message(

@@ -30,7 +30,7 @@ from .. import auth, convert
 from ..core import ledger as L
 from ..core import validate
 from ..core.errors import LedgerError, in_transaction, validation
-from ..streams import Stop
+from ..streams import Buffered, Stop
 from ._errors import internal_status_proto, status_proto
 from ._registry import Malformed
 from .engine_store import MUTATIONS
@@ -119,10 +119,11 @@ def _no_fill(response: Any, result: Any) -> None:
 KINDS["transaction"] = (transaction_cmd, _no_fill)
 
 
-class _Session:
+class _Session(Buffered):
     """One Execute stream: results are written straight into the response
     message being assembled; the first result of an event-loop turn schedules
-    the flush that queues it for the pump."""
+    the flush that queues it for the pump. Its queue is counted in results
+    (a message holds a commit's worth), against --max-queued-per-stream."""
 
     def __init__(self, limit: int) -> None:
         self.pending = pb.ExecuteResponse()
@@ -173,11 +174,14 @@ class _Session:
         self.flush_scheduled = False
         if not self.pending.results or self.stop.reason is not None:
             return
-        if self.outbox.qsize() >= self.limit:
-            self.stop.set(Stop.OVERFLOW)
-            return
-        self.outbox.put_nowait(self.pending)
+        if self.charge(len(self.pending.results)):
+            self.outbox.put_nowait(self.pending)
+            self.pending = pb.ExecuteResponse()
+
+    def clear(self) -> None:
         self.pending = pb.ExecuteResponse()
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
 
 
 class ExecuteHandler:
@@ -192,17 +196,20 @@ class ExecuteHandler:
     async def _execute(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> None:
-        from .streams import _run_until_stopped, _stop_error
+        from .streams import _run_until_stopped, _stop_error, enter, headers_first
 
         session = _Session(self.hub.queue_limit)
+        enter(self.hub, session, context)
         reader = asyncio.create_task(self._execute_reader(session, requests))
         self.hub.executes.add(session)
         self.hub.opened(session)
         try:
+            await headers_first(context)
             pump = asyncio.create_task(self._execute_pump(session, context))
             await _run_until_stopped(session.stop, pump)
         finally:
             self.hub.executes.discard(session)
+            self.hub.leave(session)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
@@ -212,6 +219,7 @@ class ExecuteHandler:
     async def _execute_pump(self, session: _Session, context: grpc.aio.ServicerContext) -> None:
         """Write results until the reader's end marker (None)."""
         while (msg := await session.outbox.get()) is not None:
+            session.uncharge(len(msg.results))
             await context.write(msg)
 
     async def _execute_reader(self, session: _Session, requests: AsyncIterator[Any]) -> None:

@@ -26,7 +26,7 @@ from ..core import validate
 from ..core.errors import Code, LedgerError, validation
 from ..core.records import MAX_SAFE, out_of_range
 from ..storage.sqlite import HistoryReader
-from ..streams import FenceHub, Session, Stop, Watch, lost_reason, watch_message
+from ..streams import Buffered, FenceHub, Session, Stop, Watch, lost_reason, watch_message
 from ._registry import Malformed
 
 log = logging.getLogger("fencepost.streams")
@@ -47,15 +47,31 @@ def _error(run_id: str, err: LedgerError) -> pb.KeepAliveResponse:
     )
 
 
-def _stop_error(reason: str | None) -> LedgerError:
-    """Why a stream ends (a ``Stop`` reason) as its status."""
+def _stop_error(reason: str | None, limit: tuple[str, int] | None = None) -> LedgerError:
+    """Why a stream ends (a ``Stop`` reason) as its status; an overflow names
+    the limit it passed in the message and the metadata."""
     if reason == Stop.OVERFLOW:
+        name, value = limit or ("max_queued_per_stream", 0)
         return LedgerError(
             Code.STREAM_TOO_SLOW,
-            "the stream fell too far behind reading and was dropped; reconnect "
+            f"the stream fell too far behind reading and was dropped: more than {value} "
+            f"answers queued unread (--{name.replace('_', '-')}); reconnect "
             "(WatchRuns: resume from the last revision received + 1)",
+            metadata={"limit": name, "value": str(value)},
         )
     return LedgerError(Code.SHUTTING_DOWN, "the server is shutting down; reconnect")
+
+
+def enter(hub: FenceHub, stream: Buffered, context: grpc.aio.ServicerContext) -> None:
+    """Charge a new stream to its connection and, with identities on, its principal."""
+    hub.enter(stream, context.peer() or "", auth.current().name)
+
+
+async def headers_first(context: grpc.aio.ServicerContext) -> None:
+    """Send the response headers before any message: when a pump is cancelled
+    in the write that carries them (a first message larger than the client's
+    window), gRPC never sends the status and the client hangs to its deadline."""
+    await context.send_initial_metadata(())
 
 
 async def _run_until_stopped(stop: Stop, *tasks: asyncio.Task[Any]) -> None:
@@ -74,7 +90,7 @@ async def _run_until_stopped(stop: Stop, *tasks: asyncio.Task[Any]) -> None:
         if t in done and not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
     if stop.reason is not None:
-        raise _stop_error(stop.reason)
+        raise _stop_error(stop.reason, stop.limit)
 
 
 class StreamHandlers:
@@ -103,13 +119,16 @@ class StreamHandlers:
         auth.check_owner(auth.current(), owner, "hello.owner")
         name = validate.stream_name(first.hello.stream_name, "hello.stream_name")
         session = Session(owner, limit=self.hub.queue_limit)
+        enter(self.hub, session, context)
         self.hub.add(session, name)
         try:
+            await headers_first(context)
             reader = asyncio.create_task(self._keepalive_reader(session, requests))
             pump = asyncio.create_task(self._keepalive_pump(session, context))
             await _run_until_stopped(session.stop, reader, pump)
         finally:
             self.hub.drop(session)
+            self.hub.leave(session)
 
     async def _keepalive_pump(self, session: Session, context: grpc.aio.ServicerContext) -> None:
         """Write the outbox; messages already waiting go out as one `batch`."""
@@ -121,6 +140,9 @@ class StreamHandlers:
                 while not outbox.empty() and len(batch) < MAX_BATCH:
                     batch.append(outbox.get_nowait())
                 msg = pb.KeepAliveResponse(batch=batch)
+                session.uncharge(len(batch))
+            else:
+                session.uncharge(1)
             await context.write(msg)
 
     async def _keepalive_reader(self, session: Session, requests: AsyncIterator[Any]) -> None:
@@ -170,7 +192,7 @@ class StreamHandlers:
         cmd = validate.command(L.Renew(r.run_id, session.owner, r.fencing_token, ttl))
         if r.run_id not in session.tracked:
             self._check_room(session, r.run_id)
-            session.renewing.add(r.run_id)
+            session.start_renewing(r.run_id)
         answer = functools.partial(self._renew_done, session, r.run_id, r.fencing_token)
         if self.writer.submit_with_answer(cmd, answer):
             return None
@@ -191,20 +213,39 @@ class StreamHandlers:
         return True
 
     def _check_room(self, session: Session, run_id: str) -> None:
-        """Refuse to track one more run past --max-tracked-per-stream."""
+        """Refuse to track one more run past --max-tracked-per-stream, or past
+        its connection's (or principal's) limit over all of its streams."""
         if run_id in session.tracked or run_id in session.renewing:
             return
         limit = self.max_tracked_per_stream
         if len(session.tracked) + len(session.renewing) >= limit:
-            raise LedgerError(
-                Code.STREAM_LIMIT_EXCEEDED,
-                f"this stream already tracks {limit} leases (--max-tracked-per-stream); "
-                "untrack some or open another stream",
-                metadata={"limit": "max_tracked_per_stream", "value": str(limit)},
-            )
+            raise self._limit_reached("stream", limit, "untrack some or open another stream")
+        for b in session.budgets:
+            if b.tracked >= b.max_tracked:
+                raise self._limit_reached(
+                    b.kind, b.max_tracked,
+                    "untrack some" if b.kind == "principal" else
+                    "untrack some or use another connection",
+                    b.key if b.kind == "principal" else None)
+
+    def _limit_reached(
+        self, per: str, limit: int, advice: str, principal: str | None = None
+    ) -> LedgerError:
+        name = f"max_tracked_per_{per}"
+        self.hub.limit_hits[name] += 1
+        whose = {"stream": "this stream", "connection": "this connection's streams",
+                 "principal": f"the streams of principal {principal!r}"}[per]
+        metadata = {"limit": name, "value": str(limit)}
+        if principal is not None:
+            metadata["principal"] = principal
+        return LedgerError(
+            Code.STREAM_LIMIT_EXCEEDED,
+            f"{whose} already track {limit} leases (--{name.replace('_', '-')}); {advice}",
+            metadata=metadata,
+        )
 
     def _renew_done(self, session: Session, run_id: str, token: int, result: Any) -> None:
-        session.renewing.discard(run_id)
+        session.done_renewing(run_id)
         if session not in self.hub.sessions:
             return
         if not isinstance(result, BaseException):
@@ -229,6 +270,7 @@ class StreamHandlers:
             validate.run_id(rid, f"run_ids[{i}]")
         start = validate.int_range("from_revision", request.from_revision, 0, MAX_SAFE)
         watch = Watch(frozenset(request.run_ids), limit=self.hub.queue_limit)
+        enter(self.hub, watch, context)
         self.hub.watchers.add(watch)  # subscribe first ...
         self.hub.opened(watch)
         upto = self.writer.state.revision  # ... then read the revision: no gap, no dup
@@ -240,10 +282,12 @@ class StreamHandlers:
                     f"(oldest kept: {self.writer.state.compacted + 1}); re-list and watch "
                     "from the current revision",
                 )
+            await headers_first(context)
             pump = asyncio.create_task(self._watch_pump(watch, start, upto, context))
             await _run_until_stopped(watch.stop, pump)
         finally:
             self.hub.watchers.discard(watch)
+            self.hub.leave(watch)
 
     def _in_executor(self, fn: Any, *args: Any) -> Awaitable[Any]:
         return asyncio.get_running_loop().run_in_executor(self.history_executor, fn, *args)
@@ -269,6 +313,7 @@ class StreamHandlers:
         queue = watch.queue
         while True:
             ev = await queue.get()
+            watch.uncharge(1)
             if ev.revision < start:  # from_revision in the future: not there yet
                 continue
             await context.write(watch_message(ev.revision, ev.kind, ev.run_id, ev.record))
