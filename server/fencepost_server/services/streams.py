@@ -233,14 +233,15 @@ class StreamHandlers:
     ) -> LedgerError:
         name = f"max_tracked_per_{per}"
         self.hub.limit_hits[name] += 1
-        whose = {"stream": "this stream", "connection": "this connection's streams",
-                 "principal": f"the streams of principal {principal!r}"}[per]
+        whose = {"stream": "this stream already tracks",
+                 "connection": "this connection's streams already track",
+                 "principal": f"the streams of principal {principal!r} already track"}[per]
         metadata = {"limit": name, "value": str(limit)}
         if principal is not None:
             metadata["principal"] = principal
         return LedgerError(
             Code.STREAM_LIMIT_EXCEEDED,
-            f"{whose} already track {limit} leases (--{name.replace('_', '-')}); {advice}",
+            f"{whose} {limit} leases (--{name.replace('_', '-')}); {advice}",
             metadata=metadata,
         )
 
