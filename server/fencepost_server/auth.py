@@ -40,6 +40,7 @@ import grpc
 from fencepost._security import is_loopback as _host_is_loopback
 
 from .core.errors import Code, LedgerError, owner_bound_ok, owner_not_permitted
+from .writer import REQUEST_SCOPE
 
 log = logging.getLogger("fencepost.auth")
 
@@ -207,10 +208,11 @@ def check_transaction(principal: Principal, request: Any, prefix: str = "") -> N
 
 
 def bound_to(principal: Principal) -> str | None:
-    """The name a raw CompareAndSet's new lease owner is bound to (None: not
-    bound). The writer judges it against the version the swap replaces, after
-    the request id: keeping that version's lease holder is no grant, and a
-    retry of a swap already made gets its answer, not a refusal."""
+    """The name a raw CompareAndSet's new lease owner, and the live holder of
+    the run a raw swap or delete changes, are bound to (None: not bound). The
+    writer judges it against the version the write replaces, after the
+    request id: keeping that version's lease holder is no grant, and a retry
+    of a write already made gets its answer, not a refusal."""
     return principal.name if principal.bound else None
 
 
@@ -420,6 +422,7 @@ def guard(authn: Authenticator, method: str, fn: Handler, *, unary_request: bool
             await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]
             return None
         _current.set(principal)
+        REQUEST_SCOPE.set(principal.name)
         return await fn(request, context)
 
     return wrapper

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import time
@@ -97,6 +98,11 @@ class LedgerState:
 
 Answer = Callable[[Any], None]  # called once with the result or the LedgerError
 
+# Whose request ids a command's are: the caller's principal when identities
+# are on (set by auth.guard for the call and the tasks it starts), else "".
+REQUEST_SCOPE: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "fencepost_request_scope", default="")
+
 
 def _wake(fut: asyncio.Future[None] | None) -> None:
     if fut is not None and not fut.done():
@@ -111,6 +117,8 @@ class _Item:
     # the result or the exception (streams answering many commands use this:
     # no future and no scheduled callback per command).
     answer: Answer | None = None
+    # the principal that sent it ("": no identities): its request id is its own
+    scope: str = ""
 
     def deliver(self, answer: Any) -> None:
         cb = self.answer
@@ -488,9 +496,9 @@ class Writer:
         self._idle.clear()
         queue = self._queue
         if queue.full():  # back-pressure: wait for room
-            await queue.put(_Item(cmd, fut))
+            await queue.put(_Item(cmd, fut, None, REQUEST_SCOPE.get()))
         else:
-            queue.put_nowait(_Item(cmd, fut))
+            queue.put_nowait(_Item(cmd, fut, None, REQUEST_SCOPE.get()))
         self._arrived()
         result = await fut
         return result  # type: ignore[no-any-return]
@@ -503,7 +511,7 @@ class Writer:
             raise WriterClosed()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         try:
-            self._queue.put_nowait(_Item(cmd, fut))
+            self._queue.put_nowait(_Item(cmd, fut, None, REQUEST_SCOPE.get()))
         except asyncio.QueueFull:
             raise LedgerError(Code.STORAGE_UNAVAILABLE, "writer queue is full; retry") from None
         self._idle.clear()
@@ -519,7 +527,7 @@ class Writer:
             answer(WriterClosed())
             return True
         try:
-            self._queue.put_nowait(_Item(cmd, None, answer))
+            self._queue.put_nowait(_Item(cmd, None, answer, REQUEST_SCOPE.get()))
         except asyncio.QueueFull:
             return False
         self._idle.clear()
@@ -533,7 +541,7 @@ class Writer:
             answer(WriterClosed())
             return
         self._idle.clear()
-        await self._queue.put(_Item(cmd, None, answer))
+        await self._queue.put(_Item(cmd, None, answer, REQUEST_SCOPE.get()))
         self._arrived()
 
     def register(self, command_type: type, executor: Executor) -> None:
@@ -724,7 +732,7 @@ class Writer:
                 rid = cmd.request_id
                 fp = ""
                 if rid:
-                    fp = codec.fingerprint(cmd)
+                    fp = codec.fingerprint(cmd, item.scope)
                     hit = answered.get(rid)
                     if hit is None and rid in stored_answers:
                         stored_fp, stored_answer = stored_answers[rid]

@@ -408,8 +408,13 @@ def test_raw_seam_owners_are_bound_without_a_policy(mtls_channels: dict[str, grp
                run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=1, next=later))
     _owner_refused(got, "w2", "w1")
     # rewriting a record that keeps its current holder is no grant: allowed
+    # to the holder, and refused to another principal while the lease is live
     cur, nxt = _held_by_w2_and_rewritten(mtls_channels, run)
     got = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet",
+               run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version,
+                                                  next=nxt))
+    _owner_refused(got, "w2", "w1")
+    got = _rpc(mtls_channels["w2"], "RunStore", "CompareAndSet",
                run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version,
                                                   next=nxt))
     assert got.code is OK, got
@@ -434,8 +439,8 @@ def test_a_raw_swap_that_kept_the_holder_is_answered_again_on_retry(
     run = cur.run_id
     req = run_store_pb2.CompareAndSetRequest(run_id=run, expected_version=cur.version,
                                              next=nxt, request_id=uuid.uuid4().hex)
-    first = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet", req)
-    again = _rpc(mtls_channels["w1"], "RunStore", "CompareAndSet", req)
+    first = _rpc(mtls_channels["w2"], "RunStore", "CompareAndSet", req)
+    again = _rpc(mtls_channels["w2"], "RunStore", "CompareAndSet", req)
     assert first.code is OK and again.code is OK, (first, again)
     answers = [run_store_pb2.CompareAndSetResponse.FromString(a.responses[0])
                for a in (first, again)]

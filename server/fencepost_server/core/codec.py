@@ -16,9 +16,13 @@ from .errors import Code, LedgerError
 from .records import record_from_dict, record_to_dict
 
 
-def fingerprint(cmd: L.Command) -> str:
+def fingerprint(cmd: L.Command, scope: str = "") -> str:
     """A digest of the command without its request id: a reused id with a
     different request is refused rather than answered with a stale answer.
+    ``scope`` is the principal that sent it when identities are on: the same
+    request from another principal is another request, refused alike. It is
+    left out when "" (no identities), and when a raw swap's ``bound_to``
+    already names it, so those fingerprints are the ones they always were.
 
     The digest is of the command's dataclass ``repr`` with ``request_id=''``
     (and without a ``fence`` or ``bound_to`` that is None) — stable
@@ -26,6 +30,8 @@ def fingerprint(cmd: L.Command) -> str:
     upgrade — built field by field (``_repr_without_request_id``): the
     generated ``__repr__`` behind ``dataclasses.replace`` cost 10 us a command."""
     text = _repr_without_request_id(cmd)
+    if scope and getattr(cmd, "bound_to", None) != scope:
+        text += f"|scope={scope!r}"
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 

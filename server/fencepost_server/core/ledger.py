@@ -163,6 +163,9 @@ class RawCompareAndSet:
 class RawDelete:
     run_id: str
     request_id: str = ""
+    # As RawCompareAndSet's: a bound caller may not delete a run another
+    # principal's owner holds under a live lease.
+    bound_to: str | None = None
 
 
 @dataclass(slots=True)
@@ -628,6 +631,7 @@ def _raw_cas(
             raise owner_not_permitted(cmd.bound_to, new_lease.owner, "next.lease.owner")
     if cur is None or cur.version != cmd.expected_version:
         return Decision(None, Swapped(False, cur))
+    _check_holder(cmd.bound_to, cur, now)
     if cmd.next.fencing_token < cur.fencing_token:
         raise LedgerError(
             Code.RUN_VALIDATION_ERROR,
@@ -654,9 +658,29 @@ def _raw_cas(
     return Decision(Put(rec), Swapped(True, rec))
 
 
+def _check_holder(bound_to: str | None, cur: Record, now: int) -> None:
+    """A bound caller (identities on, no admin) may change through the raw
+    seam only a run that is free, expired, or held by an owner it may use:
+    as an Acquire cannot take another's live lease, a raw write cannot."""
+    lease = cur.lease
+    if (bound_to is None or lease is None or not lease.blocks_others(now)
+            or owner_bound_ok(bound_to, lease.owner)):
+        return
+    raise LedgerError(
+        Code.OWNER_NOT_PERMITTED,
+        f"run_id: run {cur.run_id!r} is held under a live lease by {lease.owner!r}, an "
+        f"owner {bound_to!r} may not use; without the admin role the raw seam changes "
+        "only runs that are free, expired or held by the caller's own owners",
+        cur,
+        field="run_id",
+        metadata={"owner": lease.owner, "principal": bound_to},
+    )
+
+
 def _raw_delete(cmd: RawDelete, cur: Record | None, tombstone: int, now: int, rev: int) -> Decision:
     if cur is None:
         return Decision(None, Deleted(False))
+    _check_holder(cmd.bound_to, cur, now)
     token = _last_token(cur)
     return Decision(Delete(cmd.run_id, token, rev), Deleted(True, rev, token))
 

@@ -64,6 +64,8 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteResponse:
-        result = await self.writer.submit(convert.raw_delete(request))
+        cmd = convert.raw_delete(request)
+        cmd.bound_to = auth.bound_to(auth.current())
+        result = await self.writer.submit(cmd)
         assert isinstance(result, L.Deleted)
         return pb.DeleteResponse(deleted=result.deleted, revision=result.revision)
