@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,19 +16,22 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 
 from fencepost.v1 import engine_store_pb2 as epb
 from fencepost.v1 import ledger_pb2 as pb
-from fencepost.v1 import record_pb2, run_store_pb2
+from fencepost.v1 import ledger_pb2_grpc, record_pb2, run_store_pb2
 from fencepost_server.clock import ManualClock
 from fencepost_server.core import codec
 from fencepost_server.core import ledger as L
 from fencepost_server.harness import ServerThread
 
 TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS / "service") not in sys.path:
-    sys.path.insert(0, str(TESTS / "service"))
+for sub in ("service", "system"):
+    if str(TESTS / sub) not in sys.path:
+        sys.path.insert(0, str(TESTS / sub))
 
+from _proc import ServerProc  # noqa: E402
 from _tls import Answer, Certs, call, make_certs  # noqa: E402
 
 OK, INVALID, DENIED = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
@@ -65,8 +70,6 @@ def execute(ch: grpc.Channel, command: pb.Command) -> tuple[grpc.StatusCode, str
     (result,) = pb.ExecuteResponse.FromString(got.responses[0]).results
     if result.WhichOneof("kind") != "error":
         return OK, ""
-    from google.rpc import error_details_pb2
-
     info = error_details_pb2.ErrorInfo()
     result.error.details[0].Unpack(info)
     return grpc.StatusCode(next(c for c in grpc.StatusCode
@@ -176,3 +179,95 @@ def test_raw_seam_cannot_move_another_principals_live_lease(mtls: Any) -> None:
         run_id="r", expected_version=touch.version, next=steal))
     assert got.code is OK, got
     assert run_store_pb2.CompareAndSetResponse.FromString(got.responses[0]).swapped
+
+
+# -- recovering from a full disk -----------------------------------------------------
+
+# Run in the server's process before it execs: a mount namespace of its own
+# (and a user namespace, when not root) with a small tmpfs over FP_TMPFS_DIR,
+# so the test fills a real file system without touching the machine's.
+TMPFS_PRELUDE = '''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid = os.getuid(), os.getgid()
+if libc.unshare(0x00020000 | (0 if uid == 0 else 0x10000000)) != 0:
+    raise SystemExit(f"unshare: {os.strerror(ctypes.get_errno())}")
+if uid != 0:
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                       ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+libc.mount(b"none", b"/", None, 0x4000 | (1 << 18), None)  # MS_REC | MS_PRIVATE
+size = f"size={os.environ['FP_TMPFS_SIZE']}".encode()
+if libc.mount(b"tmpfs", os.environ["FP_TMPFS_DIR"].encode(), b"tmpfs", 0, size) != 0:
+    raise SystemExit(f"mount: {os.strerror(ctypes.get_errno())}")
+'''
+MiB = 2**20
+
+
+def _acquires(led: Any, prefix: str, n: int) -> str | None:
+    """``n`` acquires on one Execute stream: the first refusal's reason, or None."""
+    msg = pb.ExecuteRequest(commands=[pb.Command(id=i + 1, acquire=pb.AcquireRequest(
+        run_id=f"{prefix}-{i}", owner="w")) for i in range(n)])
+    for resp in led.Execute(iter([msg]), timeout=30):
+        for res in resp.results:
+            if res.WhichOneof("kind") == "error":
+                info = error_details_pb2.ErrorInfo()
+                res.error.details[0].Unpack(info)
+                return str(info.reason)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.sqlite_only
+def test_freeing_twice_the_wal_lets_writes_resume_and_keep_going(tmp_path: Path) -> None:
+    """docs/RELIABILITY.md: after STORAGE_FULL, freeing twice the size of the
+    WAL file plus 1 MiB lets writes resume at once and keep going (1,000
+    more), though the database first takes room to catch up (the checkpoint
+    copies the WAL into it, and the runs table the runs written just before)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    srv = ServerProc(data / "fencepost.db", tmp_path / "server.log", prelude=TMPFS_PRELUDE,
+                     env={"FP_TMPFS_DIR": str(data), "FP_TMPFS_SIZE": "24m"},
+                     args=("--http-listen", "off"))
+    try:
+        srv.start()
+    except RuntimeError as exc:
+        if "unshare:" in str(exc) or "mount:" in str(exc):
+            pytest.skip(f"no tmpfs in a namespace of its own here: {exc}")
+        raise
+    try:
+        seen = Path(f"/proc/{srv.proc.pid}/root") / str(data).lstrip("/")  # type: ignore[union-attr]
+        fs = free_bytes(seen)
+        assert fs < 25 * MiB, "the database is not on the test's tmpfs"
+        filler = seen / "filler"
+        filler.write_bytes(b"\0" * (fs - 4 * MiB))
+        with grpc.insecure_channel(srv.address) as ch:
+            led = ledger_pb2_grpc.LedgerStub(ch)
+            why = None
+            deadline = time.monotonic() + 60
+            for n in range(100_000):  # a steady load until the disk is full
+                assert time.monotonic() < deadline, "the disk never filled"
+                why = _acquires(led, f"{'x' * 200}{n}", 50)
+                if why is not None:
+                    break
+                time.sleep(0.05)
+            assert why == "STORAGE_FULL"
+            wal = (seen / "fencepost.db-wal").stat().st_size
+            freed = 2 * wal + MiB
+            filler.write_bytes(b"\0" * (filler.stat().st_size - freed))
+            for n in range(20):
+                assert _acquires(led, f"after-{n}", 50) is None, (
+                    f"refused after {n * 50} writes having freed {freed / MiB:.1f} MiB "
+                    f"(WAL {wal / MiB:.1f} MiB)")
+                time.sleep(0.1)  # span the runs table's catch-up (about a second)
+            got = led.GetRun(pb.GetRunRequest(run_id="after-19-49"), timeout=10).run
+            assert got.fencing_token == 1
+    finally:
+        srv.kill()
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free on the file system holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
