@@ -83,13 +83,14 @@ def test_torture_fixed_seed_has_zero_violations(tmp_path: Path, mode: str) -> No
     assert outcome.unknown["calls"] >= 1 and outcome.unknown["resolved"] >= 1, outcome.unknown
     fails = {k for v in outcome.ops_by_function.values() for k in v if k.startswith("fail:")}
     assert {"fail:RUN_LEASE_HELD", "fail:RUN_LEASE_LOST"} <= fails, fails
-    # Identities refuse nothing a worker does under its own name; the one
-    # exception is a raw compare-and-set written against a version that is no
-    # longer current, which the server cannot verify keeps the lease holder
-    # (it would have failed its version check anyway).
+    # Identities refuse nothing a worker does under its own name but raw
+    # writes: a compare-and-set against a version no longer current (the
+    # server cannot verify it keeps the holder), and a raw swap or delete of
+    # a run another principal holds under a live lease (docs/SECURITY.md).
     refused = {(f, k) for f, v in outcome.ops_by_function.items() for k in v
                if any(w in k for w in ("PERMISSION", "OWNER", "UNAUTH"))}
-    assert refused <= {("raw_cas", "fail:OWNER_NOT_PERMITTED")}, refused
+    assert refused <= {("raw_cas", "fail:OWNER_NOT_PERMITTED"),
+                       ("raw_delete", "fail:OWNER_NOT_PERMITTED")}, refused
     assert len(outcome.liveness) == 6 and all(r["ok"] for r in outcome.liveness)
     # fenced snapshot writes: the residual window was exercised (stale writes
     # sent after a takeover) and every one was refused
