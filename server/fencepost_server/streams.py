@@ -152,7 +152,9 @@ class Buffered:
         """Count ``n`` more queued items; False (the stream is stopped) past a limit."""
         if self.stop.reason is not None:
             return False
-        if self.queued + n > self.limit:
+        if self.queued and self.queued + n > self.limit:
+            # an empty queue takes one message, however many results it holds:
+            # a reader that keeps up is never dropped for one commit's answers
             self.overflow(("max_queued_per_stream", self.limit))
             return False
         self.queued += n

@@ -133,6 +133,17 @@ def test_an_execute_stream_whose_results_are_never_read_is_dropped(make_server: 
             assert (run.fencing_token, run.version) == (1, 1), run
 
 
+def test_a_reader_that_keeps_up_is_not_dropped_for_one_commits_answers(
+        make_server: Any) -> None:
+    """The per-stream bound counts results, but an empty queue always takes
+    one message: 500 results of one commit, read at once, are not an overflow
+    even with the bound at 10."""
+    with make_server(stream_queue_limit=10) as srv, \
+            grpc.insecure_channel(srv.address) as ch:
+        got = Unread(ch, [acquires(0, 500)]).outcome()
+        assert got == (grpc.StatusCode.OK, "", {}, 500), got
+
+
 def test_execute_results_are_bounded_per_connection(make_server: Any) -> None:
     """Three unread Execute streams on one connection, each under the
     per-stream bound, together over the connection's: its slowest stream is
