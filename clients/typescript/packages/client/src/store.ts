@@ -572,7 +572,7 @@ export class EngineStoreClient {
    */
   async deleteArtifact(id: string, opts: WriteOptions = {}): Promise<boolean> {
     const request = { id, requestId: newRequestId(), ...(opts.fence ? fenceIn(opts.fence) : opt("fence", this.view.fence)) };
-    const r = await this.refusals(withRetry(this.retry, true, (timeoutMs) => this.stub.deleteArtifact(request, { timeoutMs })));
+    const r = await this.refusals(withRetry(this.retry, true, (o) => this.stub.deleteArtifact(request, o)));
     return r.deleted;
   }
 }
