@@ -15,10 +15,9 @@ import { jumpClock } from "@fencepost/client/testing";
 import {
   FencepostClient,
   InvalidRunStateError,
-  OwnerNotPermittedError,
-  PermissionDeniedError,
   RunNotFoundError,
   ValidationError,
+  probeServer,
   type ClientOptions,
   type EngineArtifact,
   type EngineRun,
@@ -80,13 +79,10 @@ export class FencepostStore implements IStore {
   static async connect(address: string | readonly string[], options: FencepostStoreOptions = {}): Promise<FencepostStore> {
     const store = new FencepostStore(address, options);
     try {
-      await store.client.read((o) => store.client.stubs.runStore.describe({}, o));
+      await probeServer(store.client);
     } catch (e) {
-      // a worker's identity may not call the raw seam: refused, the server answered all the same
-      if (!(e instanceof PermissionDeniedError) || e instanceof OwnerNotPermittedError) {
-        await store.close();
-        throw e;
-      }
+      await store.close();
+      throw e;
     }
     return store;
   }

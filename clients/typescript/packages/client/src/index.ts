@@ -3,6 +3,8 @@ export type {
   AcquireOptions, CallOptions, ClientOptions, CommandRequest, CommandResponse, FenceStatus, ListRunsOptions, RunChange, RunPage, WatchOptions,
 } from "./client.js";
 export { Lease } from "./lease.js";
+export { probeServer } from "./probe.js";
+export type { ProbeOptions, ServerDescription } from "./probe.js";
 export type { FenceListener } from "./keepalive.js";
 export { EngineStoreClient, ARTIFACT_CHUNK_BYTES } from "./store.js";
 export { MAX_TRANSACTION_WRITES, QueuedWrite, StoreTransaction } from "./transaction.js";

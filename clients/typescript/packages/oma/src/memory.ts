@@ -33,11 +33,11 @@ import {
   LockLostError,
   RunNotFoundError,
   ValidationError,
+  probeServer,
   type EngineRun,
   type EngineRunPatch,
   type FenceSpec,
 } from "@fencepost/client";
-import { Atomicity } from "@fencepost/client/gen/fencepost/v1/run_store_pb";
 import { decodeToken, encodeToken, type ConnectOptions } from "./store.js";
 
 /** An entry as open-multi-agent's MemoryStore returns it. */
@@ -98,7 +98,7 @@ function checkMetadata(metadata: unknown): Record<string, unknown> | undefined {
 }
 
 export class FencepostMemoryStore implements MemoryStore {
-  /** Declared from the server's Describe: every write is decided by its one writer. */
+  /** From the server's Describe (probeServer): every write is decided by its one writer. */
   readonly atomicity: "process" | "cross-process";
   readonly client: FencepostClient;
   readonly namespace: string;
@@ -121,8 +121,8 @@ export class FencepostMemoryStore implements MemoryStore {
     }
     const client = given ?? new FencepostClient(address, clientOptions);
     try {
-      const d = await client.read((o) => client.stubs.runStore.describe({}, o));
-      return new FencepostMemoryStore(client, namespace, d.atomicity === Atomicity.CROSS_PROCESS ? "cross-process" : "process", given === undefined);
+      const d = await probeServer(client);
+      return new FencepostMemoryStore(client, namespace, d.atomicity, given === undefined);
     } catch (e) {
       if (given === undefined) await client.close();
       throw e;
@@ -368,8 +368,12 @@ export class FencepostMemoryStore implements MemoryStore {
    * run's current one, RunNotFoundError when there is no such run.
    */
   private async fenceFor(runId: string, token: number): Promise<FenceSpec | Guard> {
-    const r = await this.client.read((o) => this.client.stubs.runStore.get({ runId }, o));
-    if (r.found && r.run) {
+    // the ledger's GetRun, not the raw seam's Get: a worker's role may call it
+    const r = await this.client.read((o) => this.client.stubs.ledger.getRun({ runId }, o)).catch((e: unknown) => {
+      if (e instanceof RunNotFoundError) return undefined;
+      throw e;
+    });
+    if (r?.run) {
       const epoch = decodeToken(r.run.fencingToken)[0];
       return { runId, fencingToken: Number(encodeToken(epoch, token)) };
     }

@@ -24,6 +24,7 @@ import {
   FencepostError,
   ValidationError,
   fromCallError,
+  probeServer,
   type ClientOptions,
   type LostReason,
 } from "@fencepost/client";
@@ -36,7 +37,6 @@ import {
   SuspensionSchema,
   type Run as PbRun,
 } from "@fencepost/client/gen/fencepost/v1/record_pb";
-import { Atomicity } from "@fencepost/client/gen/fencepost/v1/run_store_pb";
 import { RunStoreError, RUN_STORE_ERROR_CODES, type RunLifecycleStatus, type RunRecord, type RunStore, type RunStoreErrorCode } from "./types.js";
 
 /** The span of OMA tokens one epoch holds. */
@@ -206,9 +206,9 @@ export class FencepostRunStore implements RunStore {
     const { client: given, ...clientOptions } = options;
     const client = given ?? new FencepostClient(address, clientOptions);
     try {
-      const d = await client.read((o) => client.stubs.runStore.describe({}, o));
-      const atomicity = d.atomicity === Atomicity.CROSS_PROCESS ? "cross-process" : "process";
-      return new FencepostRunStore(client, atomicity, given === undefined);
+      // every later call is on the raw seam: a role that may not Describe may not use it either
+      const d = await probeServer(client, { requireDescribe: true });
+      return new FencepostRunStore(client, d.atomicity, given === undefined);
     } catch (e) {
       if (given === undefined) await client.close();
       throw toStoreError(e);

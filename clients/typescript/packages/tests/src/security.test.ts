@@ -9,12 +9,12 @@ import { join } from "node:path";
 import { after, before, describe, it } from "node:test";
 import type { Interceptor } from "@connectrpc/connect";
 import {
-  FencepostClient, OwnerNotPermittedError, PermissionDeniedError, RunNotFoundError, UnauthenticatedError,
-  UnavailableError, type ClientOptions, type TlsOptions,
+  FencepostClient, LeaseLostError, OwnerNotPermittedError, PermissionDeniedError, RunNotFoundError, UnauthenticatedError,
+  UnavailableError, probeServer, type ClientOptions, type TlsOptions,
 } from "@fencepost/client";
 import { diagnostics, freePort, startServer, type TestServer } from "@fencepost/client/testing";
 import { FencepostStore } from "@fencepost/chamvi";
-import { FencepostRunStore } from "@fencepost/oma";
+import { CHECKPOINT_KEY_PREFIX, FencepostMemoryStore, FencepostRunJournal, FencepostRunStore } from "@fencepost/oma";
 import { makeCerts, mtlsArgs, type Certs } from "./pki.js";
 import { KeepAliveRequestSchema } from "@fencepost/client/gen/fencepost/v1/ledger_pb";
 import { create } from "@bufbuild/protobuf";
@@ -159,6 +159,45 @@ describe("TLS, identities and roles", () => {
     }
     const refused = await FencepostStore.connect(server.address, { tls: tlsFor(), retry: { totalTimeoutMs: 1000 } }).catch((e: unknown) => e);
     assert.ok(refused instanceof UnavailableError, String(refused)); // no client certificate: the handshake fails
+  });
+
+  it("a worker over mutual TLS opens the memory store and the journal, and its stale checkpoint is refused", async () => {
+    // the raw seam's Describe is an admin's: the worker is refused it, the probe counts that as an answer
+    const worker = client(server.address, { owner: "alice/oma", tls: tlsFor("alice") });
+    assert.deepEqual(await probeServer(worker), { atomicity: "cross-process", described: false });
+    const admin = client(server.address, { tls: tlsFor("admin") });
+    assert.equal((await probeServer(admin)).described, true);
+
+    const memory = await FencepostMemoryStore.connect(server.address, { owner: "alice/oma", tls: tlsFor("alice"), namespace: "sec-worker" });
+    const journal = await FencepostRunJournal.connect(server.address, "sec-worker-run", { owner: "alice/oma", tls: tlsFor("alice") });
+    try {
+      assert.equal(memory.atomicity, "cross-process");
+      await memory.set("greeting", "hello", { from: "alice" });
+      assert.equal((await memory.get("greeting"))?.value, "hello");
+      assert.equal(await memory.compareAndSet("greeting", "hello", "hi"), true);
+      assert.equal(await memory.compareAndSet("greeting", "hello", "hey"), false);
+      assert.equal((await memory.get("greeting"))?.value, "hi");
+
+      await journal.append([{ seq: 1, type: "run/start" }, { seq: 2, type: "turn/start", turn: 1 }]);
+      assert.deepEqual((await journal.readFrom(2)).map((e) => e["type"]), ["turn/start"]);
+      assert.equal(await journal.lastSeq(), 2);
+
+      // a fenced checkpoint: written while the worker's lease holds, refused once an admin cancels the run
+      const lease = await worker.acquire("sec-worker-run", { ttlMs: 10_000 });
+      const checkpoints = memory.fencedFor("sec-worker-run", lease.fencingToken);
+      const key = `${CHECKPOINT_KEY_PREFIX}sec-worker-run/latest`;
+      await checkpoints.set(key, "turn 1");
+      await admin.cancel("sec-worker-run");
+      await assert.rejects(checkpoints.set(key, "turn 2 (stale)"), LeaseLostError);
+      assert.equal((await memory.get(key))?.value, "turn 1");
+    } finally {
+      await journal.close();
+      await memory.close();
+    }
+    // the raw seam itself stays an admin's: FencepostRunStore refuses a worker at connect
+    const runs = await FencepostRunStore.connect(server.address, { owner: "alice/oma", tls: tlsFor("alice") }).catch((e: unknown) => e);
+    assert.ok(runs instanceof PermissionDeniedError, String(runs));
+    assert.equal(runs.metadata["role"], "admin");
   });
 
   it("refuses options that cannot work, naming them", () => {
