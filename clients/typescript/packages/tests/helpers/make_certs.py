@@ -1,6 +1,6 @@
 """Certificates and a policy for the TypeScript TLS tests: a CA, a server
 certificate for 127.0.0.1, client certificates whose CN is the principal, and
-a policy file with roles and two bearer tokens. Writes them under DIR and
+a policy file with roles and three bearer tokens. Writes them under DIR and
 prints their paths (and the tokens) as one JSON object."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from fencepost_server.auth import token_digest  # noqa: E402
 from torture.certs import CA  # noqa: E402
 
 PRINCIPALS = ("alice", "bob", "op", "admin")
-TOKENS = {"cli-admin": "ts-admin-token", "script": "ts-script-token"}
+TOKENS = {"cli-admin": "ts-admin-token", "script": "ts-script-token", "carol": "ts-worker-token"}
 POLICY = """
 [roles]
 admin = ["admin", "cli-*"]
 operator = ["op", "script"]
-worker = ["alice", "bob"]
+worker = ["alice", "bob", "carol"]
 
 [tokens]
 {tokens}
@@ -40,7 +40,7 @@ def main(directory: Path) -> None:
         "server": {"cert": str(server.cert), "key": str(server.key)},
         "clients": {n: {"cert": str(p.cert), "key": str(p.key)} for n, p in clients.items()},
         "policy": str(policy),
-        "tokens": {"admin": TOKENS["cli-admin"], "script": TOKENS["script"]},
+        "tokens": {"admin": TOKENS["cli-admin"], "script": TOKENS["script"], "worker": TOKENS["carol"]},
     }))
 
 

@@ -1,6 +1,7 @@
 // Certificates and a policy for tests, made by the repository's test CA
 // (helpers/make_certs.py): ca.pem, NAME.pem and NAME-key.pem for the
-// principals alice, bob, op and admin, and policy.toml with two tokens.
+// principals alice, bob, op and admin, and policy.toml with three tokens
+// (admin, operator "script", worker "carol").
 import { execFileSync } from "node:child_process";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -11,7 +12,7 @@ export interface Certs {
   server: { cert: string; key: string };
   clients: Record<string, { cert: string; key: string }>;
   policy: string;
-  tokens: { admin: string; script: string };
+  tokens: { admin: string; script: string; worker: string };
 }
 
 export function makeCerts(dir: string): Certs {

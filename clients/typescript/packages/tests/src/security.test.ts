@@ -1,7 +1,8 @@
 // The client against a server with TLS, mutual TLS, roles and bearer tokens
 // (docs/SECURITY.md): owners bound to the certificate's identity on
-// acquire, KeepAlive and the Execute stream; tokens carry their role;
-// refusals are typed and never retried.
+// acquire, KeepAlive and the Execute stream; tokens carry their role, with
+// or without TLS; a worker opens the oma and chamvi stores; refusals are
+// typed and never retried.
 import assert from "node:assert/strict";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -23,6 +24,7 @@ let dir: string;
 let certs: Certs;
 let server: TestServer;
 let tokenServer: TestServer;
+let tlsTokenServer: TestServer;
 const clients: FencepostClient[] = [];
 
 function tlsFor(who?: string): TlsOptions {
@@ -53,12 +55,19 @@ before(async () => {
     connect: { tls: tlsFor("admin") },
   });
   tokenServer = await startServer({ testHooks: false, args: ["--authz", certs.policy], connect: { token: certs.tokens.admin } });
+  // server-only TLS: tokens are the only identities (no --client-ca)
+  tlsTokenServer = await startServer({
+    testHooks: false,
+    args: ["--tls-cert", certs.server.cert, "--tls-key", certs.server.key, "--authz", certs.policy],
+    connect: { tls: tlsFor(), token: certs.tokens.admin },
+  });
 });
 
 after(async () => {
   for (const c of clients) await c.close();
   await server?.stop();
   await tokenServer?.stop();
+  await tlsTokenServer?.stop();
   rmSync(dir, { recursive: true, force: true });
 });
 
@@ -198,6 +207,37 @@ describe("TLS, identities and roles", () => {
     const runs = await FencepostRunStore.connect(server.address, { owner: "alice/oma", tls: tlsFor("alice") }).catch((e: unknown) => e);
     assert.ok(runs instanceof PermissionDeniedError, String(runs));
     assert.equal(runs.metadata["role"], "admin");
+  });
+
+  it("bearer tokens over server-only TLS carry their roles; a made-up token is refused", async () => {
+    const tls = tlsFor(); // the CA only: no client certificate
+    const worker = client(tlsTokenServer.address, { tls, token: certs.tokens.worker, owner: "carol/w" });
+    const lease = await worker.acquire("tls-token-run", { ttlMs: 5000 });
+    await lease.recordCheckpoint("k", 1);
+    const posing = await client(tlsTokenServer.address, { tls, token: certs.tokens.worker, owner: "alice/w" })
+      .acquire("tls-token-other").catch((e: unknown) => e);
+    assert.ok(posing instanceof OwnerNotPermittedError, String(posing));
+    assert.equal(posing.metadata["principal"], "carol");
+    const cancel = await worker.cancel("tls-token-run").catch((e: unknown) => e);
+    assert.ok(cancel instanceof PermissionDeniedError, String(cancel)); // a worker is no operator
+    assert.equal(cancel.metadata["principal"], "carol");
+
+    const script = client(tlsTokenServer.address, { tls, token: certs.tokens.script, owner: "script" });
+    assert.deepEqual((await script.list()).runs.map((r) => r.runId), ["tls-token-run"]);
+    await assert.rejects(script.acquire("script-run"), PermissionDeniedError); // an operator is no worker
+    const del = await script.delete("tls-token-run").catch((e: unknown) => e);
+    assert.ok(del instanceof PermissionDeniedError, String(del));
+    assert.equal(del.metadata["role"], "admin");
+
+    const admin = client(tlsTokenServer.address, { tls, token: certs.tokens.admin });
+    assert.equal((await admin.get("tls-token-run")).fencingToken, lease.fencingToken);
+
+    const c = counter();
+    const madeUp = client(tlsTokenServer.address, { tls, token: "made-up-token", transport: "unary", interceptors: [c.interceptor] });
+    await assert.rejects(madeUp.get("tls-token-run"), UnauthenticatedError);
+    assert.deepEqual(c.calls, { GetRun: 1 }); // refused, never retried
+    const none = client(tlsTokenServer.address, { tls });
+    await assert.rejects(none.get("tls-token-run"), UnauthenticatedError);
   });
 
   it("refuses options that cannot work, naming them", () => {
