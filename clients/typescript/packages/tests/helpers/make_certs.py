@@ -40,7 +40,9 @@ def main(directory: Path) -> None:
         "server": {"cert": str(server.cert), "key": str(server.key)},
         "clients": {n: {"cert": str(p.cert), "key": str(p.key)} for n, p in clients.items()},
         "policy": str(policy),
-        "tokens": {"admin": TOKENS["cli-admin"], "script": TOKENS["script"], "worker": TOKENS["carol"]},
+        "tokens": {
+            "admin": TOKENS["cli-admin"], "script": TOKENS["script"], "worker": TOKENS["carol"],
+        },
     }))
 
 
