@@ -58,7 +58,7 @@ postgres:  ## install Debian's postgresql (the tests start their own servers fro
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends postgresql; }
 
-test: $(STAMP) lint browser postgres  ## lint, then every test (slow ones included)
+test: $(STAMP) lint browser postgres ts-build  ## lint, then every test (slow ones included)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 	$(MAKE) test-ts
 
@@ -107,6 +107,11 @@ $(TS_STAMP): $(TS_DIR)/package-lock.json $(TS_DIR)/package.json
 	command -v npm >/dev/null || (apt-get update -q && apt-get install -y -q nodejs npm)
 	cd $(TS_DIR) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
+
+# Built before pytest too: the Python suite drives the TypeScript client (bench smoke, releases).
+.PHONY: ts-build
+ts-build: $(TS_STAMP)
+	cd $(TS_DIR) && npm run --silent build
 
 .PHONY: test-ts
 test-ts: $(STAMP) $(TS_STAMP)  ## TypeScript clients: build, then their tests against real servers
