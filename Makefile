@@ -58,9 +58,10 @@ postgres:  ## install Debian's postgresql (the tests start their own servers fro
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends postgresql; }
 
-test: $(STAMP) lint browser postgres ts-build  ## lint, then every test (slow ones included)
+test: $(STAMP) lint browser postgres ts-build  ## lint, every test (slow ones included), then the container image built and run
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 	$(MAKE) test-ts
+	$(MAKE) image DIST=build/image
 
 lint: $(STAMP)  ## ruff and mypy on our own code; proto/ against the last released API (buf breaking)
 	$(BIN)/ruff check .
