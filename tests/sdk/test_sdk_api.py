@@ -32,6 +32,8 @@ PUBLIC_API = {
     "UnavailableError", "ValidationError", "WatchEvent",
     "__version__", "can_transition", "is_terminal",
     "LockLostError", "StoreTransaction", "SyncStoreTransaction", "NotLeaderError",
+    # the middle layers of the error tree, and misuse (fencepost._errors)
+    "InvalidInputError", "RefusedError", "UsageError", "ClientClosedError", "EventLoopError",
 }
 
 CLIENT_API = {
@@ -99,7 +101,7 @@ def test_sync_facade_has_the_same_signatures(async_cls: type, sync_cls: type) ->
 
 
 async def test_sync_client_refuses_a_running_loop(server: ServerThread) -> None:
-    with pytest.raises(RuntimeError, match="running event loop"):
+    with pytest.raises(fencepost.EventLoopError, match="running event loop"):
         SyncClient(server.address)
 
 
@@ -111,7 +113,7 @@ def test_sync_client_refuses_to_block_inside_a_loop(server: ServerThread, transp
         async def misuse() -> None:
             client.get("run-1")
 
-        with pytest.raises(RuntimeError, match="running event loop"):
+        with pytest.raises(fencepost.EventLoopError, match="running event loop"):
             asyncio.run(misuse())
         assert client.get("run-1").status is RunStatus.RUNNING  # still usable outside
         lease.release()

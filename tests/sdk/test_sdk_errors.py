@@ -5,6 +5,7 @@ logical call, and outcome-unknown mutations."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 
 import fencepost
 from fencepost import RunStatus
+from fencepost import _errors as _errors_module
 from fencepost._errors import from_rpc_error, from_status
 from fencepost.v1 import ledger_pb2, record_pb2, run_store_pb2
 from fencepost_server.clock import ManualClock
@@ -59,6 +61,60 @@ def test_every_ledger_code_has_its_own_class() -> None:
     for cls in EXPECTED_CLASS.values():
         assert issubclass(cls, fencepost.FencepostError)
         assert cls.__name__.endswith("Error")
+
+
+def _drawn_tree() -> dict[str, str]:
+    """Each class drawn in ``fencepost._errors``'s docstring, and the class it
+    is drawn under ("" for a root)."""
+    parents: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    for line in (_errors_module.__doc__ or "").splitlines():
+        found = re.match(r"([ │]*)([├└]── )?([A-Z]\w+Error)\b", line)
+        if not found or not (found.group(2) or found.group(1) == "    "):
+            continue  # a description, not a class
+        column, name = found.start(3), found.group(3)
+        while stack and stack[-1][0] >= column:
+            stack.pop()
+        parents[name] = stack[-1][1] if stack else ""
+        stack.append((column, name))
+    return parents
+
+
+def test_the_drawn_tree_is_the_class_tree() -> None:
+    """The docstring's drawing is the hierarchy itself: every exception the
+    package exports is drawn once, under its real base."""
+    drawn = _drawn_tree()
+    exported = {name for name in fencepost.__all__
+                if isinstance(getattr(fencepost, name), type)
+                and issubclass(getattr(fencepost, name), Exception)}
+    aliases = {"InvalidRunState", "RunNotFound"}  # the store's old names for two classes
+    assert set(drawn) == exported - aliases
+    for name, parent in drawn.items():
+        cls = getattr(fencepost, name)
+        base = cls.__bases__[0].__name__
+        assert base == (parent or base), f"{name} is drawn under {parent}, derives {base}"
+        if not parent:
+            assert name in {"FencepostError", "UsageError"}, name
+
+
+def test_the_middle_layers_say_what_a_caller_can_do() -> None:
+    assert issubclass(fencepost.ValidationError, fencepost.InvalidInputError)
+    for cls in (fencepost.LeaseHeldError, fencepost.LeaseLostError, fencepost.LockLostError,
+                fencepost.RunNotFoundError, fencepost.OwnerNotPermittedError):
+        assert issubclass(cls, fencepost.RefusedError), cls
+    for cls in (fencepost.NotLeaderError, fencepost.ShuttingDownError,
+                fencepost.OutcomeUnknownError):
+        assert issubclass(cls, fencepost.UnavailableError), cls
+    # at risk is beside lost: a handler for a loss does not swallow a doubt
+    assert not issubclass(fencepost.LeaseAtRiskError, fencepost.LeaseLostError)
+    assert not issubclass(fencepost.LeaseLostError, fencepost.LeaseAtRiskError)
+    assert not issubclass(fencepost.LeaseAtRiskError, fencepost.RefusedError)
+    at_risk = fencepost.LeaseAtRiskError("at risk")
+    assert at_risk.reason is fencepost.LostReason.AT_RISK and at_risk.code == "LEASE_AT_RISK"
+    # misuse is a RuntimeError, as before it had a class, and not a failed call
+    for cls in (fencepost.ClientClosedError, fencepost.EventLoopError):
+        assert issubclass(cls, fencepost.UsageError) and issubclass(cls, RuntimeError)
+        assert not issubclass(cls, fencepost.FencepostError)
 
 
 def _rpc_error(status: grpc.Status) -> grpc.aio.AioRpcError:

@@ -75,7 +75,7 @@ async def test_a_transaction_commits_everything_or_nothing(
     assert lease.is_lost
     assert (await client.store.latest_checkpoint("run-2")).state == {"step": 1}  # type: ignore[union-attr]
     assert not (await client.store.get_effect("fx-3")).found
-    with pytest.raises(RuntimeError, match="no results"):
+    with pytest.raises(fencepost.UsageError, match="no results"):
         tx.results  # noqa: B018
     with pytest.raises(LeaseLostError):  # known lost: refused locally
         async with lease.transaction() as tx:
@@ -113,13 +113,13 @@ async def test_a_transaction_offers_writes_only(client: fencepost.Client) -> Non
             tx.put_artifact  # noqa: B018
         with pytest.raises(ValidationError):  # validated as the store validates
             await tx.kv_set("a", "k", float("nan"))
-    with pytest.raises(RuntimeError, match="committed"):
+    with pytest.raises(fencepost.UsageError, match="committed"):
         await tx.kv_set("a", "k", 1)
-    with pytest.raises(RuntimeError, match="used once"):
+    with pytest.raises(fencepost.UsageError, match="used once"):
         async with tx:
             pass
     store_tx = client.store.transaction()  # no fence: still all or nothing
-    with pytest.raises(RuntimeError, match="lease"):
+    with pytest.raises(fencepost.UsageError, match="lease"):
         async with store_tx as t:
             await t.renew()
     await lease.release()

@@ -285,7 +285,7 @@ async def test_closing_the_client_stops_renewals(server: ServerThread, transport
     await asyncio.sleep(0.35)  # > 3 renewal intervals
     assert await _get_version(server, "run-1") == before
     assert lease.is_active  # closing does not release: the lease lives out its ttl
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(fencepost.ClientClosedError, match="closed"):
         await client.get("run-1")
 
 

@@ -83,7 +83,7 @@ def test_closed_sync_client_refuses_calls(server: ServerThread) -> None:
     client.close()
     client.close()  # idempotent
     assert client.closed
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(fencepost.ClientClosedError, match="closed"):
         client.get("run-1")
 
 

@@ -239,5 +239,5 @@ def test_sync_watch_ends_when_the_client_closes(server: ServerThread) -> None:
     events = client.watch(from_revision=1)
     assert next(events).revision == 1
     client.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(fencepost.ClientClosedError, match="closed"):
         next(events)

@@ -357,7 +357,7 @@ class Holder:
 
     async def guarded(self, lease: Any) -> None:
         """Work inside ``lease.guard()`` until the guard cancels it."""
-        from fencepost import LeaseLostError
+        from fencepost import LeaseAtRiskError, LeaseLostError
 
         out: dict[str, Any] = {"run_id": lease.run_id, "iterations": 0}
         try:
@@ -373,7 +373,7 @@ class Holder:
                     out["cancelled_wall_ms"] = time.time() * 1000
                     out["safe_until_at_cancel"] = lease.safe_until
                     raise
-        except LeaseLostError as exc:  # LeaseAtRiskError is a subclass
+        except (LeaseLostError, LeaseAtRiskError) as exc:
             out["error"] = type(exc).__name__
             out["reason"] = exc.reason.value if exc.reason is not None else None
         except asyncio.CancelledError:

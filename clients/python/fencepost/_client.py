@@ -37,12 +37,15 @@ import grpc
 
 from ._endpoints import Endpoint, Endpoints, parse_endpoints
 from ._errors import (
+    ClientClosedError,
+    EventLoopError,
     FencepostError,
     LeaseAtRiskError,
     LeaseLostError,
     OutcomeUnknownError,
     StreamTooSlowError,
     UnavailableError,
+    UsageError,
     from_rpc_error,
 )
 from ._execute import (
@@ -484,7 +487,7 @@ class Lease:
             self._at_risk_event.clear()
             self._tell(SAFE)
 
-    def _fire_guards(self, error: LeaseLostError) -> None:
+    def _fire_guards(self, error: LeaseLostError | LeaseAtRiskError) -> None:
         for guard in builtins.list(self._guards):
             guard._fire(error)
 
@@ -594,20 +597,20 @@ class _Guard:
     def __init__(self, lease: Lease) -> None:
         self._lease = lease
         self._task: asyncio.Task[Any] | None = None
-        self._error: LeaseLostError | None = None
+        self._error: LeaseLostError | LeaseAtRiskError | None = None
 
     async def __aenter__(self) -> Lease:
         if self._task is not None:
-            raise RuntimeError("this guard() is already in use")
+            raise UsageError("this guard() is already in use")
         task = asyncio.current_task()
         if task is None:
-            raise RuntimeError("guard() must be used inside a task")
+            raise EventLoopError("guard() must be used inside a task")
         self._lease.check()
         self._task = task
         self._lease._guards.add(self)
         return self._lease
 
-    def _fire(self, error: LeaseLostError) -> None:
+    def _fire(self, error: LeaseLostError | LeaseAtRiskError) -> None:
         if self._error is None and self._task is not None:
             self._error = error
             self._task.cancel(msg=f"fencepost: {error}")
@@ -658,7 +661,7 @@ class AcquireContext:
 
     async def __aenter__(self) -> Lease:
         if self._lease is not None:
-            raise RuntimeError("this acquire() context is already in use")
+            raise UsageError("this acquire() context is already in use")
         self._lease = await self._client._acquire(self._run_id, self._ttl_ms,
                                                   self._lock_delay_ms)
         return self._lease
@@ -878,12 +881,12 @@ class Client:
     def _bound(self) -> None:
         """Refuse a closed client, or a loop other than the one it was first used on."""
         if self._closed:
-            raise RuntimeError("the client is closed")
+            raise ClientClosedError("the client is closed")
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
         elif loop is not self._loop:
-            raise RuntimeError("a fencepost Client is bound to the event loop it was first "
+            raise EventLoopError("a fencepost Client is bound to the event loop it was first "
                                "used on")
 
     def _open_channel(self, address: str) -> grpc.aio.Channel:

@@ -4,41 +4,53 @@ it, ``from_status`` for the same ``google.rpc.Status`` carried in an Execute
 result. Nothing else in the SDK looks at a gRPC status, and nothing anywhere
 matches on message text.
 
-The tree::
+The tree (the middle layers say what a caller can do about a failure;
+catch the layer, or a leaf for one case)::
 
-    FencepostError                  .code .record .field .message .grpc_code
-    ├── ValidationError             RUN_VALIDATION_ERROR       (.field names the input)
-    ├── RunNotFoundError            RUN_NOT_FOUND
-    ├── LeaseHeldError              RUN_LEASE_HELD
-    ├── LeaseLostError              RUN_LEASE_LOST             (the handle's fence moved;
-    │   │                                                       .reason a LostReason)
-    │   └── LeaseAtRiskError        LEASE_AT_RISK              (raised locally, never by the
-    │                                                          server: safe-until passed or
-    │                                                          the lease is expiring)
-    ├── AlreadyTerminalError        RUN_ALREADY_TERMINAL
-    ├── RunSuspendedError           RUN_SUSPENDED
-    ├── InvalidTransitionError      RUN_INVALID_TRANSITION
-    ├── ConflictError               RUN_CONFLICT
-    ├── IntegrityError              RUN_INTEGRITY_ERROR
-    ├── AtomicStoreRequiredError    RUN_STORE_ATOMIC_REQUIRED
-    ├── InvalidRunStateError        INVALID_RUN_STATE
-    ├── LockLostError               LOCK_LOST                  (a write's lock fence no longer
-    │                                                          holds: the lock moved on)
-    ├── StorageFullError            STORAGE_FULL               (nothing was written)
-    ├── StorageUnavailableError     STORAGE_UNAVAILABLE        (nothing was written)
-    ├── RevisionCompactedError      RUN_REVISION_COMPACTED     (watch: that revision is no
-    │                                                          longer retained; re-list)
-    ├── StreamTooSlowError          STREAM_TOO_SLOW            (a stream fell too far behind;
-    │                                                          the SDK reconnects by itself)
-    ├── UnauthenticatedError        UNAUTHENTICATED            (no or bad credentials; never
-    │                                                          retried)
-    ├── PermissionDeniedError       PERMISSION_DENIED          (the caller's role may not make
-    │   │                                                      this call: .metadata["role"]
-    │   │                                                      names the role needed; never
+    FencepostError                  .code .record .field .message .grpc_code .metadata
+    ├── InvalidInputError           the call itself is wrong: nothing changed; fix
+    │   │                           the call, a retry is refused the same way
+    │   └── ValidationError         RUN_VALIDATION_ERROR       (.field names the input)
+    ├── RefusedError                the server (or the SDK, on what the server already
+    │   │                           said) refused the call: nothing changed; a retry
+    │   │                           is refused until the state changes
+    │   ├── RunNotFoundError        RUN_NOT_FOUND
+    │   ├── LeaseHeldError          RUN_LEASE_HELD
+    │   ├── LeaseLostError          RUN_LEASE_LOST             (the handle's fence moved;
+    │   │                                                      .reason a LostReason)
+    │   ├── AlreadyTerminalError    RUN_ALREADY_TERMINAL
+    │   ├── RunSuspendedError       RUN_SUSPENDED
+    │   ├── InvalidTransitionError  RUN_INVALID_TRANSITION
+    │   ├── ConflictError           RUN_CONFLICT
+    │   ├── IntegrityError          RUN_INTEGRITY_ERROR
+    │   ├── AtomicStoreRequiredError RUN_STORE_ATOMIC_REQUIRED
+    │   ├── InvalidRunStateError    INVALID_RUN_STATE
+    │   ├── LockLostError           LOCK_LOST                  (a write's lock fence no longer
+    │   │                                                      holds: the lock moved on)
+    │   ├── StorageFullError        STORAGE_FULL               (nothing was written)
+    │   ├── RevisionCompactedError  RUN_REVISION_COMPACTED     (watch: that revision is no
+    │   │                                                      longer retained; re-list)
+    │   ├── UnauthenticatedError    UNAUTHENTICATED            (no or bad credentials; never
     │   │                                                      retried)
-    │   └── OwnerNotPermittedError  OWNER_NOT_PERMITTED        (the owner is not the caller's
+    │   └── PermissionDeniedError   PERMISSION_DENIED          (the caller's role may not make
+    │       │                                                  this call: .metadata["role"]
+    │       │                                                  names the role needed; never
+    │       │                                                  retried)
+    │       └── OwnerNotPermittedError OWNER_NOT_PERMITTED     (the owner is not the caller's
     │                                                          principal or principal/...;
     │                                                          .metadata owner, principal)
+    ├── LeaseAtRiskError            LEASE_AT_RISK              (beside LeaseLostError, not a
+    │                                                          kind of it: raised locally by
+    │                                                          guard() and check(), never by
+    │                                                          the server: safe-until passed
+    │                                                          or the lease is expiring.
+    │                                                          To stop work on either:
+    │                                                          ``except (LeaseLostError,
+    │                                                          LeaseAtRiskError)``)
+    ├── StorageUnavailableError     STORAGE_UNAVAILABLE        (nothing was written; retried
+    │                                                          like UNAVAILABLE)
+    ├── StreamTooSlowError          STREAM_TOO_SLOW            (a stream fell too far behind;
+    │                                                          the SDK reconnects by itself)
     ├── RpcError                    a reason this SDK has no class for yet (.code is
     │                               the reason), or a status with no fencepost reason
     │                               (.code is the gRPC status name, e.g. "INTERNAL")
@@ -54,11 +66,21 @@ The tree::
         │                           named, or ""); the SDK follows it by itself and
         │                           raises it only when every endpoint kept refusing
         │                           until the retry policy gave up
-        └── OutcomeUnknownError     a mutation got no answer: it may or may not have
-                                    been applied. Retrying it with a fresh call is
-                                    safe for the converging commands (finish,
-                                    suspend, release, cancel, resume) and reads
-                                    the current state for the others.
+        └── OutcomeUnknownError     outcome unknown: a mutation got no answer, it may
+                                    or may not have been applied. Retrying it with a
+                                    fresh call is safe for the converging commands
+                                    (finish, suspend, release, cancel, resume) and
+                                    reads the current state for the others.
+
+Misuse of the SDK is not a failed call and is not a ``FencepostError``: it
+raises a ``UsageError`` (a ``RuntimeError``, as before these had a class),
+a bug to fix rather than a failure to handle::
+
+    UsageError (RuntimeError)       the program used the SDK in a way it does not allow
+    ├── ClientClosedError           a call on a closed client (or its store or leases)
+    └── EventLoopError              a Client used on another event loop than its first,
+                                    a SyncClient inside a running loop, guard() outside
+                                    a task
 
 ``.record`` is the run record the server observed when it refused (for
 example the record that shows who holds the lease), or None. ``.metadata``
@@ -111,23 +133,34 @@ class FencepostError(Exception):
         return f"{type(self).__name__}({self.code!r}, {self.message!r})"
 
 
-class ValidationError(FencepostError):
+class InvalidInputError(FencepostError):
+    """The call itself is wrong (a field out of range, a value that is not
+    JSON...): nothing changed, and the same call is refused again."""
+
+
+class RefusedError(FencepostError):
+    """The server refused the call, or the SDK did on what the server had
+    already said (a lease known lost): nothing changed. The same call is
+    refused again until the state it ran into changes."""
+
+
+class ValidationError(InvalidInputError):
     """Bad input; ``.field`` names it (e.g. "lease_ttl_ms"). Nothing changed."""
 
     code = "RUN_VALIDATION_ERROR"
 
 
-class RunNotFoundError(FencepostError):
+class RunNotFoundError(RefusedError):
     code = "RUN_NOT_FOUND"
 
 
-class LeaseHeldError(FencepostError):
+class LeaseHeldError(RefusedError):
     """Another owner holds a live lease (``.record.lease`` says who, until when)."""
 
     code = "RUN_LEASE_HELD"
 
 
-class LeaseLostError(FencepostError):
+class LeaseLostError(RefusedError):
     """The handle's fence moved: taken over, cancelled, deleted or finished by
     another handle. The handle can make no further write. ``.reason`` is a
     ``LostReason`` when the SDK knows why (from a ``lost`` push, or judged
@@ -151,19 +184,35 @@ class LeaseLostError(FencepostError):
         self.reason = reason
 
 
-class LeaseAtRiskError(LeaseLostError):
+class LeaseAtRiskError(FencepostError):
     """Raised by ``guard()`` and ``check()`` (never by the server) when the lease
     *may* be gone: its safe-until passed with no newer renewal answered (this
     process was cut off from the coordinator), or the server said it is
     ``expiring``. Nobody may have taken the run yet, but another owner could at
     any moment, so side effects must stop. ``.reason`` is ``LostReason.AT_RISK``.
     A later renewal that gets answered makes the lease safe again (``at_risk``
-    False); a fenced call tells for sure."""
+    False); a fenced call tells for sure. Not a ``LeaseLostError``: catch both
+    (``except (LeaseLostError, LeaseAtRiskError)``) to stop on either."""
 
     code = "LEASE_AT_RISK"
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        record: RunRecord | None = None,
+        field: str | None = None,
+        grpc_code: grpc.StatusCode | None = None,
+        reason: LostReason | None = LostReason.AT_RISK,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, code=code, record=record, field=field, grpc_code=grpc_code,
+                         metadata=metadata)
+        self.reason = reason
 
-class LockLostError(FencepostError):
+
+class LockLostError(RefusedError):
     """A write fenced on a keyed lock was refused: the lock was taken over
     (its token moved) or released. Nothing was written. ``lock_key``,
     ``fencing_token`` and ``owner`` (None when released) describe the lock as
@@ -185,37 +234,37 @@ class LockLostError(FencepostError):
         return self.metadata.get("owner") or None
 
 
-class AlreadyTerminalError(FencepostError):
+class AlreadyTerminalError(RefusedError):
     code = "RUN_ALREADY_TERMINAL"
 
 
-class RunSuspendedError(FencepostError):
+class RunSuspendedError(RefusedError):
     """The run is suspended; ``request_resume`` it before acquiring."""
 
     code = "RUN_SUSPENDED"
 
 
-class InvalidTransitionError(FencepostError):
+class InvalidTransitionError(RefusedError):
     code = "RUN_INVALID_TRANSITION"
 
 
-class ConflictError(FencepostError):
+class ConflictError(RefusedError):
     code = "RUN_CONFLICT"
 
 
-class IntegrityError(FencepostError):
+class IntegrityError(RefusedError):
     code = "RUN_INTEGRITY_ERROR"
 
 
-class AtomicStoreRequiredError(FencepostError):
+class AtomicStoreRequiredError(RefusedError):
     code = "RUN_STORE_ATOMIC_REQUIRED"
 
 
-class InvalidRunStateError(FencepostError):
+class InvalidRunStateError(RefusedError):
     code = "INVALID_RUN_STATE"
 
 
-class StorageFullError(FencepostError):
+class StorageFullError(RefusedError):
     """The server could not make the write durable (disk full); nothing changed."""
 
     code = "STORAGE_FULL"
@@ -228,7 +277,7 @@ class StorageUnavailableError(FencepostError):
     code = "STORAGE_UNAVAILABLE"
 
 
-class RevisionCompactedError(FencepostError):
+class RevisionCompactedError(RefusedError):
     """``watch`` asked for a revision older than the server's retained history.
     List the runs (the answer carries its revision) and watch from there + 1."""
 
@@ -243,13 +292,13 @@ class StreamTooSlowError(FencepostError):
     code = "STREAM_TOO_SLOW"
 
 
-class UnauthenticatedError(FencepostError):
+class UnauthenticatedError(RefusedError):
     """The server requires credentials and got none, or bad ones. Never retried."""
 
     code = "UNAUTHENTICATED"
 
 
-class PermissionDeniedError(FencepostError):
+class PermissionDeniedError(RefusedError):
     """The caller's role may not make this call (``.metadata["role"]`` names
     the role needed). Never retried."""
 
@@ -301,6 +350,22 @@ class NotLeaderError(UnavailableError):
 
 class OutcomeUnknownError(UnavailableError):
     """A mutation got no answer, so it may or may not have been applied."""
+
+
+class UsageError(RuntimeError):
+    """The program used the SDK in a way it does not allow (a bug to fix, not
+    a failure to handle). A ``RuntimeError``, as these were before they had a
+    class of their own; not a ``FencepostError``."""
+
+
+class ClientClosedError(UsageError):
+    """A call on a client that was closed (or on its store or a lease of it)."""
+
+
+class EventLoopError(UsageError):
+    """The wrong event loop, or none: a ``Client`` used on another loop than
+    the one it was first used on, a ``SyncClient`` inside a running loop (where
+    blocking would stall it), ``guard()`` outside a task."""
 
 
 _BY_REASON: dict[str, type[FencepostError]] = {

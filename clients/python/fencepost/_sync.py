@@ -36,6 +36,7 @@ from ._client import (
     Renewal,
     Transport,
 )
+from ._errors import ClientClosedError, EventLoopError, UsageError
 from ._records import (
     DeleteResult,
     FenceStatus,
@@ -67,7 +68,7 @@ def _refuse_running_loop() -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         return
-    raise RuntimeError(
+    raise EventLoopError(
         "fencepost.SyncClient blocks, so it cannot be used inside a running event loop; "
         "use fencepost.Client (async) there"
     )
@@ -93,7 +94,7 @@ class _Portal:
         try:
             _refuse_running_loop()
             if self._closed:
-                raise RuntimeError("the client is closed")
+                raise ClientClosedError("the client is closed")
         except BaseException:
             coro.close()
             raise
@@ -284,7 +285,7 @@ class _SyncGuard:
 
     def __enter__(self) -> None:
         if self._epoch is not None:
-            raise RuntimeError("this guard() is already in use")
+            raise UsageError("this guard() is already in use")
         self._lease.check()
         self._epoch = self._lease._risk_epoch
 
@@ -424,7 +425,7 @@ class SyncClient:
         lead when first used (no following)."""
         with self._lock:
             if self._client.closed:
-                raise RuntimeError("the client is closed")
+                raise ClientClosedError("the client is closed")
             if self._sync_stubs is None:
                 self._sync_channel = sync_channel(
                     self._client.address, tls=self._tls, token=self._token,

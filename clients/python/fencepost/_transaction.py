@@ -32,7 +32,7 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._errors import ValidationError
+from ._errors import UsageError, ValidationError
 from ._execute import KIND_OF_REQUEST
 from ._records import RunRecord, record_from_pb
 from ._store import AsyncStore
@@ -104,7 +104,7 @@ class StoreTransaction:
 
     async def __aenter__(self) -> StoreTransaction:
         if self._state != "new":
-            raise RuntimeError("a transaction is used once: start a new one")
+            raise UsageError("a transaction is used once: start a new one")
         self._state = "open"
         return self
 
@@ -123,7 +123,7 @@ class StoreTransaction:
     def results(self) -> builtins.list[Any]:
         """Each write's answer, in the order made (after the block committed)."""
         if self._results is None:
-            raise RuntimeError(f"the transaction is {self._state}: no results")
+            raise UsageError(f"the transaction is {self._state}: no results")
         return self._results
 
     def __getattr__(self, name: str) -> Any:
@@ -182,7 +182,7 @@ class StoreTransaction:
     def _lease_only(self, name: str) -> Lease:
         self._check_open()
         if self._lease is None:
-            raise RuntimeError(f"{name}: only a lease's transaction (lease.transaction()) "
+            raise UsageError(f"{name}: only a lease's transaction (lease.transaction()) "
                                "carries ledger commands")
         return self._lease
 
@@ -190,7 +190,7 @@ class StoreTransaction:
 
     def _check_open(self) -> None:
         if self._state != "open":
-            raise RuntimeError(f"the transaction is {self._state}: write inside "
+            raise UsageError(f"the transaction is {self._state}: write inside "
                                "`async with ... as tx:`")
         if len(self._commands) >= MAX_WRITES:
             raise ValidationError(f"transaction: at most {MAX_WRITES} writes",
