@@ -23,14 +23,19 @@ import grpc
 import pytest
 
 import fencepost
-from fencepost import InvalidRunStateError, LockLostError, RunNotFoundError, ValidationError
+from fencepost import (
+    InvalidRunStateError,
+    LockLostError,
+    RunNotFoundError,
+    SyncStore,
+    ValidationError,
+)
 from fencepost._store import (
     ABSENT,
     AsyncStore,
     InvalidRunState,
     Lookup,
     RunNotFound,
-    SyncStore,
 )
 from fencepost_server.clock import ManualClock
 from fencepost_server.harness import ServerThread
@@ -65,8 +70,8 @@ def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _stream_is_open(client: fencepost.Client) -> bool:
-    return client._dispatcher is not None and client._dispatcher.is_open
+def _stream_is_open(client: fencepost.Client | fencepost.SyncClient) -> bool:
+    return client.statistics().execute_stream_open
 
 
 @pytest.fixture
@@ -88,7 +93,7 @@ async def astore(server: ServerThread, transport: str) -> AsyncIterator[AsyncSto
     if transport == "stream":
         assert calls.store_mutations() == []
     else:
-        assert client._dispatcher is None
+        assert client.statistics().execute_streams_opened == 0
 
 
 @pytest.fixture
@@ -100,11 +105,11 @@ def sstore(server: ServerThread, transport: str) -> Iterator[SyncStore]:
             with pytest.raises(RunNotFoundError):
                 client.delete("warm-up")
             deadline = time.monotonic() + 5
-            while not _stream_is_open(client._client):
+            while not _stream_is_open(client):
                 assert time.monotonic() < deadline, "the Execute stream did not open"
                 time.sleep(0.005)
         yield client.store
-        assert _stream_is_open(client._client) == (transport == "stream")
+        assert _stream_is_open(client) == (transport == "stream")
     if transport == "stream":
         assert calls.store_mutations() == []
 

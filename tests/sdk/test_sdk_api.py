@@ -10,7 +10,17 @@ import itertools
 import pytest
 
 import fencepost
-from fencepost import Client, Lease, RunStatus, SyncClient, SyncLease
+from fencepost import (
+    AsyncStore,
+    Client,
+    Lease,
+    RunStatus,
+    StoreTransaction,
+    SyncClient,
+    SyncLease,
+    SyncStore,
+    SyncStoreTransaction,
+)
 from fencepost_server.core import records as core
 from fencepost_server.harness import ServerThread
 
@@ -34,13 +44,15 @@ PUBLIC_API = {
     "LockLostError", "StoreTransaction", "SyncStoreTransaction", "NotLeaderError",
     # the middle layers of the error tree, and misuse (fencepost._errors)
     "InvalidInputError", "RefusedError", "UsageError", "ClientClosedError", "EventLoopError",
+    "ClientStatistics",
 }
 
 CLIENT_API = {
     "acquire", "address", "cancel", "closed", "default_ttl_ms", "delete", "endpoints", "get",
     "list",
     "list_all",
-    "owner", "renewal", "request_resume", "retry", "store", "stubs", "validate_fence", "watch",
+    "owner", "renewal", "request_resume", "retry", "statistics", "store", "stubs",
+    "validate_fence", "watch",
 }
 
 LEASE_API = {
@@ -51,7 +63,7 @@ LEASE_API = {
 }
 
 # Methods that are plain (not coroutine) functions on the async side too.
-SYNC_ON_BOTH_SIDES = {"acquire", "check", "fenced", "guard", "transaction"}
+SYNC_ON_BOTH_SIDES = {"acquire", "check", "fenced", "guard", "transaction", "statistics"}
 
 
 def public(cls: type) -> set[str]:
@@ -73,29 +85,52 @@ def test_public_api_is_pinned() -> None:
     assert public(SyncLease) == LEASE_API
 
 
-@pytest.mark.parametrize(("async_cls", "sync_cls"), [(Client, SyncClient), (Lease, SyncLease)])
-def test_sync_facade_has_the_same_signatures(async_cls: type, sync_cls: type) -> None:
-    names = (public(async_cls) & public(sync_cls)) | {"__init__"}
-    if async_cls is Client:
-        # on_lost is called with the Lease by Client, with the SyncLease by SyncClient
-        a_params, s_params = params(Client), params(SyncClient)
-        assert [p[:3] for p in a_params] == [p[:3] for p in s_params]
-        assert [p for p in a_params if p[0] != "on_lost"] == [
-            p for p in s_params if p[0] != "on_lost"]
-    else:
-        names.discard("__init__")
+# Every async class and its blocking twin (all twins live in fencepost._sync).
+TWINS = [(Client, SyncClient), (Lease, SyncLease), (AsyncStore, SyncStore),
+         (StoreTransaction, SyncStoreTransaction)]
+# What one side has and the other has not, and why.
+ONLY_ASYNC = {
+    Client: {"aclose"},  # SyncClient.close
+    AsyncStore: {"aclose", "connect", "stub"},  # a SyncStore wraps a store it does not own
+}
+ONLY_SYNC = {SyncClient: {"close"}, SyncStore: {"async_store"}}
+# Parameters whose annotation differs on purpose: (class, method, parameter).
+OWN_TYPES = {
+    (Client, "__init__", "on_lost"),  # called with the Lease, with the SyncLease
+    (AsyncStore, "put_artifact", "data"),  # a SyncStore uploads no async iterable
+}
+
+
+@pytest.mark.parametrize(("async_cls", "sync_cls"), TWINS)
+def test_every_async_method_has_a_sync_twin_with_the_same_signature(
+    async_cls: type, sync_cls: type
+) -> None:
+    assert sync_cls.__module__ == "fencepost._sync", sync_cls  # the twins in one place
+    mine, theirs = public(async_cls), public(sync_cls)
+    assert mine - theirs == ONLY_ASYNC.get(async_cls, set())
+    assert theirs - mine == ONLY_SYNC.get(sync_cls, set())
+    names = mine & theirs
+    if async_cls in (Client, AsyncStore):
+        names.add("__init__")  # Lease and transactions are made by the SDK
     for name in sorted(names):
         a, s = inspect.getattr_static(async_cls, name), inspect.getattr_static(sync_cls, name)
         assert isinstance(a, property) == isinstance(s, property), name
-        if isinstance(a, property) or name == "__init__":
+        if isinstance(a, property):
             continue
-        if name in SYNC_ON_BOTH_SIDES:
-            assert not inspect.iscoroutinefunction(a), name
-        else:
-            assert inspect.iscoroutinefunction(a) or inspect.isasyncgenfunction(a), name
-        assert not inspect.iscoroutinefunction(s), name
-        assert not inspect.isasyncgenfunction(s), name
-        assert params(a) == params(s), name
+        if name != "__init__":
+            if name in SYNC_ON_BOTH_SIDES:
+                assert not inspect.iscoroutinefunction(a), name
+            else:
+                assert inspect.iscoroutinefunction(a) or inspect.isasyncgenfunction(a), name
+            assert not inspect.iscoroutinefunction(s), name
+            assert not inspect.isasyncgenfunction(s), name
+        if async_cls is AsyncStore and name == "__init__":
+            continue  # SyncStore(async_store, run) wraps one
+        a_params, s_params = params(a), params(s)
+        assert [p[:3] for p in a_params] == [p[:3] for p in s_params], name
+        own = {p for c, m, p in OWN_TYPES if c is async_cls and m == name}
+        assert [p for p in a_params if p[0] not in own] == [
+            p for p in s_params if p[0] not in own], name
     assert inspect.iscoroutinefunction(Client.aclose)
     assert inspect.isasyncgenfunction(Client.watch)
 

@@ -104,7 +104,7 @@ async def test_a_command_unanswered_on_the_stream_fails_at_its_attempt_deadline(
                                     transport="stream") as client:
             with pytest.raises(fencepost.FencepostError, match="no such run"):
                 await client.delete("warm-up")  # unary: the stream opens meanwhile
-            dispatcher = client._dispatcher
+            dispatcher = client._connection.dispatcher
             assert dispatcher is not None
             deadline = time.monotonic() + 5
             while not dispatcher.is_open:

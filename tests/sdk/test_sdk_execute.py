@@ -129,7 +129,7 @@ async def _open_stream(client: fencepost.Client) -> None:
     unary meanwhile): make one, and wait until the stream carries commands."""
     with pytest.raises(fencepost.RunNotFoundError):
         await client.delete("warm-up")
-    dispatcher = client._dispatcher
+    dispatcher = client._connection.dispatcher
     assert dispatcher is not None
     await _wait_for(lambda: dispatcher.is_open, "the Execute stream to open")
 
@@ -147,7 +147,7 @@ async def answer_lost_once(
         async with fencepost.Client(proxy.address, owner=owner, retry=FAST_RETRY,
                                     interceptors=wire.interceptors) as client:
             await _open_stream(client)
-            dispatcher = client._dispatcher
+            dispatcher = client._connection.dispatcher
             assert dispatcher is not None
 
             def cut() -> None:
@@ -226,7 +226,7 @@ async def test_command_errors_are_the_unary_exceptions_and_keep_the_stream(
     ):
         await holder.acquire("run-1", ttl_ms=60_000)
         await _open_stream(streamed)
-        dispatcher = streamed._dispatcher
+        dispatcher = streamed._connection.dispatcher
         assert dispatcher is not None
         opened = dispatcher.streams_opened
 
@@ -316,7 +316,7 @@ async def test_while_the_stream_is_refused_mutations_go_unary_then_it_is_used_ag
     wire.refuse = grpc.StatusCode.UNAVAILABLE
     async with fencepost.Client(server.address, owner="worker-a", retry=FAST_RETRY,
                                 interceptors=wire.interceptors) as client:
-        dispatcher = client._dispatcher
+        dispatcher = client._connection.dispatcher
         assert dispatcher is not None
         lease = await client.acquire("run-1")
         await _wait_for(lambda: wire.streams >= 2, "reconnect attempts")
@@ -349,7 +349,7 @@ async def test_a_server_without_execute_is_served_unary(server: ServerThread) ->
     async with fencepost.Client(server.address, owner="worker-a",
                                 retry=fencepost.RetryPolicy.no_retry(),
                                 interceptors=wire.interceptors) as client:
-        dispatcher = client._dispatcher
+        dispatcher = client._connection.dispatcher
         assert dispatcher is not None
         with pytest.raises(fencepost.RunNotFoundError):
             await client.get("nope")  # the channel is connected
@@ -389,7 +389,6 @@ async def test_unary_transport_never_opens_execute(server: ServerThread) -> None
     wire = Wire()
     async with fencepost.Client(server.address, owner="worker-a", transport="unary",
                                 interceptors=wire.interceptors) as client:
-        assert client._dispatcher is None
         leases = await asyncio.gather(*(client.acquire(f"run-{i}") for i in range(3)))
         await leases[0].renew()
         await leases[1].finish()
@@ -442,7 +441,7 @@ async def test_a_cancelled_caller_abandons_the_reply_not_the_command(
             await asyncio.sleep(0.01)
         assert (await client.get("run-1")).status is RunStatus.CANCELLED
         assert (await client.cancel("run-1")).status is RunStatus.CANCELLED
-        assert client._dispatcher is not None and client._dispatcher.streams_opened == 1
+        assert client.statistics().execute_streams_opened == 1
         assert wire.unary_mutations() == ["DeleteRun"]  # the warm-up only
 
 
@@ -456,7 +455,7 @@ async def test_close_answers_every_command_the_stream_carries(server: ServerThre
     leases = await asyncio.gather(*tasks)
     assert {lease.fencing_token for lease in leases} == {1}
     assert sum(len(m.commands) for m in wire.requests) == 10
-    assert client._dispatcher is not None and not client._dispatcher.is_open
+    assert not client.statistics().execute_stream_open
 
 
 async def test_close_fails_what_the_server_never_answers(

@@ -116,7 +116,7 @@ async def holding_over_the_stream(
     """A lease on ``run_id``, and the client's Execute dispatcher once its
     stream is open (None with transport="unary")."""
     lease = await client.acquire(run_id, ttl_ms=60_000)
-    dispatcher = client._dispatcher
+    dispatcher = client._connection.dispatcher
     if dispatcher is not None:
         await until(lambda: dispatcher.is_open, "the Execute stream")
     return lease, dispatcher
@@ -152,7 +152,7 @@ async def test_a_mutation_refused_by_a_standby_goes_to_the_leader_it_names_with_
                                 transport=transport) as client:  # type: ignore[arg-type]
         lease = await client.acquire("run-1", ttl_ms=60_000)
         assert client.address == server.address
-        assert client._endpoints.addresses == (standby.address, server.address)  # mapped
+        assert client.statistics().endpoints == (standby.address, server.address)  # mapped
         sent = [r for r in standby.refused if r.method == "Acquire"]
         assert len(sent) == 1 and sent[0].request_id
         # the leader holds the answer under that very request id: applied once
@@ -174,7 +174,7 @@ async def test_a_leader_named_by_a_standby_is_followed_even_when_not_listed(
         await client.acquire("run-1")
         assert client.endpoints == (standby.address,)
         assert client.address == server.address
-        assert client._endpoints.addresses == (standby.address, server.address)
+        assert client.statistics().endpoints == (standby.address, server.address)
 
 
 async def test_no_leader_known_moves_to_the_next_endpoint(
@@ -322,12 +322,12 @@ async def test_keepalive_moves_to_the_next_endpoint_and_retracks_its_leases(
         assert first is not None
         await until(lambda: {"run-1", "run-2"} <= set(first.app.hub.by_run),  # type: ignore[union-attr]
                     "tracked on the first leader")
-        sessions = client._renewer.sessions  # type: ignore[attr-defined]
+        sessions = client.statistics().keepalive_streams_opened
         coordinators.stop()
         second = coordinators.start(two_endpoints[1])
         await until(lambda: {"run-1", "run-2"} <= set(second.app.hub.by_run),  # type: ignore[union-attr]
                     "re-tracked on the new leader")
-        assert client._renewer.sessions > sessions  # type: ignore[attr-defined]
+        assert client.statistics().keepalive_streams_opened > sessions
         assert client.address == two_endpoints[1]
         assert lease.is_active and not lease.at_risk and kept.is_active
         # the new leader pushes a fence move on the new stream

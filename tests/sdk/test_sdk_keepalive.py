@@ -146,7 +146,7 @@ async def test_finish_by_a_newer_handle_is_learned_on_reconnect(
         async with fencepost.Client(proxy.address, owner="worker-a", on_lost=losses) as holder:
             lease = await holder.acquire("run-1", ttl_ms=1_000)
             await tracked(server, "run-1")
-            sessions = holder._renewer.sessions  # type: ignore[attr-defined]
+            sessions = holder.statistics().keepalive_streams_opened
             proxy.cut()
             await tracked(server, "run-1", present=False)  # the server saw the stream go
             clock.advance(1_000)
@@ -158,7 +158,7 @@ async def test_finish_by_a_newer_handle_is_learned_on_reconnect(
             assert lease.lost_reason is LostReason.FINISHED
             assert lease.record.status is RunStatus.COMPLETED
             assert losses.calls == [(lease, LostReason.FINISHED)]
-            assert holder._renewer.sessions > sessions  # type: ignore[attr-defined]
+            assert holder.statistics().keepalive_streams_opened > sessions
 
 
 async def test_a_release_of_its_own_is_not_a_loss(
@@ -174,14 +174,14 @@ async def test_a_release_of_its_own_is_not_a_loss(
     await asyncio.sleep(0.2)  # a renewal in flight would come back refused: ignored
     assert losses.calls == [] and not a.is_lost and not b.is_lost
     assert not a.at_risk and not b.at_risk
-    assert holder._renewer.sessions == 1  # type: ignore[attr-defined]
+    assert holder.statistics().keepalive_streams_opened == 1
 
 
 async def _stream_named(server: ServerThread, client: fencepost.Client) -> None:
     """Wait until the server knows the name of the client's open KeepAlive stream."""
     hub = server.app.hub  # type: ignore[union-attr]
     deadline = time.monotonic() + WAIT_S
-    while not ((name := client._renewer.stream_name()) and name in hub.named):  # type: ignore[attr-defined]
+    while not ((name := client.statistics().keepalive_stream_name) and name in hub.named):
         assert time.monotonic() < deadline, "the KeepAlive stream never named itself"
         await asyncio.sleep(0.005)
 
@@ -197,7 +197,7 @@ async def test_a_lease_is_tracked_and_dropped_with_no_message_on_the_stream(
     moved in between is still pushed."""
     await holder.acquire("warm-up", ttl_ms=60_000)  # opens and names the stream
     await _stream_named(server, holder)
-    sent = holder._renewer.messages  # type: ignore[attr-defined]
+    sent = holder.statistics().keepalive_messages_sent
     lease = await holder.acquire("run-1", ttl_ms=60_000)
     await tracked(server, "run-1")
     await getattr(lease, drop)()
@@ -207,7 +207,7 @@ async def test_a_lease_is_tracked_and_dropped_with_no_message_on_the_stream(
     await asyncio.wait_for(watched.lost.wait(), WAIT_S)
     assert watched.lost_reason is LostReason.CANCELLED
     assert losses.calls == [(watched, LostReason.CANCELLED)]
-    assert holder._renewer.messages == sent  # type: ignore[attr-defined]
+    assert holder.statistics().keepalive_messages_sent == sent
 
 
 async def test_a_refused_finish_leaves_the_lease_tracked(
@@ -231,7 +231,7 @@ async def test_an_acquire_before_the_stream_is_named_is_tracked_by_message(
     sends `track` as soon as the stream is up."""
     lease = await holder.acquire("run-1", ttl_ms=60_000)
     await tracked(server, "run-1")
-    assert holder._renewer.messages == 2  # type: ignore[attr-defined]  # hello, track
+    assert holder.statistics().keepalive_messages_sent == 2  # hello, track
     await rival.cancel("run-1", "operator says stop")
     await asyncio.wait_for(lease.lost.wait(), WAIT_S)
     assert losses.calls == [(lease, LostReason.CANCELLED)]
@@ -258,7 +258,7 @@ async def test_one_stream_renews_every_lease_and_moves_safe_until(
         assert lease.safe_until <= time.monotonic() + ttl_s
         assert not lease.at_risk and not lease.at_risk_event.is_set()
         assert (await holder.get(lease.run_id)).version >= 3
-    assert holder._renewer.sessions == 1  # type: ignore[attr-defined]
+    assert holder.statistics().keepalive_streams_opened == 1
 
 
 async def test_a_ttl_shorter_than_the_coalescing_window_is_renewed_at_its_pace(
@@ -290,13 +290,13 @@ async def test_leases_given_up_before_their_renewal_wake_nothing(
     the scheduler already waits for, nor a lease finished before its renewal
     was due, wakes the scheduler (a pass of it per run was a task switch per
     client per run)."""
-    renewer = holder._renewer  # type: ignore[attr-defined]
     # ttl 1.5 s: each lease's renewal is due 500 ms after its acquire, well
     # after its finish even when a loaded machine makes a PostgreSQL commit
     # slow (at 600 ms, due after 200, one run in a CI run outlived it)
     first = await holder.acquire("short-0", ttl_ms=1500)
     await asyncio.sleep(0.05)  # the scheduler waits for it now
-    before, messages = renewer.passes, renewer.messages
+    stats = holder.statistics()
+    before, messages = stats.renewal_passes, stats.keepalive_messages_sent
     started = time.monotonic()
     await first.finish()
     for i in range(1, 100):  # each due later than the one it waits for
@@ -307,8 +307,9 @@ async def test_leases_given_up_before_their_renewal_wake_nothing(
     # while runs go on: more when a loaded machine makes the 99 runs slow),
     # never one per run (99 or more)
     allowed = min(4 + (time.monotonic() - started) / 0.5, 60)
-    assert renewer.passes - before <= allowed, (renewer.passes - before, allowed)
-    assert renewer.messages == messages  # and none was renewed
+    stats = holder.statistics()
+    assert stats.renewal_passes - before <= allowed, (stats.renewal_passes - before, allowed)
+    assert stats.keepalive_messages_sent == messages  # and none was renewed
 
 
 async def test_safe_until_follows_a_write_that_shortens_the_lease(
@@ -565,14 +566,14 @@ async def test_unreachable_server_puts_the_lease_at_risk_then_reconnect_renews(
         assert short.safe_until <= t_cancelled <= short.safe_until + SLACK_S
         assert not long.at_risk  # 8 s: still safe
 
-        sessions = client._renewer.sessions  # type: ignore[attr-defined]
+        sessions = client.statistics().keepalive_streams_opened
         long_until = long.safe_until
         await asyncio.to_thread(live_server.start)  # same port and file
         deadline = time.monotonic() + 5
         while long.safe_until <= long_until or short.at_risk:
             assert time.monotonic() < deadline, "no renewal after the restart"
             await asyncio.sleep(0.02)
-        assert client._renewer.sessions > sessions  # type: ignore[attr-defined]
+        assert client.statistics().keepalive_streams_opened > sessions
         assert not long.at_risk and long.is_active
         # nobody took the short one while we were away: renewed, safe again
         assert not short.is_lost and not short.at_risk_event.is_set()

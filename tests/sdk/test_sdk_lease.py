@@ -4,6 +4,7 @@ real server whose clock the test drives."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -310,3 +311,58 @@ def test_wire_times_convert_exactly_and_their_cache_stays_bounded() -> None:
         assert len(_TIMES) <= _TIMES_MAX
     early = Timestamp(seconds=-1, nanos=999_000_000)  # 1969-12-31T23:59:59.999Z
     assert time_from_pb(early) == datetime(1969, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC)
+
+
+async def test_renewal_off_leaves_renewing_to_the_caller(
+    server: ServerThread, clock: ManualClock, rival: fencepost.Client
+) -> None:
+    """``renewal="off"`` keeps nothing alive: no KeepAlive stream, no lease
+    kept, and the lease expires at its ttl unless the caller renews it."""
+    async with (
+        fencepost.Client(server.address, owner="worker-a", renewal="off") as client,
+        fencepost.Client(server.address, owner="worker-b") as renewing,
+    ):
+        assert client.renewal == "off"
+        lease = await client.acquire("run-1", ttl_ms=10_000)
+        await renewing.acquire("control", ttl_ms=10_000)
+        assert renewing.statistics().leases_kept == 1  # what the default does
+        stats = client.statistics()
+        assert stats.leases_kept == 0 and stats.keepalive_streams_opened == 0
+        clock.advance(6_000)
+        await lease.renew()  # the caller's own renewal: to server-now + 10 s
+        clock.advance(6_000)
+        with pytest.raises(fencepost.LeaseHeldError):
+            await rival.acquire("run-1")  # renewed: still held
+        clock.advance(10_001)
+        taken = await rival.acquire("run-1")  # nobody renewed it since: expired
+        assert taken.fencing_token == lease.fencing_token + 1
+        after = client.statistics()
+        assert after.keepalive_streams_opened == 0 and after.keepalive_messages_sent == 0
+    with pytest.raises(ValueError, match="renewal"):
+        fencepost.Client(server.address, renewal="sometimes")  # type: ignore[arg-type]
+
+
+async def test_statistics_count_what_the_client_sent(server: ServerThread) -> None:
+    async with fencepost.Client(server.address, owner="worker-a") as client:
+        first = client.statistics()
+        assert first == fencepost.ClientStatistics(
+            endpoints=(server.address,), leases_kept=0, keepalive_streams_opened=0,
+            keepalive_messages_sent=0, keepalive_stream_name="", renewal_passes=0,
+            execute_stream_open=False, execute_streams_opened=0, execute_messages_sent=0,
+            execute_commands_sent=0,
+        )
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            first.leases_kept = 3  # type: ignore[misc]
+        lease = await client.acquire("run-1", ttl_ms=60_000)  # unary: the stream opens
+        deadline = asyncio.get_running_loop().time() + 5
+        while not (stats := client.statistics()).execute_stream_open or (
+                not stats.keepalive_stream_name):
+            assert asyncio.get_running_loop().time() < deadline, stats
+            await asyncio.sleep(0.005)
+        assert stats.leases_kept == 1 and stats.keepalive_streams_opened == 1
+        assert stats.execute_streams_opened == 1
+        await lease.finish()  # one command on the Execute stream
+        done = client.statistics()
+        assert done.leases_kept == 0
+        assert done.execute_commands_sent == stats.execute_commands_sent + 1
+        assert done.execute_messages_sent == stats.execute_messages_sent + 1

@@ -47,7 +47,7 @@ async def _streams_become(server: ServerThread, n: int) -> None:
 
 
 def _shared(client: fencepost.Client) -> Any:
-    dispatcher = client._dispatcher
+    dispatcher = client._connection.dispatcher
     assert isinstance(dispatcher, SharedDispatcher)
     return dispatcher._shared
 
@@ -58,7 +58,7 @@ async def _open(clients: list[fencepost.Client]) -> None:
     for c in clients:
         with pytest.raises(fencepost.RunNotFoundError):
             await c.delete("warm-up")
-    dispatcher = clients[0]._dispatcher
+    dispatcher = clients[0]._connection.dispatcher
     assert dispatcher is not None
     await _until(lambda: dispatcher.is_open, "the Execute stream to open")
 
@@ -126,7 +126,7 @@ async def test_a_client_closing_leaves_the_shared_stream_to_the_others(
             lease = await a.acquire("c-a")
             await lease.finish()
         await _streams_become(server, 1)
-        assert shared.users == 1 and b._dispatcher is not None and b._dispatcher.is_open
+        assert shared.users == 1 and b.statistics().execute_stream_open
         session = shared.dispatcher._session
         sent = session.commands_sent
         other = await b.acquire("c-b")
@@ -165,7 +165,7 @@ async def test_a_clients_close_waits_for_its_own_commands_on_the_shared_stream(
             assert [t.result().fencing_token for t in tasks] == [1] * 5
         finally:
             await asyncio.to_thread(holder.join)
-        assert b._dispatcher is not None and b._dispatcher.is_open
+        assert b._connection.dispatcher is not None and b._connection.dispatcher.is_open
         await (await b.acquire("h-b")).finish()
 
 
@@ -227,7 +227,7 @@ def test_what_clients_must_share_to_share_a_stream() -> None:
     assert share_key(("127.0.0.1:1", "127.0.0.1:2"), **base) is None
     assert share_key(("127.0.0.1:1",), **{**base, "interceptors": (object(),)}) is None
     assert share_key(("127.0.0.1:1",), **{**base, "options": (("x", []),)}) is None
-    assert fencepost.Client("127.0.0.1:1", transport="unary")._dispatcher is None
+    assert fencepost.Client("127.0.0.1:1", transport="unary")._connection.dispatcher is None
 
 
 def test_clients_on_different_event_loops_do_not_share(server: ServerThread) -> None:

@@ -140,7 +140,7 @@ async def test_store_errors_over_the_stream_are_the_unary_exceptions(
         fencepost.Client(server.address, owner="w", interceptors=wire.interceptors) as streamed,
     ):
         await _open_stream(streamed)
-        dispatcher = streamed._dispatcher
+        dispatcher = streamed._connection.dispatcher
         assert dispatcher is not None
         opened = dispatcher.streams_opened
         await unary.store.create_run("queued-run", agent="a")
@@ -202,7 +202,7 @@ async def test_unary_transport_never_puts_store_mutations_on_execute(
     async with fencepost.Client(server.address, owner="w", transport="unary",
                                 interceptors=wire.interceptors) as client:
         store = client.store
-        assert store._dispatcher is None
+        assert store._connection.dispatcher is None
         await asyncio.gather(
             store.create_run("r1", agent="a"),
             store.append_step("r1", "s"),

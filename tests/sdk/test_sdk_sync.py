@@ -209,7 +209,7 @@ def test_sync_client_renewal_choice(server: ServerThread) -> None:
 def test_sync_client_transport_choice(server: ServerThread) -> None:
     with SyncClient(server.address, transport="unary") as client:
         client.acquire("run-1").release()
-        assert client._client._dispatcher is None
+        assert client.statistics().execute_streams_opened == 0
     with SyncClient(server.address, command_window_ms=0.5) as client:
         client.acquire("run-2").release()
     with pytest.raises(ValueError, match="transport"):

@@ -87,8 +87,8 @@ async def test_clients_of_one_identity_share_a_stream_and_each_command_is_author
     from fencepost._execute import SharedDispatcher
 
     def shared(client: fencepost.Client) -> Any:
-        assert isinstance(client._dispatcher, SharedDispatcher)
-        return client._dispatcher._shared
+        assert isinstance(client._connection.dispatcher, SharedDispatcher)
+        return client._connection.dispatcher._shared
 
     async with fencepost.Client(server.address, owner="w1/a", tls=tls_for(certs, "w1")) as mine, \
             fencepost.Client(server.address, owner="w2", tls=tls_for(certs, "w1")) as other, \
@@ -98,7 +98,7 @@ async def test_clients_of_one_identity_share_a_stream_and_each_command_is_author
                 await c.delete("warm-up")
         assert shared(mine) is shared(other)  # one identity, one stream
         assert shared(w2) is not shared(mine)  # another identity has its own
-        dispatcher = mine._dispatcher
+        dispatcher = mine._connection.dispatcher
         assert dispatcher is not None
         for _ in range(500):
             if dispatcher.is_open:

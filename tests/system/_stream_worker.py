@@ -247,6 +247,7 @@ class Holder:
         self.min_margin = float("inf")
         self.min_margin_at = 0.0
         self.guards: set[asyncio.Task[None]] = set()
+        self.client: Any = None
 
     def on_lost(self, lease: Any, reason: Any) -> None:
         self.lost[lease.run_id] = [reason.value, time.monotonic()]
@@ -259,6 +260,7 @@ class Holder:
             cfg["addr"], owner=cfg["owner"], on_lost=self.on_lost,
             channel_options=[tuple(o) for o in cfg.get("channel_options", [])],
         )
+        self.client = client
         commands: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -269,9 +271,11 @@ class Holder:
 
         threading.Thread(target=read_stdin, daemon=True).start()
         async with client:
-            if cfg.get("spy"):
-                opened = client._open_keepalive
-                client._open_keepalive = (  # type: ignore[method-assign]
+            if cfg.get("spy"):  # this process's KeepAlive streams, seen on the wire
+                from fencepost import _renewal
+
+                opened = _renewal.open_keepalive
+                _renewal.open_keepalive = (  # type: ignore[assignment]
                     lambda endpoint: _SpyCall(opened(endpoint), self.wire))
             t0 = time.monotonic()
             for prefix, count, ttl_ms in cfg["groups"]:
@@ -324,7 +328,7 @@ class Holder:
             "at_risk_now": sorted(r for r, le in self.leases.items()
                                   if le.is_active and le.at_risk),
             "active": sum(le.is_active for le in self.leases.values()),
-            "sessions": getattr(self.client_renewer(), "sessions", None),
+            "sessions": self.sessions(),
             "min_margin_s": self.min_margin,
             "min_margin_at": self.min_margin_at,
             "now": time.monotonic(),
@@ -336,10 +340,10 @@ class Holder:
             out["wire"] = self.wire
         return out
 
-    def client_renewer(self) -> Any:
-        for lease in self.leases.values():
-            return getattr(lease._client, "_renewer", None)
-        return None
+    def sessions(self) -> int | None:
+        """The KeepAlive streams the client opened (None before it exists)."""
+        client = self.client
+        return None if client is None else client.statistics().keepalive_streams_opened
 
     async def finish_all(self) -> dict[str, Any]:
         ok = 0

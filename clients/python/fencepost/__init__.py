@@ -17,7 +17,7 @@ The generated stubs live in ``fencepost.v1``; pytest fixtures for users'
 tests in ``fencepost.testing``.
 """
 
-from ._client import AcquireContext, Client, Lease, Stubs
+from ._client import AcquireContext, Client, ClientStatistics, Lease, Stubs
 from ._errors import (
     AlreadyTerminalError,
     AtomicStoreRequiredError,
@@ -69,9 +69,9 @@ from ._records import (
 )
 from ._retry import RetryPolicy
 from ._security import TLS
-from ._store import ABSENT, AsyncStore, InvalidRunState, Lookup, RunNotFound, SyncStore
-from ._sync import SyncClient, SyncLease, SyncStubs
-from ._transaction import StoreTransaction, SyncStoreTransaction
+from ._store import ABSENT, AsyncStore, InvalidRunState, Lookup, RunNotFound
+from ._sync import SyncClient, SyncLease, SyncStore, SyncStoreTransaction, SyncStubs
+from ._transaction import StoreTransaction
 
 __version__ = "0.1.0"
 
@@ -86,6 +86,7 @@ __all__ = [
     "CheckpointRef",
     "Client",
     "ClientClosedError",
+    "ClientStatistics",
     "ConflictError",
     "DeleteResult",
     "EventLoopError",

@@ -27,7 +27,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 
-from ._endpoints import Endpoint, Endpoints, parse_endpoints
+from ._connection import Connection
+from ._endpoints import Endpoint, parse_endpoints
 from ._errors import (
     ClientClosedError,
     EventLoopError,
@@ -48,15 +49,7 @@ from ._errors import (
     UsageError,
     from_rpc_error,
 )
-from ._execute import (
-    ExecuteDispatcher,
-    SharedDispatcher,
-    attempt_of,
-    check_window,
-    open_execute,
-    share_key,
-)
-from ._ids import new_request_id
+from ._execute import check_window
 from ._records import (
     DeleteResult,
     FenceStatus,
@@ -72,10 +65,10 @@ from ._records import (
     status_to_pb,
     watch_event_from_pb,
 )
-from ._renewal import Renewer, StreamRenewer, UnaryRenewer
-from ._retry import RetryPolicy, call_with_retry
-from ._security import TLS, aio_channel, channel_credentials
-from ._store import AsyncStore
+from ._renewal import NoRenewer, Renewer, StreamRenewer, UnaryRenewer
+from ._retry import RetryPolicy
+from ._security import TLS, channel_credentials
+from ._store import AsyncStore, fence_of, telling
 from .v1 import ledger_pb2, ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 
 if TYPE_CHECKING:
@@ -108,7 +101,7 @@ def _ledger_rpc(method: str) -> Callable[[Endpoint], Callable[..., Any]]:
 # awaitable, the client runs that as a task (and awaits it on close).
 OnLost = Callable[["Lease", LostReason], object]
 
-Renewal = Literal["stream", "unary"]
+Renewal = Literal["stream", "unary", "off"]
 Transport = Literal["stream", "unary"]
 
 # Lease state changes told to listeners (the sync facade's threading events).
@@ -119,6 +112,25 @@ def default_owner() -> str:
     """``{hostname}-{pid}-{random}``: two live processes never share one."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStatistics:
+    """What a client has sent and keeps alive, at one moment
+    (``Client.statistics()``): for tests, benchmarks and dashboards. Counts
+    run from the client's creation. Clients that share an Execute stream
+    (``Client``'s docs) report the shared stream's counts."""
+
+    endpoints: tuple[str, ...]  # every endpoint known: those given, then leaders learned
+    leases_kept: int  # leases the renewer keeps alive (0 with renewal="off")
+    keepalive_streams_opened: int
+    keepalive_messages_sent: int
+    keepalive_stream_name: str  # the open KeepAlive stream's name; "" while none is
+    renewal_passes: int  # the stream renewer's passes over the leases due
+    execute_stream_open: bool  # mutations travel on the Execute stream right now
+    execute_streams_opened: int
+    execute_messages_sent: int
+    execute_commands_sent: int  # commands those messages carried
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +182,7 @@ class Lease:
         self._risk_at = -math.inf  # the safe-until the timer was set for
         self._listeners: builtins.list[Callable[[str], None]] = []
         self._guards: set[_Guard] = set()
+        self._kept = _Kept(self)  # what the renewer sees of this lease
         if sent_at is not None:
             self._note_renewal(sent_at, record)
 
@@ -258,7 +271,7 @@ class Lease:
 
     def check(self) -> None:
         """Raise ``LeaseLostError`` if the lease is lost, ``LeaseAtRiskError``
-        (a subclass) if it is at risk; return None otherwise. A cheap local
+        (not a kind of it) if it is at risk; return None otherwise. A cheap local
         check, for loops that do side effects between awaits."""
         if self.is_lost:
             raise self._lost_error()
@@ -285,8 +298,7 @@ class Lease:
         (or cancel, delete, finish) a write raises ``LeaseLostError``, writes
         nothing, and marks this lease lost. Reads are unchanged."""
         view = self._client.store.fenced(run_id=self._run_id, fencing_token=self._token)
-        view._on_fence_refused = self._fence_refused
-        return view
+        return telling(view, self._fence_refused)
 
     def transaction(self) -> StoreTransaction:
         """``async with lease.transaction() as tx:`` -- the store writes made on
@@ -297,7 +309,7 @@ class Lease:
         from ._transaction import StoreTransaction
 
         view = self.fenced()
-        return StoreTransaction(view, view._fence, lease=self)
+        return StoreTransaction(view, fence_of(view), lease=self._kept)
 
     def _fence_refused(self, exc: FencepostError) -> None:
         """A fenced write was refused RUN_LEASE_LOST: the lease is lost unless the
@@ -534,7 +546,7 @@ class Lease:
             # No renewal may race the command that drops the lease: it would
             # be refused with RUN_LEASE_LOST and flag a lease we gave up. The
             # command's commit also ends the server's tracking of it.
-            await renewer.stop(self, untrack=False)
+            await renewer.stop(self._kept, untrack=False)
         sent_at = time.monotonic()
         try:
             resp = await self._client._call(method, request, mutation=True, policy=policy)
@@ -546,7 +558,7 @@ class Lease:
             raise  # may have been applied: do not renew a lease we may have dropped
         except FencepostError:
             if drops_lease and self.is_active:
-                renewer.start(self)  # refused: we still hold it
+                renewer.start(self._kept)  # refused: we still hold it
             raise
         rec = record_from_pb(resp.run)
         self._record = rec
@@ -556,7 +568,7 @@ class Lease:
             self._note_renewal(sent_at, rec)
         return rec
 
-    async def _renew_in_background(self, policy: RetryPolicy) -> None:
+    async def _renew_once(self, policy: RetryPolicy) -> None:
         req = ledger_pb2.RenewRequest(run_id=self._run_id, owner=self._owner,
                                       fencing_token=self._token, lease_ttl_ms=self._ttl_ms)
         await self._fenced("Renew", req, policy=policy)
@@ -565,7 +577,7 @@ class Lease:
         """Leaving ``async with client.acquire(...)``: release unless finished,
         suspended, released or lost. Never masks the block's exception."""
         if not self.is_active or self._client.closed:
-            await self._client._renewer.stop(self)
+            await self._client._renewer.stop(self._kept)
             return
         policy = _AT_RISK_CLEANUP_RETRY if self.at_risk else _CLEANUP_RETRY
         req = ledger_pb2.ReleaseRequest(run_id=self._run_id, owner=self._owner,
@@ -585,7 +597,85 @@ class Lease:
                 "with owner %r until it expires on the server (ttl %d ms); another worker "
                 "can take the run over then", self._run_id, why, self._owner, self._ttl_ms)
         finally:
-            await self._client._renewer.stop(self)
+            await self._client._renewer.stop(self._kept)
+
+
+def hooks_of(lease: Lease) -> _Kept:
+    """The seam of ``lease`` for its renewer (``_renewal.KeptLease``) and its
+    blocking twin (``_sync.LeaseHooks``)."""
+    return lease._kept
+
+
+class _Kept:
+    """A lease as its renewer (``_renewal.KeptLease``), its transactions
+    (``_transaction.TxLease``) and its blocking twin (``_sync.LeaseHooks``)
+    see it: what they read of it and tell it."""
+
+    __slots__ = ("_lease",)
+
+    def __init__(self, lease: Lease) -> None:
+        self._lease = lease
+
+    @property
+    def run_id(self) -> str:
+        return self._lease._run_id
+
+    @property
+    def fencing_token(self) -> int:
+        return self._lease._token
+
+    @property
+    def owner(self) -> str:
+        return self._lease._owner
+
+    @property
+    def ttl_ms(self) -> int:
+        return self._lease._ttl_ms
+
+    @property
+    def is_active(self) -> bool:
+        return self._lease.is_active
+
+    @property
+    def is_lost(self) -> bool:
+        return self._lease.is_lost
+
+    @property
+    def safe_until(self) -> float:
+        return self._lease.safe_until
+
+    def renewed(self, sent_at: float, ttl_remaining_ms: float, expires_at: datetime) -> None:
+        self._lease._renewed(sent_at, ttl_remaining_ms, expires_at)
+
+    def expiring(self, expires_at: datetime) -> None:
+        self._lease._expiring(expires_at)
+
+    def mark_lost(self, record: RunRecord | None, reason: LostReason | None) -> None:
+        self._lease._mark_lost(record, reason)
+
+    async def renew_once(self, policy: RetryPolicy) -> None:
+        await self._lease._renew_once(policy)
+
+    @property
+    def risk_epoch(self) -> int:
+        """How many times the lease became at risk or lost."""
+        return self._lease._risk_epoch
+
+    def add_listener(self, listener: Callable[[str], None]) -> None:
+        self._lease._add_listener(listener)
+
+    def lost_error(self) -> LeaseLostError:
+        return self._lease._lost_error()
+
+    def at_risk_error(self) -> LeaseAtRiskError:
+        return self._lease._at_risk_error()
+
+    def saw(self, record: RunRecord) -> None:
+        """A write under this lease (in a transaction) answered ``record``."""
+        self._lease._record = record
+
+    async def exit_block(self, failed: bool) -> None:
+        await self._lease._exit_block(failed)
 
 
 class _Guard:
@@ -701,8 +791,13 @@ class Client:
     ``expiring`` pushed by the server; reconnects with jittered backoff and
     re-tracks every lease). ``renewal="unary"`` renews each lease with unary
     Renew calls instead (loss is then learned from a refused renewal).
-    ``on_lost(lease, reason)`` is called on the client's loop whenever one of
-    its leases is lost.
+    ``renewal="off"`` renews nothing: for callers that renew by themselves
+    (``lease.renew()``, or a transaction's ``tx.renew()``); a lease then
+    expires at its ttl unless they do. ``on_lost(lease, reason)`` is called
+    on the client's loop whenever one of its leases is lost.
+
+    ``client.statistics()`` tells what the client has sent and keeps alive
+    (``ClientStatistics``): for tests, benchmarks and dashboards.
 
     ``transport="stream"`` (default) sends every ledger mutation (acquire,
     the fenced calls, cancel, request_resume, delete), and every engine-store
@@ -749,41 +844,33 @@ class Client:
             channel_credentials(one, tls, token)  # refuse bad combinations now
         if transport not in ("stream", "unary"):
             raise ValueError(f"transport must be 'stream' or 'unary', not {transport!r}")
+        if renewal not in ("stream", "unary", "off"):
+            raise ValueError(f"renewal must be 'stream', 'unary' or 'off', not {renewal!r}")
         self._owner = owner if owner is not None else default_owner()
         self._default_ttl_ms = default_ttl_ms
         self._retry = retry
-        self._channel_options = builtins.list(channel_options)
-        self._interceptors = builtins.list(interceptors)
-        self._tls, self._token = tls, token
-        self._endpoints = Endpoints(
-            addresses, self._open_channel,
-            check=lambda one: channel_credentials(one, self._tls, self._token),
-        )
         self._store: AsyncStore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # the one way to the coordinators, handed to the store and the renewer
+        self._connection = Connection.open(
+            addresses, retry=retry, tls=tls, token=token, options=channel_options,
+            interceptors=interceptors, transport=transport, window_s=window_s,
+            before_open=self._bound,
+        )
         self._renewer: Renewer
         if renewal == "stream":
-            self._renewer = StreamRenewer(self, retry)
+            self._renewer = StreamRenewer(self._connection, self._owner, retry)
         elif renewal == "unary":
             self._renewer = UnaryRenewer(retry)
         else:
-            raise ValueError(f"renewal must be 'stream' or 'unary', not {renewal!r}")
+            self._renewer = NoRenewer()
         self._renewal: Renewal = renewal
-        # ledger and store mutations over one Execute stream (None: all unary)
-        self._dispatcher: ExecuteDispatcher | SharedDispatcher | None = None
-        if transport == "stream":
-            key = share_key(addresses, tls=tls, token=token, options=self._channel_options,
-                            interceptors=self._interceptors, window_s=window_s, retry=retry)
-            self._dispatcher = (
-                ExecuteDispatcher(open_execute, self._endpoints, window_s=window_s, retry=retry)
-                if key is None else SharedDispatcher(key)
-            )
         self._on_lost = on_lost
         self._cleanups: set[asyncio.Task[Any]] = set()
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"<Client {','.join(self._endpoints.listed)} owner={self._owner!r}>"
+        return f"<Client {','.join(self._connection.endpoints.listed)} owner={self._owner!r}>"
 
     async def __aenter__(self) -> Client:
         self.stubs  # noqa: B018 - open the channel on this loop
@@ -809,9 +896,7 @@ class Client:
         await self._renewer.aclose()
         if self._cleanups:
             await asyncio.wait(builtins.list(self._cleanups))
-        if self._dispatcher is not None:
-            await self._dispatcher.aclose()
-        await self._endpoints.aclose()
+        await self._connection.aclose()
 
     # -- configuration ---------------------------------------------------------------
 
@@ -819,13 +904,13 @@ class Client:
     def address(self) -> str:
         """The endpoint calls go to now: the one believed to lead (the first
         one given, until a standby or a failure says otherwise)."""
-        return self._endpoints.current.address
+        return self._connection.current.address
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         """The endpoints given, in order (``address`` is one of them, or a
         leader a standby named)."""
-        return self._endpoints.listed
+        return self._connection.endpoints.listed
 
     @property
     def owner(self) -> str:
@@ -846,8 +931,26 @@ class Client:
 
     @property
     def renewal(self) -> Renewal:
-        """How leases are kept alive: "stream" (KeepAlive) or "unary" (Renew)."""
+        """How leases are kept alive: "stream" (KeepAlive), "unary" (Renew) or
+        "off" (by the caller)."""
         return self._renewal
+
+    def statistics(self) -> ClientStatistics:
+        """What this client has sent and keeps alive now (``ClientStatistics``)."""
+        streams, messages, passes, kept = self._renewer.statistics()
+        is_open, opened, sent, commands = self._connection.statistics()
+        return ClientStatistics(
+            endpoints=self._connection.endpoints.addresses,
+            leases_kept=kept,
+            keepalive_streams_opened=streams,
+            keepalive_messages_sent=messages,
+            keepalive_stream_name=self._renewer.stream_name(),
+            renewal_passes=passes,
+            execute_stream_open=is_open,
+            execute_streams_opened=opened,
+            execute_messages_sent=sent,
+            execute_commands_sent=commands,
+        )
 
     @property
     def store(self) -> AsyncStore:
@@ -855,9 +958,7 @@ class Client:
         share this client's Execute stream (``transport``); the rest is unary.
         It follows the leader with the client."""
         if self._store is None:
-            store = AsyncStore(self._endpoints, retry=self._retry)
-            store._dispatcher = self._dispatcher
-            self._store = store
+            self._store = AsyncStore(self._connection)
         return self._store
 
     @property
@@ -874,7 +975,7 @@ class Client:
     def _endpoint(self) -> Endpoint:
         """The current endpoint, its channel open (on this loop)."""
         self._bound()
-        endpoint = self._endpoints.current
+        endpoint = self._connection.current
         endpoint.channel  # noqa: B018 - opens it
         return endpoint
 
@@ -888,18 +989,6 @@ class Client:
         elif loop is not self._loop:
             raise EventLoopError("a fencepost Client is bound to the event loop it was first "
                                "used on")
-
-    def _open_channel(self, address: str) -> grpc.aio.Channel:
-        """The channel of one endpoint, opened the first time it is used."""
-        self._bound()
-        return aio_channel(
-            address, tls=self._tls, token=self._token,
-            options=self._channel_options, interceptors=self._interceptors or None,
-        )
-
-    def _open_keepalive(self, endpoint: Endpoint) -> Any:
-        """A new KeepAlive call (write()/read() style) on ``endpoint``."""
-        return endpoint.stub(ledger_pb2_grpc.LedgerStub).KeepAlive()  # type: ignore[call-arg]
 
     # -- worker calls ------------------------------------------------------------------
 
@@ -930,7 +1019,7 @@ class Client:
         statuses: Iterable[RunStatus | str] = (),
         owner: str | None = None,
         page_size: int = 100,
-    ) -> AsyncIterator[RunRecord]:
+    ) -> AsyncGenerator[RunRecord, None]:
         """Every run (ordered by run_id) matching the filters, fetching pages of
         ``page_size`` as the iteration proceeds."""
         wanted = tuple(parse_status(s) for s in statuses)
@@ -1020,9 +1109,9 @@ class Client:
             # anyone knows (a standby refusing the stream moves it)
             endpoint = self._endpoint()
             try:
-                await self._endpoints.reachable(endpoint, None)
+                await self._connection.endpoints.reachable(endpoint, None)
             except UnavailableError as unreachable:
-                self._endpoints.after_failure(endpoint, unreachable)
+                self._connection.endpoints.after_failure(endpoint, unreachable)
                 continue
             call = endpoint.stub(ledger_pb2_grpc.LedgerStub).WatchRuns(
                 ledger_pb2.WatchRunsRequest(run_ids=ids, from_revision=next_rev)
@@ -1039,7 +1128,7 @@ class Client:
                 if not (exc.grpc_code is grpc.StatusCode.UNAVAILABLE
                         or isinstance(exc, StreamTooSlowError)):
                     raise exc from err
-                self._endpoints.after_failure(endpoint, exc)
+                self._connection.endpoints.after_failure(endpoint, exc)
                 log.info("watch stream ended (%s); resuming from revision %d", exc, next_rev)
             else:
                 log.info("watch stream closed by the server; resuming from revision %d",
@@ -1072,7 +1161,7 @@ class Client:
         sent_at = time.monotonic()  # before the first attempt: a retry only makes it safer
         resp = await self._call("Acquire", req, mutation=True)
         lease = Lease(self, record_from_pb(resp.run), ttl, sent_at=sent_at)
-        self._renewer.start(lease, tracked_on=req.track_on if resp.tracked else "")
+        self._renewer.start(lease._kept, tracked_on=req.track_on if resp.tracked else "")
         return lease
 
     async def _current_revision(self) -> int:
@@ -1123,17 +1212,12 @@ class Client:
         mutation: bool,
         policy: RetryPolicy | None = None,
     ) -> Any:
-        """One logical call of the Ledger RPC ``method``: a mutation gets one
-        request id, reused by every retry; only UNAVAILABLE is retried, each
-        attempt on the endpoint believed to lead (``_endpoints``); errors are
-        mapped once. A ledger mutation's attempts go over the Execute stream
-        when it is up (a broken stream counts as UNAVAILABLE), else unary."""
+        """One logical call of the Ledger RPC ``method`` (``Connection.call``:
+        one request id for a mutation's attempts, each on the endpoint believed
+        to lead, over the Execute stream when it is up; errors mapped once)."""
         self._bound()
-        if mutation and not request.request_id:
-            request.request_id = new_request_id()
-        attempt = attempt_of(self._dispatcher, _ledger_rpc(method), request, mutation=mutation)
-        return await call_with_retry(attempt, policy or self._retry, mutation=mutation,
-                                     endpoints=self._endpoints)
+        return await self._connection.call(_ledger_rpc(method), request, mutation=mutation,
+                                           policy=policy)
 
     async def _cleanup(self, coro: Any, limit_s: float) -> Any:
         """Run cleanup work shielded from the caller's cancellation and bounded

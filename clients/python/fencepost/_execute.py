@@ -374,6 +374,16 @@ class ExecuteDispatcher:
         """Commands go on the stream (rather than unary) right now."""
         return self._session is not None and self._session.usable
 
+    def statistics(self) -> tuple[bool, int, int, int]:
+        """(open now, streams opened, messages sent, commands sent), the open
+        stream's sends included."""
+        live = self._session
+        messages, commands = self.messages_sent, self.commands_sent
+        if live is not None:
+            messages += live.messages_sent
+            commands += live.commands_sent
+        return self.is_open, self.streams_opened, messages, commands
+
     def carries(self, request: Any) -> bool:
         """Whether ``request`` is a mutation the stream may carry (a ``Command``
         kind, small enough for a message)."""
@@ -643,6 +653,12 @@ class SharedDispatcher:
     @property
     def unimplemented(self) -> bool:
         return self._shared is not None and self._shared.dispatcher.unimplemented
+
+    def statistics(self) -> tuple[bool, int, int, int]:
+        """``ExecuteDispatcher.statistics`` of the shared stream."""
+        if self._shared is None:
+            return False, 0, 0, 0
+        return self._shared.dispatcher.statistics()
 
     def carries(self, request: Any) -> bool:
         return not self._closed and _streamable(request)

@@ -1,7 +1,10 @@
 """Background lease renewal, behind a small seam.
 
 The client talks to a ``Renewer`` only through ``start(lease)``,
-``stop(lease)`` and ``aclose()``. Two implementations:
+``stop(lease)`` and ``aclose()``; a renewer sees a lease only as a
+``KeptLease`` (what it reads of it and tells it), and the stream renewer
+sees the client's connection only as a ``Route`` (where to open its stream,
+and how to follow the leader). Three implementations:
 
 - ``StreamRenewer`` (the default): one KeepAlive stream per client carries
   the renewals of all its leases, each at a third of its ttl, and brings back
@@ -19,6 +22,8 @@ The client talks to a ``Renewer`` only through ``start(lease)``,
   live lease, and the renewals sent on reconnect say so.
 - ``UnaryRenewer``: one task per lease calling the unary ``Renew`` every ttl/3
   (etcd's habit). Loss is learned from a refused renewal.
+- ``NoRenewer`` (``Client(renewal="off")``): renews nothing; the caller
+  renews its leases itself (``lease.renew()``).
 
 Every task has an owner: the renewer keeps it until ``stop`` or ``aclose``
 cancels and awaits it.
@@ -35,6 +40,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -46,12 +52,12 @@ from ._errors import (
     UnavailableError,
     from_rpc_error,
 )
-from ._records import lost_reason_from_pb, record_from_pb, time_from_pb
+from ._records import LostReason, RunRecord, lost_reason_from_pb, record_from_pb, time_from_pb
 from ._retry import RetryPolicy
 from .v1 import ledger_pb2 as pb
+from .v1 import ledger_pb2_grpc
 
 if TYPE_CHECKING:
-    from ._client import Client, Lease
     from ._endpoints import Endpoint
 
 log = logging.getLogger("fencepost.renewal")
@@ -63,8 +69,61 @@ _TRANSIENT_CODES = frozenset({"STORAGE_UNAVAILABLE", "STORAGE_FULL"})
 _MIN_RECONNECT_S = 0.01
 
 
+class KeptLease(Protocol):
+    """What a renewer reads of a lease, and what it tells it."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def fencing_token(self) -> int: ...
+    @property
+    def ttl_ms(self) -> int: ...
+    @property
+    def is_active(self) -> bool: ...
+    @property
+    def is_lost(self) -> bool: ...
+    @property
+    def safe_until(self) -> float: ...
+
+    def renewed(self, sent_at: float, ttl_remaining_ms: float, expires_at: datetime) -> None:
+        """A renewal sent at ``sent_at`` (monotonic) was answered."""
+
+    def expiring(self, expires_at: datetime) -> None:
+        """The server says the lease passed ``expires_at`` with no renewal."""
+
+    def mark_lost(self, record: RunRecord | None, reason: LostReason | None) -> None:
+        """The fence moved (a ``lost`` answer or push)."""
+
+    async def renew_once(self, policy: RetryPolicy) -> None:
+        """One unary Renew at the lease's ttl (``LeaseLostError`` when refused so)."""
+
+
+class Route(Protocol):
+    """What the stream renewer needs of the client's connection: the
+    endpoint to open its stream on, and how to follow the leader."""
+
+    @property
+    def current(self) -> Endpoint: ...
+    def __len__(self) -> int: ...
+    async def reachable(self, endpoint: Endpoint, timeout_s: float | None) -> float | None: ...
+    def answered(self, endpoint: Endpoint) -> None: ...
+    def after_failure(self, endpoint: Endpoint, exc: FencepostError) -> bool: ...
+
+
+class Line(Protocol):
+    """What the stream renewer is handed: a connection with its ``Route``."""
+
+    @property
+    def endpoints(self) -> Route: ...
+
+
+def open_keepalive(endpoint: Endpoint) -> Any:
+    """A new KeepAlive call (write()/read() style) on ``endpoint``."""
+    return endpoint.stub(ledger_pb2_grpc.LedgerStub).KeepAlive()  # type: ignore[call-arg]
+
+
 class Renewer(Protocol):
-    def start(self, lease: Lease, *, tracked_on: str = "") -> None:
+    def start(self, lease: KeptLease, *, tracked_on: str = "") -> None:
         """Begin keeping ``lease`` alive (idempotent). ``tracked_on``: the
         server already tracks it on the KeepAlive stream of that name."""
 
@@ -72,7 +131,7 @@ class Renewer(Protocol):
         """The name of the open KeepAlive stream, for AcquireRequest.track_on
         (empty: none is open)."""
 
-    async def stop(self, lease: Lease, *, untrack: bool = True) -> None:
+    async def stop(self, lease: KeptLease, *, untrack: bool = True) -> None:
         """Stop renewing ``lease`` and wait until no renewal is in flight.
         ``untrack=False``: the caller is about to drop the lease with a command
         of its own (finish, release, suspend), whose commit ends the server's
@@ -80,6 +139,28 @@ class Renewer(Protocol):
 
     async def aclose(self) -> None:
         """Stop every renewal; ``start`` does nothing afterwards."""
+
+    def statistics(self) -> tuple[int, int, int, int]:
+        """(streams opened, messages sent, scheduler passes, leases kept)."""
+
+
+class NoRenewer:
+    """``renewal="off"``: keeps nothing alive; the caller renews by itself."""
+
+    def stream_name(self) -> str:
+        return ""
+
+    def start(self, lease: KeptLease, *, tracked_on: str = "") -> None:
+        pass
+
+    async def stop(self, lease: KeptLease, *, untrack: bool = True) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+    def statistics(self) -> tuple[int, int, int, int]:
+        return (0, 0, 0, 0)
 
 
 class UnaryRenewer:
@@ -94,20 +175,23 @@ class UnaryRenewer:
 
     def __init__(self, retry: RetryPolicy) -> None:
         self._retry = retry
-        self._tasks: dict[Lease, asyncio.Task[None]] = {}
+        self._tasks: dict[KeptLease, asyncio.Task[None]] = {}
         self._closed = False
 
     def stream_name(self) -> str:
         return ""  # no KeepAlive stream: nothing to track on
 
-    def start(self, lease: Lease, *, tracked_on: str = "") -> None:
+    def statistics(self) -> tuple[int, int, int, int]:
+        return (0, 0, 0, len(self._tasks))
+
+    def start(self, lease: KeptLease, *, tracked_on: str = "") -> None:
         if self._closed or lease in self._tasks:
             return
         self._tasks[lease] = asyncio.create_task(
             self._run(lease), name=f"fencepost-renew:{lease.run_id}"
         )
 
-    async def stop(self, lease: Lease, *, untrack: bool = True) -> None:
+    async def stop(self, lease: KeptLease, *, untrack: bool = True) -> None:
         task = self._tasks.pop(lease, None)
         if task is not None:
             task.cancel()
@@ -124,7 +208,7 @@ class UnaryRenewer:
         if tasks:
             await asyncio.wait(tasks)
 
-    async def _run(self, lease: Lease) -> None:
+    async def _run(self, lease: KeptLease) -> None:
         interval = lease.ttl_ms / 3000
         backoff = self._retry.backoffs()
         delay = interval
@@ -134,7 +218,7 @@ class UnaryRenewer:
                 return
             interval = lease.ttl_ms / 3000
             try:
-                await lease._renew_in_background(RetryPolicy.no_retry(max(interval, 0.1)))
+                await lease.renew_once(RetryPolicy.no_retry(max(interval, 0.1)))
             except LeaseLostError:
                 log.warning("lease on %r lost (token %d)", lease.run_id, lease.fencing_token)
                 return
@@ -157,7 +241,7 @@ Key = tuple[str, int]  # (run_id, fencing_token): one handle
 
 @dataclass(eq=False)
 class _Entry:
-    lease: Lease
+    lease: KeptLease
     next_renew: float = 0.0  # monotonic time the next renewal is due
     renewing: bool = True  # False: only tracked (renewal refused for good)
     sent: bool = False  # has been on a stream: renew it on reconnect
@@ -185,8 +269,9 @@ class StreamRenewer:
     in a heap).
     """
 
-    def __init__(self, client: Client, retry: RetryPolicy) -> None:
-        self._client = client
+    def __init__(self, connection: Line, owner: str, retry: RetryPolicy) -> None:
+        self._route = connection.endpoints
+        self._owner = owner
         self._retry = retry
         self._entries: dict[Key, _Entry] = {}
         # Send times of this stream's renewals not answered yet, per handle,
@@ -223,7 +308,10 @@ class StreamRenewer:
     def stream_name(self) -> str:
         return self._name
 
-    def start(self, lease: Lease, *, tracked_on: str = "") -> None:
+    def statistics(self) -> tuple[int, int, int, int]:
+        return (self.sessions, self.messages, self.passes, len(self._entries))
+
+    def start(self, lease: KeptLease, *, tracked_on: str = "") -> None:
         if self._closed or not lease.is_active:
             return
         entry = _Entry(lease)
@@ -247,7 +335,7 @@ class StreamRenewer:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="fencepost-keepalive")
 
-    async def stop(self, lease: Lease, *, untrack: bool = True) -> None:
+    async def stop(self, lease: KeptLease, *, untrack: bool = True) -> None:
         """Stop renewing and tracking ``lease``. Renewals already sent may still
         be committed before a command that drops the lease, never after it (the
         fence refuses them); their answers are ignored.
@@ -336,7 +424,7 @@ class StreamRenewer:
             await self._has_entries.wait()
             started = time.monotonic()
             self._answered = False
-            endpoint = self._client._endpoints.current
+            endpoint = self._route.current
             failure: FencepostError | None = None
             try:
                 await self._session(endpoint)
@@ -356,9 +444,8 @@ class StreamRenewer:
             except Exception:
                 log.exception("KeepAlive stream crashed; reconnecting")
             # a standby, or an endpoint gone: the next stream goes elsewhere
-            at_once = failure is not None and self._client._endpoints.after_failure(
-                endpoint, failure)
-            if at_once and hops < len(self._client._endpoints):
+            at_once = failure is not None and self._route.after_failure(endpoint, failure)
+            if at_once and hops < len(self._route):
                 hops += 1
                 await asyncio.sleep(_MIN_RECONNECT_S)
                 continue
@@ -370,13 +457,13 @@ class StreamRenewer:
     async def _session(self, endpoint: Endpoint) -> None:
         """One stream to ``endpoint``: hello, renew or track every lease, then
         run until it ends."""
-        await self._client._endpoints.reachable(endpoint, None)
-        call: Any = self._client._open_keepalive(endpoint)  # write()/read()
+        await self._route.reachable(endpoint, None)
+        call: Any = open_keepalive(endpoint)  # write()/read()
         self.sessions += 1
         outbox: asyncio.Queue[tuple[pb.KeepAliveRequest, _Entry | None]] = asyncio.Queue()
         name = f"{self._name_prefix}-{self.sessions}"
         outbox.put_nowait((pb.KeepAliveRequest(
-            hello=pb.KeepAliveHello(owner=self._client.owner, stream_name=name)), None))
+            hello=pb.KeepAliveHello(owner=self._owner, stream_name=name)), None))
         self._outbox = outbox
         self._name = name
         self._pending.clear()  # answers of a dead stream never come
@@ -518,7 +605,7 @@ class StreamRenewer:
         the stream, so the next one goes to another endpoint while the lease
         is still safe. A lone endpoint keeps its stream (reconnecting to the
         same server would only queue the renewals again)."""
-        if len(self._client._endpoints) > 1 and waited_s >= entry.lease.ttl_ms / 3000:
+        if len(self._route) > 1 and waited_s >= entry.lease.ttl_ms / 3000:
             raise _Stalled(f"a renewal of {entry.lease.run_id!r} got no answer for "
                            f"{waited_s:.1f} s")
 
@@ -529,7 +616,7 @@ class StreamRenewer:
                 return
             if not self._answered:
                 self._answered = True
-                self._client._endpoints.answered(endpoint)
+                self._route.answered(endpoint)
             for one in resp.batch or (resp,):  # the server coalesces answers
                 try:
                     self._dispatch(one)
@@ -554,7 +641,7 @@ class StreamRenewer:
             sent_at = self._answered_renewal(key)
             entry = self._entries.get(key)
             if entry is not None and sent_at is not None:
-                entry.lease._renewed(sent_at, r.ttl_remaining_ms, time_from_pb(r.expires_at))
+                entry.lease.renewed(sent_at, r.ttl_remaining_ms, time_from_pb(r.expires_at))
         elif kind == "lost":
             m = resp.lost
             key = (m.run_id, m.fencing_token)
@@ -562,12 +649,12 @@ class StreamRenewer:
             gone = self._drop(key)  # the server untracked it
             if gone is not None:
                 record = record_from_pb(m.record) if m.HasField("record") else None
-                gone.lease._mark_lost(record, lost_reason_from_pb(m.reason))
+                gone.lease.mark_lost(record, lost_reason_from_pb(m.reason))
         elif kind == "expiring":
             x = resp.expiring
             entry = self._entries.get((x.run_id, x.fencing_token))
             if entry is not None:
-                entry.lease._expiring(time_from_pb(x.expires_at))
+                entry.lease.expiring(time_from_pb(x.expires_at))
         elif kind == "error":
             e = resp.error
             for key in [k for k in self._pending if k[0] == e.run_id]:

@@ -43,7 +43,6 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
-    Coroutine,
     Iterable,
     Iterator,
     Sequence,
@@ -57,7 +56,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import grpc
 
 from ._connect import until_connected
-from ._endpoints import Endpoint, Endpoints, parse_endpoints
+from ._connection import Connection
+from ._endpoints import Endpoint, parse_endpoints
 from ._errors import (
     FencepostError,
     InvalidRunStateError,
@@ -67,18 +67,16 @@ from ._errors import (
     ValidationError,
     from_rpc_error,
 )
-from ._execute import attempt_of
 from ._ids import new_request_id
-from ._retry import RetryPolicy, call_with_retry
-from ._security import TLS, aio_channel, channel_credentials
+from ._retry import RetryPolicy
+from ._security import TLS, channel_credentials
 from .v1 import engine_store_pb2 as pb
 from .v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp
 
-    from ._execute import Dispatcher
-    from ._transaction import StoreTransaction, SyncStoreTransaction
+    from ._transaction import StoreTransaction
     from .v1.engine_store_pb2_grpc import EngineStoreAsyncStub
 
 __all__ = [
@@ -98,7 +96,6 @@ __all__ = [
     "RunClaim",
     "RunList",
     "RunNotFound",
-    "SyncStore",
 ]
 
 T = TypeVar("T")
@@ -385,7 +382,7 @@ def make_fence(
     return pb.Fence(run_id=run_id or "", lock_key=lock_key or "", fencing_token=fencing_token)
 
 
-def _statuses(value: str | Iterable[str] | None) -> builtins.list[str]:
+def status_list(value: str | Iterable[str] | None) -> builtins.list[str]:
     if value is None:
         return []
     if isinstance(value, str):
@@ -438,26 +435,26 @@ class AsyncStore:
     """The engine store over a ``grpc.aio`` channel.
 
     ``channel`` is a ``grpc.aio.Channel`` or a zero-argument callable that
-    returns one (called on every use; lets a client open its channel lazily).
-    ``AsyncStore.connect(address)`` opens (and on ``aclose`` closes) a channel
-    of its own per endpoint, and follows the leader when given several
-    (``Client``'s docs); ``client.store`` follows it with its client.
+    returns one (called on every use; lets a client open its channel lazily),
+    or a client's connection (``client.store`` is made so: it follows the
+    leader with its client, and its mutations share the client's Execute
+    stream). ``AsyncStore.connect(address)`` opens (and on ``aclose`` closes)
+    a channel of its own per endpoint, and follows the leader when given
+    several (``Client``'s docs).
     """
 
     def __init__(
         self,
-        channel: grpc.aio.Channel | Callable[[], grpc.aio.Channel] | Endpoints,
+        channel: grpc.aio.Channel | Callable[[], grpc.aio.Channel] | Connection,
         *,
         retry: RetryPolicy | None = None,
     ) -> None:
-        self._endpoints = (
-            channel if isinstance(channel, Endpoints) else Endpoints.of_channel(channel)
-        )
-        self._retry = retry or RetryPolicy()
-        self._owned: Endpoints | None = None
-        # Set by Client.store: the client's Execute dispatcher, which then
-        # carries the mutations (None: every call is unary).
-        self._dispatcher: Dispatcher | None = None
+        if isinstance(channel, Connection):
+            self._connection = channel
+        else:
+            self._connection = Connection.of_channel(channel, retry=retry or RetryPolicy())
+        self._retry = retry or self._connection.retry
+        self._owns = False  # aclose closes the connection (``connect``)
         # A fenced view's precondition, sent with every write (``fenced``),
         # and who to tell when the server refuses it (a Lease marks itself lost).
         self._fence: pb.Fence | None = None
@@ -480,18 +477,15 @@ class AsyncStore:
         options = builtins.list(channel_options)
         for one in addresses:
             channel_credentials(one, tls, token)  # refuse bad combinations now
-        endpoints = Endpoints(
-            addresses,
-            lambda one: aio_channel(one, tls=tls, token=token, options=options),
-            check=lambda one: channel_credentials(one, tls, token),
-        )
-        store = cls(endpoints, retry=retry)
-        store._owned = endpoints
+        connection = Connection.open(addresses, retry=retry or RetryPolicy(), tls=tls,
+                                     token=token, options=options)
+        store = cls(connection)
+        store._owns = True
         return store
 
     async def aclose(self) -> None:
-        if self._owned is not None:
-            await self._owned.aclose()
+        if self._owns:
+            await self._connection.aclose()
 
     async def __aenter__(self) -> AsyncStore:
         return self
@@ -508,14 +502,14 @@ class AsyncStore:
     def stub(self) -> EngineStoreAsyncStub:
         """The raw generated stub (no retries, no conversions, no following),
         on the endpoint believed to lead: the escape hatch."""
-        return _engine_stub(self._endpoints.current)
+        return _engine_stub(self._connection.current)
 
     async def _retried(
         self, attempt: Callable[[Endpoint, float | None], Awaitable[T]], *, mutation: bool,
         policy: RetryPolicy | None = None,
     ) -> T:
-        return await call_with_retry(attempt, policy or self._retry, mutation=mutation,
-                                     endpoints=self._endpoints)
+        return await self._connection.retried(attempt, mutation=mutation,
+                                              policy=policy or self._retry)
 
     async def _unary(self, method: str, request: Any, *, mutation: bool) -> Any:
         """One logical call of a unary RPC: a mutation gets one request id for
@@ -523,20 +517,22 @@ class AsyncStore:
         stream while that is up (one lost with a broken stream is retried like
         UNAVAILABLE), else unary. ``call_with_retry`` maps the errors of both
         through the same function."""
-        if mutation and not request.request_id:
-            request.request_id = new_request_id()
         if mutation and self._fence is not None and not request.HasField("fence"):
             request.fence.CopyFrom(self._fence)
         rpc_of = lambda endpoint: getattr(_engine_stub(endpoint), method)  # noqa: E731
-        attempt = attempt_of(self._dispatcher, rpc_of, request, mutation=mutation)
-        return await self._fenced_call(attempt, mutation=mutation)
+        return await self._reported(
+            self._connection.call(rpc_of, request, mutation=mutation, policy=self._retry))
 
     async def _fenced_call(
         self, attempt: Any, *, mutation: bool, policy: RetryPolicy | None = None
     ) -> Any:
         """``call_with_retry``; a refused fence is also reported to the view's owner."""
+        return await self._reported(self._retried(attempt, mutation=mutation, policy=policy))
+
+    async def _reported(self, call: Awaitable[T]) -> T:
+        """``call``'s answer; a refused fence is also told to the view's owner."""
         try:
-            return await self._retried(attempt, mutation=mutation, policy=policy)
+            return await call
         except (LeaseLostError, LockLostError) as exc:
             if self._on_fence_refused is not None:
                 self._on_fence_refused(exc)
@@ -560,7 +556,7 @@ class AsyncStore:
         unchanged. The view shares this store's channel and transport
         (``lease.fenced()`` makes one for a lease)."""
         view = copy.copy(self)
-        view._owned = None  # closing the view closes nothing
+        view._owns = False  # closing the view closes nothing
         view._fence = make_fence(fencing_token, run_id, lock_key)
         view._on_fence_refused = None
         return view
@@ -590,11 +586,9 @@ class AsyncStore:
 
     async def _transact(self, request: Any) -> Any:
         """One Ledger.Transact (over the Execute stream when the client's is up)."""
-        if not request.request_id:
-            request.request_id = new_request_id()
         rpc_of = lambda endpoint: endpoint.stub(ledger_pb2_grpc.LedgerStub).Transact  # noqa: E731
-        attempt = attempt_of(self._dispatcher, rpc_of, request, mutation=True)
-        return await self._fenced_call(attempt, mutation=True)
+        return await self._reported(
+            self._connection.call(rpc_of, request, mutation=True, policy=self._retry))
 
     async def _collect(self, method: str, request: Any) -> builtins.list[Any]:
         """Every message of a paged listing (retried from the start when the
@@ -665,7 +659,8 @@ class AsyncStore:
         _set_json(patch, "output", output)
         _set_json(patch, "error", error)
         _set_json(patch, "metadata", metadata)
-        req = pb.EngineUpdateRunRequest(id=id, patch=patch, expect_status=_statuses(expect_status))
+        req = pb.EngineUpdateRunRequest(id=id, patch=patch,
+                                        expect_status=status_list(expect_status))
         if expect_owner is not None:
             req.expect_owner = expect_owner
         resp = await self._unary("UpdateRun", req, mutation=True)
@@ -682,7 +677,7 @@ class AsyncStore:
     ) -> RunList:
         """Runs ordered by created_at then id; ``total`` counts every match.
         Without a limit, every match (the server streams them in pages)."""
-        req = pb.EngineListRunsRequest(statuses=_statuses(statuses), offset=offset)
+        req = pb.EngineListRunsRequest(statuses=status_list(statuses), offset=offset)
         if agent is not None:
             req.agent = agent
         if concurrency_key is not None:
@@ -926,256 +921,21 @@ class AsyncStore:
         return bool((await self._unary("DeleteArtifact", req, mutation=True)).deleted)
 
 
-# -- the sync store -------------------------------------------------------------------------
+# -- the seams a lease and a transaction use (nobody else sets a store's attributes) ----------
 
 
-class SyncStore:
-    """The blocking twin of ``AsyncStore``, with the same names and signatures.
+def telling(view: AsyncStore, on_refused: Callable[[FencepostError], None]) -> AsyncStore:
+    """``view`` (a fenced view), telling ``on_refused`` of every refusal of its
+    fence: a Lease marks itself lost."""
+    view._on_fence_refused = on_refused
+    return view
 
-    ``SyncStore(async_store, run)``: ``run(coro)`` runs a coroutine on the
-    event loop the async store's channel belongs to and returns its result
-    (``SyncClient`` passes its private loop's runner). Uploads take bytes or
-    a plain iterable of bytes; ``iter_artifact`` is a plain iterator.
-    """
 
-    def __init__(self, store: AsyncStore, run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
-        self._store = store
-        self._run_coro = run
+def fence_of(store: AsyncStore) -> pb.Fence | None:
+    """The fence every write of ``store`` carries (a ``fenced`` view's), or None."""
+    return store._fence
 
-    @property
-    def async_store(self) -> AsyncStore:
-        return self._store
 
-    def fenced(
-        self,
-        *,
-        fencing_token: int,
-        run_id: str | None = None,
-        lock_key: str | None = None,
-    ) -> SyncStore:
-        """``AsyncStore.fenced``: a view whose every write carries the fence."""
-        view = self._store.fenced(fencing_token=fencing_token, run_id=run_id, lock_key=lock_key)
-        return SyncStore(view, self._run_coro)
-
-    def transaction(
-        self,
-        *,
-        fencing_token: int | None = None,
-        run_id: str | None = None,
-        lock_key: str | None = None,
-    ) -> SyncStoreTransaction:
-        """``with store.transaction(...) as tx:`` (see ``AsyncStore.transaction``)."""
-        from ._transaction import SyncStoreTransaction
-
-        tx = self._store.transaction(fencing_token=fencing_token, run_id=run_id,
-                                     lock_key=lock_key)
-        return SyncStoreTransaction(tx, self._run_coro)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._run_coro(coro)  # type: ignore[no-any-return]
-
-    def create_run(
-        self,
-        id: str,
-        *,
-        agent: str,
-        status: str = "queued",
-        input: Any = ABSENT,
-        output: Any = ABSENT,
-        error: Any = ABSENT,
-        metadata: Any = ABSENT,
-        concurrency_key: str | None = None,
-    ) -> CreateRunResult:
-        return self._run(
-            self._store.create_run(
-                id,
-                agent=agent,
-                status=status,
-                input=input,
-                output=output,
-                error=error,
-                metadata=metadata,
-                concurrency_key=concurrency_key,
-            )
-        )
-
-    def get_run(self, id: str) -> EngineRun | None:
-        return self._run(self._store.get_run(id))
-
-    def update_run(
-        self,
-        id: str,
-        *,
-        status: str | None = None,
-        concurrency_key: str | None = None,
-        input: Any = ABSENT,
-        output: Any = ABSENT,
-        error: Any = ABSENT,
-        metadata: Any = ABSENT,
-        clear: Iterable[str] = (),
-        expect_status: str | Iterable[str] | None = None,
-        expect_owner: str | None = None,
-    ) -> EngineRun:
-        return self._run(
-            self._store.update_run(
-                id,
-                status=status,
-                concurrency_key=concurrency_key,
-                input=input,
-                output=output,
-                error=error,
-                metadata=metadata,
-                clear=builtins.list(clear),
-                expect_status=_statuses(expect_status) if expect_status is not None else None,
-                expect_owner=expect_owner,
-            )
-        )
-
-    def list_runs(
-        self,
-        *,
-        agent: str | None = None,
-        statuses: str | Iterable[str] | None = None,
-        concurrency_key: str | None = None,
-        limit: int | None = None,
-        offset: int = 0,
-    ) -> RunList:
-        return self._run(
-            self._store.list_runs(
-                agent=agent,
-                statuses=_statuses(statuses),
-                concurrency_key=concurrency_key,
-                limit=limit,
-                offset=offset,
-            )
-        )
-
-    def claim_run(self, id: str, owner: str, ttl_ms: int) -> bool:
-        return self._run(self._store.claim_run(id, owner, ttl_ms))
-
-    def renew_claim(self, id: str, owner: str, ttl_ms: int) -> bool:
-        return self._run(self._store.renew_claim(id, owner, ttl_ms))
-
-    def append_step(
-        self,
-        run_id: str,
-        name: str,
-        *,
-        status: str | None = None,
-        input: Any = ABSENT,
-        output: Any = ABSENT,
-        error: Any = ABSENT,
-        metadata: Any = ABSENT,
-    ) -> EngineStep:
-        return self._run(
-            self._store.append_step(
-                run_id,
-                name,
-                status=status,
-                input=input,
-                output=output,
-                error=error,
-                metadata=metadata,
-            )
-        )
-
-    def list_steps(self, run_id: str) -> builtins.list[EngineStep]:
-        return self._run(self._store.list_steps(run_id))
-
-    def save_checkpoint(self, run_id: str, step_index: int, state: Any) -> bool:
-        return self._run(self._store.save_checkpoint(run_id, step_index, state))
-
-    def latest_checkpoint(self, run_id: str) -> EngineCheckpoint | None:
-        return self._run(self._store.latest_checkpoint(run_id))
-
-    def claim_key(self, scope: str, key: str, run_id: str, ttl_ms: int) -> KeyClaim:
-        return self._run(self._store.claim_key(scope, key, run_id, ttl_ms))
-
-    def acquire_lock(self, key: str, owner: str, ttl_ms: int) -> LockGrant:
-        return self._run(self._store.acquire_lock(key, owner, ttl_ms))
-
-    def release_lock(self, key: str, owner: str) -> bool:
-        return self._run(self._store.release_lock(key, owner))
-
-    def get_effect(self, key: str) -> Lookup:
-        return self._run(self._store.get_effect(key))
-
-    def put_effect(self, key: str, result: Any) -> None:
-        self._run(self._store.put_effect(key, result))
-
-    def kv_get(self, agent: str, key: str) -> Lookup:
-        return self._run(self._store.kv_get(agent, key))
-
-    def kv_set(self, agent: str, key: str, value: Any) -> None:
-        self._run(self._store.kv_set(agent, key, value))
-
-    def doc_list(
-        self,
-        agent: str,
-        collection: str,
-        *,
-        where: dict[str, Any] | None = None,
-        limit: int | None = None,
-    ) -> builtins.list[EngineDoc]:
-        return self._run(self._store.doc_list(agent, collection, where=where, limit=limit))
-
-    def doc_upsert(self, agent: str, collection: str, id: str, doc: dict[str, Any]) -> bool:
-        return self._run(self._store.doc_upsert(agent, collection, id, doc))
-
-    def doc_delete(self, agent: str, collection: str, id: str) -> bool:
-        return self._run(self._store.doc_delete(agent, collection, id))
-
-    def put_artifact(
-        self,
-        id: str,
-        data: bytes | bytearray | memoryview | Iterable[bytes],
-        *,
-        run_id: str,
-        size_bytes: int | None = None,
-        name: str = "",
-        content_type: str = "",
-        metadata: Any = ABSENT,
-        sha256: str | None = None,
-    ) -> PutArtifactResult:
-        return self._run(
-            self._store.put_artifact(
-                id,
-                data,
-                run_id=run_id,
-                size_bytes=size_bytes,
-                name=name,
-                content_type=content_type,
-                metadata=metadata,
-                sha256=sha256,
-            )
-        )
-
-    def get_artifact(self, id: str) -> EngineArtifact | None:
-        return self._run(self._store.get_artifact(id))
-
-    def read_artifact(self, id: str) -> bytes:
-        return self._run(self._store.read_artifact(id))
-
-    def iter_artifact(self, id: str) -> Iterator[bytes]:
-        agen = self._store.iter_artifact(id)
-
-        async def step() -> tuple[bool, bytes]:
-            try:
-                return True, await agen.__anext__()
-            except StopAsyncIteration:
-                return False, b""
-
-        try:
-            while True:
-                more, chunk = self._run(step())
-                if not more:
-                    return
-                yield chunk
-        finally:
-            self._run(agen.aclose())  # type: ignore[attr-defined]
-
-    def list_artifacts(self, run_id: str) -> builtins.list[EngineArtifact]:
-        return self._run(self._store.list_artifacts(run_id))
-
-    def delete_artifact(self, id: str) -> bool:
-        return self._run(self._store.delete_artifact(id))
+async def transact(store: AsyncStore, request: Any) -> Any:
+    """One ``Ledger.Transact`` on ``store``'s connection, its fence refusal told."""
+    return await store._transact(request)

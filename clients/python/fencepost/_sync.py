@@ -16,11 +16,19 @@ import builtins
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
@@ -32,11 +40,19 @@ from ._client import (
     LOST,
     SAFE,
     Client,
+    ClientStatistics,
     Lease,
     Renewal,
     Transport,
+    hooks_of,
 )
-from ._errors import ClientClosedError, EventLoopError, UsageError
+from ._errors import (
+    ClientClosedError,
+    EventLoopError,
+    LeaseAtRiskError,
+    LeaseLostError,
+    UsageError,
+)
 from ._records import (
     DeleteResult,
     FenceStatus,
@@ -49,11 +65,26 @@ from ._records import (
 )
 from ._retry import RetryPolicy
 from ._security import TLS, sync_channel
-from ._store import SyncStore
+from ._store import (
+    ABSENT,
+    AsyncStore,
+    CreateRunResult,
+    EngineArtifact,
+    EngineCheckpoint,
+    EngineDoc,
+    EngineRun,
+    EngineStep,
+    KeyClaim,
+    LockGrant,
+    Lookup,
+    PutArtifactResult,
+    RunList,
+    status_list,
+)
 from .v1 import ledger_pb2_grpc, run_store_pb2_grpc
 
 if TYPE_CHECKING:
-    from ._transaction import SyncStoreTransaction
+    from ._transaction import StoreTransaction
 
 T = TypeVar("T")
 log = logging.getLogger("fencepost")
@@ -75,6 +106,17 @@ def _refuse_running_loop() -> None:
 
 
 _CLOSE_WAIT_S = 2.0  # how long close() waits for the private loop's tasks
+
+
+class LeaseHooks(Protocol):
+    """What a ``SyncLease`` needs of its ``Lease`` beyond the public API."""
+
+    @property
+    def risk_epoch(self) -> int: ...
+    def add_listener(self, listener: Callable[[str], None]) -> None: ...
+    def lost_error(self) -> LeaseLostError: ...
+    def at_risk_error(self) -> LeaseAtRiskError: ...
+    async def exit_block(self, failed: bool) -> None: ...
 
 
 class _Portal:
@@ -143,18 +185,19 @@ class SyncLease:
     lease on exit unless it was finished, suspended, released or lost.
     ``lost`` and ``at_risk_event`` are ``threading.Event`` objects."""
 
-    def __init__(self, portal: _Portal, lease: Lease) -> None:
+    def __init__(self, portal: _Portal, lease: Lease, hooks: LeaseHooks) -> None:
         # Built on the portal's loop thread (SyncClient does), where the
         # lease's state changes happen.
         self._portal = portal
         self._lease = lease
+        self._hooks = hooks
         self._lost = threading.Event()
         self._at_risk = threading.Event()
         if lease.is_lost:
             self._lost.set()
         if lease.at_risk_event.is_set():
             self._at_risk.set()
-        lease._add_listener(self._changed)
+        hooks.add_listener(self._changed)
 
     def _changed(self, change: str) -> None:
         if change == LOST:
@@ -177,7 +220,7 @@ class SyncLease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._portal.run(self._lease._exit_block(failed=exc_type is not None))
+        self._portal.run(self._hooks.exit_block(failed=exc_type is not None))
 
     def fenced(self) -> SyncStore:
         """``Lease.fenced``: the engine store with every write fenced by this lease."""
@@ -185,8 +228,6 @@ class SyncLease:
 
     def transaction(self) -> SyncStoreTransaction:
         """``with lease.transaction() as tx:`` (see ``Lease.transaction``)."""
-        from ._transaction import SyncStoreTransaction
-
         return SyncStoreTransaction(self._lease.transaction(), self._portal.run)
 
     @property
@@ -253,7 +294,7 @@ class SyncLease:
         (``LeaseAtRiskError`` for at-risk) is raised from the ``with``. An
         exception raised by the block propagates unchanged. Entering raises at
         once when the lease is already lost or at risk."""
-        return _SyncGuard(self._lease)
+        return _SyncGuard(self._lease, self._hooks)
 
     def renew(self, ttl_ms: int | None = None) -> RunRecord:
         return self._portal.run(self._lease.renew(ttl_ms))
@@ -279,15 +320,16 @@ class SyncLease:
 class _SyncGuard:
     """What ``SyncLease.guard()`` returns (see there)."""
 
-    def __init__(self, lease: Lease) -> None:
+    def __init__(self, lease: Lease, hooks: LeaseHooks) -> None:
         self._lease = lease
+        self._hooks = hooks
         self._epoch: int | None = None
 
     def __enter__(self) -> None:
         if self._epoch is not None:
             raise UsageError("this guard() is already in use")
         self._lease.check()
-        self._epoch = self._lease._risk_epoch
+        self._epoch = self._hooks.risk_epoch
 
     def __exit__(
         self,
@@ -297,11 +339,11 @@ class _SyncGuard:
     ) -> None:
         if exc_type is not None:
             return  # the block's own exception wins
-        lease = self._lease
+        lease, hooks = self._lease, self._hooks
         if lease.is_lost:
-            raise lease._lost_error()
-        if lease._risk_epoch != self._epoch or lease.at_risk:
-            raise lease._at_risk_error()
+            raise hooks.lost_error()
+        if hooks.risk_epoch != self._epoch or lease.at_risk:
+            raise hooks.at_risk_error()
 
 
 class SyncClient:
@@ -443,13 +485,18 @@ class SyncClient:
         return self._portal.run(self._acquire(run_id, ttl_ms, lock_delay_ms))
 
     async def _acquire(self, run_id: str, ttl_ms: int | None, lock_delay_ms: int) -> SyncLease:
-        return self._wrap(await self._client._acquire(run_id, ttl_ms, lock_delay_ms))
+        return self._wrap(await self._client.acquire(run_id, ttl_ms=ttl_ms,
+                                                     lock_delay_ms=lock_delay_ms))
+
+    def statistics(self) -> ClientStatistics:
+        """``Client.statistics``: what this client has sent and keeps alive now."""
+        return self._client.statistics()
 
     def _wrap(self, lease: Lease) -> SyncLease:
         """The SyncLease of a lease (on the loop thread)."""
         sync = self._leases.get(lease)
         if sync is None:
-            sync = SyncLease(self._portal, lease)
+            sync = SyncLease(self._portal, lease, hooks_of(lease))
             self._leases[lease] = sync
         return sync
 
@@ -479,8 +526,9 @@ class SyncClient:
         owner: str | None = None,
         page_size: int = 100,
     ) -> Iterator[RunRecord]:
-        wanted = tuple(parse_status(s) for s in statuses)
-        return self._pages(wanted, owner, page_size)
+        wanted = tuple(parse_status(s) for s in statuses)  # bad input raises here, not later
+        return self._blocking(self._client.list(statuses=wanted, owner=owner,
+                                                page_size=page_size))
 
     def list_all(
         self,
@@ -494,18 +542,26 @@ class SyncClient:
             self._client.list_all(statuses=statuses, owner=owner, page_size=page_size)
         )
 
-    def _pages(
-        self, statuses: tuple[RunStatus, ...], owner: str | None, page_size: int
-    ) -> Iterator[RunRecord]:
-        token = ""
-        while True:
-            records: builtins.list[RunRecord]
-            records, token, _ = self._portal.run(
-                self._client._list_page(statuses, owner, page_size, token)
-            )
-            yield from records
-            if not token:
-                return
+    def _blocking(self, agen: AsyncGenerator[T, None]) -> Generator[T, None, None]:
+        """An async generator of the client's, stepped on its loop."""
+
+        async def step() -> Any:
+            try:
+                return await agen.__anext__()
+            except StopAsyncIteration:
+                return _END
+
+        try:
+            while True:
+                item = self._portal.run(step())
+                if item is _END:
+                    return
+                yield item
+        finally:
+            try:
+                self._portal.run(agen.aclose())
+            except RuntimeError:
+                pass  # the client is closed, or the step was interrupted and still unwinds
 
     def cancel(self, run_id: str, message: str | None = None) -> RunRecord:
         return self._portal.run(self._client.cancel(run_id, message))
@@ -532,22 +588,299 @@ class SyncClient:
     def _events(
         self, run_ids: builtins.list[str], from_revision: int
     ) -> Generator[WatchEvent, None, None]:
-        agen = self._client.watch(run_ids, from_revision)
+        return self._blocking(self._client.watch(run_ids, from_revision))
 
-        async def step() -> Any:
+
+# -- the engine store -------------------------------------------------------------------------
+
+
+class SyncStore:
+    """The blocking twin of ``AsyncStore``, with the same names and signatures.
+
+    ``SyncStore(async_store, run)``: ``run(coro)`` runs a coroutine on the
+    event loop the async store's channel belongs to and returns its result
+    (``SyncClient`` passes its private loop's runner). Uploads take bytes or
+    a plain iterable of bytes; ``iter_artifact`` is a plain iterator.
+    """
+
+    def __init__(self, store: AsyncStore, run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+        self._store = store
+        self._run_coro = run
+
+    @property
+    def async_store(self) -> AsyncStore:
+        return self._store
+
+    def fenced(
+        self,
+        *,
+        fencing_token: int,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> SyncStore:
+        """``AsyncStore.fenced``: a view whose every write carries the fence."""
+        view = self._store.fenced(fencing_token=fencing_token, run_id=run_id, lock_key=lock_key)
+        return SyncStore(view, self._run_coro)
+
+    def transaction(
+        self,
+        *,
+        fencing_token: int | None = None,
+        run_id: str | None = None,
+        lock_key: str | None = None,
+    ) -> SyncStoreTransaction:
+        """``with store.transaction(...) as tx:`` (see ``AsyncStore.transaction``)."""
+        tx = self._store.transaction(fencing_token=fencing_token, run_id=run_id,
+                                     lock_key=lock_key)
+        return SyncStoreTransaction(tx, self._run_coro)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._run_coro(coro)  # type: ignore[no-any-return]
+
+    def create_run(
+        self,
+        id: str,
+        *,
+        agent: str,
+        status: str = "queued",
+        input: Any = ABSENT,
+        output: Any = ABSENT,
+        error: Any = ABSENT,
+        metadata: Any = ABSENT,
+        concurrency_key: str | None = None,
+    ) -> CreateRunResult:
+        return self._run(
+            self._store.create_run(
+                id,
+                agent=agent,
+                status=status,
+                input=input,
+                output=output,
+                error=error,
+                metadata=metadata,
+                concurrency_key=concurrency_key,
+            )
+        )
+
+    def get_run(self, id: str) -> EngineRun | None:
+        return self._run(self._store.get_run(id))
+
+    def update_run(
+        self,
+        id: str,
+        *,
+        status: str | None = None,
+        concurrency_key: str | None = None,
+        input: Any = ABSENT,
+        output: Any = ABSENT,
+        error: Any = ABSENT,
+        metadata: Any = ABSENT,
+        clear: Iterable[str] = (),
+        expect_status: str | Iterable[str] | None = None,
+        expect_owner: str | None = None,
+    ) -> EngineRun:
+        return self._run(
+            self._store.update_run(
+                id,
+                status=status,
+                concurrency_key=concurrency_key,
+                input=input,
+                output=output,
+                error=error,
+                metadata=metadata,
+                clear=builtins.list(clear),
+                expect_status=status_list(expect_status) if expect_status is not None else None,
+                expect_owner=expect_owner,
+            )
+        )
+
+    def list_runs(
+        self,
+        *,
+        agent: str | None = None,
+        statuses: str | Iterable[str] | None = None,
+        concurrency_key: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> RunList:
+        return self._run(
+            self._store.list_runs(
+                agent=agent,
+                statuses=status_list(statuses),
+                concurrency_key=concurrency_key,
+                limit=limit,
+                offset=offset,
+            )
+        )
+
+    def claim_run(self, id: str, owner: str, ttl_ms: int) -> bool:
+        return self._run(self._store.claim_run(id, owner, ttl_ms))
+
+    def renew_claim(self, id: str, owner: str, ttl_ms: int) -> bool:
+        return self._run(self._store.renew_claim(id, owner, ttl_ms))
+
+    def append_step(
+        self,
+        run_id: str,
+        name: str,
+        *,
+        status: str | None = None,
+        input: Any = ABSENT,
+        output: Any = ABSENT,
+        error: Any = ABSENT,
+        metadata: Any = ABSENT,
+    ) -> EngineStep:
+        return self._run(
+            self._store.append_step(
+                run_id,
+                name,
+                status=status,
+                input=input,
+                output=output,
+                error=error,
+                metadata=metadata,
+            )
+        )
+
+    def list_steps(self, run_id: str) -> builtins.list[EngineStep]:
+        return self._run(self._store.list_steps(run_id))
+
+    def save_checkpoint(self, run_id: str, step_index: int, state: Any) -> bool:
+        return self._run(self._store.save_checkpoint(run_id, step_index, state))
+
+    def latest_checkpoint(self, run_id: str) -> EngineCheckpoint | None:
+        return self._run(self._store.latest_checkpoint(run_id))
+
+    def claim_key(self, scope: str, key: str, run_id: str, ttl_ms: int) -> KeyClaim:
+        return self._run(self._store.claim_key(scope, key, run_id, ttl_ms))
+
+    def acquire_lock(self, key: str, owner: str, ttl_ms: int) -> LockGrant:
+        return self._run(self._store.acquire_lock(key, owner, ttl_ms))
+
+    def release_lock(self, key: str, owner: str) -> bool:
+        return self._run(self._store.release_lock(key, owner))
+
+    def get_effect(self, key: str) -> Lookup:
+        return self._run(self._store.get_effect(key))
+
+    def put_effect(self, key: str, result: Any) -> None:
+        self._run(self._store.put_effect(key, result))
+
+    def kv_get(self, agent: str, key: str) -> Lookup:
+        return self._run(self._store.kv_get(agent, key))
+
+    def kv_set(self, agent: str, key: str, value: Any) -> None:
+        self._run(self._store.kv_set(agent, key, value))
+
+    def doc_list(
+        self,
+        agent: str,
+        collection: str,
+        *,
+        where: dict[str, Any] | None = None,
+        limit: int | None = None,
+    ) -> builtins.list[EngineDoc]:
+        return self._run(self._store.doc_list(agent, collection, where=where, limit=limit))
+
+    def doc_upsert(self, agent: str, collection: str, id: str, doc: dict[str, Any]) -> bool:
+        return self._run(self._store.doc_upsert(agent, collection, id, doc))
+
+    def doc_delete(self, agent: str, collection: str, id: str) -> bool:
+        return self._run(self._store.doc_delete(agent, collection, id))
+
+    def put_artifact(
+        self,
+        id: str,
+        data: bytes | bytearray | memoryview | Iterable[bytes],
+        *,
+        run_id: str,
+        size_bytes: int | None = None,
+        name: str = "",
+        content_type: str = "",
+        metadata: Any = ABSENT,
+        sha256: str | None = None,
+    ) -> PutArtifactResult:
+        return self._run(
+            self._store.put_artifact(
+                id,
+                data,
+                run_id=run_id,
+                size_bytes=size_bytes,
+                name=name,
+                content_type=content_type,
+                metadata=metadata,
+                sha256=sha256,
+            )
+        )
+
+    def get_artifact(self, id: str) -> EngineArtifact | None:
+        return self._run(self._store.get_artifact(id))
+
+    def read_artifact(self, id: str) -> bytes:
+        return self._run(self._store.read_artifact(id))
+
+    def iter_artifact(self, id: str) -> Iterator[bytes]:
+        agen = self._store.iter_artifact(id)
+
+        async def step() -> tuple[bool, bytes]:
             try:
-                return await agen.__anext__()
+                return True, await agen.__anext__()
             except StopAsyncIteration:
-                return _END
+                return False, b""
 
         try:
             while True:
-                item = self._portal.run(step())
-                if item is _END:
+                more, chunk = self._run(step())
+                if not more:
                     return
-                yield item
+                yield chunk
         finally:
-            try:
-                self._portal.run(agen.aclose())
-            except RuntimeError:
-                pass  # the client is closed, or the step was interrupted and still unwinds
+            self._run(agen.aclose())  # type: ignore[attr-defined]
+
+    def list_artifacts(self, run_id: str) -> builtins.list[EngineArtifact]:
+        return self._run(self._store.list_artifacts(run_id))
+
+    def delete_artifact(self, id: str) -> bool:
+        return self._run(self._store.delete_artifact(id))
+
+
+# -- store transactions -------------------------------------------------------------------
+
+
+class SyncStoreTransaction:
+    """The blocking twin of ``StoreTransaction``: ``with ... as tx:``."""
+
+    def __init__(
+        self, tx: StoreTransaction, run: Callable[[Coroutine[Any, Any, Any]], Any]
+    ) -> None:
+        self._tx = tx
+        self._run_coro = run
+
+    def __repr__(self) -> str:
+        return repr(self._tx).replace("<StoreTransaction", "<SyncStoreTransaction", 1)
+
+    def __enter__(self) -> SyncStoreTransaction:
+        self._run_coro(self._tx.__aenter__())
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._run_coro(self._tx.__aexit__(exc_type, exc, tb))
+
+    @property
+    def results(self) -> builtins.list[Any]:
+        return self._tx.results
+
+    def renew(self, ttl_ms: int | None = None) -> None:
+        self._run_coro(self._tx.renew(ttl_ms))
+
+    def record_checkpoint(self, key: str, snapshot_version: int) -> None:
+        self._run_coro(self._tx.record_checkpoint(key, snapshot_version))
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._tx, name)  # AttributeError for anything but a write
+        return lambda *args, **kwargs: self._run_coro(method(*args, **kwargs))

@@ -30,17 +30,32 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from ._errors import UsageError, ValidationError
+from ._errors import LeaseLostError, UsageError, ValidationError
 from ._execute import KIND_OF_REQUEST
 from ._records import RunRecord, record_from_pb
-from ._store import AsyncStore
+from ._store import AsyncStore, transact
 from .v1 import engine_store_pb2 as pb
 from .v1 import ledger_pb2
 
-if TYPE_CHECKING:
-    from ._client import Lease
+
+class TxLease(Protocol):
+    """What a lease's transaction needs of the lease (``Lease.transaction``
+    hands it in)."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def owner(self) -> str: ...
+    @property
+    def fencing_token(self) -> int: ...
+    @property
+    def ttl_ms(self) -> int: ...
+    @property
+    def is_lost(self) -> bool: ...
+    def saw(self, record: RunRecord) -> None: ...
+    def lost_error(self) -> LeaseLostError: ...
 
 T = TypeVar("T")
 
@@ -87,7 +102,7 @@ class StoreTransaction:
     by ``AsyncStore.transaction()`` or ``Lease.transaction()``; usable once."""
 
     def __init__(
-        self, store: AsyncStore, fence: pb.Fence | None, *, lease: Lease | None = None
+        self, store: AsyncStore, fence: pb.Fence | None, *, lease: TxLease | None = None
     ) -> None:
         self._store = store
         self._fence = fence
@@ -176,10 +191,10 @@ class StoreTransaction:
     async def _record_answer(self, response: Any) -> RunRecord:
         rec = record_from_pb(response.run)
         if self._lease is not None:
-            self._lease._record = rec
+            self._lease.saw(rec)
         return rec
 
-    def _lease_only(self, name: str) -> Lease:
+    def _lease_only(self, name: str) -> TxLease:
         self._check_open()
         if self._lease is None:
             raise UsageError(f"{name}: only a lease's transaction (lease.transaction()) "
@@ -208,52 +223,13 @@ class StoreTransaction:
             self._state = "committed"
             return
         if self._lease is not None and self._lease.is_lost:
-            raise self._lease._lost_error()  # known already: no round trip
+            raise self._lease.lost_error()  # known already: no round trip
         req = ledger_pb2.TransactionRequest(commands=self._commands)
         if self._fence is not None:
             req.fence.CopyFrom(self._fence)
-        resp = await self._store._transact(req)  # a lease's view marks it lost when refused
+        resp = await transact(self._store, req)  # a lease's view marks it lost when refused
         results = []
         for answer, result in zip(self._answers, resp.results, strict=True):
             results.append(await answer(getattr(result, result.WhichOneof("kind"))))
         self._results = results
         self._state = "committed"
-
-
-class SyncStoreTransaction:
-    """The blocking twin of ``StoreTransaction``: ``with ... as tx:``."""
-
-    def __init__(
-        self, tx: StoreTransaction, run: Callable[[Coroutine[Any, Any, Any]], Any]
-    ) -> None:
-        self._tx = tx
-        self._run_coro = run
-
-    def __repr__(self) -> str:
-        return repr(self._tx).replace("<StoreTransaction", "<SyncStoreTransaction", 1)
-
-    def __enter__(self) -> SyncStoreTransaction:
-        self._run_coro(self._tx.__aenter__())
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._run_coro(self._tx.__aexit__(exc_type, exc, tb))
-
-    @property
-    def results(self) -> builtins.list[Any]:
-        return self._tx.results
-
-    def renew(self, ttl_ms: int | None = None) -> None:
-        self._run_coro(self._tx.renew(ttl_ms))
-
-    def record_checkpoint(self, key: str, snapshot_version: int) -> None:
-        self._run_coro(self._tx.record_checkpoint(key, snapshot_version))
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._tx, name)  # AttributeError for anything but a write
-        return lambda *args, **kwargs: self._run_coro(method(*args, **kwargs))
