@@ -129,9 +129,8 @@ async def _open_stream(client: fencepost.Client) -> None:
     unary meanwhile): make one, and wait until the stream carries commands."""
     with pytest.raises(fencepost.RunNotFoundError):
         await client.delete("warm-up")
-    dispatcher = client._connection.dispatcher
-    assert dispatcher is not None
-    await _wait_for(lambda: dispatcher.is_open, "the Execute stream to open")
+    await _wait_for(lambda: client.statistics().execute_stream_open,
+                    "the Execute stream to open")
 
 
 @contextlib.asynccontextmanager
@@ -226,9 +225,7 @@ async def test_command_errors_are_the_unary_exceptions_and_keep_the_stream(
     ):
         await holder.acquire("run-1", ttl_ms=60_000)
         await _open_stream(streamed)
-        dispatcher = streamed._connection.dispatcher
-        assert dispatcher is not None
-        opened = dispatcher.streams_opened
+        opened = streamed.statistics().execute_streams_opened
 
         async def both(call: Callable[[fencepost.Client], Any]) -> list[Any]:
             errors = []
@@ -267,7 +264,8 @@ async def test_command_errors_are_the_unary_exceptions_and_keep_the_stream(
 
         # the same stream is still up and carrying commands
         await won.release()
-        assert dispatcher.is_open and dispatcher.streams_opened == opened
+        stats = streamed.statistics()
+        assert stats.execute_stream_open and stats.execute_streams_opened == opened
         assert wire.commands()[-1].WhichOneof("kind") == "release"
         assert wire.streams == 1
 
@@ -316,8 +314,6 @@ async def test_while_the_stream_is_refused_mutations_go_unary_then_it_is_used_ag
     wire.refuse = grpc.StatusCode.UNAVAILABLE
     async with fencepost.Client(server.address, owner="worker-a", retry=FAST_RETRY,
                                 interceptors=wire.interceptors) as client:
-        dispatcher = client._connection.dispatcher
-        assert dispatcher is not None
         lease = await client.acquire("run-1")
         await _wait_for(lambda: wire.streams >= 2, "reconnect attempts")
         await lease.renew()
@@ -327,11 +323,12 @@ async def test_while_the_stream_is_refused_mutations_go_unary_then_it_is_used_ag
             await client.cancel("run-1")
         assert wire.unary_mutations() == ["Acquire", "Renew", "RecordCheckpoint", "Finish",
                                           "Cancel"]
-        assert wire.requests == [] and not dispatcher.is_open
+        assert wire.requests == [] and not client.statistics().execute_stream_open
         assert (await client.get("run-1")).status is RunStatus.COMPLETED
 
         wire.refuse = None  # the stream can be opened again
-        await _wait_for(lambda: dispatcher.is_open, "the stream to reconnect")
+        await _wait_for(lambda: client.statistics().execute_stream_open,
+                        "the stream to reconnect")
         n_unary = len(wire.unary_mutations())
         again = await client.acquire("run-2")
         await again.release()

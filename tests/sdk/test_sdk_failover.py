@@ -16,7 +16,6 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -111,15 +110,14 @@ async def raw_acquire(address: str, run_id: str, owner: str,
 
 
 async def holding_over_the_stream(
-    client: fencepost.Client, run_id: str = "run-1"
-) -> tuple[fencepost.Lease, Any]:
-    """A lease on ``run_id``, and the client's Execute dispatcher once its
-    stream is open (None with transport="unary")."""
+    client: fencepost.Client, run_id: str = "run-1", *, streamed: bool = True
+) -> fencepost.Lease:
+    """A lease on ``run_id``, once the client's Execute stream is open
+    (``streamed=False``: a client with transport="unary" opens none)."""
     lease = await client.acquire(run_id, ttl_ms=60_000)
-    dispatcher = client._connection.dispatcher
-    if dispatcher is not None:
-        await until(lambda: dispatcher.is_open, "the Execute stream")
-    return lease, dispatcher
+    if streamed:
+        await until(lambda: client.statistics().execute_stream_open, "the Execute stream")
+    return lease
 
 
 # -- endpoints ---------------------------------------------------------------------------
@@ -265,7 +263,8 @@ async def test_a_command_whose_answer_was_lost_in_a_takeover_is_applied_once(
     with Proxy(first.address) as proxy:
         async with fencepost.Client([proxy.address, standby.address], owner="w",
                                     transport=transport) as client:  # type: ignore[arg-type]
-            warm, _ = await holding_over_the_stream(client, "warm")
+            warm = await holding_over_the_stream(client, "warm",
+                                                 streamed=transport == "stream")
             await warm.release()
             proxy.hold_replies()
             call = asyncio.ensure_future(client.acquire("run-1", ttl_ms=60_000))
@@ -357,18 +356,17 @@ async def test_the_execute_stream_reconnects_to_the_new_leader(
     coordinators: Coordinators, two_endpoints: tuple[str, str]
 ) -> None:
     async with fencepost.Client(list(two_endpoints), owner="w") as client:
-        lease, dispatcher = await holding_over_the_stream(client)
-        opened = dispatcher.streams_opened
+        lease = await holding_over_the_stream(client)
+        opened = client.statistics().execute_streams_opened
         coordinators.stop()
         coordinators.start(two_endpoints[1])
         await lease.record_checkpoint("ckpt/1", 1)  # retried until the new leader answers
-        await until(lambda: dispatcher.is_open and dispatcher.streams_opened > opened,
-                    "an Execute stream to the new leader")
-        sent = dispatcher.commands_sent
+        await until(lambda: (s := client.statistics()).execute_stream_open
+                    and s.execute_streams_opened > opened, "an Execute stream to the new leader")
+        sent = client.statistics().execute_commands_sent
         await lease.finish()
-        await until(lambda: dispatcher.commands_sent + (
-            dispatcher._session.commands_sent if dispatcher._session else 0) > sent,
-            "the finish sent on the new stream")
+        await until(lambda: client.statistics().execute_commands_sent > sent,
+                    "the finish sent on the new stream")
         assert (await client.get("run-1")).checkpoint_ref is not None
 
 
@@ -433,15 +431,15 @@ async def test_a_call_that_a_frozen_leader_never_answers_moves_the_next_call(
     with Proxy(server.address) as proxy, Standby(leader=server.address) as standby:
         async with fencepost.Client([proxy.address, standby.address], owner="w",
                                     retry=policy) as client:
-            lease, dispatcher = await holding_over_the_stream(client)
-            opened = dispatcher.streams_opened
+            lease = await holding_over_the_stream(client)
+            opened = client.statistics().execute_streams_opened
             proxy.hold_replies()
             with pytest.raises(fencepost.OutcomeUnknownError):
                 await lease.record_checkpoint("ckpt/1", 1)
             await lease.renew()  # the standby names the leader's own address
             assert client.address == server.address
-            await until(lambda: dispatcher.is_open and dispatcher.streams_opened > opened,
-                        "the Execute stream to the leader")
+            await until(lambda: (s := client.statistics()).execute_stream_open
+                        and s.execute_streams_opened > opened, "the Execute stream to the leader")
             rec = await lease.finish()
             # the checkpoint whose answer was lost was applied, once
             assert rec.checkpoint_ref is not None and rec.checkpoint_ref.key == "ckpt/1"

@@ -165,7 +165,7 @@ async def test_a_clients_close_waits_for_its_own_commands_on_the_shared_stream(
             assert [t.result().fencing_token for t in tasks] == [1] * 5
         finally:
             await asyncio.to_thread(holder.join)
-        assert b._connection.dispatcher is not None and b._connection.dispatcher.is_open
+        assert b.statistics().execute_stream_open
         await (await b.acquire("h-b")).finish()
 
 
