@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 
-from ._connection import Connection
+from ._connection import Connection, Transport
 from ._endpoints import Endpoint, parse_endpoints
 from ._errors import (
     ClientClosedError,
@@ -102,7 +102,6 @@ def _ledger_rpc(method: str) -> Callable[[Endpoint], Callable[..., Any]]:
 OnLost = Callable[["Lease", LostReason], object]
 
 Renewal = Literal["stream", "unary", "off"]
-Transport = Literal["stream", "unary"]
 
 # Lease state changes told to listeners (the sync facade's threading events).
 LOST, AT_RISK, SAFE = "lost", "at_risk", "safe"
