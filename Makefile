@@ -69,7 +69,7 @@ lint: $(STAMP)  ## ruff and mypy on our own code; proto/ against the last releas
 	$(BIN)/python scripts/api_breaking.py
 
 proto: $(STAMP) $(TS_STAMP)  ## regenerate the checked-in stubs from proto/ (Python and TypeScript)
-	$(BIN)/python -m fencepost_server._codegen $(GEN_DIR)
+	$(BIN)/python scripts/codegen.py $(GEN_DIR)
 	cd $(TS_DIR) && npm run --silent generate
 
 bench: $(STAMP)  ## benchmarks (not tests): end to end vs echo, and the writer alone

@@ -23,9 +23,9 @@ import pytest
 from _db import Databases, PgPool
 
 from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
-from fencepost_server import pgcluster
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
+from fencepost_devtools import pgcluster
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 T0 = 1_700_000_000_000  # the ManualClock's start, ms since the epoch
 

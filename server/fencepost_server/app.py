@@ -44,6 +44,7 @@ from .storage.engine_sql import EngineReader
 from .storage.sql import HistoryReader, SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
 from .streams import ClientLimits, FenceHub
+from .testing import hooks
 from .writer import Writer
 
 if TYPE_CHECKING:
@@ -55,9 +56,8 @@ log = logging.getLogger("fencepost")
 
 
 
-# TEST-ONLY broken builds (``--fault``), honoured only with ``--test-hooks``.
-FAULTS = ("ack-before-commit", "fence-ignores-owner", "no-epoch-check")
-UNSAFE_ACK_DELAY_S = 0.2  # ack-before-commit: how long an answered batch stays uncommitted
+# TEST-ONLY broken builds (``--fault``, testing/hooks.py), honoured only with ``--test-hooks``.
+FAULTS = hooks.FAULTS
 
 
 EXIT_DEPOSED = 3  # fencepost serve: this coordinator lost leadership (restart it)
@@ -399,6 +399,7 @@ class App:
     _leading: bool = False
     _lead_task: asyncio.Task[None] | None = None
     _retain_ms: int = 0
+    _undo_faults: list[Any] = field(default_factory=list)  # broken builds to switch off
 
     async def start(self) -> App:
         s = self.settings
@@ -418,8 +419,9 @@ class App:
             from .storage.postgres import PostgresStorage
 
             self.identity = default_identity()
-            storage = PostgresStorage(s.db_path, durable=s.durability is Durability.FULL,
-                                      name=self.identity)
+            storage = PostgresStorage(
+                s.db_path, durable=s.durability is Durability.FULL, name=self.identity,
+                unsafe_skip_epoch_check=s.test_hooks and s.fault == "no-epoch-check")
         else:
             storage = SqliteStorage(s.db_path, s.durability)
         self.writer = Writer(
@@ -640,7 +642,6 @@ class App:
 
     def _test_hooks(self, guarded: dict[str, Any]) -> None:
         """TEST-ONLY: register TestHooks and switch on a broken build (torture/)."""
-        from .core import ledger as core_ledger
         from .services.testing import TestHooksService
 
         s = self.settings
@@ -660,11 +661,9 @@ class App:
             **guarded,
         )
         if s.fault == "fence-ignores-owner":
-            core_ledger.UNSAFE_SKIP_OWNER_CHECK = True
+            self._undo_faults.append(hooks.fence_ignores_owner())
         elif s.fault == "ack-before-commit":
-            self.writer.unsafe_ack_before_commit_s = UNSAFE_ACK_DELAY_S
-        elif s.fault == "no-epoch-check" and is_url(s.db_path):
-            self.writer.storage.unsafe_skip_epoch_check = True  # type: ignore[attr-defined]
+            self.writer.unsafe_ack_before_commit_s = hooks.ACK_DELAY_S
         if s.fault:
             log.warning(
                 "BROKEN BUILD --fault %s: this server violates its guarantees on purpose "
@@ -737,10 +736,8 @@ class App:
         """Graceful: NOT_SERVING, stop accepting, finish in-flight calls, then
         let the writer commit what it has and close the database."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
-        if self.settings.test_hooks and self.settings.fault == "fence-ignores-owner":
-            from .core import ledger as core_ledger
-
-            core_ledger.UNSAFE_SKIP_OWNER_CHECK = False  # process-global: undo for in-process use
+        while self._undo_faults:  # process-wide: undone for in-process use
+            self._undo_faults.pop()()
         if self.health is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._lead_task is not None:

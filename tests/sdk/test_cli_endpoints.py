@@ -16,6 +16,7 @@ import pytest
 from _standby import Standby
 
 from fencepost import SyncClient
+from fencepost_devtools.ports import free_port
 from fencepost_server import cli_ops
 from fencepost_server.cli import (
     EXIT_OK,
@@ -25,8 +26,7 @@ from fencepost_server.cli import (
     build_parser,
     main,
 )
-from fencepost_server.harness import ServerThread
-from fencepost_server.ports import free_port
+from fencepost_server.testing.server import ServerThread
 
 
 def dead_address() -> str:

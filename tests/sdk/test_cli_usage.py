@@ -21,7 +21,7 @@ from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
 from fencepost_server import cli_ops
 from fencepost_server.app import Settings, SettingsError
 from fencepost_server.cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 FENCEPOST = Path(sys.executable).parent / "fencepost"
 

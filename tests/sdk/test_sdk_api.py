@@ -12,7 +12,7 @@ import pytest
 import fencepost
 from fencepost import Client, Lease, RunStatus, SyncClient, SyncLease
 from fencepost_server.core import records as core
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
 

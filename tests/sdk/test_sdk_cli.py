@@ -20,6 +20,7 @@ import pytest
 
 import fencepost
 from fencepost import SyncClient
+from fencepost_devtools.ports import free_port
 from fencepost_server import cli_ops
 from fencepost_server.cli import (
     EXIT_OK,
@@ -29,8 +30,7 @@ from fencepost_server.cli import (
     build_parser,
     main,
 )
-from fencepost_server.harness import ServerThread
-from fencepost_server.ports import free_port
+from fencepost_server.testing.server import ServerThread
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ import pytest
 from test_failover import Coordinators
 
 import fencepost
+from fencepost_devtools.pgcluster import Cluster
 from fencepost_server.cli import EXIT_OK, main
-from fencepost_server.pgcluster import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -42,11 +42,6 @@ DEFAULT_TTL_MS = 60_000
 MIN_TTL_MS = 100
 MAX_TTL_MS = 24 * 60 * 60 * 1000
 
-# TEST-ONLY broken build (``--test-hooks --fault fence-ignores-owner``, set by
-# app.py): the fence check skips the owner comparison, so the torture harness
-# can prove its fencing checker catches a server that does. Never True otherwise.
-UNSAFE_SKIP_OWNER_CHECK = False
-
 
 # -- commands ---------------------------------------------------------------------
 
@@ -407,7 +402,7 @@ def _fence(cmd: HandleCommand, cur: Record | None) -> Record:
             f"is at {cur.fencing_token}",
             cur,
         )
-    if (cur.lease is None or cur.lease.owner != cmd.owner) and not UNSAFE_SKIP_OWNER_CHECK:
+    if cur.lease is None or cur.lease.owner != cmd.owner:
         raise LedgerError(
             Code.RUN_LEASE_LOST,
             f"owner {cmd.owner!r} does not hold the lease of run {cmd.run_id!r}",
