@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
 from . import gcpolicy, version
+from .addresses import host_entry, split_address
 from .auth import (
     IDENTITY_SOURCES,
     Authenticator,
@@ -45,12 +46,12 @@ from .storage.sql import HistoryReader, SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
 from .streams import ClientLimits, FenceHub
 from .testing import hooks
+from .web import Dashboard
 from .writer import Writer
 
 if TYPE_CHECKING:
     from .leadership import Leadership
     from .storage.postgres import PostgresStorage
-    from .web import Dashboard
 
 log = logging.getLogger("fencepost")
 
@@ -252,59 +253,8 @@ DEFAULT_PORT = 50051
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def split_address(text: str, default_port: int) -> tuple[str, int]:
-    """``host[:port]`` (``[v6]:port`` too) -> (host, port); ValueError when
-    the port is not a number in 0..65535 or the host is empty."""
-    text = text.strip()
-    if text.startswith("["):
-        end = text.find("]")
-        if end < 0 or text[end + 1 : end + 2] not in ("", ":"):
-            raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
-        host, port_text = text[: end + 1], text[end + 2 :]
-    elif text.count(":") > 1:
-        raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
-    else:
-        host, _, port_text = text.partition(":")
-    if not host:
-        raise ValueError("the host is missing (e.g. 127.0.0.1:PORT or 0.0.0.0:PORT)")
-    if port_text == "":
-        return host, default_port
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"the port must be a number in 0..65535 (got {port_text!r})")
-    return host, int(port_text)
-
-
 def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def host_entry(text: str) -> tuple[str, int | None]:
-    """A Host allow-list entry or a Host header, ``name[:port]`` (``[v6]:port``
-    too) -> (lower-case name, port or None); ValueError when malformed."""
-    t = text.strip().lower()
-    if not t or len(t) > 300 or any(c in t for c in "/@?#*\\ \t"):
-        raise ValueError("expected a host name or address, optionally with :PORT "
-                         "(no scheme or path)")
-    if t.startswith("["):
-        end = t.find("]")
-        if end < 2:
-            raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
-        host, rest = t[: end + 1], t[end + 1 :]
-    elif t.count(":") > 1:
-        raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
-    else:
-        host, sep, port_text = t.partition(":")
-        rest = sep + port_text
-    host = host.rstrip(".")
-    if not host:
-        raise ValueError("the host is missing")
-    if not rest:
-        return host, None
-    digits = rest[1:]
-    if (rest[0] != ":" or not (digits.isascii() and digits.isdigit())
-            or not 0 < int(digits) <= 65535):
-        raise ValueError(f"the port must be a number in 1..65535 (got {rest[1:]!r})")
-    return host, int(digits)
 
 
 def duration_ms(text: str, name: str = "") -> int:
@@ -679,8 +629,6 @@ class App:
             metrics_listen = f"127.0.0.1:{s.metrics_port}"
         if not (s.http_listen or metrics_listen):
             return
-        from .web import Dashboard
-
         self.dashboard = Dashboard(self)
         try:
             await self.dashboard.start(s.http_listen, metrics_listen, Settings.http_listen)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import (
     Code,
@@ -21,6 +21,7 @@ from .errors import (
     unrepresentable,
     validation,
 )
+from .fence import Fence
 from .records import (
     MAX_INT64,
     MAX_SAFE,
@@ -34,9 +35,6 @@ from .records import (
     is_terminal,
     out_of_range,
 )
-
-if TYPE_CHECKING:
-    from .fence import Fence
 
 DEFAULT_TTL_MS = 60_000
 MIN_TTL_MS = 100

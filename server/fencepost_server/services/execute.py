@@ -31,8 +31,8 @@ from ..core import ledger as L
 from ..core import validate
 from ..core.errors import LedgerError, in_transaction, validation
 from ..streams import Buffered, Stop
+from ._decode import Malformed
 from ._errors import internal_status_proto, status_proto
-from ._registry import Malformed
 from .engine_store import MUTATIONS
 
 log = logging.getLogger("fencepost.execute")
