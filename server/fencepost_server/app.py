@@ -40,7 +40,7 @@ from .services._registry import add_service
 from .services.engine_store import EngineStoreService, start_engine_store, sweep_uploads
 from .services.ledger import LedgerService
 from .services.run_store import RunStoreService
-from .storage import is_url
+from .storage import engine_sql, is_url
 from .storage.engine_sql import EngineReader
 from .storage.sql import HistoryReader, SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
@@ -657,8 +657,6 @@ class App:
         self, *, agent: str | None, statuses: list[str], limit: int, offset: int
     ) -> tuple[list[Any], int]:
         """A page of engine-store runs (created_at, id order) and the match count."""
-        from .storage import engine_sql
-
         assert self._engine_reader is not None
 
         def read(conn: Any) -> tuple[list[Any], int]:

@@ -235,6 +235,7 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    # here, not at the top: the operator commands start without loading the server
     from ..app import ConfigError, Settings, SettingsError, security, serve
 
     try:
