@@ -63,13 +63,20 @@ test: $(STAMP) lint browser postgres ts-build  ## lint, every test (slow ones in
 	$(MAKE) test-ts
 	$(MAKE) image DIST=build/image
 
+# The edit-and-test loop: lint, the unit tests and the ledger's wire tests on SQLite,
+# in-process (no browser, no PostgreSQL, no slow tests); make test runs everything.
+CHECK_TESTS ?= tests/unit tests/service
+.PHONY: check
+check: $(STAMP) lint  ## lint + unit and in-process wire tests on SQLite (no browser, no PostgreSQL; about a minute)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" --no-postgres $(CHECK_TESTS)
+
 lint: $(STAMP)  ## ruff and mypy on our own code; proto/ against the last released API (buf breaking)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python scripts/api_breaking.py
 
 proto: $(STAMP) $(TS_STAMP)  ## regenerate the checked-in stubs from proto/ (Python and TypeScript)
-	$(BIN)/python -m fencepost_server._codegen $(GEN_DIR)
+	$(BIN)/python scripts/codegen.py $(GEN_DIR)
 	cd $(TS_DIR) && npm run --silent generate
 
 bench: $(STAMP)  ## benchmarks (not tests): end to end vs echo, and the writer alone

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from fencepost_server.ports import free_port as free_port  # the benchmarks' servers' ports
+from fencepost_devtools.ports import free_port as free_port  # the benchmarks' servers' ports
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent

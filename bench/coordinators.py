@@ -2,7 +2,7 @@
 (shared by bench/failover.py and bench/takeover.py; not a test utility).
 
 ``Group.start(workdir, n, lease, renew)`` starts a PostgreSQL
-(``fencepost_server.pgcluster.Cluster``), creates one database, and starts ``n``
+(``fencepost_devtools.pgcluster.Cluster``), creates one database, and starts ``n``
 coordinators as real ``fencepost serve --db postgresql://...`` processes, each
 on a fixed loopback port so that a restarted coordinator comes back at the
 same address. Each start of a coordinator logs to a file of its own. Every
@@ -38,7 +38,7 @@ from fencepost._ids import new_request_id
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
 from fencepost.v1 import record_pb2 as rpb
-from fencepost_server.pgcluster import Cluster
+from fencepost_devtools.pgcluster import Cluster
 
 # "leading (epoch N) on ADDR after WHO; loaded revision R, K runs in S s; leases extended by G ms"
 LEADING = re.compile(

@@ -2,7 +2,7 @@
 
 For each leader setting (``--settings``, default the server's own ``5s/1s``
 lease/renewal and a shorter ``2s/500ms``), on a throwaway PostgreSQL
-(``fencepost_server.pgcluster``), two coordinators run as real ``fencepost
+(``fencepost_devtools.pgcluster``), two coordinators run as real ``fencepost
 serve --db postgresql://...`` processes, each on a fixed loopback port. A
 client (bench/coordinators.py ``Follower``: the generated stubs, unary calls,
 a request id per command, following ``NOT_LEADER`` and retrying every

@@ -39,7 +39,7 @@ creation order), on a fresh SQLite file at durability FULL:
    first unfiltered page of 100, medians of 5 calls each.
 
 With ``--store postgres`` the same is done on the PostgreSQL store: a
-throwaway cluster (``fencepost_server.pgcluster``, fsync on) with a database
+throwaway cluster (``fencepost_devtools.pgcluster``, fsync on) with a database
 per id order, filled through the same writer over ``PostgresStorage``, and
 ``fencepost serve --db postgresql://...`` restarted on it. The PostgreSQL
 server's CPU is not in the fill's CPU figure (it is another process). A
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = None
     try:
         if args.store == "postgres":
-            from fencepost_server import pgcluster
+            from fencepost_devtools import pgcluster
 
             cluster = pgcluster.Cluster.start()  # a private directory it can reach
         for order in args.ids.split(","):

@@ -8,7 +8,7 @@ stores its answers), and the store is, in turn:
 
 * ``sqlite``: a fresh file, ``synchronous=FULL``;
 * ``postgresql``: a fresh database on a throwaway PostgreSQL
-  (``fencepost_server.pgcluster``: ``fsync=on``, ``synchronous_commit=on``),
+  (``fencepost_devtools.pgcluster``: ``fsync=on``, ``synchronous_commit=on``),
   with the leader's epoch checked in every batch, as a leading coordinator does.
 
 Rounds alternate the order; the figures are medians. Per store it prints
@@ -37,12 +37,12 @@ from benchlib import REPO, fmt_rate, machine, median
 from peers.servers import cpu_delta, tree_cpu
 
 from fencepost._ids import new_request_id
+from fencepost_devtools.pgcluster import Cluster
 from fencepost_server.clock import SystemClock
 from fencepost_server.core.errors import LedgerError
 from fencepost_server.core.ledger import Acquire, Finish, RecordCheckpoint, Renew
 from fencepost_server.core.records import Record, Status
 from fencepost_server.leadership import Leadership
-from fencepost_server.pgcluster import Cluster
 from fencepost_server.storage import Durability, SqliteStorage
 from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.sql import SqlStorage

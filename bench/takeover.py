@@ -1,7 +1,7 @@
 """Takeover with many runs stored: how long a standby takes to lead when the
 database holds 100 000 or 1 000 000 runs.
 
-On a throwaway PostgreSQL (``fencepost_server.pgcluster``), two coordinators
+On a throwaway PostgreSQL (``fencepost_devtools.pgcluster``), two coordinators
 (``fencepost serve --db postgresql://...``, the default 5 s leader lease and
 1 s renewal) share one database. ``--live`` runs (default 1 000) are acquired
 with a 1 h ttl and stay running; then the database is filled, through the

@@ -16,11 +16,11 @@ from typing import Any
 
 import psycopg
 
-from fencepost_server import pgcluster
+from fencepost_devtools import pgcluster
 from fencepost_server.clock import Clock
-from fencepost_server.harness import ServerThread
 from fencepost_server.storage import is_url, postgres
 from fencepost_server.storage.postgres import SCHEMA
+from fencepost_server.testing.server import ServerThread
 
 # rows that change while nothing happens (the leader's renewals)
 VOLATILE_TABLES = ("fencepost_leader",)

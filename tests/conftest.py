@@ -23,9 +23,9 @@ import pytest
 from _db import Databases, PgPool
 
 from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
-from fencepost_server import pgcluster
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
+from fencepost_devtools import pgcluster
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 T0 = 1_700_000_000_000  # the ManualClock's start, ms since the epoch
 
@@ -34,13 +34,20 @@ BACKENDS = ("sqlite", "postgres")
 BOTH_BACKENDS = ("service", "engine", "sdk")  # the suites that run on every backend
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--no-postgres", action="store_true",
+                     help="the SQLite runs only; a test that needs PostgreSQL is skipped "
+                          "(make check)")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" not in metafunc.fixturenames:
         return
     path = Path(metafunc.definition.path).resolve()
     if not path.is_relative_to(TESTS) or path.relative_to(TESTS).parts[0] not in BOTH_BACKENDS:
         return
-    sqlite_only = metafunc.definition.get_closest_marker("sqlite_only") is not None
+    sqlite_only = (metafunc.definition.get_closest_marker("sqlite_only") is not None
+                   or metafunc.config.getoption("no_postgres"))
     metafunc.parametrize("backend", ["sqlite"] if sqlite_only else list(BACKENDS),
                          indirect=True, scope="session")
 
@@ -52,9 +59,11 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def pg_cluster() -> Iterator[pgcluster.Cluster]:
+def pg_cluster(request: pytest.FixtureRequest) -> Iterator[pgcluster.Cluster]:
     """One throwaway PostgreSQL server for the session (fsync and synchronous
     commit on), started on first use."""
+    if request.config.getoption("no_postgres"):
+        pytest.skip("needs PostgreSQL (--no-postgres)")
     if not pgcluster.available():
         pytest.fail("PostgreSQL is not installed here: `make postgres` installs Debian's "
                     "postgresql, whose binaries the PostgreSQL tests start")

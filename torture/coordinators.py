@@ -1,5 +1,5 @@
 """The PostgreSQL mode's cluster: a throwaway PostgreSQL
-(``fencepost_server.pgcluster.Cluster``), N ``fencepost serve --db
+(``fencepost_devtools.pgcluster.Cluster``), N ``fencepost serve --db
 postgresql://...`` coordinators on one database, each behind a loopback proxy
 of its own and advertised at the proxy's address (so a NOT_LEADER names an
 address the workers reach through the proxy), a supervisor that restarts any
@@ -207,7 +207,7 @@ class PgCluster:
 
     def __init__(self, out: Path, n: int, *, args: tuple[str, ...], env: dict[str, str],
                  lease: str, renew: str, max_clock_skew: str) -> None:
-        from fencepost_server.pgcluster import Cluster
+        from fencepost_devtools.pgcluster import Cluster
 
         self.out = out
         self.events = Events(out / "cluster.jsonl")

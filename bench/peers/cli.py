@@ -45,7 +45,7 @@ from typing import Any
 
 from benchlib import REPO, fmt_rate, machine, median
 
-from fencepost_server import pgcluster
+from fencepost_devtools import pgcluster
 
 from . import servers
 from .backends import BACKENDS, ECHO_BACKENDS, PEERS, PG_BACKENDS, ROUND_TRIPS

@@ -8,7 +8,7 @@ Durable settings (every acknowledgement survives power loss):
   coordinator on a throwaway cluster set up as the PostgreSQL peer's (below),
   each acknowledged batch committed with ``synchronous_commit=on``;
 * etcd: defaults (the WAL is fsynced before a write is acknowledged);
-* PostgreSQL: a throwaway cluster (``fencepost_server.pgcluster``): ``fsync=on``,
+* PostgreSQL: a throwaway cluster (``fencepost_devtools.pgcluster``): ``fsync=on``,
   ``synchronous_commit=on`` (the defaults, spelled out);
 * Redis: ``appendonly yes``, ``appendfsync always``, no RDB snapshots.
 
@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 from benchlib import BIN, HOST, REPO, ServerProcess, free_port, start_server, terminate
 
-from fencepost_server.pgcluster import Cluster, find_binary
+from fencepost_devtools.pgcluster import Cluster, find_binary
 
 from .backends import ECHO_BACKENDS, PG_BACKENDS
 from .semantics import PG_SCHEMA, PG_USER

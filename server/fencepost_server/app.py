@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
 from . import gcpolicy, version
+from .addresses import host_entry, split_address
 from .auth import (
     IDENTITY_SOURCES,
     Authenticator,
@@ -39,25 +40,25 @@ from .services._registry import add_service
 from .services.engine_store import EngineStoreService, start_engine_store, sweep_uploads
 from .services.ledger import LedgerService
 from .services.run_store import RunStoreService
-from .storage import is_url
+from .storage import engine_sql, is_url
 from .storage.engine_sql import EngineReader
 from .storage.sql import HistoryReader, SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
 from .streams import ClientLimits, FenceHub
+from .testing import hooks
+from .web import Dashboard
 from .writer import Writer
 
 if TYPE_CHECKING:
     from .leadership import Leadership
     from .storage.postgres import PostgresStorage
-    from .web import Dashboard
 
 log = logging.getLogger("fencepost")
 
 
 
-# TEST-ONLY broken builds (``--fault``), honoured only with ``--test-hooks``.
-FAULTS = ("ack-before-commit", "fence-ignores-owner", "no-epoch-check")
-UNSAFE_ACK_DELAY_S = 0.2  # ack-before-commit: how long an answered batch stays uncommitted
+# TEST-ONLY broken builds (``--fault``, testing/hooks.py), honoured only with ``--test-hooks``.
+FAULTS = hooks.FAULTS
 
 
 EXIT_DEPOSED = 3  # fencepost serve: this coordinator lost leadership (restart it)
@@ -252,59 +253,8 @@ DEFAULT_PORT = 50051
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def split_address(text: str, default_port: int) -> tuple[str, int]:
-    """``host[:port]`` (``[v6]:port`` too) -> (host, port); ValueError when
-    the port is not a number in 0..65535 or the host is empty."""
-    text = text.strip()
-    if text.startswith("["):
-        end = text.find("]")
-        if end < 0 or text[end + 1 : end + 2] not in ("", ":"):
-            raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
-        host, port_text = text[: end + 1], text[end + 2 :]
-    elif text.count(":") > 1:
-        raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
-    else:
-        host, _, port_text = text.partition(":")
-    if not host:
-        raise ValueError("the host is missing (e.g. 127.0.0.1:PORT or 0.0.0.0:PORT)")
-    if port_text == "":
-        return host, default_port
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"the port must be a number in 0..65535 (got {port_text!r})")
-    return host, int(port_text)
-
-
 def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def host_entry(text: str) -> tuple[str, int | None]:
-    """A Host allow-list entry or a Host header, ``name[:port]`` (``[v6]:port``
-    too) -> (lower-case name, port or None); ValueError when malformed."""
-    t = text.strip().lower()
-    if not t or len(t) > 300 or any(c in t for c in "/@?#*\\ \t"):
-        raise ValueError("expected a host name or address, optionally with :PORT "
-                         "(no scheme or path)")
-    if t.startswith("["):
-        end = t.find("]")
-        if end < 2:
-            raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
-        host, rest = t[: end + 1], t[end + 1 :]
-    elif t.count(":") > 1:
-        raise ValueError("an IPv6 address goes in brackets: [::1]:PORT")
-    else:
-        host, sep, port_text = t.partition(":")
-        rest = sep + port_text
-    host = host.rstrip(".")
-    if not host:
-        raise ValueError("the host is missing")
-    if not rest:
-        return host, None
-    digits = rest[1:]
-    if (rest[0] != ":" or not (digits.isascii() and digits.isdigit())
-            or not 0 < int(digits) <= 65535):
-        raise ValueError(f"the port must be a number in 1..65535 (got {rest[1:]!r})")
-    return host, int(digits)
 
 
 def duration_ms(text: str, name: str = "") -> int:
@@ -399,6 +349,7 @@ class App:
     _leading: bool = False
     _lead_task: asyncio.Task[None] | None = None
     _retain_ms: int = 0
+    _undo_faults: list[Any] = field(default_factory=list)  # broken builds to switch off
 
     async def start(self) -> App:
         s = self.settings
@@ -418,8 +369,9 @@ class App:
             from .storage.postgres import PostgresStorage
 
             self.identity = default_identity()
-            storage = PostgresStorage(s.db_path, durable=s.durability is Durability.FULL,
-                                      name=self.identity)
+            storage = PostgresStorage(
+                s.db_path, durable=s.durability is Durability.FULL, name=self.identity,
+                unsafe_skip_epoch_check=s.test_hooks and s.fault == "no-epoch-check")
         else:
             storage = SqliteStorage(s.db_path, s.durability)
         self.writer = Writer(
@@ -640,7 +592,6 @@ class App:
 
     def _test_hooks(self, guarded: dict[str, Any]) -> None:
         """TEST-ONLY: register TestHooks and switch on a broken build (torture/)."""
-        from .core import ledger as core_ledger
         from .services.testing import TestHooksService
 
         s = self.settings
@@ -660,11 +611,9 @@ class App:
             **guarded,
         )
         if s.fault == "fence-ignores-owner":
-            core_ledger.UNSAFE_SKIP_OWNER_CHECK = True
+            self._undo_faults.append(hooks.fence_ignores_owner())
         elif s.fault == "ack-before-commit":
-            self.writer.unsafe_ack_before_commit_s = UNSAFE_ACK_DELAY_S
-        elif s.fault == "no-epoch-check" and is_url(s.db_path):
-            self.writer.storage.unsafe_skip_epoch_check = True  # type: ignore[attr-defined]
+            self.writer.unsafe_ack_before_commit_s = hooks.ACK_DELAY_S
         if s.fault:
             log.warning(
                 "BROKEN BUILD --fault %s: this server violates its guarantees on purpose "
@@ -680,8 +629,6 @@ class App:
             metrics_listen = f"127.0.0.1:{s.metrics_port}"
         if not (s.http_listen or metrics_listen):
             return
-        from .web import Dashboard
-
         self.dashboard = Dashboard(self)
         try:
             await self.dashboard.start(s.http_listen, metrics_listen, Settings.http_listen)
@@ -710,8 +657,6 @@ class App:
         self, *, agent: str | None, statuses: list[str], limit: int, offset: int
     ) -> tuple[list[Any], int]:
         """A page of engine-store runs (created_at, id order) and the match count."""
-        from .storage import engine_sql
-
         assert self._engine_reader is not None
 
         def read(conn: Any) -> tuple[list[Any], int]:
@@ -737,10 +682,8 @@ class App:
         """Graceful: NOT_SERVING, stop accepting, finish in-flight calls, then
         let the writer commit what it has and close the database."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
-        if self.settings.test_hooks and self.settings.fault == "fence-ignores-owner":
-            from .core import ledger as core_ledger
-
-            core_ledger.UNSAFE_SKIP_OWNER_CHECK = False  # process-global: undo for in-process use
+        while self._undo_faults:  # process-wide: undone for in-process use
+            self._undo_faults.pop()()
         if self.health is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._lead_task is not None:

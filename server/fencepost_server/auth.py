@@ -40,7 +40,7 @@ import grpc
 from fencepost._security import is_loopback as _host_is_loopback
 
 from .core.errors import Code, LedgerError, owner_bound_ok, owner_not_permitted
-from .writer import REQUEST_SCOPE
+from .scope import REQUEST_SCOPE
 
 log = logging.getLogger("fencepost.auth")
 
@@ -404,12 +404,13 @@ def certificate_fields(peercert: Mapping[str, Any] | None) -> dict[str, list[byt
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
-def guard(authn: Authenticator, method: str, fn: Handler, *, unary_request: bool) -> Handler:
+def guard(authn: Authenticator, method: str, fn: Handler, *, unary_request: bool,
+          refuse: Callable[[LedgerError], grpc.Status]) -> Handler:
     """Wrap a servicer method: authenticate, check its role and (unary
-    requests) its owners, then run it with the principal as ``current()``."""
+    requests) its owners, then run it with the principal as ``current()``;
+    a refusal is answered with ``refuse(error)`` (the gRPC status)."""
     allowed = RPC_ROLES.get(method, _ADMIN_ONLY)
     what = method.rsplit("/", 1)[-1]
-    from .services._errors import to_status
 
     @functools.wraps(fn)
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -419,7 +420,7 @@ def guard(authn: Authenticator, method: str, fn: Handler, *, unary_request: bool
             if unary_request:
                 check_owners(principal, request)
         except LedgerError as err:
-            await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]
+            await context.abort_with_status(refuse(err))  # type: ignore[attr-defined]
             return None
         _current.set(principal)
         REQUEST_SCOPE.set(principal.name)

@@ -1,12 +1,12 @@
 """The server's clock. Only the server's clock decides expiry (docs/SPEC.md §4).
 
 ``SystemClock`` reads the system wall clock (never the database's). Tests inject
-``ManualClock`` and move it explicitly; they never sleep waiting for an expiry.
+``fencepost_server.testing.clock.ManualClock`` and move it explicitly; they
+never sleep waiting for an expiry.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Protocol
 
@@ -18,31 +18,6 @@ class Clock(Protocol):
 class SystemClock:
     def now_ms(self) -> int:
         return time.time_ns() // 1_000_000
-
-
-class ManualClock:
-    """A clock that only moves when told to (thread-safe)."""
-
-    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
-        self._now = start_ms
-        self._lock = threading.Lock()
-
-    def now_ms(self) -> int:
-        with self._lock:
-            return self._now
-
-    def advance(self, ms: int) -> int:
-        if ms < 0:
-            raise ValueError("a clock does not go backwards")
-        with self._lock:
-            self._now += ms
-            return self._now
-
-    def set(self, now_ms: int) -> None:
-        with self._lock:
-            if now_ms < self._now:
-                raise ValueError("a clock does not go backwards")
-            self._now = now_ms
 
 
 class OffsetClock:

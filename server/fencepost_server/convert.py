@@ -162,7 +162,7 @@ def fence_from_pb(msg: Any, field: str = "fence") -> F.Fence | None:
     if not msg.HasField("fence"):
         return None
     f = msg.fence
-    return F.make(f.run_id, f.fencing_token, f.lock_key, field)
+    return validate.fence(f.run_id, f.fencing_token, f.lock_key, field)
 
 
 def record_checkpoint(req: lpb.RecordCheckpointRequest) -> L.RecordCheckpoint:

@@ -43,22 +43,29 @@ import ssl
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from .auth import OPEN, RPC_ROLES, Principal, certificate_fields, check_role, is_loopback
+from .addresses import host_entry, split_address
+from .auth import (
+    OPEN,
+    RPC_ROLES,
+    Authenticator,
+    Principal,
+    certificate_fields,
+    check_role,
+    is_loopback,
+)
+from .clock import Clock
 from .core import engine as E
 from .core import ledger as L
 from .core import validate
 from .core.errors import Code, LedgerError, validation
 from .core.records import Record, Status
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, Metrics
 from .storage.sqlite import KIND_DELETE
-from .writer import ChangeEvent
-
-if TYPE_CHECKING:
-    from .app import App
+from .writer import ChangeEvent, Writer
 
 log = logging.getLogger("fencepost.web")
 
@@ -292,12 +299,58 @@ class _TlsFiles:
             conn.context = self.current
 
 
-class Dashboard:
-    """The aiohttp application of one App (its writer, metrics, health)."""
 
-    def __init__(self, app: App) -> None:
-        self.app = app
-        s = app.settings
+class Settings(Protocol):
+    """The settings the dashboard reads."""
+
+    @property
+    def tls_cert(self) -> str: ...
+    @property
+    def tls_key(self) -> str: ...
+    @property
+    def client_ca(self) -> str: ...
+    @property
+    def authz(self) -> str: ...
+    @property
+    def http_allowed_hosts(self) -> tuple[str, ...]: ...
+    @property
+    def http_max_event_streams(self) -> int: ...
+    @property
+    def http_event_streams_per_client(self) -> int: ...
+    @property
+    def http_event_queue(self) -> int: ...
+
+
+class Source(Protocol):
+    """What the dashboard reads and drives (the coordinator's ``App``)."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def writer(self) -> Writer | None: ...
+    @property
+    def writer_state(self) -> Any: ...
+    @property
+    def authn(self) -> Authenticator | None: ...
+    @property
+    def metrics(self) -> Metrics | None: ...
+    @property
+    def serving(self) -> bool: ...
+
+    async def run_history(self, run_id: str, limit: int) -> list[Any]: ...
+
+    async def engine_runs(self, *, agent: str | None, statuses: list[str], limit: int,
+                          offset: int) -> tuple[list[Any], int]: ...
+
+
+class Dashboard:
+    """The aiohttp application of one coordinator (its writer, metrics, health)."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        s = source.settings
         self.max_streams = s.http_max_event_streams
         self.per_client = s.http_event_streams_per_client
         self.queue_limit = s.http_event_queue
@@ -338,14 +391,12 @@ class Dashboard:
         """Listen on both addresses ("" skips one). The default dashboard
         address being taken (another fencepost on this machine) is a warning;
         an address asked for that cannot be had is an error."""
-        from .app import host_entry, split_address
-
-        s = self.app.settings
-        assert self.app.writer is not None
+        s = self.source.settings
+        assert self.source.writer is not None
         if s.tls_cert and http_listen:
             self._tls = _TlsFiles(s.tls_cert, s.tls_key, s.client_ca or None)
         self._hosts = [host_entry(h) for h in s.http_allowed_hosts]
-        self._unsubscribe = self.app.writer.subscribe(self._on_changes)
+        self._unsubscribe = self.source.writer.subscribe(self._on_changes)
         for address, full in ((http_listen, True), (metrics_listen, False)):
             if not address:
                 continue
@@ -377,21 +428,21 @@ class Dashboard:
 
     def _announce(self, host: str, port: int) -> None:
         """Log where the dashboard is, and say loudly what it will not answer."""
-        s = self.app.settings
+        s = self.source.settings
         wildcard = host.strip("[]") in ("0.0.0.0", "::")
         if not wildcard:
             self._hosts.append((host.lower(), port))
         scheme = "https" if self._tls is not None else "http"
         log.info("dashboard and /metrics on %s://%s:%d/ (%s)", scheme, host, port,
-                 "roles from --authz" if self.app.authn is not None and s.authz else
-                 "client certificates or tokens required" if self.app.authn is not None
+                 "roles from --authz" if self.source.authn is not None and s.authz else
+                 "client certificates or tokens required" if self.source.authn is not None
                  else "no identities: every caller may read and cancel")
         if not is_loopback(f"{host}:{port}"):
             if self._tls is None:
                 log.warning("THE DASHBOARD IS SERVED IN PLAINTEXT on %s:%d (--allow-insecure): "
                             "bearer tokens and every run cross the network in the clear", host,
                             port)
-            if self.app.authn is None:
+            if self.source.authn is None:
                 log.warning("THE DASHBOARD ON %s:%d HAS NO IDENTITIES: anyone who reaches it "
                             "can read and cancel every run (use --client-ca or --authz with "
                             "[tokens])", host, port)
@@ -436,8 +487,8 @@ class Dashboard:
         if st.writing and transport is not None:
             transport.abort()
         if first:
-            if self.app.metrics is not None:
-                self.app.metrics.events_dropped.labels(reason).inc()
+            if self.source.metrics is not None:
+                self.source.metrics.events_dropped.labels(reason).inc()
             log.info("dashboard event stream of %s dropped (%s)", st.request.remote, reason)
 
     # -- the guard: Host, Origin, identity and role
@@ -478,7 +529,7 @@ class Dashboard:
     def principal(self, request: web.Request) -> Principal:
         """Who is asking: the bearer token's principal, else the client
         certificate's (auth.Authenticator, as on the gRPC port)."""
-        authn = self.app.authn
+        authn = self.source.authn
         if authn is None:
             return OPEN
 
@@ -490,8 +541,6 @@ class Dashboard:
         return authn.identify(request.headers.get("Authorization"), certificate)
 
     def _host_ok(self, header: str) -> bool:
-        from .app import host_entry
-
         try:
             name, port = host_entry(header)
         except ValueError:
@@ -513,8 +562,8 @@ class Dashboard:
         return netloc.removesuffix(default) == host.strip().lower().removesuffix(default)
 
     def _count(self, reason: str) -> None:
-        if self.app.metrics is not None:
-            self.app.metrics.http_refused.labels(reason).inc()
+        if self.source.metrics is not None:
+            self.source.metrics.http_refused.labels(reason).inc()
 
     def _refuse(self, status: int, reason: str, code: str, message: str) -> web.Response:
         self._count(reason)
@@ -540,12 +589,12 @@ class Dashboard:
                             headers=_NO_CACHE)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        m = self.app.metrics
+        m = self.source.metrics
         body = await m.render_async() if m is not None else b""
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def healthz(self, request: web.Request) -> web.Response:
-        ok = self.app.serving
+        ok = self.source.serving
         return web.Response(text="SERVING\n" if ok else "NOT_SERVING\n", status=200 if ok else 503)
 
     # -- API
@@ -566,7 +615,7 @@ class Dashboard:
         before = _text_param(q, "before", validate.MAX_RUN_ID_BYTES)
         if after is not None and before is not None:
             return _bad("before", "give after or before, not both")
-        writer = self.app.writer
+        writer = self.source.writer
         assert writer is not None
         state = writer.state
         revision = state.revision
@@ -585,21 +634,21 @@ class Dashboard:
             "has_next": has_next and bool(page),
             "revision": revision,
             "total": len(state.index),
-            "now": self.app.clock.now_ms(),
+            "now": self.source.clock.now_ms(),
         })
 
     async def get_run(self, request: web.Request) -> web.Response:
         run_id = validate.run_id(request.match_info["run_id"])
-        assert self.app.writer is not None
-        rec = await self.app.writer.read_run(run_id)
-        changes = await self.app.run_history(run_id, HISTORY_LIMIT)
+        assert self.source.writer is not None
+        rec = await self.source.writer.read_run(run_id)
+        changes = await self.source.run_history(run_id, HISTORY_LIMIT)
         if rec is None and not changes:
             return _error(LedgerError(Code.RUN_NOT_FOUND, f"run {run_id!r} not found"))
         return _json({
             "run": record_doc(rec) if rec is not None else None,
             "timeline": timeline(changes),
             "truncated": len(changes) >= HISTORY_LIMIT,
-            "now": self.app.clock.now_ms(),
+            "now": self.source.clock.now_ms(),
         })
 
     async def cancel(self, request: web.Request) -> web.Response:
@@ -633,8 +682,8 @@ class Dashboard:
     async def _act(self, cmd: L.Command) -> web.Response:
         try:
             validate.command(cmd)
-            assert self.app.writer is not None
-            result = await self.app.writer.submit(cmd)
+            assert self.source.writer is not None
+            result = await self.source.writer.submit(cmd)
         except LedgerError as err:
             return _error(err)
         rec = result if isinstance(result, Record) else getattr(result, "record", None)
@@ -650,9 +699,9 @@ class Dashboard:
             return _bad("status", f"at most {E.MAX_FILTER_VALUES} values (got {len(statuses)})")
         for value in statuses:
             E.ident("status", value, E.MAX_STATUS_BYTES)
-        runs, total = await self.app.engine_runs(
+        runs, total = await self.source.engine_runs(
             agent=agent, statuses=statuses, limit=limit, offset=offset)
-        now = self.app.clock.now_ms()
+        now = self.source.clock.now_ms()
         return _json({"runs": [_engine_doc(r) for r in runs], "total": total, "offset": offset,
                       "now": now})
 
@@ -686,8 +735,8 @@ class Dashboard:
         self._per_address[address] += 1
         if principal.name:
             self._per_principal[principal.name] += 1
-        gauge = self.app.metrics.open_streams.labels("dashboard_events") if (
-            self.app.metrics is not None) else None
+        gauge = self.source.metrics.open_streams.labels("dashboard_events") if (
+            self.source.metrics is not None) else None
         if gauge is not None:
             gauge.inc()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -695,8 +744,9 @@ class Dashboard:
                                            "X-Accel-Buffering": "no"})
         try:
             await resp.prepare(request)
-            await self._write(st, resp, _sse("hello", {"revision": self.app.writer_state.revision,
-                                                       "now": self.app.clock.now_ms()}))
+            hello = {"revision": self.source.writer_state.revision,
+                     "now": self.source.clock.now_ms()}
+            await self._write(st, resp, _sse("hello", hello))
             await self._follow(st, resp)
         except ConnectionError:
             pass  # the client went, or was dropped
@@ -737,7 +787,7 @@ class Dashboard:
                 await self._write(st, resp, _sse("reset", {}), SSE_RESET_TIMEOUT_S)
                 return
             batch, st.pending = list(st.pending.values()), {}
-            now = self.app.clock.now_ms()
+            now = self.source.clock.now_ms()
             for i in range(0, len(batch), SSE_CHUNK):
                 body = ",".join(c.json() for c in batch[i:i + SSE_CHUNK])
                 await self._write(st, resp, (f'event: changes\ndata: {{"now":{now},'

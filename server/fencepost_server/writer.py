@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import itertools
 import logging
 import time
@@ -34,6 +33,7 @@ from .core import ledger as L
 from .core.errors import Code, LedgerError, in_transaction, validation
 from .core.records import TERMINAL, Record, Status
 from .index import RunIndex
+from .scope import REQUEST_SCOPE
 from .storage.sql import (
     COLD_STATUSES,
     KIND_DELETE,
@@ -97,11 +97,6 @@ class LedgerState:
 
 
 Answer = Callable[[Any], None]  # called once with the result or the LedgerError
-
-# Whose request ids a command's are: the caller's principal when identities
-# are on (set by auth.guard for the call and the tasks it starts), else "".
-REQUEST_SCOPE: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "fencepost_request_scope", default="")
 
 
 def _wake(fut: asyncio.Future[None] | None) -> None:

@@ -28,7 +28,7 @@ if str(REPO / "bench") not in sys.path:
 from peers import history, load  # noqa: E402
 from peers import semantics as S  # noqa: E402
 
-from fencepost_server import pgcluster  # noqa: E402
+from fencepost_devtools import pgcluster  # noqa: E402
 
 
 class MemoryBackend:
@@ -148,7 +148,7 @@ def test_the_raw_stream_sends_request_ids_only_when_asked(tmp_path: Path) -> Non
 
     from peers.backends import FencepostStream
 
-    from fencepost_server.harness import ServerThread
+    from fencepost_server.testing.server import ServerThread
 
     db = tmp_path / "db"
 

@@ -18,8 +18,9 @@ from _db import Databases
 from _stream_store import engine_client
 
 from fencepost.store_contract import *  # noqa: F403
-from fencepost_server.clock import ManualClock, SystemClock
-from fencepost_server.harness import ServerThread
+from fencepost_server.clock import SystemClock
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 MODES = [("test-clock", "unary"), ("test-clock", "stream"), ("real-time", "unary")]
 

@@ -22,7 +22,7 @@ import pytest
 
 from fencepost._store import AsyncStore
 from fencepost_server.core import engine as E
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 MIB = 1024 * 1024
 FENCEPOST = Path(sys.executable).parent / "fencepost"

@@ -37,8 +37,8 @@ from fencepost._store import (
     Lookup,
     RunNotFound,
 )
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 START = datetime.fromtimestamp(ManualClock().now_ms() / 1000, tz=UTC)  # tests/conftest.py T0
 ENGINE_STORE = "/fencepost.v1.EngineStore/"

@@ -24,9 +24,9 @@ from grpc_status import rpc_status
 from fencepost.v1 import engine_store_pb2 as pb
 from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 from fencepost.v1 import ledger_pb2 as lpb
-from fencepost_server.harness import ServerThread
 from fencepost_server.storage import engine_sql
 from fencepost_server.storage.sqlite import MIGRATIONS, SCHEMA_VERSION, open_read_only
+from fencepost_server.testing.server import ServerThread
 
 ENGINE_TABLES = (
     "engine_runs",

@@ -22,8 +22,8 @@ from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import record_pb2 as rpb
 from fencepost.v1 import run_store_pb2 as spb
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 MAX_SAFE = 2**53 - 1
 INT64 = 2**63 - 1

@@ -25,7 +25,7 @@ from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
 from fencepost_server.app import ConfigError, Settings, security
 from fencepost_server.auth import token_digest
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 TESTS = Path(__file__).resolve().parents[1]
 for sub in ("service", "system"):

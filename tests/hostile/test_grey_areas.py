@@ -21,10 +21,10 @@ from google.rpc import error_details_pb2
 from fencepost.v1 import engine_store_pb2 as epb
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc, record_pb2, run_store_pb2
-from fencepost_server.clock import ManualClock
 from fencepost_server.core import codec
 from fencepost_server.core import ledger as L
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 TESTS = Path(__file__).resolve().parents[1]
 for sub in ("service", "system"):

@@ -30,10 +30,10 @@ from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import record_pb2 as rpb
 from fencepost.v1 import run_store_pb2 as spb
-from fencepost_server.clock import ManualClock
 from fencepost_server.core.errors import Code
-from fencepost_server.harness import ServerThread
 from fencepost_server.services._errors import GRPC_CODE
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 T0 = 1_700_000_000_000
 NEVER = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNIMPLEMENTED,

@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
-from fencepost_server.harness import ServerThread
-from fencepost_server.ports import free_port
+from fencepost_devtools.ports import free_port
+from fencepost_server.testing.server import ServerThread
 
 TESTS = Path(__file__).resolve().parents[1]
 for sub in ("service", "system"):

@@ -19,7 +19,7 @@ from service._wire import wire_error
 from fencepost.v1 import engine_store_pb2 as epb
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 OVERLONG = b"\x80" * 9 + b"\x02"  # ten bytes: the last one carries bits 63 and up
 DEADLINE_S = 10

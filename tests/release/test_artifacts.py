@@ -76,6 +76,11 @@ def _wheels_carry_the_type_stubs_and_the_dashboard(dist: Path) -> None:
     for f in STATIC.iterdir():
         assert f"fencepost_server/web_static/{f.name}" in server
     assert not any(n.startswith("fencepost/") for n in server)
+    # the test kit ships (fencepost.testing needs it); the checkout's dev tools do not
+    assert {"fencepost_server/testing/server.py", "fencepost_server/testing/clock.py"} <= server
+    for dev_only in ("pgcluster.py", "ports.py", "_codegen.py", "harness.py"):
+        assert not any(n.endswith("/" + dev_only) for n in server | sdk), dev_only
+    assert not any(n.startswith("fencepost_devtools/") for n in server | sdk)
     meta = next(n for n in server if n.endswith(".dist-info/METADATA"))
     requires = email.message_from_bytes(wheel.read(meta)).get_all("Requires-Dist") or []
     assert f"fencepost=={V}" in requires

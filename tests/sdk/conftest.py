@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 import fencepost
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 TRANSPORTS = ("stream", "unary")
 

@@ -16,17 +16,16 @@ import pytest
 from _standby import Standby
 
 from fencepost import SyncClient
-from fencepost_server import cli_ops
-from fencepost_server.cli import (
+from fencepost_devtools.ports import free_port
+from fencepost_server.cli import ops as cli_ops
+from fencepost_server.cli.common import (
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
-    build_parser,
-    main,
 )
-from fencepost_server.harness import ServerThread
-from fencepost_server.ports import free_port
+from fencepost_server.cli.main import build_parser, main
+from fencepost_server.testing.server import ServerThread
 
 
 def dead_address() -> str:
@@ -156,7 +155,7 @@ def test_the_default_timeout_leaves_room_for_a_takeover_with_several_endpoints()
 
 
 def test_hold_ttl_takes_milliseconds_or_a_duration(capsys: pytest.CaptureFixture[str]) -> None:
-    from fencepost_server.cli_hold import _ttl_ms
+    from fencepost_server.cli.hold import _ttl_ms
 
     assert [_ttl_ms(t) for t in ("30000", "30s", "2m", "500ms")] == [30_000, 30_000, 120_000, 500]
     for bad in ("0", "soon", "1.5s", "-3s"):

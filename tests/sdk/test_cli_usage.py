@@ -18,10 +18,11 @@ import pytest
 import fencepost
 from fencepost import SyncClient
 from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
-from fencepost_server import cli_ops
 from fencepost_server.app import Settings, SettingsError
-from fencepost_server.cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, main
-from fencepost_server.harness import ServerThread
+from fencepost_server.cli import format as cli_format
+from fencepost_server.cli import main
+from fencepost_server.cli.common import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+from fencepost_server.testing.server import ServerThread
 
 FENCEPOST = Path(sys.executable).parent / "fencepost"
 
@@ -154,7 +155,7 @@ def test_ls_marks_expired_and_lock_delay_leases_in_local_time(
     updated = datetime.fromisoformat(docs["live"]["updated_at"].replace("Z", "+00:00"))
     assert updated.astimezone().strftime("%Y-%m-%d %H:%M:%S") in rows["live"]
     assert docs["gone"]["lease"]["expires_at"].endswith("Z")  # --json keeps machine fields
-    text = dict(line.split(None, 1) for line in cli_ops._record_text(gone).splitlines())
+    text = dict(line.split(None, 1) for line in cli_format.record_text(gone).splitlines())
     assert text["lease.state"].startswith("EXPIRED")
 
 
@@ -169,9 +170,9 @@ def test_lease_state_and_durations() -> None:
     now = datetime(2026, 1, 1, tzinfo=UTC)
     info = fencepost.LeaseInfo("o", now, now + timedelta(seconds=190), 1000, 0)
     rec = fencepost.RunRecord("r", 1, fencepost.RunStatus.RUNNING, 1, 1, now, now, info)
-    assert cli_ops.lease_state(rec, now) == "3m10s left"
-    assert cli_ops.lease_state(rec, now + timedelta(hours=3)) == "EXPIRED 2h56m ago"
-    assert [cli_ops.duration(s) for s in (0.25, 12, 3 * 86400 + 3600)] == [
+    assert cli_format.lease_state(rec, now) == "3m10s left"
+    assert cli_format.lease_state(rec, now + timedelta(hours=3)) == "EXPIRED 2h56m ago"
+    assert [cli_format.duration(s) for s in (0.25, 12, 3 * 86400 + 3600)] == [
         "250ms", "12s", "3d01h"]
 
 

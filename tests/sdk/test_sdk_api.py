@@ -22,7 +22,7 @@ from fencepost import (
     SyncStoreTransaction,
 )
 from fencepost_server.core import records as core
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
 

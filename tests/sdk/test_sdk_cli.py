@@ -20,17 +20,16 @@ import pytest
 
 import fencepost
 from fencepost import SyncClient
-from fencepost_server import cli_ops
-from fencepost_server.cli import (
+from fencepost_devtools.ports import free_port
+from fencepost_server.cli import ops as cli_ops
+from fencepost_server.cli.common import (
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
-    build_parser,
-    main,
 )
-from fencepost_server.harness import ServerThread
-from fencepost_server.ports import free_port
+from fencepost_server.cli.main import build_parser, main
+from fencepost_server.testing.server import ServerThread
 
 
 @pytest.fixture

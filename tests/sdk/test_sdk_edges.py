@@ -18,9 +18,9 @@ from _proxy import Proxy
 
 import fencepost
 from fencepost.v1 import ledger_pb2_grpc
-from fencepost_server.harness import ServerThread
-from fencepost_server.ports import free_port
+from fencepost_devtools.ports import free_port
 from fencepost_server.storage.sqlite import Durability
+from fencepost_server.testing.server import ServerThread
 
 BOTH_TRANSPORTS = True
 

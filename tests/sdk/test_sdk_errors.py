@@ -18,11 +18,11 @@ from fencepost import RunStatus
 from fencepost import _errors as _errors_module
 from fencepost._errors import from_rpc_error, from_status
 from fencepost.v1 import ledger_pb2, record_pb2, run_store_pb2
-from fencepost_server.clock import ManualClock
 from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.records import Record, Status
-from fencepost_server.harness import ServerThread
 from fencepost_server.services._errors import status_proto, to_status
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
 

@@ -24,7 +24,7 @@ from _proxy import Proxy
 import fencepost
 from fencepost import RunStatus
 from fencepost.v1 import ledger_pb2 as pb
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 EXECUTE = "/fencepost.v1.Ledger/Execute"
 MUTATIONS = {"Acquire", "Renew", "RecordCheckpoint", "Suspend", "Finish", "Release", "Cancel",

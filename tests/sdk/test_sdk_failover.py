@@ -26,8 +26,8 @@ import fencepost
 from fencepost import LostReason, NotLeaderError, RetryPolicy, UnavailableError
 from fencepost._endpoints import CONNECT_WAIT_S, parse_endpoints
 from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
-from fencepost_server.harness import ServerThread
-from fencepost_server.ports import free_port
+from fencepost_devtools.ports import free_port
+from fencepost_server.testing.server import ServerThread
 
 BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
 

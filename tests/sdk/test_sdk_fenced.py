@@ -15,8 +15,8 @@ from fencepost import (
     SyncClient,
     ValidationError,
 )
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 BOTH_TRANSPORTS = True
 TTL = 10_000

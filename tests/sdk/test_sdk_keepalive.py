@@ -15,8 +15,8 @@ from _proxy import Proxy
 import fencepost
 from fencepost import LeaseAtRiskError, LeaseLostError, LostReason, RunStatus
 from fencepost.v1 import record_pb2, run_store_pb2, run_store_pb2_grpc
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 WAIT_S = 5.0  # upper bound for anything pushed; normally milliseconds
 SLACK_S = 0.25  # event-loop latency allowed on a busy machine

@@ -11,8 +11,8 @@ import pytest
 
 import fencepost
 from fencepost import LeaseLostError, RunStatus
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 BOTH_TRANSPORTS = True  # tests using `transport` run over the Execute stream and unary
 

@@ -10,7 +10,7 @@ import pytest
 
 import fencepost
 from fencepost.v1 import ledger_pb2
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 pytestmark = pytest.mark.slow
 

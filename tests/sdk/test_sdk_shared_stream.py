@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import fencepost
 from fencepost._execute import SharedDispatcher, share_key
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 
 def _execute_streams(server: ServerThread) -> float:

@@ -27,7 +27,7 @@ import fencepost
 from fencepost._execute import KIND_OF_REQUEST
 from fencepost.v1 import engine_store_pb2
 from fencepost.v1 import ledger_pb2 as pb
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 # The EngineStore RPCs that Ledger.Execute carries (Command fields 20-32).
 STORE_MUTATIONS = {"CreateRun", "UpdateRun", "ClaimRun", "RenewClaim", "AppendStep",

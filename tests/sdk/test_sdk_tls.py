@@ -19,7 +19,7 @@ import fencepost
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 from _tls import ADMIN_TOKEN, Certs, make_certs, write_policy
 
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 
 @pytest.fixture(scope="module")

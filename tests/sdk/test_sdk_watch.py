@@ -14,8 +14,8 @@ import pytest
 
 import fencepost
 from fencepost import ChangeKind, RevisionCompactedError, RunStatus, SyncClient, WatchEvent
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 WAIT_S = 5.0
 

@@ -42,7 +42,7 @@ from fencepost.v1 import (
 )
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost_server.app import ConfigError, Settings, security
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 PD, UA, OK = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
               grpc.StatusCode.OK)

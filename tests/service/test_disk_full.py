@@ -11,7 +11,7 @@ import pytest
 from _wire import expect
 
 from fencepost.v1 import ledger_pb2 as pb
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 
 def _on_writer(server: ServerThread, sql: str) -> Any:

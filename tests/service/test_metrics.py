@@ -21,8 +21,8 @@ from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
 from fencepost_server import metrics as metrics_module
 from fencepost_server.core import ledger as L
-from fencepost_server.harness import ServerThread
 from fencepost_server.storage.sql import KIND_PUT
+from fencepost_server.testing.server import ServerThread
 from fencepost_server.writer import ChangeEvent
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"
@@ -202,7 +202,7 @@ def test_unknown_paths_are_404_and_the_metrics_only_listener(make_server: Any) -
 
 
 def test_metrics_port_still_serves_on_loopback(make_server: Any) -> None:
-    from fencepost_server.ports import free_port
+    from fencepost_devtools.ports import free_port
 
     port = free_port()
     with make_server(metrics_port=port, http_listen=""):

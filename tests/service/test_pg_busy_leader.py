@@ -16,9 +16,9 @@ from _db import PgPool
 
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
 from fencepost_server.storage.postgres import PostgresStorage
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -23,14 +23,14 @@ from grpc_status import rpc_status
 
 from fencepost.v1 import engine_store_pb2 as epb
 from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2, ledger_pb2_grpc
-from fencepost_server.clock import ManualClock
+from fencepost_devtools.pgcluster import Cluster
 from fencepost_server.core import ledger as L
 from fencepost_server.core.errors import Code, LedgerError
-from fencepost_server.harness import ServerThread
 from fencepost_server.leadership import Leadership, writer_name
-from fencepost_server.pgcluster import Cluster
 from fencepost_server.storage import postgres
 from fencepost_server.storage.postgres import PgConnection, PostgresStorage
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 from fencepost_server.writer import Writer
 
 pytestmark = [pytest.mark.timeout(120)]

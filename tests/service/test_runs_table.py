@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from _db import raw, snapshot
 
-from fencepost_server.clock import ManualClock
 from fencepost_server.core import ledger as L
 from fencepost_server.core.records import Record, Status
 from fencepost_server.storage import SqliteStorage, is_url, postgres
 from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.sql import BLOCK_RUNS
 from fencepost_server.storage.sqlite import MIGRATIONS
+from fencepost_server.testing.clock import ManualClock
 from fencepost_server.writer import Writer
 
 

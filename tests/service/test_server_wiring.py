@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from fencepost.v1 import ledger_pb2 as pb
-from fencepost_server.harness import ServerThread
 from fencepost_server.storage.sqlite import SqliteStorage
+from fencepost_server.testing.server import ServerThread
 
 
 def test_health_serving_for_every_service(channel) -> None:  # type: ignore[no-untyped-def]

@@ -15,8 +15,8 @@ from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
 from fencepost.v1 import record_pb2 as rpb
 from fencepost.v1 import run_store_pb2 as spb
-from fencepost_server.clock import ManualClock
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 COMPLETED = rpb.RUN_STATUS_COMPLETED
 

@@ -14,7 +14,7 @@ from fencepost.v1 import engine_store_pb2 as epb
 from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import record_pb2 as rpb
-from fencepost_server.clock import ManualClock
+from fencepost_server.testing.clock import ManualClock
 
 FP = grpc.StatusCode.FAILED_PRECONDITION
 TTL = 10_000

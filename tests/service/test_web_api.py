@@ -19,7 +19,7 @@ from fencepost import SyncClient
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
 from fencepost_server.core import ledger as L
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 
 def get(server: ServerThread, path: str) -> Any:

@@ -24,7 +24,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from fencepost_server.ports import free_port
+from fencepost_devtools.ports import free_port
 
 VENV_BIN = Path(sys.executable).parent
 FENCEPOST = VENV_BIN / "fencepost"

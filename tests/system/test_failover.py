@@ -28,7 +28,7 @@ from fencepost.v1 import (
     ledger_pb2_grpc,
     record_pb2,
 )
-from fencepost_server.pgcluster import Cluster
+from fencepost_devtools.pgcluster import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

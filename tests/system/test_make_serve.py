@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fencepost_server.ports import free_port
+from fencepost_devtools.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
+from fencepost_devtools.pgcluster import Cluster
 from fencepost_server.clock import SystemClock
 from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.ledger import Acquire, RecordCheckpoint
 from fencepost_server.core.records import Record
-from fencepost_server.pgcluster import Cluster
 from fencepost_server.storage import postgres
 from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.sql import HistoryReader

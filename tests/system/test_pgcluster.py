@@ -1,5 +1,5 @@
 """The throwaway PostgreSQL server the tests, torture runs and benchmarks use
-(``fencepost_server.pgcluster``): it starts, serves fresh databases, keeps
+(``fencepost_devtools.pgcluster``): it starts, serves fresh databases, keeps
 committed data across a restart and a SIGKILL, freezes and thaws, cuts the
 sessions it is told to, names what failed, and leaves nothing running."""
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from fencepost_server import pgcluster
-from fencepost_server.pgcluster import Cluster, ClusterError
+from fencepost_devtools import pgcluster
+from fencepost_devtools.pgcluster import Cluster, ClusterError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -211,7 +211,7 @@ def test_nothing_is_left_running_when_the_owner_dies(tmp_path: Path) -> None:
     that process a temp directory of its own)."""
     script = textwrap.dedent("""
         import os, signal, sys
-        from fencepost_server.pgcluster import Cluster
+        from fencepost_devtools.pgcluster import Cluster
         pg = Cluster.start()
         print(*pg.processes(), flush=True)
         if sys.argv[1] == "kill":

@@ -15,7 +15,7 @@ from _db import raw
 from _proc import ServerProc
 
 import fencepost
-from fencepost_server import pgcluster
+from fencepost_devtools import pgcluster
 from fencepost_server.storage import postgres, sqlite
 
 # each store's last migration step, undone: the database its previous schema wrote

@@ -23,8 +23,9 @@ import pytest
 from test_failover import Coordinators
 
 import fencepost
-from fencepost_server.cli import EXIT_OK, main
-from fencepost_server.pgcluster import Cluster
+from fencepost_devtools.pgcluster import Cluster
+from fencepost_server.cli import main
+from fencepost_server.cli.common import EXIT_OK
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

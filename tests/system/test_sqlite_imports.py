@@ -18,7 +18,7 @@ from fencepost_server.services._errors import read_errors
 SCRIPT = """
 import asyncio, sys, urllib.request
 import fencepost
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 
 async def lifecycle(address):
     async with fencepost.Client(address, owner="w") as client:

@@ -18,7 +18,7 @@ from _proc import ServerProc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import fencepost
-from fencepost_server.ports import free_port
+from fencepost_devtools.ports import free_port
 
 
 def test_sigterm_with_a_worker_connected_stops_at_once_and_the_worker_carries_on(

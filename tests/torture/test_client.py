@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fencepost_server.harness import ServerThread
+from fencepost_server.testing.server import ServerThread
 from torture.client import Attempt, Client, ExecuteStream, pick_transport
 
 
@@ -124,7 +124,7 @@ def test_mixed_picks_each_transport_by_the_seed(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def coordinators(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A leader and a standby on one PostgreSQL database (in process)."""
-    from fencepost_server.pgcluster import Cluster
+    from fencepost_devtools.pgcluster import Cluster
 
     with Cluster.start() as pg:
         url = pg.create_database("follow")

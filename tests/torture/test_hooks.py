@@ -12,9 +12,10 @@ import pytest
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc, testing_pb2, testing_pb2_grpc
 from fencepost_server.app import Settings
-from fencepost_server.clock import ManualClock, OffsetClock
-from fencepost_server.core import ledger as core_ledger
-from fencepost_server.harness import ServerThread
+from fencepost_server.clock import OffsetClock
+from fencepost_server.testing import hooks
+from fencepost_server.testing.clock import ManualClock
+from fencepost_server.testing.server import ServerThread
 
 
 def test_settings_read_the_hooks_from_the_environment() -> None:
@@ -64,7 +65,7 @@ def test_offset_clock_never_goes_back() -> None:
 def test_a_fault_without_test_hooks_is_ignored(tmp_path: Path) -> None:
     with ServerThread(tmp_path / "f.db", fault="fence-ignores-owner") as srv, \
             grpc.insecure_channel(srv.address) as ch:
-        assert core_ledger.UNSAFE_SKIP_OWNER_CHECK is False
+        assert not hooks.is_active()
         assert srv.writer.unsafe_ack_before_commit_s == 0
         with pytest.raises(grpc.RpcError):
             testing_pb2_grpc.TestHooksStub(ch).JumpClock(testing_pb2.JumpClockRequest(ms=1))
@@ -72,8 +73,8 @@ def test_a_fault_without_test_hooks_is_ignored(tmp_path: Path) -> None:
 
 def test_a_broken_build_is_switched_off_again_on_stop(tmp_path: Path) -> None:
     with ServerThread(tmp_path / "f.db", test_hooks=True, fault="fence-ignores-owner"):
-        assert core_ledger.UNSAFE_SKIP_OWNER_CHECK is True
-    assert core_ledger.UNSAFE_SKIP_OWNER_CHECK is False
+        assert hooks.is_active()
+    assert not hooks.is_active()
     with ServerThread(tmp_path / "g.db", test_hooks=True, fault="ack-before-commit") as srv:
         assert srv.writer.unsafe_ack_before_commit_s > 0
 
@@ -85,3 +86,30 @@ def test_an_unknown_fault_is_refused(tmp_path: Path) -> None:
             srv.start()
     finally:
         srv.close()
+
+
+def test_fence_ignores_owner_lets_another_owner_renew_until_stopped(tmp_path: Path) -> None:
+    def renew_as_b(address: str, token: int) -> grpc.StatusCode:
+        with grpc.insecure_channel(address) as ch:
+            try:
+                ledger_pb2_grpc.LedgerStub(ch).Renew(
+                    pb.RenewRequest(run_id="r", owner="B", fencing_token=token), timeout=10)
+            except grpc.RpcError as err:
+                return err.code()
+            return grpc.StatusCode.OK
+
+    srv = ServerThread(tmp_path / "f.db", test_hooks=True, fault="fence-ignores-owner")
+    try:
+        srv.start()
+        with grpc.insecure_channel(srv.address) as ch:
+            run = ledger_pb2_grpc.LedgerStub(ch).Acquire(
+                pb.AcquireRequest(run_id="r", owner="A", lease_ttl_ms=60_000)).run
+        assert renew_as_b(srv.address, run.fencing_token) == grpc.StatusCode.OK  # broken
+        srv.restart()  # stop switches it off, start on again
+        assert hooks.is_active()
+        srv.stop()
+        assert not hooks.is_active()
+    finally:
+        srv.close()
+    with ServerThread(tmp_path / "f.db") as sound:
+        assert renew_as_b(sound.address, run.fencing_token) == grpc.StatusCode.FAILED_PRECONDITION

@@ -30,7 +30,6 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fencepost_server.clock import ManualClock
 from fencepost_server.core import engine as E
 from fencepost_server.core import ledger as L
 from fencepost_server.core.errors import Code, LedgerError
@@ -38,6 +37,7 @@ from fencepost_server.core.fence import Fence
 from fencepost_server.core.records import Record, Status
 from fencepost_server.storage import SqliteStorage
 from fencepost_server.storage import engine_sql as Q
+from fencepost_server.testing.clock import ManualClock
 from fencepost_server.writer import Writer
 
 RUN = "R"

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from fencepost_server import ports
+from fencepost_devtools import ports
 
 
 def test_ports_are_free_below_the_ephemeral_range_and_never_repeat() -> None:

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from fencepost_server.clock import ManualClock
 from fencepost_server.core import codec
 from fencepost_server.core import ledger as L
 from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.records import Status
 from fencepost_server.storage import SqliteStorage
+from fencepost_server.testing.clock import ManualClock
 from fencepost_server.writer import Writer
 
 

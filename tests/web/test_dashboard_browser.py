@@ -256,7 +256,7 @@ def test_the_token_typed_in_the_header_is_sent_with_every_request(
     ``authorization: Bearer`` with its reads, its live feed and its actions;
     without one the reads are refused, the page says so, and nothing changes."""
     from fencepost_server.auth import token_digest
-    from fencepost_server.harness import ServerThread
+    from fencepost_server.testing.server import ServerThread
 
     policy = tmp_path / "policy.toml"
     policy.write_text(f'[roles]\noperator = ["ops"]\nworker = ["w"]\n[tokens]\n'

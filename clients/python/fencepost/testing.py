@@ -11,7 +11,7 @@ a pytest plugin entry point)::
         fencepost_server.clock.advance(60_000)  # the server's time, not yours
         ...  # another owner may take the run over now
 
-``fencepost_server`` is a ``fencepost_server.harness.ServerThread`` whose
+``fencepost_server`` is a ``fencepost_server.testing.server.ServerThread`` whose
 clock is a ``ManualClock``: leases expire only when the test advances it.
 Background renewal still runs in real time (every ttl/3), and a renewal
 extends the lease from the server's clock, so give leases a ttl long enough
@@ -38,7 +38,7 @@ import pytest
 from ._sync import SyncClient
 
 if TYPE_CHECKING:
-    from fencepost_server.harness import ServerThread
+    from fencepost_server.testing.server import ServerThread
 
 __all__ = ["fencepost_client", "fencepost_server"]
 
@@ -48,8 +48,8 @@ def fencepost_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator
     """A coordinator on 127.0.0.1 (random port) over a fresh SQLite file in
     ``tmp_path`` (or your ``fencepost_db``), driven by a ``ManualClock``.
     ``.address``, ``.clock``, ``.restart()``."""
-    from fencepost_server.clock import ManualClock
-    from fencepost_server.harness import ServerThread
+    from fencepost_server.testing.clock import ManualClock
+    from fencepost_server.testing.server import ServerThread
 
     try:
         db: str | Path = request.getfixturevalue("fencepost_db")

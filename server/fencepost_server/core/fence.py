@@ -2,17 +2,17 @@
 in the same step that applies it. Pure.
 
 A ``Fence`` names a ledger run and the fencing token its writer holds, or a
-keyed lock and its token. ``check_run_fence`` is the run half (the lock half,
-which needs the lock's row, is ``core.engine.check_lock_fence``); the writer
-calls them against its authoritative state, inside the step that writes.
+keyed lock and its token (``validate.fence`` builds one from a request).
+``check_run_fence`` is the run half (the lock half, which needs the lock's
+row, is ``core.engine.check_lock_fence``); the writer calls them against its
+authoritative state, inside the step that writes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import validate
-from .errors import Code, LedgerError, validation
+from .errors import Code, LedgerError
 from .records import Record, Status
 
 
@@ -23,18 +23,6 @@ class Fence:
     fencing_token: int
     run_id: str = ""
     lock_key: str = ""
-
-
-def make(run_id: str, fencing_token: int, lock_key: str, prefix: str = "fence") -> Fence:
-    """A validated fence (RUN_VALIDATION_ERROR naming ``prefix.<field>``)."""
-    if bool(run_id) == bool(lock_key):
-        raise validation(f"{prefix}.run_id", "set exactly one of run_id and lock_key")
-    if run_id:
-        validate.text(f"{prefix}.run_id", run_id, validate.MAX_RUN_ID_BYTES)
-    else:
-        validate.text(f"{prefix}.lock_key", lock_key, validate.MAX_KEY_BYTES)
-    validate.fencing_token(fencing_token, f"{prefix}.fencing_token")
-    return Fence(fencing_token, run_id, lock_key)
 
 
 def check_run_fence(fence: Fence, cur: Record | None, tombstone: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import (
     Code,
@@ -21,6 +21,7 @@ from .errors import (
     unrepresentable,
     validation,
 )
+from .fence import Fence
 from .records import (
     MAX_INT64,
     MAX_SAFE,
@@ -35,17 +36,9 @@ from .records import (
     out_of_range,
 )
 
-if TYPE_CHECKING:
-    from .fence import Fence
-
 DEFAULT_TTL_MS = 60_000
 MIN_TTL_MS = 100
 MAX_TTL_MS = 24 * 60 * 60 * 1000
-
-# TEST-ONLY broken build (``--test-hooks --fault fence-ignores-owner``, set by
-# app.py): the fence check skips the owner comparison, so the torture harness
-# can prove its fencing checker catches a server that does. Never True otherwise.
-UNSAFE_SKIP_OWNER_CHECK = False
 
 
 # -- commands ---------------------------------------------------------------------
@@ -407,7 +400,7 @@ def _fence(cmd: HandleCommand, cur: Record | None) -> Record:
             f"is at {cur.fencing_token}",
             cur,
         )
-    if (cur.lease is None or cur.lease.owner != cmd.owner) and not UNSAFE_SKIP_OWNER_CHECK:
+    if cur.lease is None or cur.lease.owner != cmd.owner:
         raise LedgerError(
             Code.RUN_LEASE_LOST,
             f"owner {cmd.owner!r} does not hold the lease of run {cmd.run_id!r}",

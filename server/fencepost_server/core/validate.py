@@ -8,6 +8,7 @@ from typing import Any
 
 from . import ledger as L
 from .errors import validation
+from .fence import Fence
 from .records import MAX_INT64, MAX_SAFE, Record, Status
 
 MAX_RUN_ID_BYTES = 512
@@ -241,3 +242,15 @@ _CHECKS: dict[type, Callable[[Any], None]] = {
     L.RawCreate: _raw_create,
     L.RawCompareAndSet: _raw_cas,
 }
+
+
+def fence(run_id: str, token: int, lock_key: str, prefix: str = "fence") -> Fence:
+    """A validated fence (RUN_VALIDATION_ERROR naming ``prefix.<field>``)."""
+    if bool(run_id) == bool(lock_key):
+        raise validation(f"{prefix}.run_id", "set exactly one of run_id and lock_key")
+    if run_id:
+        text(f"{prefix}.run_id", run_id, MAX_RUN_ID_BYTES)
+    else:
+        text(f"{prefix}.lock_key", lock_key, MAX_KEY_BYTES)
+    fencing_token(token, f"{prefix}.fencing_token")
+    return Fence(token, run_id, lock_key)

@@ -17,7 +17,7 @@ from grpc_status import rpc_status
 from ..convert import record_to_pb
 from ..core.errors import Code, LedgerError, validation
 from ..core.records import out_of_range
-from ._registry import Malformed
+from ._decode import Malformed
 
 DOMAIN = "fencepost"
 log = logging.getLogger("fencepost.services")

@@ -40,8 +40,8 @@ from ..core.errors import Code, LedgerError, validation
 from ..storage import engine_sql as Q
 from ..storage.engine_sql import EngineReader
 from ..writer import Writer
+from ._decode import Malformed
 from ._errors import handler
-from ._registry import Malformed
 
 log = logging.getLogger("fencepost.engine_store")
 

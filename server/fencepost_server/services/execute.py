@@ -31,9 +31,10 @@ from ..core import ledger as L
 from ..core import validate
 from ..core.errors import LedgerError, in_transaction, validation
 from ..streams import Buffered, Stop
+from ._decode import Malformed
 from ._errors import internal_status_proto, status_proto
-from ._registry import Malformed
 from .engine_store import MUTATIONS
+from .streams import _run_until_stopped, _stop_error, enter, headers_first
 
 log = logging.getLogger("fencepost.execute")
 
@@ -196,8 +197,6 @@ class ExecuteHandler:
     async def _execute(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> None:
-        from .streams import _run_until_stopped, _stop_error, enter, headers_first
-
         session = _Session(self.hub.queue_limit)
         enter(self.hub, session, context)
         reader = asyncio.create_task(self._execute_reader(session, requests))

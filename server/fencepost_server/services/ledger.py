@@ -16,6 +16,7 @@ from fencepost.v1 import ledger_pb2_grpc
 from .. import convert
 from ..core import validate
 from ..core.errors import Code, LedgerError, unrepresentable, validation
+from ..core.ledger import Deleted
 from ..core.records import Record, Status, out_of_range
 from ..storage.sqlite import HistoryReader
 from ..streams import FenceHub
@@ -210,8 +211,6 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
     async def DeleteRun(
         self, request: pb.DeleteRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteRunResponse:
-        from ..core.ledger import Deleted
-
         result = await self.writer.submit(convert.delete_run(request))
         assert isinstance(result, Deleted)
         return pb.DeleteRunResponse(revision=result.revision, fencing_token=result.fencing_token)

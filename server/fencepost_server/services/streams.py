@@ -27,7 +27,7 @@ from ..core.errors import Code, LedgerError, validation
 from ..core.records import MAX_SAFE, out_of_range
 from ..storage.sqlite import HistoryReader
 from ..streams import Buffered, FenceHub, Session, Stop, Watch, lost_reason, watch_message
-from ._registry import Malformed
+from ._decode import Malformed
 
 log = logging.getLogger("fencepost.streams")
 

@@ -381,7 +381,8 @@ class PostgresStorage(SqlStorage):
     ID_ARRAY = "json_agg(run_id ORDER BY run_id)::text"
     ERRORS = (psycopg.Error,)
 
-    def __init__(self, url: str, *, durable: bool = True, name: str = "fencepost") -> None:
+    def __init__(self, url: str, *, durable: bool = True, name: str = "fencepost",
+                 unsafe_skip_epoch_check: bool = False) -> None:
         super().__init__()
         self.url = url
         self.path = redact(url)
@@ -391,7 +392,7 @@ class PostgresStorage(SqlStorage):
         self._db: PgConnection | None = None
         # TEST-ONLY broken build (--fault no-epoch-check, with --test-hooks):
         # batches skip the epoch check, so a deposed leader can commit
-        self.unsafe_skip_epoch_check = False
+        self.unsafe_skip_epoch_check = unsafe_skip_epoch_check
         self._xid: int | None = None  # the open batch's transaction id
 
     # -- lifecycle ---------------------------------------------------------------

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[5]
 sys.path.insert(0, str(REPO / "tests" / "system"))
 
-from fencepost_server import pgcluster  # noqa: E402
+from fencepost_devtools import pgcluster  # noqa: E402
 
 
 def say(obj: object) -> None:

@@ -37,9 +37,8 @@ from typing import Any, TextIO
 import fencepost
 from fencepost import LeaseHeldError, LeaseLostError, RunSuspendedError
 
-from .cli import EXIT_LOST
-from .cli_ops import _positive_int
-from .retention import parse_duration_ms
+from ..retention import parse_duration_ms
+from .common import EXIT_LOST, positive_int, security
 
 DEFAULT_GRACE_S = 10.0
 MAX_WAIT_STEP_S = 1.0  # --wait re-tries at least this often, watching the run in between
@@ -59,7 +58,7 @@ def _grace(text: str) -> float:
 def _ttl_ms(text: str) -> int:
     """``--ttl``: plain milliseconds (``30000``), or a duration (``30s``, ``2m``, ``500ms``)."""
     if text.strip().isdigit():
-        return _positive_int(text)
+        return positive_int(text)
     try:
         return parse_duration_ms(text, "--ttl")
     except RuntimeError:
@@ -108,9 +107,7 @@ def _say(err: TextIO, text: str) -> None:
 
 
 async def _hold(args: argparse.Namespace, retry: fencepost.RetryPolicy, err: TextIO) -> int:
-    from .cli_ops import _security
-
-    kwargs: dict[str, Any] = {"retry": retry, **_security(args)}
+    kwargs: dict[str, Any] = {"retry": retry, **security(args)}
     if args.ttl_ms is not None:
         kwargs["default_ttl_ms"] = args.ttl_ms
     async with fencepost.Client(args.endpoints, owner=args.owner, **kwargs) as client:

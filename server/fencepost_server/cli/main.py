@@ -31,16 +31,12 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .storage.sqlite import Durability
+from ..storage.sqlite import Durability
+from . import ops
+from .common import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, default_addr
 
 if TYPE_CHECKING:
-    from .app import Settings
-
-EXIT_OK = 0
-EXIT_REFUSED = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-EXIT_LOST = 4
+    from ..app import Settings
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -239,7 +235,8 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from .app import ConfigError, Settings, SettingsError, security, serve
+    # here, not at the top: the operator commands start without loading the server
+    from ..app import ConfigError, Settings, SettingsError, security, serve
 
     try:
         settings = _serve_settings(args, Settings)
@@ -308,28 +305,10 @@ def _web_overrides(args: argparse.Namespace) -> dict[str, Any]:
             "http_event_queue": args.http_event_queue}
 
 
-def default_addr(env: Any) -> str:
-    """Where the operator commands connect by default: FENCEPOST_ADDR, else the
-    server's own FENCEPOST_LISTEN (a wildcard host as loopback: inside a
-    container, `fencepost health` follows the configured port), else
-    127.0.0.1:50051."""
-    if env.get("FENCEPOST_ADDR"):
-        return str(env["FENCEPOST_ADDR"])
-    listen = env.get("FENCEPOST_LISTEN", "").strip()
-    if listen:
-        host, _, port = listen.rpartition(":")
-        if not host or port.endswith("]"):  # no port given: the default one
-            host, port = listen, "50051"
-        if host in ("0.0.0.0", "[::]", "::", ""):
-            host = "127.0.0.1"
-        return f"{host}:{port}"
-    return "127.0.0.1:50051"
-
-
 class _Version(argparse.Action):
     # not argparse's own: it rewraps lines, and the schemas import psycopg only when asked
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
-        from . import version_text
+        from .. import version_text
 
         print(version_text())
         parser.exit()
@@ -341,9 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the release, API and storage schema versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    from . import cli_ops
-
-    cli_ops.add_parsers(sub, default_addr=default_addr(os.environ))
+    ops.add_parsers(sub, default_addr=default_addr(os.environ))
     return parser
 
 
@@ -391,10 +368,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0) and EXIT_USAGE
     if args.command == "serve":
         return _run_serve(args)
-    from . import cli_ops
+    return ops.run(args)
 
-    return cli_ops.run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

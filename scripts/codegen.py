@@ -1,6 +1,6 @@
 """Regenerate the checked-in Python stubs from ``proto/`` (``make proto``).
 
-``python -m fencepost_server._codegen OUT_DIR`` writes ``fencepost/v1/*_pb2*.py``
+``python scripts/codegen.py OUT_DIR`` writes ``fencepost/v1/*_pb2*.py``
 and their ``.pyi`` type stubs under OUT_DIR. The contract test runs the same
 function into a temporary directory and compares, so stale stubs fail CI.
 """
@@ -12,7 +12,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO / "proto"
 
 

@@ -10,7 +10,7 @@
     fencepost health [--service NAME]
     fencepost hold RUN_ID [--ttl TTL] [--wait] [--release] [--grace S] -- CMD ARGS...
 
-Each takes ``--addr`` (env FENCEPOST_ADDR; see cli.default_addr) or
+Each takes ``--addr`` (env FENCEPOST_ADDR; see cli.common.default_addr) or
 ``--endpoints ADDR,ADDR...`` (env FENCEPOST_ENDPOINTS, which wins over
 FENCEPOST_ADDR): several coordinators of which one leads; the command goes to
 the leader, following a standby's NOT_LEADER as the SDK does. ``--timeout``
@@ -53,7 +53,7 @@ owner=O version=N`` or ``REVISION delete RUN_ID``.
 Errors go to stderr as ``fencepost: CODE: message``; with ``--json`` they go
 to stdout instead, as one JSON object ``{"error": {"code", "message",
 "field"?, "run"?}}`` (a usage error has the code ``USAGE``). Exit codes are
-the table in ``cli.py``: 0 ok, 1 refused by the server (the code is printed),
+the table in ``cli/main.py``: 0 ok, 1 refused by the server (the code is printed),
 2 usage, 3 the server could not be reached (or a mutation got no answer, so
 its outcome is unknown).
 """
@@ -69,7 +69,6 @@ import signal
 import sys
 import threading
 from collections.abc import Iterable
-from datetime import UTC, datetime
 from types import FrameType
 from typing import Any, TextIO
 
@@ -79,55 +78,29 @@ from fencepost import (
     OutcomeUnknownError,
     RunRecord,
     UnavailableError,
-    WatchEvent,
 )
 from fencepost._endpoints import parse_endpoints
-from fencepost._records import format_time
 
-from .cli import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+from . import format as fmt
+from .common import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    endpoints,
+    positive_float,
+    positive_int,
+    revision,
+    security,
+)
+from .common import default_addr as address_from_env
+from .hold import add_hold_parser, run_hold
 
 COMMANDS = ("get", "ls", "cancel", "resume", "delete", "watch", "health", "hold")
 DEFAULT_TIMEOUT_S = 5.0
 # With several endpoints: room for a takeover (the default 5 s leader lease, then loading).
 FAILOVER_TIMEOUT_S = 15.0
 _STATUSES = [s.value for s in fencepost.RunStatus]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
-    return value
-
-
-def _revision(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
-    return value
-
-
-def _endpoints(text: str) -> list[str]:
-    try:
-        return list(parse_endpoints(text, field="--endpoints"))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--endpoints: ")) from None
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
-    return value
 
 
 def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None:  # type: ignore[type-arg]
@@ -139,7 +112,7 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     )
     common.add_argument(
         "--endpoints",
-        type=_endpoints,
+        type=endpoints,
         metavar="ADDR,ADDR...",
         help="instead of --addr: several coordinators, one of which leads; the command "
         "follows the leader (env FENCEPOST_ENDPOINTS)",
@@ -161,7 +134,7 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
                         "arguments show in the process list)")
     common.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         help="seconds to keep retrying an unreachable server, or waiting for a new leader "
         f"(default {DEFAULT_TIMEOUT_S:g}; {FAILOVER_TIMEOUT_S:g} with several --endpoints)",
     )
@@ -179,7 +152,7 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
         "--engine, the engine store's own statuses",
     )
     p.add_argument("--owner", help="only runs whose lease this owner holds")
-    p.add_argument("--limit", type=_positive_int, help="at most this many runs (default all)")
+    p.add_argument("--limit", type=positive_int, help="at most this many runs (default all)")
     p.add_argument(
         "--engine", action="store_true", help="list the engine store's runs instead"
     )
@@ -193,11 +166,7 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     # for probes beside mutual TLS), that is where `health` asks by default.
     health_only = os.environ.get("FENCEPOST_HEALTH_LISTEN", "").strip()
     if health_only and not os.environ.get("FENCEPOST_ADDR"):
-        from .cli import default_addr as _listen_addr
-
-        p.set_defaults(default_addr=_listen_addr({"FENCEPOST_LISTEN": health_only}))
-
-    from .cli_hold import add_hold_parser
+        p.set_defaults(default_addr=address_from_env({"FENCEPOST_LISTEN": health_only}))
 
     add_hold_parser(sub, common)
 
@@ -227,11 +196,11 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     p.add_argument("run_ids", metavar="RUN_ID", nargs="*", help="only these runs (default all)")
     p.add_argument(
         "--from-revision",
-        type=_revision,
+        type=revision,
         default=0,
         help="first replay the retained changes from this revision (default 0: only new ones)",
     )
-    p.add_argument("--limit", type=_positive_int, help="stop after this many changes")
+    p.add_argument("--limit", type=positive_int, help="stop after this many changes")
 
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -256,8 +225,6 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     if args.command == "health":
         return _guarded(args, out, err, lambda: _health(args, out))
     if args.command == "hold":
-        from .cli_hold import run_hold
-
         if not getattr(args, "cmd", None):
             return _usage(args, out, err, "give the command to run after --: hold RUN_ID -- CMD")
         return _guarded(args, out, err, lambda: run_hold(args, retry, err))
@@ -266,7 +233,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
 
     def one_shot() -> int:
         nonlocal doc, text
-        with fencepost.SyncClient(args.endpoints, retry=retry, **_security(args)) as client:
+        with fencepost.SyncClient(args.endpoints, retry=retry, **security(args)) as client:
             doc, text = _dispatch(client, args)
         return EXIT_OK
 
@@ -311,14 +278,6 @@ def _where(args: argparse.Namespace) -> str:
     return ", ".join(getattr(args, "endpoints", None) or [args.addr])
 
 
-def _security(args: argparse.Namespace) -> dict[str, Any]:
-    """``tls=`` and ``token=`` for the client, from the flags (or environment)."""
-    tls = None
-    if args.cacert or args.cert or args.key:
-        tls = fencepost.TLS(ca=args.cacert, cert=args.cert, key=args.key)
-    return {"tls": tls, "token": args.token}
-
-
 def _guarded(args: argparse.Namespace, out: TextIO, err: TextIO, body: Any) -> int:
     """Run ``body()``; map the SDK's errors to the exit-code table (errors on
     stderr, or as JSON on stdout with ``--json``)."""
@@ -359,7 +318,7 @@ def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) 
         if ctrl_c.seen:
             return  # Ctrl-C before the loop ran
         printed = 0
-        async with fencepost.Client(args.endpoints, retry=retry, **_security(args)) as client:
+        async with fencepost.Client(args.endpoints, retry=retry, **security(args)) as client:
             # aclosing: the stream's call is cancelled here, before the channel
             # closes, not by the generator's finalizer at some later point
             events = client.watch(args.run_ids, from_revision=args.from_revision)
@@ -368,7 +327,7 @@ def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) 
                     if args.json:
                         out.write(json.dumps(ev.to_dict(), ensure_ascii=False) + "\n")
                     else:
-                        out.write(_event_text(ev))
+                        out.write(fmt.event_text(ev))
                     out.flush()
                     printed += 1
                     if args.limit is not None and printed >= args.limit:
@@ -427,29 +386,18 @@ class _CtrlC:
             task.get_loop().call_soon_threadsafe(task.cancel)
 
 
-def _event_text(ev: WatchEvent) -> str:
-    if ev.record is None:
-        return f"{ev.revision} {ev.kind.value} {ev.run_id}\n"
-    r = ev.record
-    owner = r.lease.owner if r.lease is not None else "-"
-    return (
-        f"{ev.revision} {ev.kind.value} {ev.run_id} {r.status.value} token={r.fencing_token} "
-        f"attempt={r.attempt} owner={owner} version={r.version}\n"
-    )
-
-
 def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[Any, str]:
     """(JSON document, human text) for one command."""
     match args.command:
         case "get":
             rec = client.get(args.run_id)
-            return rec.to_dict(), _record_text(rec)
+            return rec.to_dict(), fmt.record_text(rec)
         case "cancel":
             rec = client.cancel(args.run_id, args.message)
-            return rec.to_dict(), _record_text(rec)
+            return rec.to_dict(), fmt.record_text(rec)
         case "resume":
             rec = client.request_resume(args.run_id)
-            return rec.to_dict(), _record_text(rec)
+            return rec.to_dict(), fmt.record_text(rec)
         case "delete":
             res = client.delete(args.run_id)
             doc = {
@@ -467,7 +415,7 @@ def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[A
             runs = client.store.list_runs(
                 agent=args.agent, statuses=args.statuses or None, limit=args.limit
             ).runs
-            return [_engine_doc(r) for r in runs], _engine_table(runs)
+            return [fmt.engine_doc(r) for r in runs], fmt.engine_table(runs)
         case _:  # ls
             records = _take(
                 client.list(
@@ -475,7 +423,7 @@ def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[A
                 ),
                 args.limit,
             )
-            return [r.to_dict() for r in records], _table(records)
+            return [r.to_dict() for r in records], fmt.table(records)
 
 
 def _take(records: Iterable[RunRecord], limit: int | None) -> list[RunRecord]:
@@ -500,130 +448,6 @@ def _error(err: TextIO, as_json: bool, code: str, message: str, exc: FencepostEr
     else:
         err.write(f"fencepost: {code}: {message}\n")
     err.flush()
-
-
-def _flatten(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
-    rows: list[tuple[str, str]] = []
-    for key, value in doc.items():
-        name = prefix + key
-        if isinstance(value, dict):
-            rows += _flatten(value, name + ".")
-        elif isinstance(value, list):
-            rows.append((name, ", ".join(map(str, value)) or "-"))
-        else:
-            rows.append((name, str(value)))
-    return rows
-
-
-def _record_text(rec: RunRecord) -> str:
-    """Key/value lines, nested fields as dotted keys (lease.owner ...); the
-    lease's state (time left, EXPIRED, LOCK-DELAY) as ``lease.state``."""
-    rows = _flatten(rec.to_dict())
-    if rec.lease is not None:
-        rows.append(("lease.state", lease_state(rec, datetime.now(UTC))))
-    width = max(len(k) for k, _ in rows)
-    return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
-
-
-_COLUMNS = ("RUN_ID", "STATUS", "TOKEN", "ATTEMPT", "OWNER", "LEASE", "UPDATED")
-_ENGINE_COLUMNS = ("ID", "AGENT", "STATUS", "CLAIMED_BY", "CLAIM", "CREATED", "UPDATED")
-
-
-def _table(records: list[RunRecord], now: datetime | None = None) -> str:
-    now = now or datetime.now(UTC)
-    rows: list[tuple[str, ...]] = [_COLUMNS]
-    for r in records:
-        rows.append(
-            (
-                r.run_id,
-                r.status.value,
-                str(r.fencing_token),
-                str(r.attempt),
-                r.lease.owner if r.lease is not None else "-",
-                lease_state(r, now),
-                local_time(r.updated_at),
-            )
-        )
-    return _columns(rows)
-
-
-def _columns(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n"
-        for row in rows
-    )
-
-
-def lease_state(rec: RunRecord, now: datetime) -> str:
-    """``12s left``; past its expiry ``LOCK-DELAY 4s left`` while another owner
-    must still wait, then ``EXPIRED 3m10s ago``; ``-`` without a lease."""
-    lease = rec.lease
-    if lease is None:
-        return "-"
-    left = (lease.expires_at - now).total_seconds()
-    if left > 0:
-        return f"{duration(left)} left"
-    delay_left = left + lease.lock_delay_ms / 1000
-    if delay_left > 0:
-        return f"LOCK-DELAY {duration(delay_left)} left"
-    return f"EXPIRED {duration(-left)} ago"
-
-
-def duration(seconds: float) -> str:
-    """850ms, 12s, 3m10s, 2h05m, 3d04h."""
-    if seconds < 1:
-        return f"{max(0, round(seconds * 1000))}ms"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def local_time(t: datetime) -> str:
-    """In the machine's time zone, to the second: ``2026-12-01 10:21:05``."""
-    return t.astimezone().strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _engine_doc(run: Any) -> dict[str, Any]:
-    claim = run.claim
-    return {
-        "id": run.id,
-        "agent": run.agent,
-        "status": run.status,
-        "concurrency_key": run.concurrency_key,
-        "claim": None
-        if claim is None
-        else {"owner": claim.owner, "expires_at": format_time(claim.expires_at)},
-        "created_at": format_time(run.created_at),
-        "updated_at": format_time(run.updated_at),
-    }
-
-
-def _engine_table(runs: list[Any], now: datetime | None = None) -> str:
-    now = now or datetime.now(UTC)
-    rows: list[tuple[str, ...]] = [_ENGINE_COLUMNS]
-    for r in runs:
-        claim = "-"
-        if r.claim is not None:
-            left = (r.claim.expires_at - now).total_seconds()
-            claim = f"{duration(left)} left" if left > 0 else f"EXPIRED {duration(-left)} ago"
-        rows.append(
-            (
-                r.id,
-                r.agent,
-                r.status,
-                r.claim.owner if r.claim is not None else "-",
-                claim,
-                local_time(r.created_at),
-                local_time(r.updated_at),
-            )
-        )
-    return _columns(rows)
 
 
 def _check_ls(args: argparse.Namespace) -> str:
@@ -703,6 +527,6 @@ def _health_channel(args: argparse.Namespace, address: str) -> Any:
 
     from fencepost._security import channel_credentials
 
-    sec = _security(args)
+    sec = security(args)
     creds = channel_credentials(address, sec["tls"], sec["token"])
     return grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)

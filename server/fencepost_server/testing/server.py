@@ -23,9 +23,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .app import App, Settings
-from .clock import Clock, ManualClock, SystemClock
-from .storage import is_url
+from ..app import App, Settings
+from ..clock import Clock, SystemClock
+from ..storage import is_url
+from .clock import ManualClock
 
 T = TypeVar("T")
 
