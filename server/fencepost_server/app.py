@@ -390,6 +390,10 @@ class App:
             # the schema first (standbys need the leader row), then only the
             # leader loads the state (``_lead``)
             await asyncio.to_thread(_migrate, storage)
+            # a renewal is answered from memory only while this coordinator
+            # is sure it leads (docs/SPEC.md §9.1); else it goes to the epoch check
+            self.writer.memory_ok = lambda: (
+                self._leading and self.leadership is not None and self.leadership.leading)
         else:
             await self.writer.start()
         self.engine_store, self._engine_reader = start_engine_store(self.writer, storage.reader)

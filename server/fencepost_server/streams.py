@@ -521,6 +521,9 @@ class FenceHub:
             token, owner, expires_at, sent, scheduled = entry
             if scheduled != deadline:
                 continue  # stale: re-armed for an earlier deadline
+            rec = self.writer.state.runs.get(run_id)
+            if holds(rec, token, owner) and rec.lease.expires_at > expires_at:  # type: ignore[union-attr]
+                expires_at = rec.lease.expires_at  # type: ignore[union-attr]  # renewed from memory
             if expires_at > now:  # renewed since: due again at the new expiry
                 heapq.heappush(dl, (expires_at, next(self._seq), run_id, key))
                 session.tracked[run_id] = (token, owner, expires_at, sent, expires_at)

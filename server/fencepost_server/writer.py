@@ -38,6 +38,7 @@ from .storage.sql import (
     COLD_STATUSES,
     KIND_DELETE,
     KIND_PUT,
+    LEASES_EXACT,
     SAVED_INDEX_WRITTEN,
     Batch,
     LoadedState,
@@ -74,6 +75,8 @@ class WriterStats:
     commit_seconds: float = 0.0
     held: int = 0  # batches held open by the commit delay
     held_in_vain: int = 0  # of those, the ones that gathered nothing
+    memory_renewals: int = 0  # renewals answered from memory, no commit
+    leases_flushed: int = 0  # lease expiries copied into the runs table
 
     @property
     def mean_batch(self) -> float:
@@ -134,6 +137,8 @@ class _Item:
 
 
 _STOP = object()
+_FLUSH = object()  # queued by the flush timer: commit a flush chunk even when idle
+_DEFER = object()  # a renewal of a run the batch being committed may change
 
 
 def prune_step(history_revisions: int) -> int:
@@ -155,6 +160,11 @@ loop_cpu_time = time.thread_time
 # ~50 ms, 512 takes ~5-10 ms (WRITER.md, "Copying into runs").
 MATERIALIZE_CHUNK = 512
 MAX_PENDING = 65_536  # past this many unwritten runs, copy without waiting
+
+# Renewals answered from memory (WRITER.md, "Renewals from memory"): their
+# expiries go into the runs table in cycles, at most this many runs a batch.
+FLUSH_CHUNK = 1024
+FLUSH_TICK_S = 0.05  # how often an idle writer commits the next flush chunk
 
 Executor = Callable[[Any, Any, int], Any]  # (connection, command, now) -> result
 
@@ -219,6 +229,7 @@ class Writer:
         prune_every_ms: int = 30_000,
         materialize_after_ms: int = 1_000,
         commit_delay_ms: float = 0.0,
+        lease_flush_ms: int = 30_000,
     ) -> None:
         if request_retention_ms < 10 * 60_000:
             raise ValueError("request ids must be remembered for at least 10 minutes")
@@ -253,6 +264,24 @@ class Writer:
         # run_id -> (its first change not yet in the runs table, when), oldest
         # first. Writer thread only.
         self._pending: dict[str, tuple[int, int]] = {}
+        # Renewals from memory (WRITER.md). Loop thread only: the runs renewed
+        # (or extended at the start) since the current flush cycle began, those
+        # the cycle still has to copy, when it began, and the lease floor: a
+        # lease that expired at or before it is renewed by a write instead.
+        self.lease_flush_ms = lease_flush_ms
+        self._dirty: set[str] = set()
+        self._flushing: list[str] = []
+        self._flush_at = 0
+        self._lease_floor = 0
+        # the runs the batch being committed names (all: an ExtendLeases), and
+        # the renewals of them waiting for its commit
+        self._inflight: frozenset[str] = frozenset()
+        self._inflight_all = False
+        self._deferred: list[_Item] = []
+        # False while renewals may not be answered from memory (app.py: a
+        # PostgreSQL coordinator that cannot be sure it still leads)
+        self.memory_ok: Callable[[], bool] | None = None
+        self._flush_timer: asyncio.Task[None] | None = None
         self._materialized = 0
         self._saved_at = -1  # the revision of the saved index entries load() used
         self.state = LedgerState()
@@ -298,6 +327,7 @@ class Writer:
         self.state = await loop.run_in_executor(self._executor, self._open_and_load)
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="fencepost-writer")
+        self._flush_timer = asyncio.create_task(self._flush_ticks(), name="fencepost-flush")
 
     def _open_and_load(self) -> LedgerState:
         """The committed state, index included, built in the writer thread: with
@@ -318,6 +348,7 @@ class Writer:
         # the saved index entries still match as long as nothing is written
         self._saved_at = loaded.revision if loaded.saved else -1
         self._pending.clear()
+        self._restart_rule(loaded.runs)
         return LedgerState(
             runs=loaded.runs,
             tombstones=loaded.tombstones,
@@ -326,12 +357,42 @@ class Writer:
             compacted=loaded.compacted,
         )
 
+    def _restart_rule(self, runs: dict[str, Record]) -> None:
+        """docs/SPEC.md §4: after a crash or a takeover, every lease stored as
+        live past the lease floor may have been renewed from memory until the
+        previous process stopped; it is treated as renewed now. After a clean
+        stop the stored expiries are exact; the floor becomes now, stored
+        before anything is answered from memory. Writer thread, at load."""
+        now = self.clock.now_ms()
+        floor = self.storage.lease_floor()
+        self._dirty.clear()
+        self._flushing.clear()
+        if floor == LEASES_EXACT:
+            floor = now
+            with self.storage.transaction():
+                self.storage.set_lease_floor(floor)
+        else:
+            for run_id, rec in runs.items():
+                renewed = L.renewed_at_start(rec, now, floor)
+                if renewed is not None:
+                    runs[run_id] = renewed
+                    self._dirty.add(run_id)
+            if self._dirty:
+                log.info("%d leases treated as renewed at the start (stored as live past "
+                         "the last flush of expiries)", len(self._dirty))
+        self._lease_floor = floor
+        self._flush_at = now
+
     async def close(self) -> None:
         """Stop accepting, finish everything queued, close the database."""
         if self._closing:
             return
         self._closing = True
         _wake(self._hold_wake)
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flush_timer
         if self._task is not None:
             await self._queue.put(_STOP)
             await self._task
@@ -354,15 +415,24 @@ class Writer:
             if not self.storage.is_open or self._task is None:  # never loaded: wrote nothing
                 return
             revision = self.state.revision
-            if self._pending:
-                runs = self.state.runs
-                with self.storage.transaction():
-                    out = Batch(revision=revision)
-                    out.materialize = [(k, runs.get(k)) for k in self._pending]
-                    out.materialized = revision
-                    self.storage.write(out)
-                self._pending.clear()
-                self._materialized = revision
+            runs = self.state.runs
+            # every expiry renewed from memory goes to the runs table, and the
+            # next start finds them exact
+            leases: list[tuple[str, Record | None]] = [
+                (k, rec) for k in {*self._flushing, *self._dirty}
+                if k not in self._pending and (rec := runs.get(k)) is not None
+                and rec.status not in TERMINAL
+            ]
+            with self.storage.transaction():
+                out = Batch(revision=revision)
+                out.materialize = [(k, runs.get(k)) for k in self._pending] + leases
+                out.materialized = revision
+                out.lease_floor = LEASES_EXACT
+                self.storage.write(out)
+            self._pending.clear()
+            self._dirty.clear()
+            self._flushing.clear()
+            self._materialized = revision
             # (an in-memory database has no next start; entries read at the
             # start and still matching need no rewrite)
             if self.evict_finished and self._materialized == revision != self._saved_at:
@@ -487,6 +557,16 @@ class Writer:
         happens (a cancelled request abandons its reply, not its write)."""
         if self._closing:
             raise WriterClosed()
+        if type(cmd) is L.Renew:
+            got = self._renew_from_memory(cmd)
+            if got is _DEFER:
+                deferred: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                self._deferred.append(_Item(cmd, deferred))
+                return await deferred  # type: ignore[no-any-return]
+            if isinstance(got, LedgerError):
+                raise got
+            if got is not None:
+                return got  # type: ignore[no-any-return]
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._idle.clear()
         queue = self._queue
@@ -505,6 +585,8 @@ class Writer:
         if self._closing:
             raise WriterClosed()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if type(cmd) is L.Renew and self._renewed(_Item(cmd, fut)):
+            return fut
         try:
             self._queue.put_nowait(_Item(cmd, fut, None, REQUEST_SCOPE.get()))
         except asyncio.QueueFull:
@@ -521,6 +603,8 @@ class Writer:
         if self._closing:
             answer(WriterClosed())
             return True
+        if type(cmd) is L.Renew and self._renewed(_Item(cmd, None, answer)):
+            return True
         try:
             self._queue.put_nowait(_Item(cmd, None, answer, REQUEST_SCOPE.get()))
         except asyncio.QueueFull:
@@ -535,9 +619,96 @@ class Writer:
         if self._closing:
             answer(WriterClosed())
             return
+        if type(cmd) is L.Renew and self._renewed(_Item(cmd, None, answer)):
+            return
         self._idle.clear()
         await self._queue.put(_Item(cmd, None, answer, REQUEST_SCOPE.get()))
         self._arrived()
+
+    # -- renewals from memory ----------------------------------------------------
+
+    def _renew_from_memory(self, cmd: L.Renew) -> Any:
+        """A renewal checked and applied in the committed state, on the loop,
+        with no commit (WRITER.md, "Renewals from memory"): the renewed
+        record, or the fence check's LedgerError; _DEFER when the batch being
+        committed names the run (it is renewed after that commit, against
+        what it decided); None when it must be written like any command."""
+        if self.memory_ok is not None and not self.memory_ok():
+            return None
+        run_id = cmd.run_id
+        if self._inflight_all or run_id in self._inflight:
+            return _DEFER
+        runs = self.state.runs
+        try:
+            rec = L.renewed_in_memory(cmd, runs.get(run_id), self.clock.now_ms(),
+                                      self._lease_floor)
+        except LedgerError as exc:
+            return exc
+        if rec is None:
+            return None
+        runs[run_id] = rec
+        self._dirty.add(run_id)
+        self.stats.memory_renewals += 1
+        return rec
+
+    def _renewed(self, item: _Item) -> bool:
+        """Answer (or defer) a renewal from memory; False: queue it instead."""
+        got = self._renew_from_memory(item.cmd)  # type: ignore[arg-type]
+        if got is None:
+            return False
+        if got is _DEFER:
+            self._deferred.append(item)
+        else:
+            item.deliver(got)
+        return True
+
+    def _run_deferred(self) -> None:
+        """After a commit: the renewals that waited for it, decided now."""
+        items, self._deferred = self._deferred, []
+        for item in items:
+            got = self._renew_from_memory(item.cmd)  # type: ignore[arg-type]
+            if got is not None:
+                item.deliver(got)
+                continue
+            if self._closing:
+                item.deliver(WriterClosed())
+                continue
+            try:
+                self._queue.put_nowait(item)
+            except asyncio.QueueFull:
+                item.deliver(LedgerError(Code.STORAGE_UNAVAILABLE,
+                                         "writer queue is full; retry"))
+                continue
+            self._idle.clear()
+
+    def _take_flush(self) -> tuple[list[str], int | None]:
+        """The runs whose renewed expiries the next batch copies into the runs
+        table, and the lease floor it stores once the cycle's last chunk
+        commits. A cycle starts every lease_flush_ms, from the runs renewed
+        since the last one began; from then on the floor is its start (every
+        expiry of that instant is copied by the time the floor is stored).
+        Loop thread."""
+        if not self._flushing:
+            now = self.clock.now_ms()
+            if not self._dirty or now - self._flush_at < self.lease_flush_ms:
+                return [], None
+            self._flush_at = now
+            self._lease_floor = max(self._lease_floor, now)
+            self._flushing = list(self._dirty)
+            self._dirty = set()
+        chunk = self._flushing[-FLUSH_CHUNK:]
+        del self._flushing[-FLUSH_CHUNK:]
+        return chunk, (None if self._flushing else self._flush_at)
+
+    async def _flush_ticks(self) -> None:
+        """Commit flush chunks while the writer is idle (no batch carries them)."""
+        while not self._closing:
+            await asyncio.sleep(FLUSH_TICK_S)
+            due = self._flushing or (
+                self._dirty and self.clock.now_ms() - self._flush_at >= self.lease_flush_ms)
+            if due and self._queue.empty() and not self._busy:
+                with contextlib.suppress(asyncio.QueueFull):
+                    self._queue.put_nowait(_FLUSH)
 
     def register(self, command_type: type, executor: Executor) -> None:
         """Route commands of this type (e.g. the engine store's) to
@@ -574,7 +745,7 @@ class Writer:
             batch: list[_Item] = []
             if first is _STOP:
                 stopping = True
-            else:
+            elif first is not _FLUSH:
                 batch.append(first)
                 if self._holds(self._queue.qsize() + 1):
                     await self._hold()
@@ -583,19 +754,54 @@ class Writer:
                 if item is _STOP:
                     stopping = True
                     continue
-                batch.append(item)
-            if batch:
-                self._last_batch = len(batch)
-                self._gather = max(float(len(batch)), self._gather * COMMIT_GATHER_DECAY)
+                if item is not _FLUSH:
+                    batch.append(item)
+            flush, floor = ([], None) if stopping else self._take_flush()
+            if batch or flush:
+                if batch:
+                    self._last_batch = len(batch)
+                    self._gather = max(float(len(batch)), self._gather * COMMIT_GATHER_DECAY)
                 self._measure_busy(loop.time())
                 self._busy = True
+                self._inflight_names(batch)
                 try:
-                    await self._commit(loop, batch)
+                    await self._commit(loop, batch, flush, floor)
                 finally:
                     self._busy = False
+                    self._inflight = frozenset()
+                    self._inflight_all = False
+                    if self._deferred:
+                        self._run_deferred()
             if self._queue.empty():
                 self._idle.set()
         # anything queued after the stop marker (cannot happen: submit refuses)
+
+    def _inflight_names(self, batch: list[_Item]) -> None:
+        """The runs the batch about to be committed names (commands, the
+        commands of a transaction, fences): a renewal of one waits for the
+        commit, so no decision in the batch misses an expiry already
+        answered. An ExtendLeases names them all."""
+        names: set[str] = set()
+        every = False
+        for item in batch:
+            cmd = item.cmd
+            kind = type(cmd)
+            if kind is L.ExtendLeases:
+                every = True
+                continue
+            cmds = cmd.commands if kind is L.Transaction else (cmd,)  # type: ignore[union-attr]
+            fence = getattr(cmd, "fence", None)
+            if fence is not None and fence.run_id:
+                names.add(fence.run_id)
+            for c in cmds:
+                run_id = getattr(c, "run_id", None)
+                if isinstance(run_id, str):
+                    names.add(run_id)
+                fence = getattr(c, "fence", None)
+                if fence is not None and fence.run_id:
+                    names.add(fence.run_id)
+        self._inflight = frozenset(names)
+        self._inflight_all = every
 
     def _holds(self, queued: int) -> bool:
         """Whether to hold this batch (of ``queued`` so far) open for more."""
@@ -644,12 +850,21 @@ class Writer:
         if self._hold_wake is not None and self._queue.qsize() + 1 >= self._hold_target:
             _wake(self._hold_wake)
 
-    async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
+    async def _commit(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: list[_Item],
+        flush: list[str] | None = None,
+        floor: int | None = None,
+    ) -> None:
         now = self.clock.now_ms()
         started = time.perf_counter()
         try:
-            outcome = await loop.run_in_executor(self._executor, self._apply, batch, now)
+            outcome = await loop.run_in_executor(
+                self._executor, self._apply, batch, now, flush or (), floor
+            )
         except LedgerError as exc:  # the commit failed: nothing moved
+            self._flushing.extend(flush or ())
             self.stats.failed_commits += 1
             log.error("commit failed for %d commands: %s", len(batch), exc.message)
             for item in batch:
@@ -658,6 +873,7 @@ class Writer:
                 self.on_failed_commit(exc)
             return
         except BaseException as exc:  # a bug: fail the batch, keep serving
+            self._flushing.extend(flush or ())
             self.stats.failed_commits += 1
             log.exception("writer batch crashed")
             for item in batch:
@@ -666,13 +882,15 @@ class Writer:
                 )
             return
         answers, overlay, tombs, revision, events, compacted, evict = outcome
-        self.stats.batches += 1
-        self.stats.commands += len(batch)
-        self.stats.max_batch = max(self.stats.max_batch, len(batch))
-        elapsed = time.perf_counter() - started
-        self.stats.commit_seconds += elapsed
-        if self.on_batch is not None:
-            self.on_batch(len(batch), elapsed)
+        self.stats.leases_flushed += len(flush or ())
+        if batch:
+            self.stats.batches += 1
+            self.stats.commands += len(batch)
+            self.stats.max_batch = max(self.stats.max_batch, len(batch))
+            elapsed = time.perf_counter() - started
+            self.stats.commit_seconds += elapsed
+            if self.on_batch is not None:
+                self.on_batch(len(batch), elapsed)
         self._publish_state(overlay, tombs, revision, evict)
         if compacted is not None:
             self.state.compacted = compacted
@@ -711,7 +929,9 @@ class Writer:
 
     # -- the writer thread -------------------------------------------------------
 
-    def _apply(self, batch: list[_Item], now: int) -> tuple[Any, ...]:
+    def _apply(
+        self, batch: list[_Item], now: int, flush: Any = (), floor: int | None = None
+    ) -> tuple[Any, ...]:
         """Decide every command of the batch in order and commit once.
         Runs in the writer thread; reads the committed state, never moves it."""
         committed = self.state
@@ -771,11 +991,19 @@ class Writer:
             rev = st.rev
             out.revision = rev
             taken, mark = self._plan_materialization(now, rev, changed)
-            if taken or mark != self._materialized:
+            leases: list[tuple[str, Record | None]] = []
+            if flush:  # expiries renewed from memory, into their runs rows
+                skip = set(taken)
+                for k in flush:
+                    rec = overlay[k] if k in overlay else committed.runs.get(k)
+                    if rec is not None and rec.status not in TERMINAL and k not in skip:
+                        leases.append((k, rec))
+            if taken or mark != self._materialized or leases:
                 out.materialize = [
                     (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
-                ]
+                ] + leases
                 out.materialized = mark
+            out.lease_floor = floor
             if (
                 self._prune_more
                 or now - self._last_prune >= self.prune_every_ms

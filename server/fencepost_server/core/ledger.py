@@ -478,6 +478,42 @@ def _renew(cmd: Renew, cur: Record | None, tombstone: int, now: int, rev: int) -
     return _put(_write(cur, now, rev, lease=_extend(cur.lease, now + ttl)))
 
 
+def renewed_in_memory(cmd: Renew, cur: Record | None, now: int, floor: int) -> Record | None:
+    """A renewal answered from memory (docs/SPEC.md §5.2): the record with only
+    its lease's expiry moved — version, revision and ``updated_at`` kept — or
+    None when it must be written instead: the run is not held in memory, it
+    asks for a longer ttl than the stored lease's (the restart rule extends
+    by that), or its lease expired at or before ``floor`` (the restart rule
+    only extends leases stored as live past the last flush). Raises the fence
+    check's LedgerError as ``decide`` would."""
+    if cur is None:
+        return None
+    cur = _fence(cmd, cur)
+    lease = cur.lease
+    assert lease is not None
+    ttl = lease.ttl_ms if cmd.ttl_ms is None else cmd.ttl_ms
+    if ttl > lease.ttl_ms or lease.expires_at <= floor:
+        return None
+    return Record(
+        cur.run_id, cur.version, cur.status, cur.attempt, cur.fencing_token, cur.created_at,
+        cur.updated_at, _extend(lease, now + ttl), cur.checkpoint_ref, cur.outcome,
+        cur.suspension, cur.revision, cur.schema,
+    )
+
+
+def renewed_at_start(cur: Record, now: int, floor: int) -> Record | None:
+    """The restart and takeover rule (docs/SPEC.md §4): a lease stored as live
+    past ``floor`` (the last flush of expiries) may have been renewed from
+    memory until the previous process stopped, so it is treated as renewed
+    now — never before ``now`` + its ttl. None: nothing to extend."""
+    lease = cur.lease
+    if lease is None or cur.status is not Status.RUNNING or lease.expires_at <= floor:
+        return None
+    if lease.expires_at >= now + lease.ttl_ms:
+        return None
+    return replace(cur, lease=_extend(lease, now + lease.ttl_ms))
+
+
 def _record_checkpoint(
     cmd: RecordCheckpoint, cur: Record | None, tombstone: int, now: int, rev: int
 ) -> Decision:

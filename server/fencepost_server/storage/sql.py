@@ -82,7 +82,14 @@ class Batch:
     # set by write(): the prune stopped at PRUNE_CHUNK rows of a table and more
     # is due (the writer prunes again in its next batch, not in prune_every_ms)
     prune_more: bool = False
+    # The lease floor to store once this commits (docs/SPEC.md §4): every
+    # expiry renewed from memory before it is in runs; LEASES_EXACT: all are.
+    lease_floor: int | None = None
 
+
+# meta.lease_floor when every stored lease expiry is exact (a clean stop, or a
+# database written before renewals were answered from memory: no row)
+LEASES_EXACT = -1
 
 # Rows one batch prunes from each of changes and requests, at most. Pruning
 # everything due in one statement every prune_every_ms (150 000 rows at 5 000
@@ -243,8 +250,13 @@ class SqlStorage:
         for run_id, rec in replay.items():
             if rec is None:
                 state.runs.pop(run_id, None)
-            else:
-                state.runs[run_id] = rec
+                continue
+            row = state.runs.get(run_id)
+            if row is not None and row.revision == rec.revision:
+                # the same write, its row carrying a lease expiry renewed from
+                # memory and flushed since (writer.py)
+                replay[run_id] = rec = row
+            state.runs[run_id] = rec
         saved = self._saved_groups(db, read, replay)
         if saved is not None:
             state.cold, cold = saved
@@ -473,6 +485,19 @@ class SqlStorage:
                 "leaving the file untouched"
             ) from exc
 
+    def lease_floor(self) -> int:
+        """The stored lease floor (docs/SPEC.md §4), LEASES_EXACT when none."""
+        row = self.db.execute("SELECT value FROM meta WHERE key='lease_floor'").fetchone()
+        return LEASES_EXACT if row is None else int(row[0])
+
+    def set_lease_floor(self, value: int) -> None:
+        """Store the lease floor; call inside ``transaction()``."""
+        self.db.execute(
+            "INSERT INTO meta (key, value) VALUES ('lease_floor', ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (value,),
+        )
+
     def materialized_mark(self) -> int:
         return int(
             self.db.execute("SELECT value FROM meta WHERE key='materialized'").fetchone()[0]
@@ -657,6 +682,8 @@ class SqlStorage:
             self._materialize(db, batch.materialize, batch.materialized, batch.revision)
         elif batch.changes:
             db.execute("UPDATE meta SET value = ? WHERE key = 'revision'", (batch.revision,))
+        if batch.lease_floor is not None:
+            self.set_lease_floor(batch.lease_floor)
         if batch.requests:
             db.executemany(
                 "INSERT INTO requests (request_id, fingerprint, answer, created_at) "
