@@ -137,8 +137,25 @@ class _Item:
 
 
 _STOP = object()
+ALL = "\x00all"  # what an ExtendLeases names: every run (run ids have no control characters)
+
+
+def _names(cmd: Any) -> tuple[str, ...]:
+    """The run ids a command names, for ``Writer._named``."""
+    kind = type(cmd)
+    if kind is L.ExtendLeases:
+        return (ALL,)
+    run_id = getattr(cmd, "run_id", None)
+    fence = getattr(cmd, "fence", None)
+    if kind is not L.Transaction and fence is None:
+        return (run_id,) if isinstance(run_id, str) else ()
+    out = [run_id] if isinstance(run_id, str) else []
+    for c in cmd.commands if kind is L.Transaction else ():
+        out.extend(_names(c))
+    if fence is not None and fence.run_id:
+        out.append(fence.run_id)
+    return tuple(out)
 _FLUSH = object()  # queued by the flush timer: commit a flush chunk even when idle
-_DEFER = object()  # a renewal of a run the batch being committed may change
 
 
 def prune_step(history_revisions: int) -> int:
@@ -174,7 +191,8 @@ class _Step:
     changes its commands made so far (overlay, tombstones, rows, events) and
     the last revision given out. Writer thread only."""
 
-    __slots__ = ("changed", "cold", "committed", "events", "out", "overlay", "rev", "tombs")
+    __slots__ = ("changed", "cold", "committed", "events", "out", "overlay", "renewed", "rev",
+                 "tombs")
 
     def __init__(self, committed: LedgerState, out: Batch, rev: int) -> None:
         self.committed = committed
@@ -186,6 +204,7 @@ class _Step:
         self.changed: dict[str, int] = {}  # run_id -> its first change in this batch
         # finished runs read from the runs table (committed state: never undone)
         self.cold: dict[str, Record | None] = {}
+        self.renewed: list[str] = []  # runs renewed as from memory (no change row)
 
     def mark(self) -> tuple[Any, ...]:
         """What ``undo`` needs to forget every change made after this call."""
@@ -273,11 +292,10 @@ class Writer:
         self._flushing: list[str] = []
         self._flush_at = 0
         self._lease_floor = 0
-        # the runs the batch being committed names (all: an ExtendLeases), and
-        # the renewals of them waiting for its commit
-        self._inflight: frozenset[str] = frozenset()
-        self._inflight_all = False
-        self._deferred: list[_Item] = []
+        # How many queued or uncommitted commands name each run (ALL: an
+        # ExtendLeases): a renewal of such a run is queued behind them, so
+        # it never overtakes an earlier write, nor a decision its expiry.
+        self._named: dict[str, int] = {}
         # False while renewals may not be answered from memory (app.py: a
         # PostgreSQL coordinator that cannot be sure it still leads)
         self.memory_ok: Callable[[], bool] | None = None
@@ -426,13 +444,14 @@ class Writer:
             with self.storage.transaction():
                 out = Batch(revision=revision)
                 out.materialize = [(k, runs.get(k)) for k in self._pending] + leases
-                out.materialized = revision
+                out.materialized = revision if self._pending else self._materialized
                 out.lease_floor = LEASES_EXACT
                 self.storage.write(out)
-            self._pending.clear()
+            if self._pending:
+                self._pending.clear()
+                self._materialized = revision
             self._dirty.clear()
             self._flushing.clear()
-            self._materialized = revision
             # (an in-memory database has no next start; entries read at the
             # start and still matching need no rewrite)
             if self.evict_finished and self._materialized == revision != self._saved_at:
@@ -559,10 +578,6 @@ class Writer:
             raise WriterClosed()
         if type(cmd) is L.Renew:
             got = self._renew_from_memory(cmd)
-            if got is _DEFER:
-                deferred: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-                self._deferred.append(_Item(cmd, deferred))
-                return await deferred  # type: ignore[no-any-return]
             if isinstance(got, LedgerError):
                 raise got
             if got is not None:
@@ -570,10 +585,11 @@ class Writer:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._idle.clear()
         queue = self._queue
+        item = self._name(_Item(cmd, fut, None, REQUEST_SCOPE.get()))
         if queue.full():  # back-pressure: wait for room
-            await queue.put(_Item(cmd, fut, None, REQUEST_SCOPE.get()))
+            await queue.put(item)
         else:
-            queue.put_nowait(_Item(cmd, fut, None, REQUEST_SCOPE.get()))
+            queue.put_nowait(item)
         self._arrived()
         result = await fut
         return result  # type: ignore[no-any-return]
@@ -588,8 +604,9 @@ class Writer:
         if type(cmd) is L.Renew and self._renewed(_Item(cmd, fut)):
             return fut
         try:
-            self._queue.put_nowait(_Item(cmd, fut, None, REQUEST_SCOPE.get()))
+            self._queue.put_nowait(self._name(_Item(cmd, fut, None, REQUEST_SCOPE.get())))
         except asyncio.QueueFull:
+            self._unname(_Item(cmd, fut))
             raise LedgerError(Code.STORAGE_UNAVAILABLE, "writer queue is full; retry") from None
         self._idle.clear()
         self._arrived()
@@ -606,8 +623,9 @@ class Writer:
         if type(cmd) is L.Renew and self._renewed(_Item(cmd, None, answer)):
             return True
         try:
-            self._queue.put_nowait(_Item(cmd, None, answer, REQUEST_SCOPE.get()))
+            self._queue.put_nowait(self._name(_Item(cmd, None, answer, REQUEST_SCOPE.get())))
         except asyncio.QueueFull:
+            self._unname(_Item(cmd, None, answer))
             return False
         self._idle.clear()
         self._arrived()
@@ -622,7 +640,7 @@ class Writer:
         if type(cmd) is L.Renew and self._renewed(_Item(cmd, None, answer)):
             return
         self._idle.clear()
-        await self._queue.put(_Item(cmd, None, answer, REQUEST_SCOPE.get()))
+        await self._queue.put(self._name(_Item(cmd, None, answer, REQUEST_SCOPE.get())))
         self._arrived()
 
     # -- renewals from memory ----------------------------------------------------
@@ -630,14 +648,16 @@ class Writer:
     def _renew_from_memory(self, cmd: L.Renew) -> Any:
         """A renewal checked and applied in the committed state, on the loop,
         with no commit (WRITER.md, "Renewals from memory"): the renewed
-        record, or the fence check's LedgerError; _DEFER when the batch being
-        committed names the run (it is renewed after that commit, against
-        what it decided); None when it must be written like any command."""
+        record, or the fence check's LedgerError; None when it goes on the
+        queue like any command: a queued or uncommitted command names the
+        run (the batch decides it then, from memory too when it may), or it
+        must be written (L.renewed_in_memory)."""
         if self.memory_ok is not None and not self.memory_ok():
             return None
         run_id = cmd.run_id
-        if self._inflight_all or run_id in self._inflight:
-            return _DEFER
+        named = self._named
+        if named and (ALL in named or run_id in named):
+            return None
         runs = self.state.runs
         try:
             rec = L.renewed_in_memory(cmd, runs.get(run_id), self.clock.now_ms(),
@@ -652,34 +672,30 @@ class Writer:
         return rec
 
     def _renewed(self, item: _Item) -> bool:
-        """Answer (or defer) a renewal from memory; False: queue it instead."""
+        """Answer a renewal from memory; False: queue it instead."""
         got = self._renew_from_memory(item.cmd)  # type: ignore[arg-type]
         if got is None:
             return False
-        if got is _DEFER:
-            self._deferred.append(item)
-        else:
-            item.deliver(got)
+        item.deliver(got)
         return True
 
-    def _run_deferred(self) -> None:
-        """After a commit: the renewals that waited for it, decided now."""
-        items, self._deferred = self._deferred, []
-        for item in items:
-            got = self._renew_from_memory(item.cmd)  # type: ignore[arg-type]
-            if got is not None:
-                item.deliver(got)
-                continue
-            if self._closing:
-                item.deliver(WriterClosed())
-                continue
-            try:
-                self._queue.put_nowait(item)
-            except asyncio.QueueFull:
-                item.deliver(LedgerError(Code.STORAGE_UNAVAILABLE,
-                                         "writer queue is full; retry"))
-                continue
-            self._idle.clear()
+    def _name(self, item: _Item) -> _Item:
+        """Count the runs a queued command names (commands of a transaction
+        and fences too; an ExtendLeases names them all)."""
+        named = self._named
+        for run_id in _names(item.cmd):
+            named[run_id] = named.get(run_id, 0) + 1
+        return item
+
+    def _unname(self, item: _Item) -> None:
+        """The command is committed, failed or never queued: uncount it."""
+        named = self._named
+        for run_id in _names(item.cmd):
+            left = named[run_id] - 1
+            if left:
+                named[run_id] = left
+            else:
+                del named[run_id]
 
     def _take_flush(self) -> tuple[list[str], int | None]:
         """The runs whose renewed expiries the next batch copies into the runs
@@ -763,45 +779,15 @@ class Writer:
                     self._gather = max(float(len(batch)), self._gather * COMMIT_GATHER_DECAY)
                 self._measure_busy(loop.time())
                 self._busy = True
-                self._inflight_names(batch)
                 try:
                     await self._commit(loop, batch, flush, floor)
                 finally:
                     self._busy = False
-                    self._inflight = frozenset()
-                    self._inflight_all = False
-                    if self._deferred:
-                        self._run_deferred()
+                    for item in batch:
+                        self._unname(item)
             if self._queue.empty():
                 self._idle.set()
         # anything queued after the stop marker (cannot happen: submit refuses)
-
-    def _inflight_names(self, batch: list[_Item]) -> None:
-        """The runs the batch about to be committed names (commands, the
-        commands of a transaction, fences): a renewal of one waits for the
-        commit, so no decision in the batch misses an expiry already
-        answered. An ExtendLeases names them all."""
-        names: set[str] = set()
-        every = False
-        for item in batch:
-            cmd = item.cmd
-            kind = type(cmd)
-            if kind is L.ExtendLeases:
-                every = True
-                continue
-            cmds = cmd.commands if kind is L.Transaction else (cmd,)  # type: ignore[union-attr]
-            fence = getattr(cmd, "fence", None)
-            if fence is not None and fence.run_id:
-                names.add(fence.run_id)
-            for c in cmds:
-                run_id = getattr(c, "run_id", None)
-                if isinstance(run_id, str):
-                    names.add(run_id)
-                fence = getattr(c, "fence", None)
-                if fence is not None and fence.run_id:
-                    names.add(fence.run_id)
-        self._inflight = frozenset(names)
-        self._inflight_all = every
 
     def _holds(self, queued: int) -> bool:
         """Whether to hold this batch (of ``queued`` so far) open for more."""
@@ -881,7 +867,10 @@ class Writer:
                     LedgerError(Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}")
                 )
             return
-        answers, overlay, tombs, revision, events, compacted, evict = outcome
+        answers, overlay, tombs, revision, events, compacted, evict, renewed = outcome
+        if renewed:
+            self._dirty.update(renewed)
+            self.stats.memory_renewals += len(renewed)
         self.stats.leases_flushed += len(flush or ())
         if batch:
             self.stats.batches += 1
@@ -978,6 +967,10 @@ class Writer:
                     answer = self._transaction(cmd, st, now)  # type: ignore[arg-type]
                 elif type(cmd) is L.ExtendLeases:
                     answer = self._extend_leases(cmd, st, now)  # type: ignore[arg-type]
+                elif type(cmd) is L.Renew and (
+                    renewed := self._renew_in_batch(cmd, st, now)  # type: ignore[arg-type]
+                ) is not None:
+                    answer = renewed
                 else:
                     try:
                         answer = self._decide(cmd, st, now)
@@ -1039,7 +1032,7 @@ class Writer:
             k for k, rec in out.materialize
             if rec is not None and rec.status in TERMINAL and k not in pending
         ] if self.evict_finished else []
-        return answers, overlay, tombs, rev, events, compacted, evict
+        return answers, overlay, tombs, rev, events, compacted, evict, st.renewed
 
     def _committed(self, run_id: str, cold: dict[str, Record | None]) -> Record | None:
         """A run's committed record: held in memory, or — a finished run the
@@ -1093,6 +1086,24 @@ class Writer:
         st.out.deletes.pop(run_id, None)
         st.out.changes.append((rev, run_id, KIND_PUT, rec))
         st.events.append(ChangeEvent(rev, KIND_PUT, run_id, rec, cur, cause))
+
+    def _renew_in_batch(self, cmd: L.Renew, st: _Step, now: int) -> Any:
+        """A renewal queued behind other commands on its run, decided in its
+        place in the batch by the rule of renewals from memory: its expiry
+        into the overlay, no change row, no revision. None: written instead.
+        Writer thread."""
+        if self.memory_ok is not None and not self.memory_ok():
+            return None
+        run_id = cmd.run_id
+        cur = st.overlay[run_id] if run_id in st.overlay else self._committed(run_id, st.cold)
+        try:
+            rec = L.renewed_in_memory(cmd, cur, now, self._lease_floor)
+        except LedgerError as exc:
+            return exc
+        if rec is not None:
+            st.overlay[run_id] = rec
+            st.renewed.append(run_id)
+        return rec
 
     def _extend_leases(self, cmd: L.ExtendLeases, st: _Step, now: int) -> L.LeasesExtended:
         """A new leader's extension of every live lease (leadership.py): the

@@ -88,9 +88,13 @@ def test_renew_and_checkpoint(ledger, clock) -> None:  # type: ignore[no-untyped
     renewed = ledger.Renew(pb.RenewRequest(**h(run))).run
     assert renewed.lease.expires_at.ToMilliseconds() == clock.now_ms() + 1_000
     assert renewed.lease.acquired_at == run.lease.acquired_at
-    assert renewed.version == run.version + 1
+    # answered from memory: the expiry moves, the version and revision do not
+    assert (renewed.version, renewed.revision) == (run.version, run.revision)
+    assert ledger.GetRun(pb.GetRunRequest(run_id=run.run_id)).run == renewed
     longer = ledger.Renew(pb.RenewRequest(**h(run), lease_ttl_ms=5_000)).run
     assert longer.lease.expires_at.ToMilliseconds() == clock.now_ms() + 5_000
+    # a longer ttl than the stored lease's is written: the restart rule extends by that
+    assert longer.version == run.version + 1 and longer.revision > run.revision
     clock.advance(10)
     ck = ledger.RecordCheckpoint(
         pb.RecordCheckpointRequest(**h(run), key="ck/1", snapshot_version=3)

@@ -309,7 +309,7 @@ async def test_runs_table_trails_the_log_and_catches_up(tmp_path: Path) -> None:
     await w.start()
     try:
         a = await w.submit(L.Acquire("a", "w"))
-        await w.submit(L.Renew("a", "w", a.fencing_token))
+        await w.submit(L.RecordCheckpoint("a", "w", a.fencing_token, "k", 1))
         await w.submit(L.Acquire("b", "w"))
         runs, mark = _runs_table(tmp_path / "m.db")
         assert runs == {} and mark == 0  # in the log only: nothing rewritten per command
@@ -403,7 +403,7 @@ async def test_a_schema_2_database_keeps_its_runs(tmp_path: Path) -> None:
     try:
         assert w.state.runs["old"].fencing_token == 4 and w.state.revision == 7
         assert _runs_table(path) == ({"old": 3}, 7)
-        r = await w.submit(L.Renew("old", "w", 4))
+        r = await w.submit(L.RecordCheckpoint("old", "w", 4, "k", 1))
         assert r.version == 4 and r.revision == 8
     finally:
         await w.close()
