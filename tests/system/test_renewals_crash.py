@@ -20,10 +20,9 @@ import pytest
 from _proc import CHANNEL_OPTIONS, connect_ro, error_record, now_ms, reason, running_server, ts_ms
 
 from fencepost.v1 import ledger_pb2 as pb
-from fencepost.v1 import ledger_pb2_grpc
+from fencepost.v1 import ledger_pb2_grpc, run_store_pb2_grpc
 from fencepost.v1 import record_pb2 as rpb
 from fencepost.v1 import run_store_pb2 as spb
-from fencepost.v1 import run_store_pb2_grpc
 
 RUNS = 40
 TTL_MS = 8_000
