@@ -26,6 +26,10 @@ history                PRAGMA integrity_check, gap-free revisions, the runs tabl
                        history's last word, versions +1, ledger acquisitions honour the
                        previous lease's expiry (+ lock-delay), no ledger write reopens a
                        terminal run
+renewals               a renewal acknowledged until T (+ lock-delay): no acquisition by
+                       another owner takes that lease over before T, across kills, pauses,
+                       clock jumps and takeovers (renewals are answered from memory, so
+                       the history alone does not hold T)
 answers                every answer is a valid status and says what was asked
 =====================  ==============================================================
 """
@@ -406,7 +410,7 @@ def check_durability_final(ops: list[Op], snap: Any) -> list[Violation]:
             c = by_rev.get(rev)
             if rev in reported:
                 continue
-            if c is None or c.rec != rec:
+            if c is None or canon(c.rec) != canon(rec):  # an expiry renewed from memory
                 reported.add(rev)
                 what = "acknowledged" if o.ok and o.f in WRITES else "observed"
                 got = "nothing" if c is None else (
@@ -503,6 +507,15 @@ def check_committed(snap: Any, ops: list[Op]) -> list[Violation]:
             v("revisions are not gap-free")
         if snap.meta_revision != revs[-1]:
             v(f"meta.revision {snap.meta_revision} != last change {revs[-1]}")
+    # (run, token, owner) -> the latest expiry (+ lock-delay) a renewal acknowledged
+    renewed: dict[tuple[str, int, str], tuple[int, Op]] = {}
+    for o in ops:
+        lease = o.rec.get("lease") if o.ok and o.f == "renew" and o.rec else None
+        if lease:
+            key = (o.run, o.rec["fencing_token"], lease[0])  # type: ignore[index]
+            until = lease[2] + lease[4]
+            if key not in renewed or renewed[key][0] < until:
+                renewed[key] = (until, o)
     raw: dict[str, set[str]] = defaultdict(set)
     for o in ops:
         if o.f == "raw_cas":
@@ -536,6 +549,14 @@ def check_committed(snap: Any, ops: list[Op]) -> list[Violation]:
             moved = rec["fencing_token"] != p["fencing_token"]
             if moved and rec["status"] == RUNNING and rec.get("lease"):
                 bad.extend(Violation("history", m) for m in _check_acquisition(where, p, rec))
+                plea = p.get("lease")
+                held = renewed.get((c.run_id, p["fencing_token"], plea[0])) if plea else None
+                if held is not None and rec["lease"][0] != plea[0] and (
+                    rec["lease"][1] < held[0]
+                ):
+                    bad.append(_v("renewals", f"{where}: {rec['lease'][0]!r} granted at "
+                                  f"{rec['lease'][1]} the lease a renewal had acknowledged to "
+                                  f"{plea[0]!r} until {held[0]}", held[1]))
             elif moved and rec["status"] != 6:
                 v(f"{where}: a ledger write moved the token without acquiring or cancelling")
             elif not moved and rec.get("lease") and not p.get("lease"):
@@ -547,7 +568,7 @@ def check_committed(snap: Any, ops: list[Op]) -> list[Violation]:
         if c.kind == 2:
             if row is not None:
                 v(f"{run}: deleted in the history but present in the runs table")
-        elif row is None or row["record"] != c.rec:
+        elif row is None or canon(row["record"]) != canon(c.rec):  # expiries flush later
             v(f"{run}: the runs table is not the last change (rev {c.revision})")
     for run in snap.runs.keys() - last.keys():
         v(f"{run}: in the runs table but never in the history")

@@ -58,8 +58,15 @@ NO_EFFECT_CODES = frozenset({"STORAGE_FULL", "STORAGE_UNAVAILABLE", "RUN_VALIDAT
 
 
 def canon(rec: dict[str, Any] | None) -> str:
-    """The exact identity of a record value (every field, revision included)."""
-    return "" if rec is None else json.dumps(rec, sort_keys=True, separators=(",", ":"))
+    """The identity of a record value: every field, revision included, but
+    the lease's expiry, which a renewal moves from memory without a new
+    version (docs/SPEC.md §5.2); the renewals check holds expiries to account."""
+    if rec is None:
+        return ""
+    lease = rec.get("lease")
+    if lease is not None:
+        rec = {**rec, "lease": [*lease[:2], None, *lease[3:]]}
+    return json.dumps(rec, sort_keys=True, separators=(",", ":"))
 
 
 def content(rec: dict[str, Any]) -> str:

@@ -5,6 +5,9 @@ Porcupine do it.
 The model. The state of one run is *absent* or one record value (every field,
 revision included). Every recorded operation becomes one of:
 
+* The lease's expiry is not part of a value (history.canon): a renewal is
+  answered from memory with the version unchanged, so an acknowledged Renew
+  either *converges* (the same value) or, when written, is a write.
 * **read** (GetRun, raw Get, a ListRuns entry, and every refusal that carries
   the record the server decided on: it changed nothing and observed that
   value): legal when the state is exactly that value (or absent).
@@ -145,8 +148,9 @@ def normalize(ops: list[Op], run: str) -> list[COp]:
             add(op, READ, val=canon(rec) if rec is not None else None)
         else:
             assert rec is not None, op
-            add(op, WRITE, val=canon(rec), version=rec["version"], converge=f in CONVERGING,
-                rev=rec.get("revision"))
+            # a renewal answered from memory keeps the version: it converges
+            add(op, WRITE, val=canon(rec), version=rec["version"],
+                converge=f in CONVERGING or f == "renew", rev=rec.get("revision"))
     return out
 
 

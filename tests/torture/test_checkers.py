@@ -153,6 +153,24 @@ def test_committed_history_rules() -> None:
     assert any("recreated" in v.message for v in C.check_tokens([], recreated_low))
 
 
+def test_an_acquisition_before_an_acknowledged_renewal_ran_out_is_caught() -> None:
+    """Renewals are answered from memory: the history holds the acquire's
+    expiry (0..1000), the client the renewal's (until 3000 + lock-delay)."""
+    renewed = rec(1)
+    renewed["lease"] = ["A", 0, 3000, 1000, 200]
+    hist = [(1, "r", 1, dict(rec(1), lease=["A", 0, 1000, 1000, 200]))]
+    ack = op("renew", 10, 11, "ok", renewed, owner="A", token=1)
+
+    def taken_at(at: int) -> Any:
+        took = dict(rec(2, tok=2, owner="B"), attempt=2, lease=["B", at, at + 1000, 1000, 0])
+        return _snap([*hist, (2, "r", 1, took)])
+
+    early = C.check_committed(taken_at(3100), [ack])
+    assert [v.check for v in early] == ["renewals"] and "until 3200" in early[0].message
+    assert C.check_committed(taken_at(3200), [ack]) == []
+    assert C.check_committed(taken_at(3100), []) == []  # no renewal: the history's 1200 rules
+
+
 def test_liveness_bound() -> None:
     assert C.check_liveness([{"run": "r", "ok": True, "seconds": 1.0}], 10) == []
     assert len(C.check_liveness([{"run": "r", "ok": True, "seconds": 12.0}], 10)) == 1
