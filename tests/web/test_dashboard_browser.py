@@ -133,6 +133,34 @@ def test_expired_and_lock_delay_leases_are_highlighted(
     wait_for(lambda: "queued" in row(browser, "hl-expired").text, what="the resumed run")
 
 
+def test_a_lease_renewed_from_memory_is_not_shown_expired(
+    browser: Any, web_server: WebServer
+) -> None:
+    """Renewals make no change event (docs/SPEC.md §5.2): the pages read a
+    running lease again as it nears its shown expiry, on either page."""
+    import grpc
+
+    from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
+
+    with grpc.insecure_channel(web_server.address) as ch:
+        stub = ledger_pb2_grpc.LedgerStub(ch)
+        stub.Acquire(ledger_pb2.AcquireRequest(run_id="rn-held", owner="busy-worker",
+                                               lease_ttl_ms=1500), timeout=10)
+        for url in (web_server.url + "/?prefix=rn-", web_server.url + "/runs/rn-held"):
+            browser.get(url)
+            lease = ("#runs tbody tr[data-run=\"rn-held\"] td.lease" if "prefix" in url
+                     else '#details .cell[data-key="lease"] .v')
+            wait_for(lambda sel=lease: browser.find_elements(By.CSS_SELECTOR, sel),
+                     what="the lease")
+            for _ in range(8):  # 4 s, well past the expiry the acquire gave
+                renewed = stub.Renew(ledger_pb2.RenewRequest(
+                    run_id="rn-held", owner="busy-worker", fencing_token=1), timeout=10).run
+                assert renewed.version == 1  # from memory: no change event for the page
+                time.sleep(0.5)
+                text = browser.find_element(By.CSS_SELECTOR, lease).text
+                assert text.endswith("s left") and "EXPIRED" not in text, (url, text)
+
+
 def test_filters_and_paging(browser: Any, web_server: WebServer) -> None:
     with SyncClient(web_server.address, owner="pager") as c:
         for i in range(60):

@@ -38,6 +38,19 @@ function leaseState(run, now) {
   return { state: "expired", text: `expired ${duration(-left)} ago`, short: `${duration(-left)} ago` };
 }
 
+// Renewals are answered from memory and make no change event (docs/SPEC.md §5.2):
+// a running lease shown as (nearly) run out is read again: every 0.5 s around its
+// shown expiry, every 5 s once it has looked expired for long.
+function recheckDue(runs, now, last) {
+  let wait = Infinity;
+  for (const run of runs) {
+    if (run.status !== "running" || !run.lease) continue;
+    const left = run.lease.expires_at - now;
+    if (left < 1000) wait = Math.min(wait, left > -5000 ? 500 : 5000);
+  }
+  return now - (last || 0) >= wait;
+}
+
 function el(tag, attrs, ...kids) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -350,6 +363,11 @@ const runsPage = {
       tr.classList.toggle("expired", ls.state === "expired");
       tr.classList.toggle("lock-delay", ls.state === "lock-delay");
     }
+    const shown = [...this.rows.values()].map(({ run }) => run);
+    if (!this.pending && recheckDue(shown, now, this.rechecked)) {
+      this.rechecked = now;
+      this.load();
+    }
   },
 };
 
@@ -478,6 +496,11 @@ const runPage = {
     cell.classList.toggle("expired", ls.state === "expired");
     cell.classList.toggle("lock-delay", ls.state === "lock-delay");
     cell.querySelector(".v").textContent = ls.text;
+    const now = serverNow();
+    if (!this.pending && recheckDue([this.run], now, this.rechecked)) {
+      this.rechecked = now;
+      this.load();
+    }
   },
 };
 
