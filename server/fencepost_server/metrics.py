@@ -304,6 +304,14 @@ class _StateCollector(Collector):
             "fencepost_writer_failed_commits", "Commits that failed", value=w.stats.failed_commits
         )
         yield CounterMetricFamily(
+            "fencepost_renewals_from_memory", "Lease renewals answered with no commit",
+            value=w.stats.memory_renewals,
+        )
+        yield CounterMetricFamily(
+            "fencepost_lease_expiries_flushed", "Renewed lease expiries copied to the database",
+            value=w.stats.leases_flushed,
+        )
+        yield CounterMetricFamily(
             "fencepost_writer_held_batches", "Batches the commit delay held open",
             value=w.stats.held,
         )

@@ -82,8 +82,11 @@ def test_traffic_shows_in_the_metrics(server: ServerThread, channel: grpc.Channe
         stub.GetRun(pb.GetRunRequest(run_id="m-missing"))
     clock.advance(2000)
     stub.Acquire(pb.AcquireRequest(run_id="m-taken", owner="b"))  # a takeover after expiry
+    stub.Renew(pb.RenewRequest(run_id="m-live", owner="a", fencing_token=1))
 
     text = scrape(server)
+    assert value(text, "fencepost_renewals_from_memory_total") == 1
+    assert value(text, "fencepost_lease_expiries_flushed_total") == 0  # the cycle is 30 s
     assert value(text, "fencepost_takeovers_total") == 1
     assert value(text, "fencepost_lease_expiries_total") == 3  # m-taken, m-expired, m-delay
     assert value(text, "fencepost_leases", state="live") == 2  # m-taken (b), m-live
