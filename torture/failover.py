@@ -191,9 +191,10 @@ class Timeline:
 
 def _is_extension(prev: dict[str, Any] | None, rec: dict[str, Any] | None,
                   gap: int | None) -> bool:
-    """``rec`` is ``prev`` with its lease's expiry pushed later (by ``gap`` ms
-    when known) and nothing else changed but the version (+1), revision and
-    updated_at."""
+    """``rec`` is ``prev`` with its lease's expiry pushed later (by at least
+    ``gap`` ms when known: the restart rule may have renewed it at the load
+    first, docs/SPEC.md §4) and nothing else changed but the version (+1),
+    revision and updated_at."""
     if prev is None or rec is None or not prev.get("lease") or not rec.get("lease"):
         return False
     skip = ("version", "revision", "updated_at", "lease")
@@ -203,7 +204,7 @@ def _is_extension(prev: dict[str, Any] | None, rec: dict[str, Any] | None,
     (o0, a0, e0, t0, d0), (o1, a1, e1, t1, d1) = prev["lease"], rec["lease"]
     if (o0, a0, t0, d0) != (o1, a1, t1, d1) or e1 <= e0:
         return False
-    return rec["version"] == prev["version"] + 1 and (gap is None or e1 == e0 + gap)
+    return rec["version"] == prev["version"] + 1 and (gap is None or e1 >= e0 + gap)
 
 
 def extensions(tl: Timeline, snap: Any) -> tuple[list[Op], list[Violation]]:
