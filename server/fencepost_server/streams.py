@@ -280,6 +280,7 @@ class FenceHub:
 
     def start(self) -> None:
         self._unsubscribe = self.writer.subscribe(self.on_changes)
+        self.writer.on_renewed = self.on_renewed
         self._task = asyncio.create_task(self._expiry_loop(), name="fencepost-expiry")
 
     def shutdown(self) -> None:
@@ -470,6 +471,17 @@ class FenceHub:
                 self._fence_event(ev, sessions)
         for watch in list(self.watchers):
             watch.offer(events)
+
+    def on_renewed(self, run_id: str, rec: Record) -> None:
+        """A renewal answered from memory makes no change event: every stream
+        tracking the lease is re-armed for its new expiry here."""
+        sessions = self.by_run.get(run_id)
+        if sessions is None or rec.lease is None:
+            return
+        for session in list(sessions) if isinstance(sessions, set) else (sessions,):
+            token, owner, expires_at, _, _ = session.tracked[run_id]
+            if rec.lease.expires_at != expires_at and holds(rec, token, owner):
+                self._arm(session, run_id, token, owner, rec.lease.expires_at)
 
     def _fence_event(self, ev: ChangeEvent, sessions: Session | set[Session]) -> None:
         rec = ev.record

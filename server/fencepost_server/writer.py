@@ -299,6 +299,9 @@ class Writer:
         # False while renewals may not be answered from memory (app.py: a
         # PostgreSQL coordinator that cannot be sure it still leads)
         self.memory_ok: Callable[[], bool] | None = None
+        # Called on the loop with (run id, record) after each renewal from
+        # memory, which makes no change event (streams.py: re-arms expiries)
+        self.on_renewed: Callable[[str, Record], None] | None = None
         self._flush_timer: asyncio.Task[None] | None = None
         self._materialized = 0
         self._saved_at = -1  # the revision of the saved index entries load() used
@@ -669,6 +672,8 @@ class Writer:
         runs[run_id] = rec
         self._dirty.add(run_id)
         self.stats.memory_renewals += 1
+        if self.on_renewed is not None:
+            self.on_renewed(run_id, rec)
         return rec
 
     def _renewed(self, item: _Item) -> bool:
@@ -883,6 +888,11 @@ class Writer:
         self._publish_state(overlay, tombs, revision, evict)
         if compacted is not None:
             self.state.compacted = compacted
+        if renewed and self.on_renewed is not None:
+            for run_id in renewed:
+                rec = self.state.runs.get(run_id)
+                if rec is not None:
+                    self.on_renewed(run_id, rec)
         for item, answer in zip(batch, answers, strict=True):
             item.deliver(answer)
         if events:

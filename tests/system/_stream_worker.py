@@ -451,8 +451,10 @@ class Executor:
 
 
 def writer(cfg: dict[str, Any]) -> None:
-    """Rounds over this writer's runs: acquire all, renew all ``renews`` times,
-    finish all; ``chunk`` commands per message, ``pause_s`` between them."""
+    """Rounds over this writer's runs: acquire all, renew all ``renews`` times
+    (or, with ``checkpoints``, record a checkpoint: a write, where a renewal
+    is answered from memory), finish all; ``chunk`` commands per message,
+    ``pause_s`` between them."""
     from fencepost.v1 import ledger_pb2 as pb
     from fencepost.v1 import record_pb2 as rpb
 
@@ -463,7 +465,8 @@ def writer(cfg: dict[str, Any]) -> None:
     ok = 0
     errors: dict[str, int] = {}
     tokens: dict[str, int] = {}
-    rounds = ["acquire", *["renew"] * cfg["renews"], "finish"]
+    middle = "record_checkpoint" if cfg.get("checkpoints") else "renew"
+    rounds = ["acquire", *[middle] * cfg["renews"], "finish"]
     t0 = time.monotonic()
     for kind in rounds:
         for k in range(0, len(ids), cfg["chunk"]):
@@ -476,6 +479,10 @@ def writer(cfg: dict[str, Any]) -> None:
                 elif kind == "renew":
                     req = pb.RenewRequest(run_id=run_id, owner=owner,
                                           fencing_token=tokens.get(run_id, 0), request_id=rid)
+                elif kind == "record_checkpoint":
+                    req = pb.RecordCheckpointRequest(run_id=run_id, owner=owner,
+                                                     fencing_token=tokens.get(run_id, 0),
+                                                     key="k", request_id=rid)
                 else:
                     req = pb.FinishRequest(run_id=run_id, owner=owner,
                                            fencing_token=tokens.get(run_id, 0),

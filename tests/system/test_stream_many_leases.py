@@ -113,7 +113,8 @@ def test_1000_leases_over_4_streams_none_lost_none_expired(tmp_path: Path) -> No
                 assert run.lease.owner == owner
                 assert ts_ms(run.lease.expires_at) > after, (run.run_id, "expired")
                 assert run.attempt == 1
-                assert run.version > 1 + HOLD_S * 1000 / TTL_MS  # renewed all along
+                # renewed all along, from memory: the expiry above moved, not the version
+                assert run.version == 1
 
         finished = [w.request("finish", "finished", timeout=30) for w in workers]
         for w, f in zip(workers, finished, strict=True):

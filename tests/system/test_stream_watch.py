@@ -35,7 +35,7 @@ from fencepost.v1 import ledger_pb2_grpc
 
 WRITERS = 3
 RUNS_PER_WRITER = 425
-RENEWS = 6  # acquire + 6 renews + finish: 8 changes per run, 10 200 in all
+RENEWS = 6  # acquire + 6 checkpoints + finish: 8 changes per run, 10 200 in all
 SELF_CANCEL_AT = (2_500, 7_000)  # the raw watcher drops its call after this many events
 KILL_AT = 4_500  # ... and the server is SIGKILLed once it has this many
 
@@ -164,7 +164,7 @@ def test_resumed_watch_sees_every_revision_once_in_order_under_writers(
             for i in range(WRITERS):
                 writers.append(WorkerProc("writer", {
                     "addr": srv.address, "owner": f"writer-{i}", "runs": RUNS_PER_WRITER,
-                    "renews": RENEWS, "chunk": 100, "pause_s": 0.0,
+                    "renews": RENEWS, "checkpoints": True, "chunk": 100, "pause_s": 0.0,
                 }, tmp_path / f"writer-{i}.err"))
             wait_until(f"{KILL_AT} events", lambda: len(raw.events) >= KILL_AT, 60, raw, sdk)
             srv.kill()  # mid-write: the writers and both watchers lose their streams
