@@ -339,11 +339,17 @@ def check_durability_restarts(ops: list[Op], kills: list[dict[str, Any]]) -> lis
     cmps = [o.cmp or 0 for o in acked]
     deletes: dict[str, list[Op]] = defaultdict(list)
     probes_of: dict[str, dict[str, Op]] = defaultdict(dict)
+    # probe clients' names are reused past runner.MAX_PROBES restarts: a probe
+    # belongs to the last restart killed before it was invoked
+    order = sorted(kills, key=lambda k: k["killed"])
+    killed_at = [k["killed"] for k in order]
     for o in ops:
         if o.f in ("delete_run", "raw_delete") and o.st != "fail":
             deletes[o.run].append(o)
         if o.client.startswith("probe") and o.f == "get_run":
-            probes_of[o.client][o.run] = o
+            i = bisect.bisect_right(killed_at, o.inv) - 1
+            n = order[i]["restart"] if i >= 0 else None
+            probes_of[o.client if n is None else f"probe{n}"][o.run] = o
     last: dict[str, Op] = {}
     top: Op | None = None
     done = 0

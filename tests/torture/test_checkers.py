@@ -107,6 +107,18 @@ def test_durability_after_restart() -> None:
     assert C.check_durability_restarts([*deleted, _probe(1, 6, None)], kill) == []
 
 
+def test_a_probe_name_reused_by_a_later_restart_belongs_to_that_restart() -> None:
+    """Probe clients' names repeat past runner.MAX_PROBES restarts: a later
+    restart's probe (the run deleted by then) is not restart #1's."""
+    acked = [op("acquire", 0, 1, r=rec(1), owner="A", ttl=1000),
+             op("delete_run", 10, 11, x={"deleted": True, "revision": 2, "token": 1})]
+    kills = [{"restart": 1, "killed": int(4e6)}, {"restart": 65, "killed": int(20e6)}]
+    assert C.check_durability_restarts([*acked, _probe(1, 6, rec(1)), _probe(1, 22, None)],
+                                       kills) == []
+    lost = C.check_durability_restarts([*acked, _probe(1, 6, None), _probe(1, 22, None)], kills)
+    assert len(lost) == 1 and "restart #1" in lost[0].message
+
+
 def _snap(changes: list[tuple[int, str, int, dict[str, Any] | None]],
           integrity: tuple[str, ...] = ("ok",)) -> Any:
     from _history import Change, Snapshot
