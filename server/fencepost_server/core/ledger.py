@@ -486,8 +486,8 @@ def renewed_in_memory(cmd: Renew, cur: Record | None, now: int, floor: int) -> R
     by that), or its lease expired at or before ``floor`` (the restart rule
     only extends leases stored as live past the last flush). Raises the fence
     check's LedgerError as ``decide`` would."""
-    if cur is None:
-        return None
+    if cur is None or out_of_range(cur) is not None:
+        return None  # (a record past 2^53 - 1: ``decide`` refuses it)
     cur = _fence(cmd, cur)
     lease = cur.lease
     assert lease is not None
