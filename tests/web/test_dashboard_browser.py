@@ -215,8 +215,9 @@ def test_run_timeline(browser: Any, web_server: WebServer, tmp_path: Path) -> No
     events = wait_for(lambda: [li.get_attribute("data-event") for li in
                                browser.find_elements(By.CSS_SELECTOR, "#timeline li")],
                       what="the timeline")
+    # (the renewal was answered from memory: no change, no timeline entry)
     assert events == ["finished", "checkpointed", "acquired", "resumed", "suspended",
-                      "renewed", "checkpointed", "acquired"]
+                      "checkpointed", "acquired"]
     assert browser.find_element(By.ID, "run-status").text == "completed"
     first = browser.find_elements(By.CSS_SELECTOR, "#timeline li")[-1]
     assert "worker-a" in first.text and "token 1" in first.text
