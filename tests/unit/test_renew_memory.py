@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from fencepost_server.clock import ManualClock
 from fencepost_server.core import ledger as L
 from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.records import Record, Status
 from fencepost_server.storage import SqliteStorage
+from fencepost_server.testing.clock import ManualClock
 from fencepost_server.writer import Writer
 
 
