@@ -137,7 +137,7 @@ def ledger(request: pytest.FixtureRequest, channel: grpc.Channel) -> Iterator[An
     if request.param == "unary":
         yield ledger_pb2_grpc.LedgerStub(channel)
         return
-    from _transport import StreamLedger  # tests/service
+    from service._transport import StreamLedger
 
     stream = StreamLedger(channel)
     yield stream

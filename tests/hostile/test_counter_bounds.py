@@ -7,14 +7,12 @@ nothing. Over the unary RPCs, Execute, Transact, KeepAlive and the raw seam."""
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 from _db import snapshot
 from service._records import bump, raw_run
-from service._transport import StreamLedger
 from service._wire import expect, wire_error
 
 from fencepost.v1 import engine_store_pb2 as epb
@@ -31,17 +29,6 @@ T0 = 1_700_000_000_000
 YEAR_10000_S = 253_402_300_800  # the first second a Timestamp cannot hold
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 VALIDATION = "RUN_VALIDATION_ERROR"
-
-
-@pytest.fixture(params=["unary", "stream"])
-def led(request: pytest.FixtureRequest, channel: grpc.Channel) -> Iterator[Any]:
-    """The Ledger stub, or the same calls over one Execute stream."""
-    if request.param == "unary":
-        yield ledger_pb2_grpc.LedgerStub(channel)
-        return
-    stream = StreamLedger(channel)
-    yield stream
-    stream.close()
 
 
 def _history(db: str) -> Any:
@@ -62,7 +49,7 @@ def _leased(run_id: str, owner: str, token: int = 1, attempt: int = 1) -> rpb.Ru
 
 
 def test_a_token_at_int64s_edge_is_refused_and_the_server_goes_on(
-    server: ServerThread, store: Any, led: Any, db: str
+    server: ServerThread, store: Any, ledger: Any, db: str
 ) -> None:
     """The unbounded server took it, and the next Acquire moved the token
     past int64: INTERNAL, then every batch and every restart failed."""
@@ -72,8 +59,8 @@ def test_a_token_at_int64s_edge_is_refused_and_the_server_goes_on(
                VALIDATION, field="run.fencing_token")
     assert snapshot(db) == before
     # the issue's next step, an Acquire of that id, now meets no such record
-    assert led.Acquire(pb.AcquireRequest(run_id="big", owner="w")).run.fencing_token == 1
-    assert led.Acquire(pb.AcquireRequest(run_id="other", owner="w")).run.fencing_token == 1
+    assert ledger.Acquire(pb.AcquireRequest(run_id="big", owner="w")).run.fencing_token == 1
+    assert ledger.Acquire(pb.AcquireRequest(run_id="other", owner="w")).run.fencing_token == 1
     server.restart()
     with grpc.insecure_channel(server.address) as ch:
         got = ledger_pb2_grpc.LedgerStub(ch).Acquire(pb.AcquireRequest(run_id="after", owner="w"))
@@ -81,35 +68,35 @@ def test_a_token_at_int64s_edge_is_refused_and_the_server_goes_on(
 
 
 def test_the_last_token_is_granted_and_the_next_move_refused_writing_nothing(
-    server: ServerThread, clock: ManualClock, store: Any, led: Any, db: str
+    server: ServerThread, clock: ManualClock, store: Any, ledger: Any, db: str
 ) -> None:
     assert _create(store, raw_run("edge", token=MAX_SAFE - 1)).created
-    got = led.Acquire(pb.AcquireRequest(run_id="edge", owner="a", lease_ttl_ms=1000))
+    got = ledger.Acquire(pb.AcquireRequest(run_id="edge", owner="a", lease_ttl_ms=1000))
     assert got.run.fencing_token == MAX_SAFE  # representable: granted and served
     clock.advance(1000)
     before = _history(db)
-    e = expect(led.Acquire, pb.AcquireRequest(run_id="edge", owner="b"), INVALID, VALIDATION,
+    e = expect(ledger.Acquire, pb.AcquireRequest(run_id="edge", owner="b"), INVALID, VALIDATION,
                field="fencing_token", has_record=True)
     assert e.record is not None and e.record.fencing_token == MAX_SAFE
-    e = expect(led.Cancel, pb.CancelRequest(run_id="edge"), INVALID, VALIDATION,
+    e = expect(ledger.Cancel, pb.CancelRequest(run_id="edge"), INVALID, VALIDATION,
                field="fencing_token")
     assert _history(db) == before  # refused: nothing written
     # the holder's own commands still work under the last token
-    renewed = led.Renew(pb.RenewRequest(run_id="edge", owner="a", fencing_token=MAX_SAFE))
+    renewed = ledger.Renew(pb.RenewRequest(run_id="edge", owner="a", fencing_token=MAX_SAFE))
     assert renewed.run.fencing_token == MAX_SAFE
     server.restart()
 
 
 def test_an_attempt_at_its_limit_cannot_be_taken_over(
-    clock: ManualClock, store: Any, led: Any, db: str
+    clock: ManualClock, store: Any, ledger: Any, db: str
 ) -> None:
     assert _create(store, _leased("tired", "a", attempt=MAX_SAFE - 1)).created
     clock.advance(10_000)  # the raw lease expires: a takeover counts an attempt
-    got = led.Acquire(pb.AcquireRequest(run_id="tired", owner="b", lease_ttl_ms=1000))
+    got = ledger.Acquire(pb.AcquireRequest(run_id="tired", owner="b", lease_ttl_ms=1000))
     assert got.run.attempt == MAX_SAFE
     clock.advance(1000)
     before = _history(db)
-    expect(led.Acquire, pb.AcquireRequest(run_id="tired", owner="c"), INVALID, VALIDATION,
+    expect(ledger.Acquire, pb.AcquireRequest(run_id="tired", owner="c"), INVALID, VALIDATION,
            field="attempt", has_record=True)
     assert _history(db) == before
 
@@ -166,13 +153,13 @@ def test_the_raw_seam_takes_the_largest_values_with_room(store: Any) -> None:
 
 
 def test_a_lease_held_into_year_10000_is_refused_with_a_message_not_a_crash(
-    store: Any, led: Any
+    store: Any, ledger: Any
 ) -> None:
     """The unbounded server failed the whole batch formatting the date."""
     run = _far(_leased("late", "a"), "lease.expires_at", YEAR_10000_S - 1)
     run.lease.lock_delay_ms = 86_400_000  # blocks others into year 10000
     assert _create(store, run).created
-    e = expect(led.Acquire, pb.AcquireRequest(run_id="late", owner="b"),
+    e = expect(ledger.Acquire, pb.AcquireRequest(run_id="late", owner="b"),
                grpc.StatusCode.FAILED_PRECONDITION, "RUN_LEASE_HELD")
     assert "after the epoch" in e.message
 
@@ -198,11 +185,11 @@ LEDGER_CASES: list[tuple[str, str, Any, str]] = [
 @pytest.mark.parametrize(("name", "method", "request_", "field"), LEDGER_CASES,
                          ids=[c[0] for c in LEDGER_CASES])
 def test_a_named_token_past_the_bound_is_refused_on_every_path(
-    led: Any, db: str, name: str, method: str, request_: Any, field: str
+    ledger: Any, db: str, name: str, method: str, request_: Any, field: str
 ) -> None:
-    led.Acquire(pb.AcquireRequest(run_id="r", owner="w"))
+    ledger.Acquire(pb.AcquireRequest(run_id="r", owner="w"))
     before = snapshot(db)
-    expect(getattr(led, method), request_, INVALID, VALIDATION, field=field)
+    expect(getattr(ledger, method), request_, INVALID, VALIDATION, field=field)
     assert snapshot(db) == before
 
 
