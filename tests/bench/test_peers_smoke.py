@@ -142,8 +142,8 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
 
 def test_the_raw_stream_sends_request_ids_only_when_asked(tmp_path: Path) -> None:
     """``--stream-request-ids``: the raw stream's commands carry request ids
-    (the server then keeps one per command, as for the SDK's); by default they
-    carry none."""
+    (the server then keeps one per written command, as for the SDK's: a renewal
+    answered from memory keeps none, SPEC §5.2); by default they carry none."""
     import sqlite3
 
     from peers.backends import FencepostStream
@@ -167,4 +167,4 @@ def test_the_raw_stream_sends_request_ids_only_when_asked(tmp_path: Path) -> Non
         asyncio.run(lifecycle(server.address, False))
         asyncio.run(lifecycle(server.address, True))
     with sqlite3.connect(db) as conn:
-        assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == 3
+        assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == 2  # acquire, finish

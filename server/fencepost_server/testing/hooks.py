@@ -33,11 +33,24 @@ def fence_ignores_owner() -> Callable[[], None]:
             cmd = dataclasses.replace(cmd, owner=lease.owner)
         return decide(cmd, current, tombstone, now, revision)
 
+    renewed = ledger.renewed_in_memory
+
+    def renewed_ignoring_owner(cmd: Any, current: Any, now: int, floor: int) -> Any:
+        # a renewal answered from memory checks the fence without decide()
+        lease = current.lease if current is not None else None
+        if (lease is not None and current.fencing_token == cmd.fencing_token
+                and lease.owner != cmd.owner):
+            cmd = dataclasses.replace(cmd, owner=lease.owner)
+        return renewed(cmd, current, now, floor)
+
     ledger.decide = decide_ignoring_owner  # type: ignore[assignment]
+    ledger.renewed_in_memory = renewed_ignoring_owner  # type: ignore[assignment]
 
     def undo() -> None:
         if ledger.decide is decide_ignoring_owner:
             ledger.decide = decide  # type: ignore[assignment]
+        if ledger.renewed_in_memory is renewed_ignoring_owner:
+            ledger.renewed_in_memory = renewed  # type: ignore[assignment]
 
     return undo
 
