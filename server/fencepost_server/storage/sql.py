@@ -234,7 +234,11 @@ class SqlStorage:
             rows[run_id] = block
             read += 1
         state.tombstones = dict(db.execute("SELECT run_id, fencing_token FROM tombstones"))
-        state.revision = db.execute("SELECT value FROM meta WHERE key='revision'").fetchone()[0]
+        # never below a change already written: a stale writer's catch-up must not
+        # make a new leader reuse a revision (only possible without the epoch check)
+        state.revision = db.execute(
+            "SELECT max(v) FROM (SELECT value AS v FROM meta WHERE key='revision' "
+            "UNION ALL SELECT max(revision) FROM changes) AS r").fetchone()[0]
         mark = self.materialized_mark()
         replay: dict[str, Record | None] = {}
         for rev, run_id, kind, text in db.execute(
