@@ -1,7 +1,7 @@
 """Scale: ListRuns without a limit over 100 000 runs returns all of them (the
 answer is far beyond the 4 MiB message limit, so it streams in pages), and a
-32 MiB artifact goes up and back byte-exact while the server's RSS grows by
-less than the artifact (bench/artifact_rss.py measures 256 MiB)."""
+64 MiB artifact goes up and back byte-exact while the server's RSS grows by
+less than three quarters of it (bench/artifact_rss.py measures 256 MiB)."""
 
 from __future__ import annotations
 
@@ -113,17 +113,17 @@ class PeakRss:
         self._thread.join()
 
 
-def test_a_32_mib_artifact_streams_with_bounded_server_memory(
+def test_a_64_mib_artifact_streams_with_bounded_server_memory(
     server_proc: tuple[str, int],
 ) -> None:
     address, pid = server_proc
-    size = 32 * MIB
+    size = 64 * MIB  # twice the buffers' ~25-33 MiB, so holding it whole stands out
 
     async def pieces() -> AsyncIterator[bytes]:
         for i in range(size // MIB):
             yield random.Random(i).randbytes(MIB)
 
-    expected = hashlib.sha256(b"".join(random.Random(i).randbytes(MIB) for i in range(32)))
+    expected = hashlib.sha256(b"".join(random.Random(i).randbytes(MIB) for i in range(size // MIB)))
 
     async def run() -> int:
         async with AsyncStore.connect(address) as store:
@@ -144,5 +144,5 @@ def test_a_32_mib_artifact_streams_with_bounded_server_memory(
             return rss.peak - before
 
     growth = asyncio.run(run())
-    # holding the artifact whole would cost 32 MiB on top of the buffers
-    assert growth < 32 * MIB, f"server RSS grew by {growth / MIB:.1f} MiB"
+    # holding the artifact whole would cost 64 MiB on top of the buffers
+    assert growth < 48 * MIB, f"server RSS grew by {growth / MIB:.1f} MiB"
