@@ -198,14 +198,14 @@ describe("FencepostClient", () => {
     const a = client("owner-watch");
     const ac = new AbortController();
     const got: RunChange[] = [];
-    const it = a.watchRuns({ runIds: ["c-w1", "c-w2"], signal: ac.signal });
+    // from the first revision: the replay holds whatever lands before the stream is open
+    const it = a.watchRuns({ runIds: ["c-w1", "c-w2"], fromRevision: 1, signal: ac.signal });
     const reader = (async () => {
       for await (const ch of it) {
         got.push(ch);
         if (got.length === 6) break;
       }
     })();
-    await sleep(200);
     const l1 = await a.acquire("c-w1", { ttlMs: 5000, renew: false });
     await l1.recordCheckpoint("k", 1);
     await a.acquire("c-w2", { ttlMs: 5000, renew: false });
@@ -288,10 +288,16 @@ describe("FencepostClient", () => {
 
   it("reconnects the KeepAlive stream after a server restart and keeps renewing", async () => {
     const a = client("owner-reconnect");
-    const lease = await a.acquire("c-reconnect", { ttlMs: 3000 });
-    await sleep(100);
+    const ttl = 3000;
+    const lease = await a.acquire("c-reconnect", { ttlMs: ttl });
     await server.restart();
-    await sleep(3500); // past the ttl: only renewals on the new stream keep the lease
+    // the restarted server extends the lease to its start + ttl at most; past that, only a renewal on the new stream
+    const restarted = Date.now();
+    const deadline = restarted + 20_000;
+    while ((await a.get("c-reconnect")).lease!.expiresAt.getTime() <= restarted + ttl) {
+      assert.ok(Date.now() < deadline, "no renewal reached the restarted server within 20 s");
+      await sleep(50);
+    }
     assert.ok(diagnostics(a).keepAliveConnects >= 2, `connects ${diagnostics(a).keepAliveConnects}`);
     assert.equal(lease.isLost, false);
     assert.equal(lease.atRisk, false);
