@@ -111,7 +111,7 @@ class Settings:
     max_concurrent_streams: int = 1024
     shutdown_grace_s: float = 5.0
     max_batch: int = 1024
-    # Group-commit window under load (writer.py); 0 turns it off.
+    # Group-commit window under load (writer/commit_delay.py); 0 turns it off.
     commit_delay_ms: float = 8.0
     request_retention_s: int = 15 * 60
     history_revisions: int = 100_000

@@ -202,10 +202,10 @@ async def test_a_restart_builds_the_same_index_as_inserts_one_at_a_time(
 
     from fencepost_server.core import ledger as L
     from fencepost_server.core.records import Outcome, Status
-    from fencepost_server.index import RunIndex
     from fencepost_server.storage import SqliteStorage, is_url
     from fencepost_server.storage.postgres import PostgresStorage
     from fencepost_server.writer import Writer
+    from fencepost_server.writer.index import RunIndex
 
     def storage() -> Any:
         return PostgresStorage(db) if is_url(db) else SqliteStorage(db)

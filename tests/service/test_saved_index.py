@@ -21,13 +21,13 @@ from _db import raw
 
 from fencepost_server.core import ledger as L
 from fencepost_server.core.records import Lease, Outcome, Status
-from fencepost_server.index import RunIndex
 from fencepost_server.storage import SqliteStorage, is_url, sql
 from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.sql import COLD_STATUSES, SAVED_CHUNK
 from fencepost_server.storage.sqlite import MIGRATIONS
 from fencepost_server.testing.clock import ManualClock
 from fencepost_server.writer import Writer
+from fencepost_server.writer.index import RunIndex
 
 
 def _storage(db: str) -> Any:

@@ -1,4 +1,4 @@
-"""Renewals answered from memory (docs/SPEC.md §4, §5.2; WRITER.md): the
+"""Renewals answered from memory (docs/SPEC.md §4, §5.2; writer/DESIGN.md): the
 writer alone, on a real SQLite file, with a clock the test moves."""
 
 from __future__ import annotations

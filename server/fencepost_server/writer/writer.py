@@ -26,15 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .clock import Clock
-from .core import codec
-from .core import fence as F
-from .core import ledger as L
-from .core.errors import Code, LedgerError, in_transaction, validation
-from .core.records import TERMINAL, Record, Status
-from .index import RunIndex
-from .scope import REQUEST_SCOPE
-from .storage.sql import (
+from ..clock import Clock
+from ..core import codec
+from ..core import fence as F
+from ..core import ledger as L
+from ..core.errors import Code, LedgerError, in_transaction, validation
+from ..core.records import TERMINAL, Record, Status
+from ..scope import REQUEST_SCOPE
+from ..storage.sql import (
     COLD_STATUSES,
     KIND_DELETE,
     KIND_PUT,
@@ -45,6 +44,7 @@ from .storage.sql import (
     SqlStorage,
     broken,
 )
+from .index import RunIndex
 
 log = logging.getLogger("fencepost.writer")
 
@@ -160,10 +160,10 @@ _FLUSH = object()  # queued by the flush timer: commit a flush chunk even when i
 
 def prune_step(history_revisions: int) -> int:
     """New revisions that bring the next prune forward, whatever its timer
-    says: a quarter of the history limit, at least one (WRITER.md)."""
+    says: a quarter of the history limit, at least one (DESIGN.md)."""
     return max(1, history_revisions // 4)
 
-# When a batch is held open for more commands, and why (WRITER.md, "The commit
+# When a batch is held open for more commands, and why (DESIGN.md, "The commit
 # delay"): only while the loop's thread is busy, and only for recent callers.
 COMMIT_SIBLINGS = 4
 COMMIT_GATHER = 32
@@ -174,11 +174,11 @@ COMMIT_BUSY_SAMPLE_S = 0.25
 loop_cpu_time = time.thread_time
 
 # Runs copied into the runs table per batch, at most: 4096 stalled a batch for
-# ~50 ms, 512 takes ~5-10 ms (WRITER.md, "Copying into runs").
+# ~50 ms, 512 takes ~5-10 ms (DESIGN.md, "Copying into runs").
 MATERIALIZE_CHUNK = 512
 MAX_PENDING = 65_536  # past this many unwritten runs, copy without waiting
 
-# Renewals answered from memory (WRITER.md, "Renewals from memory"): their
+# Renewals answered from memory (DESIGN.md, "Renewals from memory"): their
 # expiries go into the runs table in cycles, at most this many runs a batch.
 FLUSH_CHUNK = 1024
 FLUSH_TICK_S = 0.05  # how often an idle writer commits the next flush chunk
@@ -283,7 +283,7 @@ class Writer:
         # run_id -> (its first change not yet in the runs table, when), oldest
         # first. Writer thread only.
         self._pending: dict[str, tuple[int, int]] = {}
-        # Renewals from memory (WRITER.md). Loop thread only: the runs renewed
+        # Renewals from memory (DESIGN.md). Loop thread only: the runs renewed
         # (or extended at the start) since the current flush cycle began, those
         # the cycle still has to copy, when it began, and the lease floor: a
         # lease that expired at or before it is renewed by a write instead.
@@ -650,7 +650,7 @@ class Writer:
 
     def _renew_from_memory(self, cmd: L.Renew) -> Any:
         """A renewal checked and applied in the committed state, on the loop,
-        with no commit (WRITER.md, "Renewals from memory"): the renewed
+        with no commit (DESIGN.md, "Renewals from memory"): the renewed
         record, or the fence check's LedgerError; None when it goes on the
         queue like any command: a queued or uncommitted command names the
         run (the batch decides it then, from memory too when it may), or it
