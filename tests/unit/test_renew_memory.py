@@ -35,7 +35,6 @@ async def _crash(w: Writer) -> None:
             await task
     await asyncio.get_running_loop().run_in_executor(w._executor, w.storage.close)
     w._executor.shutdown()
-    w._reader.shutdown()
 
 
 def _stored(path: Path) -> tuple[dict[str, int], int | None]:
