@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import sqlite3
 import time
@@ -18,6 +19,8 @@ from fencepost_server.core.records import Status
 from fencepost_server.storage import SqliteStorage
 from fencepost_server.testing.clock import ManualClock
 from fencepost_server.writer import Reads, Writer
+
+SERVER = Path(__file__).resolve().parents[2] / "server" / "fencepost_server"
 
 
 @dataclass(frozen=True)
@@ -540,3 +543,53 @@ async def test_start_builds_the_index_off_the_event_loop(
         assert built_on and threading.main_thread() not in built_on, built_on
     finally:
         await again.close()
+
+
+def test_no_module_assigns_the_writers_attributes() -> None:
+    """The writer's seams are handed in (constructor arguments, registration
+    methods): no module outside writer/ sets an attribute on a writer."""
+    found = []
+    for path in sorted(SERVER.rglob("*.py")):
+        if path.parent.name == "writer":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+            for t in targets:
+                if isinstance(t, ast.Attribute) and ast.unparse(t.value).endswith("writer"):
+                    found.append(f"{path.relative_to(SERVER)}:{node.lineno}: {ast.unparse(t)}")
+    assert found == []
+
+
+async def test_engine_hooks_are_handed_in_and_a_lock_fence_reaches_them(tmp_path: Path) -> None:
+    """A lock fence goes to the hooks ``attach_engine`` handed in; without
+    them it is refused, naming the field."""
+    from fencepost_server.core import fence as F
+
+    seen: list[str] = []
+
+    class Hooks:
+        executors: dict[type, Any] = {}
+
+        def check_lock_fence(self, db: Any, fence: F.Fence) -> None:
+            seen.append(fence.lock_key)
+
+        def extend_leases(self, db: Any, by_ms: int, alive_at: int) -> int:
+            return 0
+
+    for attached in (False, True):
+        w = Writer(SqliteStorage(tmp_path / f"e{attached}.db"), ManualClock())
+        if attached:
+            w.attach_engine(Hooks())
+        await w.start()
+        try:
+            fence = F.Fence(fencing_token=1, lock_key="k")
+            got = await w.submit(L.Transaction((L.Acquire("r", "w"),), fence=fence))
+        except LedgerError as exc:
+            got = exc
+        finally:
+            await w.close()
+        if attached:
+            assert isinstance(got, L.TransactionDone) and seen == ["k"]
+        else:
+            assert isinstance(got, LedgerError) and "fence.lock_key" in got.message, got
