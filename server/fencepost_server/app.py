@@ -47,7 +47,7 @@ from .storage.sqlite import Durability, SqliteStorage
 from .streams import ClientLimits, FenceHub
 from .testing import hooks
 from .web import Dashboard
-from .writer import Writer
+from .writer import Reads, Writer
 
 if TYPE_CHECKING:
     from .leadership import Leadership
@@ -111,7 +111,7 @@ class Settings:
     max_concurrent_streams: int = 1024
     shutdown_grace_s: float = 5.0
     max_batch: int = 1024
-    # Group-commit window under load (writer.py); 0 turns it off.
+    # Group-commit window under load (writer/commit_delay.py); 0 turns it off.
     commit_delay_ms: float = 8.0
     request_retention_s: int = 15 * 60
     history_revisions: int = 100_000
@@ -327,6 +327,7 @@ class App:
     settings: Settings
     clock: Clock = field(default_factory=SystemClock)
     writer: Writer | None = None
+    reads: Reads | None = None
     server: grpc.aio.Server | None = None
     health: Any = None
     hub: FenceHub | None = None
@@ -349,7 +350,6 @@ class App:
     _leading: bool = False
     _lead_task: asyncio.Task[None] | None = None
     _retain_ms: int = 0
-    _undo_faults: list[Any] = field(default_factory=list)  # broken builds to switch off
 
     async def start(self) -> App:
         s = self.settings
@@ -374,7 +374,7 @@ class App:
                 unsafe_skip_epoch_check=s.test_hooks and s.fault == "no-epoch-check")
         else:
             storage = SqliteStorage(s.db_path, s.durability)
-        self.writer = Writer(
+        writer = self.writer = Writer(
             storage,
             self.clock,
             max_batch=s.max_batch,
@@ -383,21 +383,23 @@ class App:
             history_revisions=s.history_revisions,
             history_max_age_ms=s.history_max_age_s * 1000,
             prune_every_ms=int(s.prune_every_s * 1000),
+            on_failed_commit=self._on_failed_commit,
+            # a renewal is answered from memory only while this coordinator
+            # is sure it leads (docs/SPEC.md §9.1); else it goes to the epoch check
+            memory_ok=(lambda: self._leading and self.leadership is not None
+                       and self.leadership.leading) if pg else None,
+            **(hooks.writer_faults(s.fault) if s.test_hooks else {}),
         )
-        self.writer.on_failed_commit = self._on_failed_commit
+        reads = self.reads = Reads(storage, lambda: writer.state)
         if pg:
             assert isinstance(storage, PostgresStorage)
             # the schema first (standbys need the leader row), then only the
             # leader loads the state (``_lead``)
             await asyncio.to_thread(_migrate, storage)
-            # a renewal is answered from memory only while this coordinator
-            # is sure it leads (docs/SPEC.md §9.1); else it goes to the epoch check
-            self.writer.memory_ok = lambda: (
-                self._leading and self.leadership is not None and self.leadership.leading)
         else:
             await self.writer.start()
         self.engine_store, self._engine_reader = start_engine_store(self.writer, storage.reader)
-        self.hub = FenceHub(self.writer, self.clock, queue_limit=s.stream_queue_limit,
+        self.hub = FenceHub(self.writer, self.clock, reads=reads, queue_limit=s.stream_queue_limit,
                             limits=ClientLimits(
                                 max_queued_per_connection=s.max_queued_per_connection,
                                 max_queued_per_principal=s.max_queued_per_principal,
@@ -433,7 +435,7 @@ class App:
         add_service(
             self.server,
             LedgerService(
-                self.writer, self.hub, self._history, self._history_executor,
+                self.writer, self.hub, self._history, self._history_executor, reads=reads,
                 max_tracked_per_stream=s.max_tracked_per_stream,
                 max_inflight_per_stream=s.max_inflight_per_stream,
             ),
@@ -443,7 +445,7 @@ class App:
         )
         add_service(
             self.server,
-            RunStoreService(self.writer),
+            RunStoreService(self.writer, reads),
             run_store_pb2.DESCRIPTOR.services_by_name["RunStore"],
             **guarded,
             instrument=instrument,
@@ -509,10 +511,10 @@ class App:
 
     async def _serve_as_leader(self) -> None:
         """The writer runs: sweep what a crash left, start retention, SERVING."""
-        assert self.writer is not None
+        assert self.writer is not None and self.reads is not None
         await sweep_uploads(self.writer)
         if self._retain_ms:
-            self.retention = Retention(self.writer, self.clock, self._retain_ms)
+            self.retention = Retention(self.writer, self.reads, self.clock, self._retain_ms)
             self.retention.start()
         self._leading = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -614,11 +616,7 @@ class App:
             testing_pb2.DESCRIPTOR.services_by_name["TestHooks"],
             **guarded,
         )
-        if s.fault == "fence-ignores-owner":
-            self._undo_faults.append(hooks.fence_ignores_owner())
-        elif s.fault == "ack-before-commit":
-            self.writer.unsafe_ack_before_commit_s = hooks.ACK_DELAY_S
-        if s.fault:
+        if s.fault:  # built into the writer (hooks.writer_faults)
             log.warning(
                 "BROKEN BUILD --fault %s: this server violates its guarantees on purpose "
                 "(torture self-test). NEVER run this in production.",
@@ -686,8 +684,6 @@ class App:
         """Graceful: NOT_SERVING, stop accepting, finish in-flight calls, then
         let the writer commit what it has and close the database."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
-        while self._undo_faults:  # process-wide: undone for in-process use
-            self._undo_faults.pop()()
         if self.health is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._lead_task is not None:
@@ -713,6 +709,8 @@ class App:
             self.metrics.close()
         if self.writer is not None:
             await self.writer.close()
+        if self.reads is not None:
+            await self.reads.close()
         if self.leadership is not None:
             if self._leading and self.leadership.leading:
                 await self.leadership.resign()  # a standby takes over at once

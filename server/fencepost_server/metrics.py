@@ -138,12 +138,12 @@ class Metrics:
         self._counted: dict[str, int] | None = None  # render_async's counts, for its collect
         self._scraping = asyncio.Lock()  # one render_async at a time
         r.register(_StateCollector(self))
-        writer.on_batch = self._on_batch
+        self._unobserve = writer.observe_batches(self._on_batch)
         self._unsubscribe = writer.subscribe(self._on_changes)
 
     def close(self) -> None:
         self._unsubscribe()
-        self.writer.on_batch = None
+        self._unobserve()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

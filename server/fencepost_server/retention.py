@@ -21,7 +21,7 @@ import logging
 from .clock import Clock
 from .core import ledger as L
 from .core.errors import LedgerError
-from .writer import Writer, WriterClosed
+from .writer import Reads, Writer, WriterClosed
 
 log = logging.getLogger("fencepost.retention")
 
@@ -49,6 +49,7 @@ class Retention:
     def __init__(
         self,
         writer: Writer,
+        reads: Reads,
         clock: Clock,
         retain_ms: int,
         *,
@@ -58,6 +59,7 @@ class Retention:
         if retain_ms <= 0:
             raise ValueError("retain_ms must be positive")
         self.writer = writer
+        self.reads = reads
         self.clock = clock
         self.retain_ms = retain_ms
         # a tenth of the retention, between 1 s and 60 s
@@ -74,7 +76,7 @@ class Retention:
         done = 0
         after: tuple[int, str] | None = None  # a retired run's row stays until reflected
         while True:
-            due = await self.writer.finished_before(cutoff, self.chunk, after)
+            due = await self.reads.finished_before(cutoff, self.chunk, after)
             if not due:
                 return done
             after = (due[-1][2], due[-1][0])

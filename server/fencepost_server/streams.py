@@ -25,7 +25,7 @@ from .convert import _ts, record_to_pb
 from .core import ledger as L
 from .core.records import Record, Status, is_terminal, out_of_range
 from .storage.sqlite import KIND_DELETE
-from .writer import ChangeEvent, Writer
+from .writer import ChangeEvent, Reads, Writer
 
 log = logging.getLogger("fencepost.streams")
 
@@ -243,11 +243,13 @@ class FenceHub:
         writer: Writer,
         clock: Clock,
         *,
+        reads: Reads,
         expiry_poll_s: float = 0.02,
         queue_limit: int = SESSION_QUEUE_LIMIT,
         limits: ClientLimits | None = None,
     ) -> None:
         self.writer = writer
+        self.reads = reads
         self.queue_limit = queue_limit
         self.limits = limits or ClientLimits()
         # (kind, key) -> the budget of a connection or principal with open streams
@@ -280,7 +282,7 @@ class FenceHub:
 
     def start(self) -> None:
         self._unsubscribe = self.writer.subscribe(self.on_changes)
-        self.writer.on_renewed = self.on_renewed
+        self.writer.subscribe_renewals(self.on_renewed)
         self._task = asyncio.create_task(self._expiry_loop(), name="fencepost-expiry")
 
     def shutdown(self) -> None:
@@ -357,7 +359,7 @@ class FenceHub:
         rec = self.writer.state.runs.get(run_id)
         if not holds(rec, token):
             self.untrack(session, run_id)
-            if rec is None and self.writer.is_cold(run_id):
+            if rec is None and self.reads.is_cold(run_id):
                 # a finished run memory no longer holds: say why once it is read
                 task = asyncio.get_running_loop().create_task(
                     self._lost_cold(session, run_id, token)
@@ -372,7 +374,7 @@ class FenceHub:
 
     async def _lost_cold(self, session: Session, run_id: str, token: int) -> None:
         try:
-            rec = await self.writer.read_run(run_id)
+            rec = await self.reads.read_run(run_id)
         except Exception:  # the read failed: the fence is gone all the same
             log.exception("could not read run %r", run_id)
             rec = None

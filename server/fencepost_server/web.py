@@ -65,7 +65,7 @@ from .core.errors import Code, LedgerError, validation
 from .core.records import Record, Status
 from .metrics import CONTENT_TYPE, Metrics
 from .storage.sqlite import KIND_DELETE
-from .writer import ChangeEvent, Writer
+from .writer import ChangeEvent, Reads, Writer
 
 log = logging.getLogger("fencepost.web")
 
@@ -330,6 +330,8 @@ class Source(Protocol):
     def clock(self) -> Clock: ...
     @property
     def writer(self) -> Writer | None: ...
+    @property
+    def reads(self) -> Reads | None: ...
     @property
     def writer_state(self) -> Any: ...
     @property
@@ -615,14 +617,14 @@ class Dashboard:
         before = _text_param(q, "before", validate.MAX_RUN_ID_BYTES)
         if after is not None and before is not None:
             return _bad("before", "give after or before, not both")
-        writer = self.source.writer
-        assert writer is not None
+        writer, reads = self.source.writer, self.source.reads
+        assert writer is not None and reads is not None
         state = writer.state
         revision = state.revision
 
         backward = before is not None  # the page before `before`, walking backwards
-        page, more = await writer.page_runs(frozenset(statuses), owner or "", limit,
-                                            prefix=prefix, after=after, before=before)
+        page, more = await reads.page_runs(frozenset(statuses), owner or "", limit,
+                                           prefix=prefix, after=after, before=before)
         if backward:
             page.reverse()
             has_prev, has_next = more, True
@@ -639,8 +641,8 @@ class Dashboard:
 
     async def get_run(self, request: web.Request) -> web.Response:
         run_id = validate.run_id(request.match_info["run_id"])
-        assert self.source.writer is not None
-        rec = await self.source.writer.read_run(run_id)
+        assert self.source.reads is not None
+        rec = await self.source.reads.read_run(run_id)
         changes = await self.source.run_history(run_id, HISTORY_LIMIT)
         if rec is None and not changes:
             return _error(LedgerError(Code.RUN_NOT_FOUND, f"run {run_id!r} not found"))

@@ -105,8 +105,8 @@ def test_commands_on_a_cold_run_see_its_stored_record(
     done = _finish(ledger, "c1")
     _finish(ledger, "c2")
     _go_cold(server, clock, ledger)
-    writer = server.app.writer
-    assert writer.is_cold("c1") and writer.is_cold("c2")
+    writer, reads = server.app.writer, server.app.reads
+    assert reads.is_cold("c1") and reads.is_cold("c2")
     e = expect(ledger.Acquire, pb.AcquireRequest(run_id="c1", owner="x"),
                grpc.StatusCode.FAILED_PRECONDITION, "RUN_ALREADY_TERMINAL", has_record=True)
     assert e.record == done
@@ -118,7 +118,7 @@ def test_commands_on_a_cold_run_see_its_stored_record(
     swapped = store.CompareAndSet(spb.CompareAndSetRequest(
         run_id="c1", expected_version=done.version, next=nxt))
     assert swapped.swapped and swapped.run.outcome.code == "relabelled"
-    assert not writer.is_cold("c1") and list(writer.state.index).count("c1") == 1
+    assert not reads.is_cold("c1") and list(writer.state.index).count("c1") == 1
     assert ledger.GetRun(pb.GetRunRequest(run_id="c1")).run.outcome.code == "relabelled"
     # deleting a cold run leaves its tombstone: the token never repeats
     deleted = ledger.DeleteRun(pb.DeleteRunRequest(run_id="c2"))
@@ -128,7 +128,7 @@ def test_commands_on_a_cold_run_see_its_stored_record(
     again = ledger.Acquire(pb.AcquireRequest(run_id="c2", owner="w")).run
     assert again.fencing_token > deleted.fencing_token
     _go_cold(server, clock, ledger)
-    assert writer.is_cold("c1")
+    assert reads.is_cold("c1")
     assert ledger.GetRun(pb.GetRunRequest(run_id="c1")).run.outcome.code == "relabelled"
 
 
@@ -138,7 +138,7 @@ async def test_tracking_a_cold_run_reports_it_finished(
     ledger, _ = stubs
     done = _finish(ledger, "k1")
     _go_cold(server, clock, ledger)
-    assert server.app.writer.is_cold("k1")
+    assert server.app.reads.is_cold("k1")
     async with grpc.aio.insecure_channel(server.address) as ch:
         call = ledger_pb2_grpc.LedgerStub(ch).KeepAlive()
         await call.write(pb.KeepAliveRequest(hello=pb.KeepAliveHello(owner="w")))
@@ -175,7 +175,7 @@ def test_a_fence_on_a_cold_run_is_checked_against_its_stored_record(
     ledger, _ = stubs
     done = _finish(ledger, "f1")
     _go_cold(server, clock, ledger)
-    assert server.app.writer.is_cold("f1")
+    assert server.app.reads.is_cold("f1")
     es = engine_store_pb2_grpc.EngineStoreStub(grpc.insecure_channel(server.address))
     e = expect(
         es.SaveCheckpoint,
@@ -202,10 +202,10 @@ async def test_a_restart_builds_the_same_index_as_inserts_one_at_a_time(
 
     from fencepost_server.core import ledger as L
     from fencepost_server.core.records import Outcome, Status
-    from fencepost_server.index import RunIndex
     from fencepost_server.storage import SqliteStorage, is_url
     from fencepost_server.storage.postgres import PostgresStorage
-    from fencepost_server.writer import Writer
+    from fencepost_server.writer import Reads, Writer
+    from fencepost_server.writer.index import RunIndex
 
     def storage() -> Any:
         return PostgresStorage(db) if is_url(db) else SqliteStorage(db)
@@ -239,9 +239,9 @@ async def test_a_restart_builds_the_same_index_as_inserts_one_at_a_time(
         await w.submit(L.Finish(odd, "w", rec.fencing_token, Status.COMPLETED))
     await fill(w, 114)  # reach the runs table
     await w.wait_idle()
-    w.materialize_after_ms = 3_600_000
+    w._apply.materialize_after_ms = 3_600_000
     await fill(w, 40)  # only in the change log: "dies" before copying them
-    w._pending.clear()
+    w._apply.pending.clear()
     await w.close()
 
     def entries(index: RunIndex) -> tuple[Any, ...]:
@@ -272,8 +272,10 @@ async def test_a_restart_builds_the_same_index_as_inserts_one_at_a_time(
     w2 = Writer(storage(), clock)
     await w2.start()
     try:
-        cold = [k for k in w2.state.index if w2.is_cold(k)]
-        assert {**await w2.read_runs(cold), **w2.state.runs} == records
+        reads = Reads(w2.storage, lambda: w2.state)
+        cold = [k for k in w2.state.index if reads.is_cold(k)]
+        assert {**await reads.read_runs(cold), **w2.state.runs} == records
+        await reads.close()
         assert entries(w2.state.index) == entries(one_at_a_time(records))
     finally:
         await w2.close()

@@ -24,7 +24,7 @@ from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.sql import BLOCK_RUNS
 from fencepost_server.storage.sqlite import MIGRATIONS
 from fencepost_server.testing.clock import ManualClock
-from fencepost_server.writer import Writer
+from fencepost_server.writer import Reads, Writer
 
 
 def _storage(db: str) -> Any:
@@ -50,6 +50,15 @@ async def _started(storage: Any) -> Writer:
     return w
 
 
+async def _read(w: Writer, ids: list[str]) -> dict[str, Record]:
+    """The committed records of ``ids``, as GetRun reads them."""
+    reads = Reads(w.storage, lambda: w.state)
+    try:
+        return await reads.read_runs(ids)
+    finally:
+        await reads.close()
+
+
 async def _make(w: Writer, run_id: str, finish: bool) -> Record:
     rec = await w.submit(L.Acquire(run_id, "w"))
     if finish:
@@ -61,7 +70,7 @@ async def _make(w: Writer, run_id: str, finish: bool) -> Record:
 async def _a_new_run_goes_after(w: Writer, table: list[tuple[int, str]]) -> None:
     """The first run made after a restart goes in a block after every row the
     table held."""
-    w.materialize_after_ms = 0
+    w._apply.materialize_after_ms = 0
     await _make(w, "after-restart", finish=True)
     await _make(w, "tick", finish=False)  # a batch after it: it copies the run
     await w.wait_idle()
@@ -96,7 +105,7 @@ async def test_new_rows_follow_every_older_one_and_the_map_finds_each(db: str) -
         assert {k for block, k in after if block < top} <= set(first)
         assert not set(gone[1:]) & set(ids)
         assert _map(w.storage.rows) == after
-        records = await w.read_runs(ids)
+        records = await _read(w, ids)
         assert records[gone[0]] == again and len(records) == len(ids)
     finally:
         await w.close()
@@ -105,8 +114,9 @@ async def test_new_rows_follow_every_older_one_and_the_map_finds_each(db: str) -
     await w2.start()
     try:
         assert _map(w2.storage.rows) == after
-        assert await w2.read_runs(ids) == records
-        assert all(w2.is_cold(k) for k in ids if records[k].status is Status.COMPLETED)
+        assert await _read(w2, ids) == records
+        assert all(k not in w2.state.runs and k in w2.state.index
+                   for k in ids if records[k].status is Status.COMPLETED)
         await _a_new_run_goes_after(w2, after)
     finally:
         await w2.close()
@@ -199,7 +209,7 @@ async def test_a_table_keyed_by_run_id_is_migrated_with_every_run(db: str, tmp_p
         for i, run_id in enumerate(ids):
             await _make(w, run_id, finish=i % 3 != 0)
         await w.wait_idle()
-        records = await w.read_runs(ids)
+        records = await _read(w, ids)
         revision = w.state.revision
     finally:
         await w.close()
@@ -215,7 +225,7 @@ async def test_a_table_keyed_by_run_id_is_migrated_with_every_run(db: str, tmp_p
     w2 = Writer(_storage(db), w.clock)
     await w2.start()
     try:
-        assert await w2.read_runs(ids) == records
+        assert await _read(w2, ids) == records
         assert sorted(w2.state.index) == sorted(ids)
         assert set(w2.state.runs) == {k for k, r in records.items() if r.status is Status.RUNNING}
         table = _table(db)

@@ -21,13 +21,13 @@ from _db import raw
 
 from fencepost_server.core import ledger as L
 from fencepost_server.core.records import Lease, Outcome, Status
-from fencepost_server.index import RunIndex
 from fencepost_server.storage import SqliteStorage, is_url, sql
 from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.sql import COLD_STATUSES, SAVED_CHUNK
 from fencepost_server.storage.sqlite import MIGRATIONS
 from fencepost_server.testing.clock import ManualClock
-from fencepost_server.writer import Writer
+from fencepost_server.writer import Reads, Writer
+from fencepost_server.writer.index import RunIndex
 
 
 def _storage(db: str) -> Any:
@@ -154,7 +154,8 @@ async def _crash_after_writes(db: str, late: int) -> tuple[Any, dict[str, int], 
     await _fill(w, 150)
     await w.close()
     w2 = await _started(db)
-    cold = [k for k in w2.state.index if w2.is_cold(k)]
+    reads = Reads(w2.storage, lambda: w2.state)
+    cold = [k for k in w2.state.index if reads.is_cold(k)]
     victim, again = cold[0], cold[1]
     changed = next(k for k in cold[2:] if w2.state.index.status_of[k] is not Status.CANCELLED)
     await w2.submit(L.DeleteRun(victim))
@@ -164,7 +165,8 @@ async def _crash_after_writes(db: str, late: int) -> tuple[Any, dict[str, int], 
     assert runner.lease is not None
     await w2.submit(L.Finish(runner.run_id, runner.lease.owner, runner.fencing_token,
                              Status.COMPLETED))
-    cur = await w2.read_run(changed)
+    cur = await reads.read_run(changed)
+    await reads.close()
     assert cur is not None and cur.status is not Status.CANCELLED
     await w2.submit(L.RawCompareAndSet(changed, cur.version, dataclasses.replace(
         cur, version=cur.version + 1, fencing_token=cur.fencing_token + 1,
@@ -272,10 +274,10 @@ async def test_a_shutdown_that_leaves_changes_unmaterialized_saves_nothing_new(d
     await _fill(w, 20)
     await w.close()
     w2 = await _started(db)
-    w2.materialize_after_ms = 3_600_000
+    w2._apply.materialize_after_ms = 3_600_000
     await _fill(w2, 20, prefix="late-")
     live = _entries(w2.state.index)
-    w2._pending.clear()  # as if the copy into runs had failed: only the change log has them
+    w2._apply.pending.clear()  # as if the copy into runs had failed: only the change log has them
     await w2.close()
     state, index, _ = _load(db)
     # the saved entries still describe the table; the change log adds the rest

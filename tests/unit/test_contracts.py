@@ -73,7 +73,7 @@ def test_only_the_storage_module_connects_and_only_the_writer_opens_it() -> None
         if any(c.endswith("storage.open") or c.endswith("storage.open_writer") for c in calls):
             openers[rel] = True
     assert set(connectors) == {"storage/sqlite.py"}
-    assert set(openers) == {"writer.py"}
+    assert set(openers) == {"writer/writer.py"}
     src = (SERVER / "storage" / "sqlite.py").read_text()
     # the other connections: read-only ones, and the checkpointer's, which may
     # not change a row (tests/unit/test_sqlite_storage.py tries)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fencepost_server.core.records import Lease, Record, Status
-from fencepost_server.index import RunIndex
+from fencepost_server.writer.index import RunIndex
 
 IDS = [f"run-{i:02d}" for i in range(12)]
 OWNERS = ["", "w1", "w2", "w3"]

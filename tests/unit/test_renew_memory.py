@@ -1,4 +1,4 @@
-"""Renewals answered from memory (docs/SPEC.md §4, §5.2; WRITER.md): the
+"""Renewals answered from memory (docs/SPEC.md §4, §5.2; writer/DESIGN.md): the
 writer alone, on a real SQLite file, with a clock the test moves."""
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ async def _crash(w: Writer) -> None:
             await task
     await asyncio.get_running_loop().run_in_executor(w._executor, w.storage.close)
     w._executor.shutdown()
-    w._reader.shutdown()
 
 
 def _stored(path: Path) -> tuple[dict[str, int], int | None]:

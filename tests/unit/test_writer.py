@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import sqlite3
 import time
@@ -17,7 +18,9 @@ from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.records import Status
 from fencepost_server.storage import SqliteStorage
 from fencepost_server.testing.clock import ManualClock
-from fencepost_server.writer import Writer
+from fencepost_server.writer import Reads, Writer
+
+SERVER = Path(__file__).resolve().parents[2] / "server" / "fencepost_server"
 
 
 @dataclass(frozen=True)
@@ -141,30 +144,30 @@ def busy_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer sees its loop's thread busy all the time (as a server short
     of CPU has it), measured every 20 ms: the load below can then sleep
     rather than spin, and leave the writer's thread the CPU it needs."""
-    from fencepost_server import writer as writer_module
+    from fencepost_server.writer import commit_delay
 
-    monkeypatch.setattr(writer_module, "COMMIT_BUSY_SAMPLE_S", 0.02)
-    monkeypatch.setattr(writer_module, "loop_cpu_time", time.monotonic)
+    monkeypatch.setattr(commit_delay, "COMMIT_BUSY_SAMPLE_S", 0.02)
+    monkeypatch.setattr(commit_delay, "loop_cpu_time", time.monotonic)
 
 
 async def test_the_writer_measures_how_busy_its_loop_is(tmp_path: Path) -> None:
     w = Writer(SqliteStorage(tmp_path / "busy.db"), ManualClock(), commit_delay_ms=8.0)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    w._measure_busy(start)
+    w.commit_delay.measure_busy(start)
     # 0.3 s of this thread's CPU, measured as if over 0.3 s of the loop's
     # clock: on a machine shared with other tests the spin may take longer
     # in wall time, and that is the machine's business, not the measure's
     cpu = time.thread_time()
     while time.thread_time() - cpu < 0.3:
         pass
-    w._measure_busy(start + 0.3)
-    assert w._loop_busy >= 0.8
+    w.commit_delay.measure_busy(start + 0.3)
+    assert w.commit_delay.loop_busy >= 0.8
     await asyncio.sleep(0.3)
-    w._measure_busy(loop.time())
-    assert w._loop_busy <= 0.2
-    w._measure_busy(loop.time())  # too soon: the last measure stands
-    assert w._loop_busy <= 0.2
+    w.commit_delay.measure_busy(loop.time())
+    assert w.commit_delay.loop_busy <= 0.2
+    w.commit_delay.measure_busy(loop.time())  # too soon: the last measure stands
+    assert w.commit_delay.loop_busy <= 0.2
 
 
 async def _busy_arrivals(w: Writer, producers: int, turns: int) -> list[Any]:
@@ -206,15 +209,15 @@ async def test_commit_delay_holds_nothing_while_the_loop_has_cpu_to_spare(
 ) -> None:
     """The same load, the loop's thread measured as it is (it mostly sleeps):
     no batch is held, since holding would save CPU nobody is short of."""
-    from fencepost_server import writer as writer_module
+    from fencepost_server.writer import commit_delay
 
-    monkeypatch.setattr(writer_module, "COMMIT_BUSY_SAMPLE_S", 0.02)
+    monkeypatch.setattr(commit_delay, "COMMIT_BUSY_SAMPLE_S", 0.02)
     w = Writer(SqliteStorage(tmp_path / "idle.db"), ManualClock(), commit_delay_ms=20.0)
     await w.start()
     try:
         await _busy_arrivals(w, 4, 200)
         assert w.stats.held == 0, w.stats
-        assert w._loop_busy < 0.5
+        assert w.commit_delay.loop_busy < 0.5
     finally:
         await w.close()
 
@@ -342,7 +345,7 @@ async def test_a_crash_before_materializing_loses_nothing(tmp_path: Path) -> Non
     await w.submit(L.Acquire("e", "w"))
     before = dict(w.state.runs)  # records are never mutated, only replaced
     assert _runs_table(path) == ({}, 0)
-    w._pending.clear()  # "dies" with everything pending: close() copies nothing
+    w._apply.pending.clear()  # "dies" with everything pending: close() copies nothing
     await w.close()
     assert _runs_table(path) == ({}, 0)
     w2 = Writer(SqliteStorage(path), clock)
@@ -350,7 +353,9 @@ async def test_a_crash_before_materializing_loses_nothing(tmp_path: Path) -> Non
     try:
         # the finished run is reflected in runs again, so memory no longer holds it
         assert w2.state.runs == {"e": before["e"]} and w2.state.revision == 5
-        assert await w2.read_runs(["a", "e", "b"]) == {"a": before["a"], "e": before["e"]}
+        reads = Reads(w2.storage, lambda: w2.state)
+        assert await reads.read_runs(["a", "e", "b"]) == {"a": before["a"], "e": before["e"]}
+        await reads.close()
         assert set(w2.state.index) == {"a", "e"}
         assert w2.state.tombstones == {"b": b.fencing_token}
         assert _runs_table(path) == ({"a": 2, "e": 1}, 5)  # replayed, then written
@@ -414,7 +419,7 @@ async def test_the_history_limit_prunes_before_the_timer_comes_round(tmp_path: P
     history_revisions (prune_step): the count brings a prune forward, and
     the timer is only the age limit's and the request ids' schedule."""
     from fencepost_server.storage import sqlite as storage_sqlite
-    from fencepost_server.writer import prune_step
+    from fencepost_server.writer.apply import prune_step
 
     path = tmp_path / "count.db"
     w = Writer(SqliteStorage(path), ManualClock(), history_revisions=8,
@@ -520,7 +525,7 @@ async def test_start_builds_the_index_off_the_event_loop(
 
     import threading
 
-    from fencepost_server import writer as writer_module
+    from fencepost_server.writer import writer as writer_module
 
     built_on: list[threading.Thread] = []
     real = writer_module.RunIndex
@@ -538,3 +543,53 @@ async def test_start_builds_the_index_off_the_event_loop(
         assert built_on and threading.main_thread() not in built_on, built_on
     finally:
         await again.close()
+
+
+def test_no_module_assigns_the_writers_attributes() -> None:
+    """The writer's seams are handed in (constructor arguments, registration
+    methods): no module outside writer/ sets an attribute on a writer."""
+    found = []
+    for path in sorted(SERVER.rglob("*.py")):
+        if path.parent.name == "writer":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+            for t in targets:
+                if isinstance(t, ast.Attribute) and ast.unparse(t.value).endswith("writer"):
+                    found.append(f"{path.relative_to(SERVER)}:{node.lineno}: {ast.unparse(t)}")
+    assert found == []
+
+
+async def test_engine_hooks_are_handed_in_and_a_lock_fence_reaches_them(tmp_path: Path) -> None:
+    """A lock fence goes to the hooks ``attach_engine`` handed in; without
+    them it is refused, naming the field."""
+    from fencepost_server.core import fence as F
+
+    seen: list[str] = []
+
+    class Hooks:
+        executors: dict[type, Any] = {}
+
+        def check_lock_fence(self, db: Any, fence: F.Fence) -> None:
+            seen.append(fence.lock_key)
+
+        def extend_leases(self, db: Any, by_ms: int, alive_at: int) -> int:
+            return 0
+
+    for attached in (False, True):
+        w = Writer(SqliteStorage(tmp_path / f"e{attached}.db"), ManualClock())
+        if attached:
+            w.attach_engine(Hooks())
+        await w.start()
+        try:
+            fence = F.Fence(fencing_token=1, lock_key="k")
+            got = await w.submit(L.Transaction((L.Acquire("r", "w"),), fence=fence))
+        except LedgerError as exc:
+            got = exc
+        finally:
+            await w.close()
+        if attached:
+            assert isinstance(got, L.TransactionDone) and seen == ["k"]
+        else:
+            assert isinstance(got, LedgerError) and "fence.lock_key" in got.message, got

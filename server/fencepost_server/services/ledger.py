@@ -20,7 +20,7 @@ from ..core.ledger import Deleted
 from ..core.records import Record, Status, out_of_range
 from ..storage.sqlite import HistoryReader
 from ..streams import FenceHub
-from ..writer import Writer
+from ..writer import Reads, Writer
 from ._errors import handler
 from .execute import ExecuteHandler, fill_transaction, transaction_cmd
 from .streams import StreamHandlers
@@ -54,13 +54,13 @@ def decode_page_token(token: str, fkey: str) -> str:
 
 
 async def list_page(
-    writer: Writer, statuses: frozenset[Status], owner: str, page_size: int, page_token: str
+    reads: Reads, statuses: frozenset[Status], owner: str, page_size: int, page_token: str
 ) -> tuple[list[Record], str]:
     """One page of runs ordered by run_id from the committed state, from the
-    token's position (``Writer.page_runs``: a page costs what it matches)."""
+    token's position (``Reads.page_runs``: a page costs what it matches)."""
     fkey = _filter_key(statuses, owner)
     after = decode_page_token(page_token, fkey) if page_token else None
-    out, more = await writer.page_runs(statuses, owner, page_size, after=after)
+    out, more = await reads.page_runs(statuses, owner, page_size, after=after)
     return out, encode_page_token(out[-1].run_id, fkey) if more else ""
 
 
@@ -72,10 +72,12 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         history: HistoryReader,
         history_executor: ThreadPoolExecutor,
         *,
+        reads: Reads,
         max_tracked_per_stream: int = 100_000,
         max_inflight_per_stream: int = 4096,
     ) -> None:
         self.writer = writer
+        self.reads = reads
         self.hub = hub
         self.history = history
         self.history_executor = history_executor
@@ -176,7 +178,7 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         validate.run_id(request.run_id)
         st = self.writer.state
         revision = st.revision
-        rec = await self.writer.read_run(request.run_id)
+        rec = await self.reads.read_run(request.run_id)
         if rec is None:
             raise LedgerError(Code.RUN_NOT_FOUND, f"run {request.run_id!r} not found")
         return pb.GetRunResponse(
@@ -198,7 +200,7 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         )
         revision = self.writer.state.revision
         runs, token = await list_page(
-            self.writer, statuses, request.owner, size, request.page_token
+            self.reads, statuses, request.owner, size, request.page_token
         )
         # a record stored past the bound is left out: it is never served
         return pb.ListRunsResponse(
@@ -223,7 +225,7 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         validate.fencing_token(request.fencing_token)
         st = self.writer.state
         revision = st.revision
-        rec = await self.writer.read_run(request.run_id)
+        rec = await self.reads.read_run(request.run_id)
         if rec is None:
             return pb.ValidateFenceResponse(current=False, found=False, revision=revision)
         if (field := out_of_range(rec)) is not None:

@@ -10,13 +10,14 @@ from fencepost.v1 import run_store_pb2_grpc
 from .. import auth, convert
 from ..core import ledger as L
 from ..core import validate
-from ..writer import Writer
+from ..writer import Reads, Writer
 from ._errors import handler
 
 
 class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
-    def __init__(self, writer: Writer) -> None:
+    def __init__(self, writer: Writer, reads: Reads) -> None:
         self.writer = writer
+        self.reads = reads
 
     @handler
     async def Describe(
@@ -32,7 +33,7 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
     ) -> pb.GetResponse:
         validate.run_id(request.run_id)
         revision = self.writer.state.revision
-        rec = await self.writer.read_run(request.run_id)
+        rec = await self.reads.read_run(request.run_id)
         if rec is None:
             return pb.GetResponse(found=False, revision=revision)
         return pb.GetResponse(

@@ -386,13 +386,18 @@ def extend_leases(db: Any, by_ms: int, alive_at: int) -> int:
     return int(claims) + int(locks)
 
 
+class WriterHooks:
+    """What the writer needs of the engine store (its ``EngineHooks``): every
+    command's executor, the lock fence check, a takeover's lease extension."""
+
+    executors = EXECUTORS
+    check_lock_fence = staticmethod(check_lock_fence)
+    extend_leases = staticmethod(extend_leases)
+
+
 def register(writer: Any) -> None:
-    """Route every engine-store command to its executor, lock fences to their
-    check, and a takeover's lease extension to ``extend_leases``."""
-    for cmd_type, executor in EXECUTORS.items():
-        writer.register(cmd_type, executor)
-    writer.lock_fence = check_lock_fence
-    writer.extend_other_leases = extend_leases
+    """Hand the engine store's hooks to ``writer``."""
+    writer.attach_engine(WriterHooks())
 
 
 # -- reads (reader threads, read-only connections) -------------------------------------------

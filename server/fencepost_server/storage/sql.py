@@ -258,7 +258,7 @@ class SqlStorage:
             row = state.runs.get(run_id)
             if row is not None and row.revision == rec.revision:
                 # the same write, its row carrying a lease expiry renewed from
-                # memory and flushed since (writer.py)
+                # memory and flushed since (writer/renewals.py)
                 replay[run_id] = rec = row
             state.runs[run_id] = rec
         saved = self._saved_groups(db, read, replay)

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 
 from sortedcontainers import SortedList
 
-from .core.records import Record, Status
+from ..core.records import Record, Status
 
 
 def _owner(rec: Record) -> str | None:
