@@ -130,7 +130,8 @@ def test_raw_compare_and_set_is_durable_before_its_answer(tmp_path: Path) -> Non
             nxt.CopyFrom(cur)
             nxt.version = cur.version + 1
             nxt.revision = 0
-            nxt.lease.expires_at.FromMilliseconds(now + 2_000 + i)
+            # far past start + ttl, so the restart rule leaves the stored expiry as it is
+            nxt.lease.expires_at.FromMilliseconds(now + 600_000 + i)
             res = store.CompareAndSet(spb.CompareAndSetRequest(
                 run_id="oma", expected_version=cur.version, next=nxt), timeout=5)
             assert res.swapped
@@ -139,5 +140,5 @@ def test_raw_compare_and_set_is_durable_before_its_answer(tmp_path: Path) -> Non
         srv.restart()
         got = store.Get(spb.GetRequest(run_id="oma"), timeout=5)
         assert got.found and got.run == cur, "an acknowledged compare-and-set was lost"
-        assert cur.version == 31 and ts_ms(cur.lease.expires_at) == now + 2_029
+        assert cur.version == 31 and ts_ms(cur.lease.expires_at) == now + 600_029
         assert srv.stop() == 0
