@@ -34,17 +34,17 @@ from .auth import (
 from .clock import Clock, OffsetClock, SystemClock
 from .core import ledger as L
 from .core.errors import Code, LedgerError
+from .hub import ClientLimits, FenceHub
 from .metrics import Metrics
 from .retention import Retention, parse_duration_ms
-from .services._registry import add_service
-from .services.engine_store import EngineStoreService, start_engine_store, sweep_uploads
-from .services.ledger import LedgerService
-from .services.run_store import RunStoreService
+from .rpc.engine_store import EngineStoreService, start_engine_store, sweep_uploads
+from .rpc.ledger import LedgerService
+from .rpc.registry import add_service
+from .rpc.run_store import RunStoreService
 from .storage import engine_sql, is_url
 from .storage.engine_sql import EngineReader
 from .storage.sql import HistoryReader, SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
-from .streams import ClientLimits, FenceHub
 from .testing import hooks
 from .web import Dashboard
 from .writer import Reads, Writer
@@ -132,7 +132,7 @@ class Settings:
     health_listen: str = ""  # also serve only gRPC health here, plaintext (probes under TLS)
     max_tracked_per_stream: int = 100_000  # leases one KeepAlive stream may track
     max_inflight_per_stream: int = 4096  # unanswered commands per Execute stream
-    # What one client's streams may hold (streams.ClientLimits): items queued
+    # What one client's streams may hold (hub.ClientLimits): items queued
     # for a reader (stream_queue_limit per stream) and leases tracked.
     max_queued_per_connection: int = 131_072
     max_queued_per_principal: int = 262_144
@@ -412,7 +412,7 @@ class App:
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
         self._history = HistoryReader(storage.reader)
         options = [
-            # Our own limit (services/_registry.py) answers an oversized message
+            # Our own limit (rpc/registry.py) answers an oversized message
             # with RUN_VALIDATION_ERROR and keeps the stream; gRPC's, above it,
             # only cuts what is far too big to buffer.
             ("grpc.max_receive_message_length", transport_receive_limit(s.max_message_bytes)),
@@ -598,7 +598,7 @@ class App:
 
     def _test_hooks(self, guarded: dict[str, Any]) -> None:
         """TEST-ONLY: register TestHooks and switch on a broken build (torture/)."""
-        from .services.testing import TestHooksService
+        from .rpc.test_hooks import TestHooksService
 
         s = self.settings
         if not s.test_hooks:

@@ -15,7 +15,7 @@ which lease owners a caller may use (docs/SECURITY.md).
   every request message, so the unary calls, Execute's commands and the
   engine store share one check; KeepAlive checks its ``hello``.
 
-``guard`` wraps every servicer method at registration (services/_registry.py):
+``guard`` wraps every servicer method at registration (rpc/registry.py):
 it authenticates, checks the role and the request's owners, and makes the
 principal visible to the handler and the tasks it starts (``current()``).
 Health and reflection are registered elsewhere and stay open.

@@ -36,7 +36,7 @@ from fencepost.v1 import ledger_pb2
 from .clock import Clock
 from .core import ledger as L
 from .core.records import Record
-from .streams import FenceHub
+from .hub import FenceHub
 from .writer import ChangeEvent, Writer
 
 disable_created_metrics()  # no *_created series: nothing here needs them

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 import fencepost.v1
 from fencepost_server.core.errors import Code
-from fencepost_server.services._errors import GRPC_CODE
+from fencepost_server.rpc.status import GRPC_CODE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "system"))
 from _history import load

@@ -31,7 +31,7 @@ from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import record_pb2 as rpb
 from fencepost.v1 import run_store_pb2 as spb
 from fencepost_server.core.errors import Code
-from fencepost_server.services._errors import GRPC_CODE
+from fencepost_server.rpc.status import GRPC_CODE
 from fencepost_server.testing.clock import ManualClock
 from fencepost_server.testing.server import ServerThread
 

@@ -20,7 +20,7 @@ from fencepost._errors import from_rpc_error, from_status
 from fencepost.v1 import ledger_pb2, record_pb2, run_store_pb2
 from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.records import Record, Status
-from fencepost_server.services._errors import status_proto, to_status
+from fencepost_server.rpc.status import status_proto, to_status
 from fencepost_server.testing.clock import ManualClock
 from fencepost_server.testing.server import ServerThread
 

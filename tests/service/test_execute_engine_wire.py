@@ -18,8 +18,8 @@ from google.rpc import error_details_pb2, status_pb2
 from fencepost.v1 import engine_store_pb2 as epb
 from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2_grpc
 from fencepost.v1 import ledger_pb2 as pb
-from fencepost_server.services.engine_store import MUTATIONS
-from fencepost_server.services.execute import KINDS
+from fencepost_server.rpc.engine_store import MUTATIONS
+from fencepost_server.rpc.execute import KINDS
 
 LEDGER_KINDS = {
     "acquire",

@@ -16,7 +16,7 @@ from grpc_status import rpc_status
 from fencepost.v1 import record_pb2
 from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.records import Record, Status
-from fencepost_server.services._errors import GRPC_CODE, to_status
+from fencepost_server.rpc.status import GRPC_CODE, to_status
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = REPO / "server" / "fencepost_server"

@@ -37,7 +37,7 @@ SDK_BACK_ARROWS = {
 SQL_OUTSIDE_STORAGE = {
     "fencepost_server.app",  # psycopg's error type at migration
     "fencepost_server.leadership",  # its own PostgreSQL connection
-    "fencepost_server.services._errors",  # a read the database could not answer
+    "fencepost_server.rpc.status",  # a read the database could not answer
 }
 
 

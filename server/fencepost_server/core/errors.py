@@ -1,4 +1,4 @@
-"""Domain errors (docs/SPEC.md §8). Pure: the gRPC mapping lives in services/_errors.py."""
+"""Domain errors (docs/SPEC.md §8). Pure: the gRPC mapping lives in rpc/status.py."""
 
 from __future__ import annotations
 

@@ -21,9 +21,9 @@ from typing import Protocol
 from fencepost.v1 import ledger_pb2 as pb
 
 from .clock import Clock
-from .convert import _ts, record_to_pb
 from .core import ledger as L
 from .core.records import Record, Status, is_terminal, out_of_range
+from .rpc.convert import _ts, record_to_pb
 from .storage.sqlite import KIND_DELETE
 from .writer import ChangeEvent, Reads, Writer
 
@@ -46,7 +46,7 @@ class ClientLimits:
 
 class Drains(Protocol):
     """An open stream the server ends at shutdown: a KeepAlive session or a
-    watch at once, an Execute stream (services/execute.py) once it has
+    watch at once, an Execute stream (rpc/execute.py) once it has
     answered what it took."""
 
     def drain(self) -> None: ...
@@ -272,7 +272,7 @@ class FenceHub:
         # KeepAliveHello.stream_name -> the open session it names
         self.named: dict[str, Session] = {}
         self.watchers: set[Watch] = set()
-        # open Execute streams (services/execute.py), drained at shutdown
+        # open Execute streams (rpc/execute.py), drained at shutdown
         self.executes: set[Drains] = set()
         # set by shutdown(): a stream opened after it ends at once too
         self.shut = False

@@ -8,7 +8,7 @@ the answer to protobuf. The rules live in ``core.engine``, the SQL in
 
 Every unary mutation is two synchronous functions, request -> writer command
 and writer result -> response, listed in ``MUTATIONS``: the unary handlers
-and ``Ledger.Execute`` (``services/execute.py``) both use them, so the stream
+and ``Ledger.Execute`` (``rpc/execute.py``) both use them, so the stream
 validates, refuses and answers exactly as the unary call does.
 
 Lists are server-streamed in pages built in the reader threads. PutArtifact
@@ -33,15 +33,15 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from fencepost.v1 import engine_store_pb2 as pb
 from fencepost.v1 import engine_store_pb2_grpc
 
-from ..convert import fence_from_pb
 from ..core import engine as E
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
 from ..storage import engine_sql as Q
 from ..storage.engine_sql import EngineReader
 from ..writer import Writer
-from ._decode import Malformed
-from ._errors import handler
+from .convert import fence_from_pb
+from .decode import Malformed
+from .status import handler
 
 log = logging.getLogger("fencepost.engine_store")
 

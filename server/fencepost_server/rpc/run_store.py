@@ -7,11 +7,12 @@ import grpc
 from fencepost.v1 import run_store_pb2 as pb
 from fencepost.v1 import run_store_pb2_grpc
 
-from .. import auth, convert
+from .. import auth
 from ..core import ledger as L
 from ..core import validate
 from ..writer import Reads, Writer
-from ._errors import handler
+from . import convert
+from .status import handler
 
 
 class RunStoreService(run_store_pb2_grpc.RunStoreServicer):

@@ -1,4 +1,4 @@
-"""The request decoder every servicer is registered with (``_registry``); it
+"""The request decoder every servicer is registered with (``registry``); it
 never raises: undecodable bytes (bad UTF-8, truncated fields) reach the handler
 as ``Malformed`` and are answered RUN_VALIDATION_ERROR, instead of gRPC's
 generic UNKNOWN with a parser traceback.

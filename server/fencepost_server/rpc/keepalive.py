@@ -25,9 +25,9 @@ from ..core import ledger as L
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
 from ..core.records import MAX_SAFE, out_of_range
+from ..hub import Buffered, FenceHub, Session, Stop, Watch, lost_reason, watch_message
 from ..storage.sqlite import HistoryReader
-from ..streams import Buffered, FenceHub, Session, Stop, Watch, lost_reason, watch_message
-from ._decode import Malformed
+from .decode import Malformed
 
 log = logging.getLogger("fencepost.streams")
 

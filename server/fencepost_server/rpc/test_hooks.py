@@ -14,7 +14,7 @@ from fencepost.v1 import testing_pb2 as pb
 from fencepost.v1 import testing_pb2_grpc
 
 from ..core.errors import validation
-from ._errors import handler
+from .status import handler
 
 MAX_JUMP_MS = 24 * 60 * 60 * 1000
 

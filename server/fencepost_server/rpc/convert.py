@@ -11,12 +11,12 @@ from fencepost.v1 import ledger_pb2 as lpb
 from fencepost.v1 import record_pb2 as rpb
 from fencepost.v1 import run_store_pb2 as spb
 
-from .core import fence as F
-from .core import ledger as L
-from .core import validate
-from .core.errors import unrepresentable, validation
-from .core.ledger import DEFAULT_TTL_MS
-from .core.records import (
+from ..core import fence as F
+from ..core import ledger as L
+from ..core import validate
+from ..core.errors import unrepresentable, validation
+from ..core.ledger import DEFAULT_TTL_MS
+from ..core.records import (
     MAX_SAFE,
     CheckpointRef,
     Lease,

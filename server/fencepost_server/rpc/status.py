@@ -14,10 +14,10 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from ..convert import record_to_pb
 from ..core.errors import Code, LedgerError, validation
 from ..core.records import out_of_range
-from ._decode import Malformed
+from .convert import record_to_pb
+from .decode import Malformed
 
 DOMAIN = "fencepost"
 log = logging.getLogger("fencepost.services")

@@ -26,15 +26,16 @@ import grpc
 
 from fencepost.v1 import ledger_pb2 as pb
 
-from .. import auth, convert
+from .. import auth
 from ..core import ledger as L
 from ..core import validate
 from ..core.errors import LedgerError, in_transaction, validation
-from ..streams import Buffered, Stop
-from ._decode import Malformed
-from ._errors import internal_status_proto, status_proto
+from ..hub import Buffered, Stop
+from . import convert
+from .decode import Malformed
 from .engine_store import MUTATIONS
-from .streams import _run_until_stopped, _stop_error, enter, headers_first
+from .keepalive import _run_until_stopped, _stop_error, enter, headers_first
+from .status import internal_status_proto, status_proto
 
 log = logging.getLogger("fencepost.execute")
 

@@ -13,17 +13,17 @@ import grpc
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
 
-from .. import convert
 from ..core import validate
 from ..core.errors import Code, LedgerError, unrepresentable, validation
 from ..core.ledger import Deleted
 from ..core.records import Record, Status, out_of_range
+from ..hub import FenceHub
 from ..storage.sqlite import HistoryReader
-from ..streams import FenceHub
 from ..writer import Reads, Writer
-from ._errors import handler
+from . import convert
 from .execute import ExecuteHandler, fill_transaction, transaction_cmd
-from .streams import StreamHandlers
+from .keepalive import StreamHandlers
+from .status import handler
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000

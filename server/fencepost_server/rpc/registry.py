@@ -1,5 +1,5 @@
 """Register servicers from their proto descriptors, each method decoded by
-``_decode.decoder`` (undecodable bytes reach the handler as ``Malformed``),
+``decode.decoder`` (undecodable bytes reach the handler as ``Malformed``),
 guarded by ``auth.guard`` when identities are on (identity, role, owners),
 gated and instrumented."""
 
@@ -15,8 +15,8 @@ from google.protobuf.descriptor import ServiceDescriptor
 
 from ..auth import Authenticator, guard
 from ..core.errors import LedgerError
-from ._decode import decoder
-from ._errors import to_status
+from .decode import decoder
+from .status import to_status
 
 Instrument = Callable[[str, str, Callable[..., Any]], Callable[..., Any]]
 
