@@ -38,6 +38,7 @@ from .hub import ClientLimits, FenceHub
 from .metrics import Metrics
 from .retention import Retention, parse_duration_ms
 from .rpc.engine_store import EngineStoreService, start_engine_store, sweep_uploads
+from .rpc.interceptors import instrumented
 from .rpc.ledger import LedgerService
 from .rpc.registry import add_service
 from .rpc.run_store import RunStoreService
@@ -408,7 +409,7 @@ class App:
         self.hub.start()
         self.metrics = Metrics(self.writer, self.hub, self.clock, version())
         self.metrics.leadership = self._leader_gauge
-        instrument = self.metrics.instrument
+        instrument = instrumented(self.metrics)
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
         self._history = HistoryReader(storage.reader)
         options = [

@@ -15,7 +15,7 @@ which lease owners a caller may use (docs/SECURITY.md).
   every request message, so the unary calls, Execute's commands and the
   engine store share one check; KeepAlive checks its ``hello``.
 
-``guard`` wraps every servicer method at registration (rpc/registry.py):
+``Guard`` checks every servicer method first (rpc/interceptors.py):
 it authenticates, checks the role and the request's owners, and makes the
 principal visible to the handler and the tasks it starts (``current()``).
 Health and reflection are registered elsewhere and stay open.
@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import contextvars
 import fnmatch
-import functools
 import hashlib
 import logging
 import os
 import tomllib
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -401,32 +400,26 @@ def certificate_fields(peercert: Mapping[str, Any] | None) -> dict[str, list[byt
     return out
 
 
-Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
+class Guard:
+    """What every servicer method checks first (rpc/interceptors.py wraps each
+    in one): authenticate, check its role and (unary requests) its owners,
+    then make the principal ``current()`` for the call."""
 
-def guard(authn: Authenticator, method: str, fn: Handler, *, unary_request: bool,
-          refuse: Callable[[LedgerError], grpc.Status]) -> Handler:
-    """Wrap a servicer method: authenticate, check its role and (unary
-    requests) its owners, then run it with the principal as ``current()``;
-    a refusal is answered with ``refuse(error)`` (the gRPC status)."""
-    allowed = RPC_ROLES.get(method, _ADMIN_ONLY)
-    what = method.rsplit("/", 1)[-1]
+    def __init__(self, authn: Authenticator, method: str, *, unary_request: bool) -> None:
+        self.authn = authn
+        self.allowed = RPC_ROLES.get(method, _ADMIN_ONLY)
+        self.what = method.rsplit("/", 1)[-1]
+        self.unary_request = unary_request
 
-    @functools.wraps(fn)
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            principal = authn.authenticate(context)
-            check_role(principal, allowed, what)
-            if unary_request:
-                check_owners(principal, request)
-        except LedgerError as err:
-            await context.abort_with_status(refuse(err))  # type: ignore[attr-defined]
-            return None
+    def admit(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Raises the refusal (a LedgerError); sets the caller's principal otherwise."""
+        principal = self.authn.authenticate(context)
+        check_role(principal, self.allowed, self.what)
+        if self.unary_request:
+            check_owners(principal, request)
         _current.set(principal)
         REQUEST_SCOPE.set(principal.name)
-        return await fn(request, context)
-
-    return wrapper
 
 
 # -- TLS -----------------------------------------------------------------------------

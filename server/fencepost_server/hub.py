@@ -1,5 +1,10 @@
 """KeepAlive sessions and WatchRuns subscriptions over the writer's change feed.
 
+The hub knows no protobuf: it tells each KeepAlive session what happened to
+the leases it tracks (``renewed``, ``lost`` with a reason, ``expiring``) and
+offers each watch the changes (``Watch.offer``); rpc/keepalive.py and
+rpc/watch.py turn those into messages.
+
 Streams never touch the write path's database connection and never make the
 writer wait: the writer calls ``FenceHub.on_changes`` after each commit, which
 only looks up in-memory maps and puts messages on per-stream bounded queues.
@@ -11,20 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import heapq
 import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
-
-from fencepost.v1 import ledger_pb2 as pb
 
 from .clock import Clock
 from .core import ledger as L
-from .core.records import Record, Status, is_terminal, out_of_range
-from .rpc.convert import _ts, record_to_pb
-from .storage.sqlite import KIND_DELETE
+from .core.fence import fences
+from .core.records import Record, Status, is_terminal
 from .writer import ChangeEvent, Reads, Writer
 
 log = logging.getLogger("fencepost.streams")
@@ -44,46 +46,36 @@ class ClientLimits:
     max_tracked_per_principal: int = 1_000_000
 
 
-class Drains(Protocol):
-    """An open stream the server ends at shutdown: a KeepAlive session or a
-    watch at once, an Execute stream (rpc/execute.py) once it has
-    answered what it took."""
+class LostReason(enum.IntEnum):
+    """Why a tracked lease's fence is gone (ledger.proto's LostReason)."""
 
-    def drain(self) -> None: ...
+    TAKEN_OVER = 1
+    CANCELLED = 2
+    DELETED = 3
+    FENCE_MOVED = 4
+    FINISHED = 5
 
 
-def lost_reason(record: Record | None, token: int, cause: type | None = None) -> int:
+def lost_reason(record: Record | None, token: int, cause: type | None = None) -> LostReason:
     """Why the fence of a tracked (run, token) is gone, given the record now."""
     if record is None or cause in (L.DeleteRun, L.RawDelete, L.Retire):
-        return pb.LOST_REASON_DELETED
+        return LostReason.DELETED
     if cause is L.Cancel:
-        return pb.LOST_REASON_CANCELLED
+        return LostReason.CANCELLED
     if cause is L.Acquire:
-        return pb.LOST_REASON_TAKEN_OVER
+        return LostReason.TAKEN_OVER
     if cause is L.Finish:
-        return pb.LOST_REASON_FINISHED
+        return LostReason.FINISHED
     if cause in (L.RawCompareAndSet, L.RawCreate, L.Release, L.Suspend, L.RequestResume):
-        return pb.LOST_REASON_FENCE_MOVED
+        return LostReason.FENCE_MOVED
     # learned late (track after the fact): derive from the record
     if record.status is Status.CANCELLED and record.fencing_token > token:
-        return pb.LOST_REASON_CANCELLED
+        return LostReason.CANCELLED
     if is_terminal(record.status):
-        return pb.LOST_REASON_FINISHED
+        return LostReason.FINISHED
     if record.fencing_token != token and record.lease is not None:
-        return pb.LOST_REASON_TAKEN_OVER
-    return pb.LOST_REASON_FENCE_MOVED
-
-
-def holds(record: Record | None, token: int, owner: str | None = None) -> bool:
-    """Whether (token[, owner]) is still the fence of the record: exactly the
-    ledger's fence check (docs/SPEC.md §5.2: same token, a lease with that owner), so
-    the stream never calls lost a handle whose fenced writes would pass."""
-    return (
-        record is not None
-        and record.fencing_token == token
-        and record.lease is not None
-        and (owner is None or record.lease.owner == owner)
-    )
+        return LostReason.TAKEN_OVER
+    return LostReason.FENCE_MOVED
 
 
 # How a session tracks one run: (token, the lease owner at that token, the
@@ -186,17 +178,22 @@ class Buffered:
     def clear(self) -> None:
         """Empty the stream's queue (each kind of stream its own)."""
 
+    def drain(self) -> None:
+        """The server is stopping: end the stream (a KeepAlive session or a
+        watch at once, an Execute stream once it has answered what it took)."""
+        raise NotImplementedError
+
 
 _session_keys = itertools.count(1)
 
 
 @dataclass(eq=False)
 class Session(Buffered):
-    """One KeepAlive stream."""
+    """One KeepAlive stream, as the hub sees it: the leases it tracks, and
+    the events it is told about them (rpc/keepalive.py says how each is sent)."""
 
     owner: str
     limit: int = SESSION_QUEUE_LIMIT
-    outbox: asyncio.Queue[pb.KeepAliveResponse] = field(default_factory=asyncio.Queue)
     tracked: dict[str, Tracked] = field(default_factory=dict)
     stop: Stop = field(default_factory=Stop)
     # runs not yet tracked whose renewal is with the writer (count toward the limit)
@@ -209,13 +206,20 @@ class Session(Buffered):
     def drain(self) -> None:
         self.stop.set(Stop.SHUTDOWN)
 
-    def send(self, msg: pb.KeepAliveResponse) -> None:
-        if self.charge(1):
-            self.outbox.put_nowait(msg)
+    # -- the events, each sent to the client as the transport says ----------------
 
-    def clear(self) -> None:
-        while not self.outbox.empty():
-            self.outbox.get_nowait()
+    def renewed(self, run_id: str, token: int, expires_at: int, ttl_remaining_ms: int) -> None:
+        """The session's renewal of (run, token) committed; the lease now
+        expires at ``expires_at``."""
+        raise NotImplementedError
+
+    def lost(self, run_id: str, token: int, reason: LostReason, record: Record | None) -> None:
+        """The fence of tracked (run, token) is gone; the run is no longer tracked."""
+        raise NotImplementedError
+
+    def expiring(self, run_id: str, token: int, expires_at: int) -> None:
+        """Tracked (run, token) passed its expiry unrenewed (still tracked)."""
+        raise NotImplementedError
 
     def count_tracked(self, n: int) -> None:
         """``n`` more (or fewer) runs tracked or being renewed, for the budgets."""
@@ -272,13 +276,13 @@ class FenceHub:
         # KeepAliveHello.stream_name -> the open session it names
         self.named: dict[str, Session] = {}
         self.watchers: set[Watch] = set()
-        # open Execute streams (rpc/execute.py), drained at shutdown
-        self.executes: set[Drains] = set()
+        # every open stream (KeepAlive, WatchRuns, Execute), drained at shutdown
+        self.streams: set[Buffered] = set()
         # set by shutdown(): a stream opened after it ends at once too
         self.shut = False
         self._cold_reads: set[asyncio.Task[None]] = set()
-        # `lost` pushes sent, by LostReason number (metrics.py)
-        self.lost_pushed: collections.Counter[int] = collections.Counter()
+        # `lost` pushes sent, by reason (metrics.py)
+        self.lost_pushed: collections.Counter[LostReason] = collections.Counter()
 
     def start(self) -> None:
         self._unsubscribe = self.writer.subscribe(self.on_changes)
@@ -288,11 +292,10 @@ class FenceHub:
     def shutdown(self) -> None:
         """End every stream with UNAVAILABLE (clients reconnect elsewhere/later)."""
         self.shut = True
-        streams: list[Drains] = [*self.sessions, *self.watchers, *self.executes]
-        for stream in streams:
+        for stream in list(self.streams):
             stream.drain()
 
-    def opened(self, stream: Drains) -> None:
+    def opened(self, stream: Buffered) -> None:
         """A stream just registered: one the server took as it began to stop
         (after shutdown() ended the open ones) ends at once too."""
         if self.shut:
@@ -318,10 +321,12 @@ class FenceHub:
             budgets.append(b)
         stream.budgets = tuple(budgets)
         stream.hits = self.limit_hits
+        self.streams.add(stream)
 
     def leave(self, stream: Buffered) -> None:
         """The stream ended: let go of what it queued and tracked; a budget
         left without streams goes (its client's memory with it)."""
+        self.streams.discard(stream)
         stream.release()
         if isinstance(stream, Session):
             stream.count_tracked(-len(stream.renewing) - len(stream.tracked))
@@ -357,7 +362,7 @@ class FenceHub:
         """Track (run, token) for the session, or push `lost` at once when the
         fence already moved."""
         rec = self.writer.state.runs.get(run_id)
-        if not holds(rec, token):
+        if not fences(rec, token):
             self.untrack(session, run_id)
             if rec is None and self.reads.is_cold(run_id):
                 # a finished run memory no longer holds: say why once it is read
@@ -378,7 +383,7 @@ class FenceHub:
         except Exception:  # the read failed: the fence is gone all the same
             log.exception("could not read run %r", run_id)
             rec = None
-        if holds(rec, token):  # changed back meanwhile (cannot hold a token it had lost)
+        if fences(rec, token):  # changed back meanwhile (cannot hold a token it had lost)
             self.track(session, run_id, token)
             return
         self.push_lost(session, run_id, token, lost_reason(rec, token), rec)
@@ -443,25 +448,21 @@ class FenceHub:
             self.untrack(session, run_id)
 
     def renewed(self, session: Session, run_id: str, token: int) -> None:
-        """After a stream renewal committed: answer `renewed` and keep tracking,
-        unless a later commit already moved the fence (then `lost`)."""
+        """A stream renewal's answer: tell the session `renewed`, unless a later
+        commit already moved the fence (then `lost`). A lease the session did
+        not track yet is tracked from here; a tracked lease's new expiry comes
+        the one way every renewal's does: the writer's publication
+        (``on_changes`` after a commit, ``on_renewed`` from memory)."""
         rec = self.writer.state.runs.get(run_id)
-        if not holds(rec, token, session.owner):
+        if not fences(rec, token, session.owner):
             self.track(session, run_id, token)  # pushes lost
             return
         assert rec is not None and rec.lease is not None
-        self._arm(session, run_id, token, session.owner, rec.lease.expires_at)
-        now = self.clock.now_ms()
-        session.send(
-            pb.KeepAliveResponse(
-                renewed=pb.KeepAliveRenewed(
-                    run_id=run_id,
-                    fencing_token=token,
-                    expires_at=_ts(rec.lease.expires_at),
-                    ttl_remaining_ms=max(0, rec.lease.expires_at - now),
-                )
-            )
-        )
+        entry = session.tracked.get(run_id)
+        if entry is None or entry[0] != token or entry[1] != session.owner:
+            self._arm(session, run_id, token, session.owner, rec.lease.expires_at)
+        expires_at = rec.lease.expires_at
+        session.renewed(run_id, token, expires_at, max(0, expires_at - self.clock.now_ms()))
 
     # -- the change feed --------------------------------------------------------------
 
@@ -482,14 +483,14 @@ class FenceHub:
             return
         for session in list(sessions) if isinstance(sessions, set) else (sessions,):
             token, owner, expires_at, _, _ = session.tracked[run_id]
-            if rec.lease.expires_at != expires_at and holds(rec, token, owner):
+            if rec.lease.expires_at != expires_at and fences(rec, token, owner):
                 self._arm(session, run_id, token, owner, rec.lease.expires_at)
 
     def _fence_event(self, ev: ChangeEvent, sessions: Session | set[Session]) -> None:
         rec = ev.record
         for session in list(sessions) if isinstance(sessions, set) else (sessions,):
             token, owner, expires_at, _, _ = session.tracked[ev.run_id]
-            if holds(rec, token, owner):
+            if fences(rec, token, owner):
                 assert rec is not None and rec.lease is not None
                 if rec.lease.expires_at != expires_at:
                     self._arm(session, ev.run_id, token, owner, rec.lease.expires_at)
@@ -508,10 +509,10 @@ class FenceHub:
             self.push_lost(session, ev.run_id, token, lost_reason(rec, token, ev.cause), rec)
 
     def push_lost(
-        self, session: Session, run_id: str, token: int, reason: int, rec: Record | None
+        self, session: Session, run_id: str, token: int, reason: LostReason, rec: Record | None
     ) -> None:
         self.lost_pushed[reason] += 1
-        session.send(lost_message(run_id, token, reason, rec))
+        session.lost(run_id, token, reason, rec)
 
     # -- expiry -------------------------------------------------------------------------
 
@@ -536,7 +537,7 @@ class FenceHub:
             if scheduled != deadline:
                 continue  # stale: re-armed for an earlier deadline
             rec = self.writer.state.runs.get(run_id)
-            if holds(rec, token, owner) and rec.lease.expires_at > expires_at:  # type: ignore[union-attr]
+            if fences(rec, token, owner) and rec.lease.expires_at > expires_at:  # type: ignore[union-attr]
                 expires_at = rec.lease.expires_at  # type: ignore[union-attr]  # renewed from memory
             if expires_at > now:  # renewed since: due again at the new expiry
                 heapq.heappush(dl, (expires_at, next(self._seq), run_id, key))
@@ -545,20 +546,7 @@ class FenceHub:
             session.tracked[run_id] = (token, owner, expires_at, True, 0)
             if sent:
                 continue
-            session.send(
-                pb.KeepAliveResponse(
-                    expiring=pb.KeepAliveExpiring(
-                        run_id=run_id, fencing_token=token, expires_at=_ts(expires_at)
-                    )
-                )
-            )
-
-
-def lost_message(run_id: str, token: int, reason: int, rec: Record | None) -> pb.KeepAliveResponse:
-    lost = pb.KeepAliveLost(run_id=run_id, fencing_token=token, reason=reason)  # type: ignore[arg-type]
-    if rec is not None and out_of_range(rec) is None:  # past the bound: never served
-        lost.record.CopyFrom(record_to_pb(rec))
-    return pb.KeepAliveResponse(lost=lost)
+            session.expiring(run_id, token, expires_at)
 
 
 # -- WatchRuns ------------------------------------------------------------------------------
@@ -591,15 +579,3 @@ class Watch(Buffered):
         while not self.queue.empty():
             self.queue.get_nowait()
 
-
-def watch_message(
-    revision: int, kind: int, run_id: str, rec: Record | None
-) -> pb.WatchRunsResponse:
-    msg = pb.WatchRunsResponse(
-        revision=revision,
-        kind=pb.CHANGE_KIND_DELETE if kind == KIND_DELETE else pb.CHANGE_KIND_PUT,
-        run_id=run_id,
-    )
-    if rec is not None:
-        msg.record.CopyFrom(record_to_pb(rec))
-    return msg

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import platform
-import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
-import grpc
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -31,12 +28,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fencepost.v1 import ledger_pb2
-
 from .clock import Clock
 from .core import ledger as L
 from .core.records import Record
-from .hub import FenceHub
+from .hub import FenceHub, LostReason
 from .writer import ChangeEvent, Writer
 
 disable_created_metrics()  # no *_created series: nothing here needs them
@@ -62,22 +57,6 @@ LEASE_SCAN_CHUNK = 4096
 # scrape of 200,000 leases; a real pause lets the loop block in epoll, and the
 # writer runs.
 LEASE_SCAN_PAUSE_S = 0.001
-
-
-def _reason_name(number: int) -> str:
-    name = ledger_pb2.LostReason.Name(number)  # type: ignore[arg-type]
-    return name.removeprefix("LOST_REASON_").lower()
-
-
-def code_name(code: Any) -> str:
-    """A status as its name (OK, NOT_FOUND...), from grpc.StatusCode or an int."""
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int):
-        for c in grpc.StatusCode:
-            if c.value[0] == code:
-                return c.name
-    return "UNKNOWN"
 
 
 class Metrics:
@@ -244,44 +223,6 @@ class Metrics:
             still[run_id] = key
         self._expired = still
 
-    # -- gRPC -----------------------------------------------------------------------
-
-    def instrument(self, service: str, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (a servicer coroutine) timed into fencepost_rpc_duration_seconds,
-        and counted in fencepost_open_streams while open when it is a stream."""
-        short = service.rsplit(".", 1)[-1]
-        kind = STREAM_KINDS.get(method)
-        gauge = self.open_streams.labels(kind) if kind else None
-        hist = self.rpc_seconds
-
-        async def call(request: Any, context: Any) -> Any:
-            started = time.perf_counter()
-            code = "OK"
-            if gauge is not None:
-                gauge.inc()
-            try:
-                return await fn(request, context)
-            except BaseException as exc:
-                code = _failed_code(exc, context)
-                raise
-            finally:
-                if gauge is not None:
-                    gauge.dec()
-                if code == "OK":
-                    set_code = context.code()
-                    if set_code not in (None, 0, grpc.StatusCode.OK):
-                        code = code_name(set_code)
-                hist.labels(short, method, code).observe(time.perf_counter() - started)
-
-        return call
-
-
-def _failed_code(exc: BaseException, context: Any) -> str:
-    if isinstance(exc, asyncio.CancelledError):
-        return "CANCELLED"
-    set_code = context.code()
-    return code_name(set_code) if set_code is not None else "UNKNOWN"
-
 
 class _StateCollector(Collector):
     """Values read from the writer and the hub when scraped."""
@@ -349,9 +290,8 @@ class _StateCollector(Collector):
             "lost pushed to KeepAlive streams, by reason", labels=["reason"],
         )
         pushed = self.m.hub.lost_pushed
-        for number in ledger_pb2.LostReason.values():
-            if number:
-                lost.add_metric([_reason_name(number)], pushed.get(number, 0))
+        for reason in LostReason:
+            lost.add_metric([reason.name.lower()], pushed.get(reason, 0))
         yield lost
         hub = self.m.hub
         queued, tracked = hub.totals()

@@ -180,7 +180,9 @@ async def test_a_stop_answers_the_commands_taken_and_looks_at_no_new_one(
     try:
         await call.write(_acquires(*range(1, 11)))
         assert server.app is not None and server.app.hub is not None
-        (session,) = server.app.hub.executes
+        from fencepost_server.rpc.execute import ExecuteSession
+
+        (session,) = [s for s in server.app.hub.streams if isinstance(s, ExecuteSession)]
         for _ in range(500):
             if session.unanswered == 10:
                 break

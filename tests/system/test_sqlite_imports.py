@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psycopg
 
-from fencepost_server.rpc.status import read_errors
+from fencepost_server.storage.sql import read_errors
 
 SCRIPT = """
 import asyncio, sys, urllib.request

@@ -1,7 +1,7 @@
 """The floors of the server package and the SDK, read from their source with
 ``ast``: no import circle, a core that imports only the standard library,
-SQL drivers only in ``storage/``, and no product module that imports the
-checkout's dev tools.
+SQL drivers only in ``storage/``, protobuf messages only in ``rpc/``, and no
+product module that imports the checkout's dev tools.
 
 How imports are counted: every ``import`` and ``from ... import`` statement
 anywhere in a module (at the top, inside functions and classes, under ``if
@@ -37,8 +37,12 @@ SDK_BACK_ARROWS = {
 SQL_OUTSIDE_STORAGE = {
     "fencepost_server.app",  # psycopg's error type at migration
     "fencepost_server.leadership",  # its own PostgreSQL connection
-    "fencepost_server.rpc.status",  # a read the database could not answer
 }
+# Server modules outside rpc/ that may import the generated messages: the
+# composition root registers the services by their descriptors, and the
+# package's version line names the API it serves.
+PROTO_OUTSIDE_RPC = {"fencepost_server.app", "fencepost_server"}
+PROTO = "fencepost.v1"
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,18 @@ def test_only_storage_imports_a_sql_driver() -> None:
     outside = {m for m in users if not m.startswith("fencepost_server.storage")}
     assert outside <= SQL_OUTSIDE_STORAGE, sorted(outside - SQL_OUTSIDE_STORAGE)
     assert outside == SQL_OUTSIDE_STORAGE, "moved into storage/: drop it from the list"
+
+
+def proto_users(root: Path) -> set[str]:
+    """The modules of the package at ``root`` that import fencepost.v1."""
+    mods = modules(root)
+    return {name for name, path in mods.items() for i in imports_of(name, path, mods)
+            if i.target == PROTO or i.target.startswith(PROTO + ".")}
+
+
+def test_only_rpc_imports_the_protobuf_messages() -> None:
+    outside = {m for m in proto_users(SERVER) if not m.startswith("fencepost_server.rpc")}
+    assert outside <= PROTO_OUTSIDE_RPC, sorted(outside - PROTO_OUTSIDE_RPC)
 
 
 def test_no_product_module_imports_the_dev_tools() -> None:

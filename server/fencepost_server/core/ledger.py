@@ -21,7 +21,7 @@ from .errors import (
     unrepresentable,
     validation,
 )
-from .fence import Fence
+from .fence import Fence, fences_writes
 from .records import (
     MAX_INT64,
     MAX_SAFE,
@@ -390,7 +390,11 @@ def _check_transition(cur: Record, dst: Status) -> None:
 
 
 def _fence(cmd: HandleCommand, cur: Record | None) -> Record:
-    """docs/SPEC.md §5.2 fence check: exists, same token, same lease owner."""
+    """docs/SPEC.md §5.2 fence check: exists, same token, same lease owner;
+    past ``fences``, the first that fails says why."""
+    if fences_writes(cur, cmd.fencing_token, cmd.owner):
+        assert cur is not None
+        return cur
     if cur is None:
         raise LedgerError(Code.RUN_LEASE_LOST, f"run {cmd.run_id!r} no longer exists")
     if cur.fencing_token != cmd.fencing_token:
@@ -408,8 +412,7 @@ def _fence(cmd: HandleCommand, cur: Record | None) -> Record:
         )
     if cur.status is not Status.RUNNING:
         _check_transition(cur, Status.RUNNING)  # raises: terminal or not running
-        raise LedgerError(Code.RUN_INVALID_TRANSITION, f"run {cmd.run_id!r} is not running", cur)
-    return cur
+    raise LedgerError(Code.RUN_INVALID_TRANSITION, f"run {cmd.run_id!r} is not running", cur)
 
 
 def _converged(cmd: HandleCommand, cur: Record | None, target: Status) -> bool:

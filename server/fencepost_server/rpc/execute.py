@@ -2,8 +2,8 @@
 mutations, multiplexed on one stream.
 
 Each incoming message's commands are converted and validated exactly as the
-unary handlers do (same ``convert`` functions; for the engine store, the same
-``engine_store.MUTATIONS`` functions), then handed to the writer
+unary handlers do (the one command registry, ``commands.KINDS``), then handed
+to the writer
 together without awaiting (``Writer.submit_with_answer``: no future per
 command); each answer is written in place into the response message being
 assembled — the unary response message, or the unary error status. Results
@@ -28,100 +28,18 @@ from fencepost.v1 import ledger_pb2 as pb
 
 from .. import auth
 from ..core import ledger as L
-from ..core import validate
-from ..core.errors import LedgerError, in_transaction, validation
-from ..hub import Buffered, Stop
-from . import convert
+from ..core.errors import LedgerError, validation
+from ..hub import Buffered, FenceHub, Stop
+from ..writer import Writer
+from .commands import KINDS, filler
 from .decode import Malformed
-from .engine_store import MUTATIONS
-from .keepalive import _run_until_stopped, _stop_error, enter, headers_first
-from .status import internal_status_proto, status_proto
+from .pump import enter, headers_first, run_until_stopped, stop_error
+from .status import internal_status_proto, status_proto, undecodable
 
 log = logging.getLogger("fencepost.execute")
 
 
-# Fill a CommandResult's response field (an empty message of the unary RPC's
-# response type) from the writer's result, in place.
-Fill = Callable[[Any, Any], None]
-
-
-def _fill_record(response: Any, record: Any) -> None:
-    convert.fill_record_pb(response.run, record)
-
-
-def _fill_deleted(response: Any, deleted: Any) -> None:
-    response.revision = deleted.revision
-    response.fencing_token = deleted.fencing_token
-
-
-def _fill_from(to_response: Callable[[Any], Any]) -> Fill:
-    return lambda response, result: response.CopyFrom(to_response(result))
-
-
-# kind -> (request -> command, fill the response from the result)
-KINDS: dict[str, tuple[Callable[[Any], L.Command], Fill]] = {
-    "acquire": (convert.acquire, _fill_record),
-    "renew": (convert.renew, _fill_record),
-    "record_checkpoint": (convert.record_checkpoint, _fill_record),
-    "suspend": (convert.suspend, _fill_record),
-    "finish": (convert.finish, _fill_record),
-    "release": (convert.release, _fill_record),
-    "cancel": (convert.cancel, _fill_record),
-    "request_resume": (convert.request_resume, _fill_record),
-    "delete_run": (convert.delete_run, _fill_deleted),
-    # the engine store's: create_run, update_run, ... doc_delete
-    **{kind: (to_cmd, _fill_from(to_resp)) for kind, (to_cmd, to_resp) in MUTATIONS.items()},
-}
-
-
-def transaction_cmd(req: pb.TransactionRequest) -> L.Transaction:
-    """A TransactionRequest as one writer command: each of its commands
-    converted and validated as on its own (errors name ``commands[i]``)."""
-    if not req.commands:
-        raise validation("commands", "a transaction needs at least one command")
-    if len(req.commands) > L.MAX_TRANSACTION_COMMANDS:
-        raise validation(
-            "commands",
-            f"at most {L.MAX_TRANSACTION_COMMANDS} commands (got {len(req.commands)})",
-        )
-    commands = []
-    for i, sub in enumerate(req.commands):
-        try:
-            kind = sub.WhichOneof("kind")
-            if kind is None:
-                raise validation("kind", "empty command")
-            if kind == "transaction":
-                raise validation("transaction", "a transaction cannot contain a transaction")
-            inner = getattr(sub, kind)
-            if inner.request_id:
-                raise validation(
-                    "request_id", "commands of a transaction take the transaction's request_id"
-                )
-            commands.append(KINDS[kind][0](inner))
-        except LedgerError as exc:
-            raise in_transaction(exc, i) from None
-    return L.Transaction(
-        tuple(commands), convert.fence_from_pb(req), validate.request_id(req.request_id)
-    )
-
-
-def fill_transaction(
-    response: pb.TransactionResponse, done: L.TransactionDone, request: pb.TransactionRequest
-) -> None:
-    """Each command's answer into a CommandResult with the command's id."""
-    for sub, result in zip(request.commands, done.results, strict=True):
-        kind = str(sub.WhichOneof("kind"))
-        KINDS[kind][1](getattr(response.results.add(id=sub.id), kind), result)
-
-
-def _no_fill(response: Any, result: Any) -> None:
-    raise AssertionError("a transaction's answer is filled by fill_transaction")
-
-
-KINDS["transaction"] = (transaction_cmd, _no_fill)
-
-
-class _Session(Buffered):
+class ExecuteSession(Buffered):
     """One Execute stream: results are written straight into the response
     message being assembled; the first result of an event-loop turn schedules
     the flush that queues it for the pump. Its queue is counted in results
@@ -186,50 +104,54 @@ class _Session(Buffered):
             self.outbox.get_nowait()
 
 
+# An acquire's ``track_on``: (stream name, owner, run id, token) -> tracked
+# (KeepAliveHandler.track_acquired).
+TrackAcquired = Callable[[str, str, str, int], bool]
+
+
 class ExecuteHandler:
-    """Mixed into LedgerService: needs self.writer, self.hub (for limits) and
-    self.track_acquired (StreamHandlers)."""
+    def __init__(
+        self, writer: Writer, hub: FenceHub, track_acquired: TrackAcquired, *,
+        max_inflight_per_stream: int,
+    ) -> None:
+        self.writer = writer
+        self.hub = hub
+        self.track_acquired = track_acquired
+        self.max_inflight_per_stream = max_inflight_per_stream
 
-    writer: Any
-    hub: Any
-    max_inflight_per_stream: int
-    track_acquired: Callable[[str, str, str, int], bool]
-
-    async def _execute(
+    async def __call__(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> None:
-        session = _Session(self.hub.queue_limit)
+        session = ExecuteSession(self.hub.queue_limit)
         enter(self.hub, session, context)
-        reader = asyncio.create_task(self._execute_reader(session, requests))
-        self.hub.executes.add(session)
+        reader = asyncio.create_task(self._reader(session, requests))
         self.hub.opened(session)
         try:
             await headers_first(context)
-            pump = asyncio.create_task(self._execute_pump(session, context))
-            await _run_until_stopped(session.stop, pump)
+            pump = asyncio.create_task(self._pump(session, context))
+            await run_until_stopped(session.stop, pump)
         finally:
-            self.hub.executes.discard(session)
             self.hub.leave(session)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
         if session.draining:  # every answer written: tell the client why it ends
-            raise _stop_error(Stop.SHUTDOWN)
+            raise stop_error(Stop.SHUTDOWN)
 
-    async def _execute_pump(self, session: _Session, context: grpc.aio.ServicerContext) -> None:
+    async def _pump(self, session: ExecuteSession, context: grpc.aio.ServicerContext) -> None:
         """Write results until the reader's end marker (None)."""
         while (msg := await session.outbox.get()) is not None:
             session.uncharge(len(msg.results))
             await context.write(msg)
 
-    async def _execute_reader(self, session: _Session, requests: AsyncIterator[Any]) -> None:
+    async def _reader(self, session: ExecuteSession, requests: AsyncIterator[Any]) -> None:
         if not session.draining:  # one opened as the server stops reads nothing
-            await self._execute_messages(session, requests)
+            await self._messages(session, requests)
         # half-closed or draining: answer everything accepted, then mark the end
         await session.all_answered.wait()
         session.end()
 
-    async def _execute_messages(self, session: _Session, requests: AsyncIterator[Any]) -> None:
+    async def _messages(self, session: ExecuteSession, requests: AsyncIterator[Any]) -> None:
         """Take each message's commands until the client half-closes or the
         server stops."""
         writer = self.writer
@@ -246,27 +168,25 @@ class ExecuteHandler:
             if session.draining:  # arrived as the server stops: not looked at
                 break
             if isinstance(msg, Malformed):
-                session.error(
-                    0, validation(msg.field, f"undecodable {msg.type_name}: {msg.error}")
-                )
+                session.error(0, undecodable(msg))
                 continue
             for cmd in msg.commands:
                 while session.unanswered >= limit:  # --max-inflight-per-stream: stop reading
                     session.room.clear()
                     await session.room.wait()
-                queued = self._execute_one(session, cmd)
+                queued = self._one(session, cmd)
                 if queued is not None:  # the writer is full: stop reading until it has room
                     await writer.submit_with_answer_waiting(*queued)
 
     def _fill_tracked(self, response: Any, record: Any, *, request: pb.AcquireRequest) -> None:
         """An acquire with ``track_on``: its record, and whether the lease is
         now tracked on the KeepAlive stream it names."""
-        _fill_record(response, record)
+        KINDS["acquire"].fill(response, record)
         response.tracked = self.track_acquired(
             request.track_on, request.owner, record.run_id, record.fencing_token)
 
-    def _execute_one(
-        self, session: _Session, cmd: pb.Command
+    def _one(
+        self, session: ExecuteSession, cmd: pb.Command
     ) -> tuple[L.Command, Callable[[Any], None]] | None:
         """Validate one command and queue it (the answer fills its result in
         place); returns it instead when the writer's queue is full."""
@@ -275,13 +195,11 @@ class ExecuteHandler:
         try:
             if kind is None:
                 raise validation("kind", "empty command")
-            to_command, fill = KINDS[kind]
             request = getattr(cmd, kind)
             auth.check_command(kind, request)
-            command = to_command(request)
-            if kind == "transaction":
-                fill = functools.partial(fill_transaction, request=request)
-            elif kind == "acquire" and request.track_on:
+            command = KINDS[kind].to_command(request)
+            fill = filler(kind, request)
+            if kind == "acquire" and request.track_on:
                 fill = functools.partial(self._fill_tracked, request=request)
         except LedgerError as err:
             session.error(cid, err)

@@ -15,15 +15,17 @@ from fencepost.v1 import ledger_pb2_grpc
 
 from ..core import validate
 from ..core.errors import Code, LedgerError, unrepresentable, validation
-from ..core.ledger import Deleted
+from ..core.fence import fences_writes
 from ..core.records import Record, Status, out_of_range
 from ..hub import FenceHub
 from ..storage.sqlite import HistoryReader
 from ..writer import Reads, Writer
 from . import convert
-from .execute import ExecuteHandler, fill_transaction, transaction_cmd
-from .keepalive import StreamHandlers
+from .commands import KINDS, filler
+from .execute import ExecuteHandler
+from .keepalive import KeepAliveHandler
 from .status import handler
+from .watch import WatchHandler
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -64,7 +66,10 @@ async def list_page(
     return out, encode_page_token(out[-1].run_id, fkey) if more else ""
 
 
-class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServicer):
+class LedgerService(ledger_pb2_grpc.LedgerServicer):
+    """The unary calls here; the streams delegated to the handlers it holds
+    (keepalive, watch, execute), which share nothing but the hub."""
+
     def __init__(
         self,
         writer: Writer,
@@ -78,45 +83,46 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
     ) -> None:
         self.writer = writer
         self.reads = reads
-        self.hub = hub
-        self.history = history
-        self.history_executor = history_executor
-        self.max_tracked_per_stream = max_tracked_per_stream
-        self.max_inflight_per_stream = max_inflight_per_stream
+        self.keepalive = KeepAliveHandler(
+            writer, hub, max_tracked_per_stream=max_tracked_per_stream)
+        self.watch = WatchHandler(writer, hub, history, history_executor)
+        self.execute = ExecuteHandler(
+            writer, hub, self.keepalive.track_acquired,
+            max_inflight_per_stream=max_inflight_per_stream)
 
     @handler
     async def KeepAlive(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> None:
-        await self._keepalive(request_iterator, context)
+        await self.keepalive(request_iterator, context)
 
     @handler
     async def Execute(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> None:
-        await self._execute(request_iterator, context)
+        await self.execute(request_iterator, context)
 
     @handler
     async def WatchRuns(  # type: ignore[override]
         self, request: pb.WatchRunsRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        await self._watch(request, context)
+        await self.watch(request, context)
 
-    async def _answer(self, cmd: object, response: Any) -> Any:
-        """Submit a command whose result is a record; fill it into the empty
-        response's ``run`` in place (no intermediate message, no copy)."""
-        result = await self.writer.submit(cmd)  # type: ignore[arg-type]
-        assert isinstance(result, Record)
-        convert.fill_record_pb(response.run, result)
+    async def _answer(self, kind: str, request: Any, response: Any) -> Any:
+        """Submit the request's command (the command registry, as Execute
+        does); fill its answer into the empty response in place."""
+        entry = KINDS[kind]
+        result = await self.writer.submit(entry.to_command(request))
+        filler(kind, request)(response, result)
         return response
 
     @handler
     async def Acquire(
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireResponse:
-        response = await self._answer(convert.acquire(request), pb.AcquireResponse())
+        response = await self._answer("acquire", request, pb.AcquireResponse())
         if request.track_on:
-            response.tracked = self.track_acquired(
+            response.tracked = self.keepalive.track_acquired(
                 request.track_on, request.owner, response.run.run_id, response.run.fencing_token)
         return response
 
@@ -124,52 +130,49 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
     async def Renew(
         self, request: pb.RenewRequest, context: grpc.aio.ServicerContext
     ) -> pb.RenewResponse:
-        return await self._answer(convert.renew(request), pb.RenewResponse())
+        return await self._answer("renew", request, pb.RenewResponse())
 
     @handler
     async def RecordCheckpoint(
         self, request: pb.RecordCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.RecordCheckpointResponse:
-        return await self._answer(convert.record_checkpoint(request), pb.RecordCheckpointResponse())
+        return await self._answer("record_checkpoint", request, pb.RecordCheckpointResponse())
 
     @handler
     async def Transact(
         self, request: pb.TransactionRequest, context: grpc.aio.ServicerContext
     ) -> pb.TransactionResponse:
-        done = await self.writer.submit(transaction_cmd(request))
-        response = pb.TransactionResponse()
-        fill_transaction(response, done, request)  # type: ignore[arg-type]
-        return response
+        return await self._answer("transaction", request, pb.TransactionResponse())
 
     @handler
     async def Suspend(
         self, request: pb.SuspendRequest, context: grpc.aio.ServicerContext
     ) -> pb.SuspendResponse:
-        return await self._answer(convert.suspend(request), pb.SuspendResponse())
+        return await self._answer("suspend", request, pb.SuspendResponse())
 
     @handler
     async def Finish(
         self, request: pb.FinishRequest, context: grpc.aio.ServicerContext
     ) -> pb.FinishResponse:
-        return await self._answer(convert.finish(request), pb.FinishResponse())
+        return await self._answer("finish", request, pb.FinishResponse())
 
     @handler
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        return await self._answer(convert.release(request), pb.ReleaseResponse())
+        return await self._answer("release", request, pb.ReleaseResponse())
 
     @handler
     async def Cancel(
         self, request: pb.CancelRequest, context: grpc.aio.ServicerContext
     ) -> pb.CancelResponse:
-        return await self._answer(convert.cancel(request), pb.CancelResponse())
+        return await self._answer("cancel", request, pb.CancelResponse())
 
     @handler
     async def RequestResume(
         self, request: pb.RequestResumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.RequestResumeResponse:
-        return await self._answer(convert.request_resume(request), pb.RequestResumeResponse())
+        return await self._answer("request_resume", request, pb.RequestResumeResponse())
 
     @handler
     async def GetRun(
@@ -213,9 +216,7 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
     async def DeleteRun(
         self, request: pb.DeleteRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteRunResponse:
-        result = await self.writer.submit(convert.delete_run(request))
-        assert isinstance(result, Deleted)
-        return pb.DeleteRunResponse(revision=result.revision, fencing_token=result.fencing_token)
+        return await self._answer("delete_run", request, pb.DeleteRunResponse())
 
     @handler
     async def ValidateFence(
@@ -231,13 +232,8 @@ class LedgerService(StreamHandlers, ExecuteHandler, ledger_pb2_grpc.LedgerServic
         if (field := out_of_range(rec)) is not None:
             raise unrepresentable(rec.run_id, field, getattr(rec, field))
         revision = max(revision, rec.revision)
-        current = (
-            rec.fencing_token == request.fencing_token
-            and rec.status is Status.RUNNING
-            and rec.lease is not None
-        )
         return pb.ValidateFenceResponse(
-            current=current,
+            current=fences_writes(rec, request.fencing_token),
             found=True,
             fencing_token=rec.fencing_token,
             status=int(rec.status),  # type: ignore[arg-type]

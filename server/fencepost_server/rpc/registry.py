@@ -1,11 +1,10 @@
 """Register servicers from their proto descriptors, each method decoded by
-``decode.decoder`` (undecodable bytes reach the handler as ``Malformed``),
-guarded by ``auth.guard`` when identities are on (identity, role, owners),
-gated and instrumented."""
+``decode.decoder`` (undecodable bytes reach the handler as ``Malformed``) and
+wrapped in the interceptors (interceptors.py): guarded when identities are on
+(identity, role, owners), gated and instrumented."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -13,27 +12,12 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
-from ..auth import Authenticator, guard
+from ..auth import Authenticator
 from ..core.errors import LedgerError
 from .decode import decoder
-from .status import to_status
+from .interceptors import gated, guarded
 
 Instrument = Callable[[str, str, Callable[..., Any]], Callable[..., Any]]
-
-
-def _gated(gate: Callable[[], LedgerError | None], fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, refused with ``gate()``'s error while it returns one (unary
-    calls and streams alike, before anything is read or done)."""
-
-    @functools.wraps(fn)
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        refusal = gate()
-        if refusal is not None:
-            await context.abort_with_status(to_status(refusal))  # type: ignore[attr-defined]
-            return None
-        return await fn(request, context)
-
-    return wrapper
 
 
 def add_service(
@@ -56,10 +40,10 @@ def add_service(
         resp_cls = message_factory.GetMessageClass(method.output_type)
         fn = getattr(servicer, method.name)
         if authn is not None:
-            fn = guard(authn, f"/{service.full_name}/{method.name}", fn,
-                       unary_request=not method.client_streaming, refuse=to_status)
+            fn = guarded(authn, f"/{service.full_name}/{method.name}", fn,
+                         unary_request=not method.client_streaming)
         if gate is not None:
-            fn = _gated(gate, fn)
+            fn = gated(gate, fn)
         if instrument is not None:
             fn = instrument(service.full_name, method.name, fn)
         kind = {

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from fencepost.v1 import run_store_pb2 as pb
 from fencepost.v1 import run_store_pb2_grpc
 
 from .. import auth
-from ..core import ledger as L
 from ..core import validate
 from ..writer import Reads, Writer
 from . import convert
+from .commands import KINDS
 from .status import handler
 
 
@@ -19,6 +21,16 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
     def __init__(self, writer: Writer, reads: Reads) -> None:
         self.writer = writer
         self.reads = reads
+
+    async def _answer(self, kind: str, request: Any, response: Any) -> Any:
+        """A raw-seam command from the registry; a compare-and-set or delete
+        is bound to the caller's principal (auth.bound_to)."""
+        entry = KINDS[kind]
+        cmd = entry.to_command(request)
+        if kind != "raw_create":
+            cmd.bound_to = auth.bound_to(auth.current())
+        entry.fill(response, await self.writer.submit(cmd))
+        return response
 
     @handler
     async def Describe(
@@ -45,29 +57,16 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
     async def Create(
         self, request: pb.CreateRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreateResponse:
-        result = await self.writer.submit(convert.raw_create(request))
-        assert isinstance(result, L.Created)
-        return pb.CreateResponse(created=result.created, run=convert.record_to_pb(result.record))
+        return await self._answer("raw_create", request, pb.CreateResponse())
 
     @handler
     async def CompareAndSet(
         self, request: pb.CompareAndSetRequest, context: grpc.aio.ServicerContext
     ) -> pb.CompareAndSetResponse:
-        cmd = convert.raw_cas(request)
-        cmd.bound_to = auth.bound_to(auth.current())
-        result = await self.writer.submit(cmd)
-        assert isinstance(result, L.Swapped)
-        resp = pb.CompareAndSetResponse(swapped=result.swapped)
-        if result.record is not None:
-            resp.run.CopyFrom(convert.record_to_pb(result.record))
-        return resp
+        return await self._answer("raw_compare_and_set", request, pb.CompareAndSetResponse())
 
     @handler
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteResponse:
-        cmd = convert.raw_delete(request)
-        cmd.bound_to = auth.bound_to(auth.current())
-        result = await self.writer.submit(cmd)
-        assert isinstance(result, L.Deleted)
-        return pb.DeleteResponse(deleted=result.deleted, revision=result.revision)
+        return await self._answer("raw_delete", request, pb.DeleteResponse())

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sqlite3
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -14,22 +12,16 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from fencepost.v1 import ledger_pb2 as lpb
+
 from ..core.errors import Code, LedgerError, validation
 from ..core.records import out_of_range
+from ..storage.sql import read_errors
 from .convert import record_to_pb
 from .decode import Malformed
 
 DOMAIN = "fencepost"
 log = logging.getLogger("fencepost.services")
-
-
-def read_errors() -> tuple[type[BaseException], ...]:
-    """A read the database could not answer (PostgreSQL restarting, a session
-    it ended): STORAGE_UNAVAILABLE, retryable, like a write that could not
-    commit. psycopg's errors count once the PostgreSQL store has loaded it (a
-    server on SQLite never imports psycopg)."""
-    pg = sys.modules.get("psycopg")
-    return (sqlite3.Error,) if pg is None else (sqlite3.Error, pg.Error)
 
 GRPC_CODE: dict[Code, grpc.StatusCode] = {
     Code.RUN_VALIDATION_ERROR: grpc.StatusCode.INVALID_ARGUMENT,
@@ -61,12 +53,29 @@ def to_status(err: LedgerError) -> grpc.Status:
     return rpc_status.to_status(status_proto(err))
 
 
-def status_proto(err: LedgerError) -> status_pb2.Status:
-    """The google.rpc.Status of a refusal: code, message, ErrorInfo, record."""
-    code = GRPC_CODE[err.code]
+def _metadata(err: LedgerError) -> dict[str, str]:
     metadata = dict(err.metadata) if err.metadata else {}
     if err.field is not None:
         metadata["field"] = err.field
+    return metadata
+
+
+def undecodable(msg: Malformed) -> LedgerError:
+    """The refusal of bytes that did not decode, naming the field."""
+    return validation(msg.field, f"undecodable {msg.type_name}: {msg.error}")
+
+
+def keepalive_error(run_id: str, err: LedgerError) -> lpb.KeepAliveResponse:
+    """A refusal on a KeepAlive stream: its code, message and metadata, for
+    one run; the stream goes on."""
+    return lpb.KeepAliveResponse(error=lpb.KeepAliveError(
+        run_id=run_id, code=err.code.value, message=err.message, metadata=_metadata(err)))
+
+
+def status_proto(err: LedgerError) -> status_pb2.Status:
+    """The google.rpc.Status of a refusal: code, message, ErrorInfo, record."""
+    code = GRPC_CODE[err.code]
+    metadata = _metadata(err)
     record = err.record
     if record is not None and out_of_range(record) is not None:
         record = None  # stored past the bound: never served (convert.fill_record_pb)
@@ -105,7 +114,7 @@ def handler(fn: H) -> H:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             if isinstance(request, Malformed):
-                raise validation(request.field, f"undecodable {request.type_name}: {request.error}")
+                raise undecodable(request)
             return await fn(self, request, context)
         except LedgerError as err:
             await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import logging
+import sqlite3
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -46,6 +47,15 @@ SAVED_INDEX_WRITTEN = "saved for the next start"  # logged by a clean shutdown
 # New rows of runs per block (the first part of its key). The migrations that
 # made the column numbered existing rows the same way.
 BLOCK_RUNS = 256
+
+
+def read_errors() -> tuple[type[BaseException], ...]:
+    """What a read the database could not answer raises (PostgreSQL
+    restarting, a session it ended): callers answer STORAGE_UNAVAILABLE,
+    retryable. psycopg's errors count once the PostgreSQL store has loaded it
+    (a server on SQLite never imports psycopg)."""
+    pg = sys.modules.get("psycopg")
+    return (sqlite3.Error,) if pg is None else (sqlite3.Error, pg.Error)
 
 
 @dataclass
