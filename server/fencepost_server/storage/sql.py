@@ -120,7 +120,7 @@ def _dumps(obj: Any) -> str:
 def _int64(v: Any) -> int:
     """A value for an integer column: a record's counter written by hand past
     what the column holds is kept there as the nearest int64 (the record's
-    text keeps it exactly; such a record is never served: convert.py)."""
+    text keeps it exactly; such a record is never served: rpc/convert.py)."""
     if type(v) is int and -MAX_INT64 - 1 <= v <= MAX_INT64:
         return v
     return MAX_INT64 if v > 0 else -MAX_INT64 - 1
