@@ -176,6 +176,17 @@ def test_only_rpc_imports_the_protobuf_messages() -> None:
     assert outside <= PROTO_OUTSIDE_RPC, sorted(outside - PROTO_OUTSIDE_RPC)
 
 
+# What builds a gRPC status: only rpc/status.py may use it (the one error builder).
+STATUS_BUILDERS = ("abort_with_status", "status_pb2", "rpc_status", "KeepAliveError(")
+
+
+def test_one_module_builds_a_grpc_status() -> None:
+    bad = [f"{name} uses {word}" for name, path in modules(SERVER).items()
+           if name != "fencepost_server.rpc.status"
+           for word in STATUS_BUILDERS if word in path.read_text(encoding="utf-8")]
+    assert bad == []
+
+
 def test_no_product_module_imports_the_dev_tools() -> None:
     bad = []
     for root in (SERVER, SDK):

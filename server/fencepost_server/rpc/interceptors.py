@@ -15,7 +15,7 @@ import grpc
 from ..auth import Authenticator, Guard
 from ..core.errors import LedgerError
 from ..metrics import STREAM_KINDS, Metrics
-from .status import to_status
+from .status import refuse
 
 Method = Callable[..., Any]
 
@@ -29,7 +29,7 @@ def guarded(authn: Authenticator, method: str, fn: Method, *, unary_request: boo
         try:
             guard.admit(request, context)
         except LedgerError as err:
-            await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]
+            await refuse(context, err)
             return None
         return await fn(request, context)
 
@@ -44,7 +44,7 @@ def gated(gate: Callable[[], LedgerError | None], fn: Method) -> Method:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         refusal = gate()
         if refusal is not None:
-            await context.abort_with_status(to_status(refusal))  # type: ignore[attr-defined]
+            await refuse(context, refusal)
             return None
         return await fn(request, context)
 

@@ -53,6 +53,11 @@ def to_status(err: LedgerError) -> grpc.Status:
     return rpc_status.to_status(status_proto(err))
 
 
+async def refuse(context: grpc.aio.ServicerContext, err: LedgerError) -> None:
+    """End the call with ``err``'s status."""
+    await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]
+
+
 def _metadata(err: LedgerError) -> dict[str, str]:
     metadata = dict(err.metadata) if err.metadata else {}
     if err.field is not None:
@@ -117,7 +122,7 @@ def handler(fn: H) -> H:
                 raise undecodable(request)
             return await fn(self, request, context)
         except LedgerError as err:
-            await context.abort_with_status(to_status(err))  # type: ignore[attr-defined]
+            await refuse(context, err)
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
         except read_errors() as exc:
@@ -125,7 +130,7 @@ def handler(fn: H) -> H:
             log.warning("%s: the database could not answer: %s", fn.__name__, why)
             refusal = LedgerError(Code.STORAGE_UNAVAILABLE,
                                   f"the database could not answer; nothing changed: {why}")
-            await context.abort_with_status(to_status(refusal))  # type: ignore[attr-defined]
+            await refuse(context, refusal)
         except Exception as exc:
             log.exception("unexpected error in %s", fn.__name__)
             await context.abort_with_status(internal_status(exc))  # type: ignore[attr-defined]
