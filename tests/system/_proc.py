@@ -14,6 +14,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,3 +240,43 @@ def connect_ro(db_path: Path) -> sqlite3.Connection:
 def error_record(err: grpc.RpcError) -> Any:
     """The record the server attached to a refusal (a fencepost.v1.Run), or None."""
     return status_record(call_status(err))
+
+
+def execute_all(stub: Any, commands: list[Any], *, window: int = 4096, chunk: int = 512,
+                timeout: float = 120.0) -> dict[int, Any]:
+    """Run ``commands`` (fencepost.v1.Command, unique ids) over one Ledger.Execute
+    stream, at most ``window`` unanswered at once (the server's per-stream
+    limit); returns each command's CommandResult by id."""
+    from fencepost.v1 import ledger_pb2 as pb
+
+    results: dict[int, Any] = {}
+    cond = threading.Condition()
+    over = [False]  # the reader is gone: stop feeding
+
+    def requests() -> Iterator[Any]:
+        for i in range(0, len(commands), chunk):
+            part = commands[i:i + chunk]
+            ceiling = i + len(part) - window  # answered before `part` may go
+            with cond:
+                cond.wait_for(lambda c=ceiling: over[0] or len(results) >= c)
+            if over[0]:
+                return
+            yield pb.ExecuteRequest(commands=part)
+        with cond:  # half-closing would end the stream before the last answers
+            cond.wait_for(lambda: over[0] or len(results) >= len(commands))
+
+    call = stub.Execute(requests(), timeout=timeout)
+    try:
+        for resp in call:
+            with cond:
+                for r in resp.results:
+                    results[r.id] = r
+                cond.notify()
+            if len(results) >= len(commands):
+                break
+    finally:
+        with cond:
+            over[0] = True
+            cond.notify()
+        call.cancel()
+    return results
