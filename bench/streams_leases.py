@@ -7,8 +7,10 @@ runs S/P simulated workers (owners); each owner has its own channel (HTTP/2
 connection) and ONE KeepAlive stream (``hello{owner}``), and holds L/S leases.
 
 1. **Ramp (not measured):** every owner opens its stream and Acquires its
-   leases (unary, at most ``--acquire-concurrency`` in flight per process),
-   with a long ttl (``--acquire-ttl-ms``, default 120 s) so that the ramp
+   leases (unary, at most ``--acquire-concurrency`` in flight per process;
+   ``--ramp execute``: over one Execute stream per owner, 512 commands a
+   message, at most 4,096 unanswered), with a long ttl
+   (``--acquire-ttl-ms``, default 120 s) so that the ramp
    needs no renewals. (With ttl 3 s from the start the renewals of the leases
    acquired first starve the later Acquires on this machine: the ramp of
    10 000 never finishes.)
@@ -52,6 +54,7 @@ import asyncio
 import gc
 import heapq
 import json
+import math
 import multiprocessing as mp
 import queue
 import sys
@@ -66,15 +69,16 @@ from typing import Any
 
 import grpc
 import psutil
-from benchlib import ArgumentAdder, fmt_rate
+from benchlib import ArgumentAdder, fmt_rate, scrape_counters
 from e2e import _stop_processes
 from streams_common import (
+    WRITER_COUNTERS,
     CpuWindow,
+    WriterDelta,
     distribution_ms,
     fmt_load,
     scrape_gauge,
     start_fencepost,
-    writer_counters,
     writer_delta,
 )
 
@@ -83,6 +87,8 @@ from fencepost.v1 import ledger_pb2_grpc
 
 CONNECT_TIMEOUT_S = 20.0
 RPC_TIMEOUT_S = 30.0
+EXECUTE_CHUNK = 512  # --ramp execute: Acquires per message
+EXECUTE_WINDOW = 4096  # and unanswered at most (the server's --max-inflight-per-stream)
 
 # -- the client processes ------------------------------------------------------------
 
@@ -99,6 +105,7 @@ class ClientConfig:
     max_ramp_s: float
     acquire_ttl_ms: int
     coalesce_s: float = 0.05  # renewals due within this window share a message; 0: one each
+    ramp: str = "unary"  # or "execute": the Acquires over one Execute stream per owner
 
 
 @dataclass
@@ -154,7 +161,10 @@ class _Owner:
         self.win = win
         self.lat = lat
         self.commit_to_answer = commit_to_answer
-        self.channel = grpc.aio.insecure_channel(address)
+        # its own connection: gRPC shares one between a process's channels to
+        # one address, and the server bounds the leases tracked per connection
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)])
         self.stub = ledger_pb2_grpc.LedgerStub(self.channel)
         self.leases: dict[str, _Lease] = {}
         self.due: list[tuple[float, str]] = []
@@ -261,6 +271,53 @@ class _Owner:
             safe_until=t_sent + self.cfg.acquire_ttl_ms / 1000.0,
         )
 
+    async def acquire_execute(self, run_ids: list[str]) -> None:
+        """Acquire ``run_ids`` over one Execute stream on this owner's channel,
+        at most EXECUTE_WINDOW unanswered (the server's per-stream limit)."""
+        call = self.stub.Execute()
+        sent_at: dict[int, float] = {}
+        room = asyncio.Event()
+
+        async def feed() -> None:
+            for i in range(0, len(run_ids), EXECUTE_CHUNK):
+                while len(sent_at) + EXECUTE_CHUNK > EXECUTE_WINDOW:
+                    room.clear()
+                    await room.wait()
+                part = run_ids[i:i + EXECUTE_CHUNK]
+                now = time.monotonic()
+                cmds = []
+                for j, run_id in enumerate(part, start=i + 1):
+                    sent_at[j] = now
+                    cmds.append(pb.Command(id=j, acquire=pb.AcquireRequest(
+                        run_id=run_id, owner=self.name, lease_ttl_ms=self.cfg.acquire_ttl_ms)))
+                await call.write(pb.ExecuteRequest(commands=cmds))
+
+        feeder = asyncio.create_task(feed())
+        answered = 0
+        try:
+            while answered < len(run_ids):
+                resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    raise RuntimeError(f"{self.name}: the Execute stream ended in the ramp")
+                for r in resp.results:
+                    t_sent = sent_at.pop(r.id)
+                    run_id = run_ids[r.id - 1]
+                    answered += 1
+                    if r.WhichOneof("kind") != "acquire":
+                        self.res.acquire_errors += 1
+                        self.sample(f"acquire {run_id}: {r.error.message}")
+                        continue
+                    run = r.acquire.run
+                    self.res.acquired += 1
+                    self.leases[run_id] = _Lease(
+                        token=run.fencing_token, expires_ms=_ts_ms(run.lease.expires_at),
+                        safe_until=t_sent + self.cfg.acquire_ttl_ms / 1000.0)
+                room.set()
+            await feeder
+        finally:
+            feeder.cancel()
+            call.cancel()
+
     def schedule_first(self, begin: float) -> None:
         """First renewals spread evenly over [begin, begin + a third of the ttl)."""
         n = len(self.leases)
@@ -329,11 +386,16 @@ async def _client_main(cfg: ClientConfig, go: MpEvent, window_at: Any, window_se
         for o in owners:
             await o.open()
         t0 = time.monotonic()
-        sem = asyncio.Semaphore(cfg.acquire_concurrency)
-        acquires = [
-            o.acquire(f"{o.name}-l{i:05d}", sem)
-            for i in range(cfg.leases_per_owner) for o in owners
-        ]
+        if cfg.ramp == "execute":
+            acquires = [o.acquire_execute([f"{o.name}-l{i:05d}"
+                                           for i in range(cfg.leases_per_owner)])
+                        for o in owners]
+        else:
+            sem = asyncio.Semaphore(cfg.acquire_concurrency)
+            acquires = [
+                o.acquire(f"{o.name}-l{i:05d}", sem)
+                for i in range(cfg.leases_per_owner) for o in owners
+            ]
         await asyncio.wait_for(asyncio.gather(*acquires), cfg.max_ramp_s)
         res.ramp_s = time.monotonic() - t0
         progress.put(("acquired", cfg.proc_index, res.acquired, res.ramp_s))
@@ -397,6 +459,17 @@ class LeasesConfig:
     max_ramp_s: float = 120.0
     acquire_ttl_ms: int = 120_000
     coalesce_ms: float = 50.0  # renewals due within this window share one message; 0: one each
+    ramp: str = "unary"  # or "execute" (ClientConfig.ramp)
+    settle_s: float = 1.0  # from the ramp's end to the window
+
+
+def _counters(port: int) -> dict[str, float] | None:
+    """The writer counters, or None when the server does not answer in 30 s."""
+    try:
+        return scrape_counters(port, WRITER_COUNTERS, timeout=30.0)
+    except OSError as exc:
+        print(f"  warning: /metrics did not answer: {exc!r}", flush=True)
+        return None
 
 
 class _Sampler:
@@ -471,7 +544,7 @@ def run_leases(cfg: LeasesConfig) -> dict[str, Any]:
                     leases_per_owner=per_owner, ttl_ms=cfg.ttl_ms,
                     renew_every_s=ttl_s / 3, acquire_concurrency=cfg.acquire_concurrency,
                     max_ramp_s=cfg.max_ramp_s, acquire_ttl_ms=cfg.acquire_ttl_ms,
-                    coalesce_s=cfg.coalesce_ms / 1000,
+                    coalesce_s=cfg.coalesce_ms / 1000, ramp=cfg.ramp,
                 )
                 w = ctx.Process(target=client_process,
                                 args=(ccfg, go, window_at, window_set, ready, progress, out),
@@ -503,16 +576,16 @@ def run_leases(cfg: LeasesConfig) -> dict[str, Any]:
             rss_ramp = sampler.rss_mib()
             print(f"  ramp: {acquired:,} leases acquired in {ramp_s:.1f} s; server RSS "
                   f"{rss_ramp:.0f} MiB", flush=True)
-            begin = time.time() + 1.0
+            begin = time.time() + cfg.settle_s
             window_at[0], window_at[1] = begin, begin + cfg.duration_s
             window_set.set()
             sampler.sleep_until(time.monotonic() + (begin - time.time()), "ramp")
             cpu = CpuWindow(srv.proc.pid, [w.pid for w in workers if w.pid is not None])
-            m0 = writer_counters(mport)
+            m0 = _counters(mport)
             n_rows = len(sampler.rows)
             sampler.sleep_until(time.monotonic() + (window_at[1] - time.time()), "window")
             use = cpu.stop()
-            m1 = writer_counters(mport)
+            m1 = _counters(mport)
             rss_end = sampler.rss_mib()
             window_rows = sampler.rows[n_rows:]
             for _ in workers:
@@ -531,7 +604,8 @@ def run_leases(cfg: LeasesConfig) -> dict[str, Any]:
     for r in results:
         lat.frombytes(r.latencies)
         c2a.frombytes(r.commit_to_answer)
-    wd = writer_delta(m0, m1)
+    # NaN: a scrape at the window's edge timed out (the server's loop was that busy)
+    wd = writer_delta(m0, m1) if m0 and m1 else WriterDelta(math.nan, math.nan, math.nan)
     window_s = use.seconds
     totals = {k: sum(getattr(r, k) for r in results)
               for k in ("leases", "acquired", "acquire_errors", "renewed", "lost", "expiring",
@@ -621,7 +695,14 @@ def add_arguments(p: ArgumentAdder, prefix: str = "") -> None:
                    help=f"ttl of the Acquires in the ramp (default {d.acquire_ttl_ms})")
     p.add_argument(f"--{prefix}max-ramp-s", type=float, default=d.max_ramp_s,
                    help=f"give up when the ramp takes longer (default {d.max_ramp_s:g}; "
-                   "300 000 leases need about 300); keep --acquire-ttl-ms above it")
+                   "300 000 leases need about 300 unary); keep --acquire-ttl-ms above it")
+    p.add_argument(f"--{prefix}settle-s", type=float, default=d.settle_s,
+                   help="seconds from the ramp's end to the window, e.g. for the server to "
+                   "copy a large ramp's runs into its table; the ramp's leases must outlive "
+                   f"it (--acquire-ttl-ms) (default {d.settle_s:g})")
+    p.add_argument(f"--{prefix}ramp", choices=("unary", "execute"), default=d.ramp,
+                   help="how the ramp Acquires: unary calls, or one Execute stream per owner "
+                   f"(default {d.ramp})")
 
 
 def config_from(args: argparse.Namespace, prefix: str = "") -> LeasesConfig:
@@ -631,13 +712,16 @@ def config_from(args: argparse.Namespace, prefix: str = "") -> LeasesConfig:
     cfg = LeasesConfig(leases=get("leases"), streams=get("streams"), procs=get("procs"),
                        ttl_ms=get("ttl-ms"), duration_s=get("duration"),
                        acquire_ttl_ms=get("acquire-ttl-ms"), coalesce_ms=get("coalesce-ms"),
-                       max_ramp_s=get("max-ramp-s"))
+                       max_ramp_s=get("max-ramp-s"), ramp=get("ramp"),
+                       settle_s=get("settle-s"))
     if cfg.streams < 1 or cfg.procs < 1 or cfg.procs > cfg.streams or cfg.leases < cfg.streams:
         raise SystemExit("need streams >= procs >= 1 and leases >= streams")
     if cfg.leases % cfg.streams:
         raise SystemExit("leases must be a multiple of streams")
     if cfg.ttl_ms < 300 or cfg.duration_s <= 0:
         raise SystemExit("need ttl-ms >= 300 and duration > 0")
+    if cfg.settle_s < 0.1:
+        raise SystemExit("need settle-s >= 0.1")
     if cfg.max_ramp_s <= 0 or cfg.acquire_ttl_ms < cfg.max_ramp_s * 1000:
         raise SystemExit("need max-ramp-s > 0 and acquire-ttl-ms at least as long as the ramp")
     return cfg
