@@ -157,7 +157,7 @@ def test_100000_leases_renewed_from_memory_survive_kill_9(tmp_path: Path) -> Non
         acquired = {ids[i - 1]: r.acquire.run for i, r in got.items()
                     if r.WhichOneof("kind") == "acquire"}
         assert len(acquired) == MANY, f"{MANY - len(acquired)} acquires failed"
-        assert ramp_s < MANY_TTL_MS / 3000, f"acquiring took {ramp_s:.1f} s: machine too busy"
+        assert ramp_s < MANY_TTL_MS / 2000, f"acquiring took {ramp_s:.1f} s: machine too busy"
         time.sleep(2.0)  # every renewal then reaches past its acquire's expiry
 
         t1 = time.monotonic()
@@ -194,10 +194,9 @@ def test_100000_leases_renewed_from_memory_survive_kill_9(tmp_path: Path) -> Non
             assert run.version >= 1 and run.revision >= acquired[k].revision
 
         # another owner, in the order of the file's expiries, from just past the
-        # PAST_STORED-th: refused everywhere, those attempts after the file's expiry too
+        # PAST_STORED-th: refused before each acknowledged expiry, file's or not
         order = sorted(unflushed, key=stored.__getitem__)
         wait_ms = stored[order[PAST_STORED - 1]] + 50 - now_ms()
-        assert now_ms() < min(until.values()), "too slow: the acknowledged expiries passed"
         if wait_ms > 0:
             time.sleep(wait_ms / 1000)
         order += [k for k in ids if stored[k] >= until[k]]
@@ -207,12 +206,16 @@ def test_100000_leases_renewed_from_memory_survive_kill_9(tmp_path: Path) -> Non
                                                            lease_ttl_ms=MANY_TTL_MS))
             for i, k in enumerate(order)])
         answered = now_ms()
-        past_stored = 0
+        past_stored = late = 0
         for i, r in got.items():
             k = order[i - 1]
-            assert r.WhichOneof("kind") == "error", (
-                f"{k}: granted to B at {ts_ms(r.acquire.run.lease.acquired_at)}, A's "
-                f"acknowledged renewal runs until {until[k]}")
+            if r.WhichOneof("kind") == "acquire":  # only once A's renewal ran out
+                at = ts_ms(r.acquire.run.lease.acquired_at)
+                assert at >= until[k], (
+                    f"{k}: granted to B at {at}, {until[k] - at} ms before A's "
+                    "acknowledged renewal ran out")
+                late += 1
+                continue
             assert status_reason(r.error) == "RUN_LEASE_HELD", r.error
             seen = status_record(r.error)
             assert seen.lease.owner == "A" and seen.fencing_token == 1
@@ -222,7 +225,8 @@ def test_100000_leases_renewed_from_memory_survive_kill_9(tmp_path: Path) -> Non
         assert past_stored >= PAST_STORED, past_stored
         print(f"\n{MANY:,} leases: acquired in {ramp_s:.1f} s, renewed in {burst_s:.1f} s, "
               f"restart {restart_s:.1f} s; {past_stored:,} of B's Acquires (sent "
-              f"{(answered - sent) / 1000:.1f} s) came after the file's expiry")
+              f"{(answered - sent) / 1000:.1f} s) came after the file's expiry, {late} "
+              "after A's")
 
         # the holder carries on under its token
         got = execute_all(stub, [
