@@ -87,10 +87,10 @@ from fencepost.v1 import ledger_pb2, ledger_pb2_grpc, record_pb2
 from fencepost_server.clock import SystemClock
 from fencepost_server.core.ledger import Acquire, Finish
 from fencepost_server.core.records import Record, Status
-from fencepost_server.gcpolicy import FullCollections
 from fencepost_server.storage import Durability, SqliteStorage
 from fencepost_server.storage.postgres import SCHEMA
 from fencepost_server.storage.sql import BLOCK_RUNS
+from fencepost_server.upkeep.gcpolicy import FullCollections
 from fencepost_server.writer import Writer
 
 # where a filled store lives: a SQLite file, or a PostgreSQL database's URL

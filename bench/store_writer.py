@@ -42,7 +42,7 @@ from fencepost_server.clock import SystemClock
 from fencepost_server.core.errors import LedgerError
 from fencepost_server.core.ledger import Acquire, Finish, RecordCheckpoint, Renew
 from fencepost_server.core.records import Record, Status
-from fencepost_server.leadership import Leadership
+from fencepost_server.ha.leadership import Leadership
 from fencepost_server.storage import Durability, SqliteStorage
 from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.sql import SqlStorage

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
-from . import gcpolicy, version
+from . import version
 from .addresses import host_entry, split_address
 from .auth import (
     IDENTITY_SOURCES,
@@ -36,7 +36,6 @@ from .core import ledger as L
 from .core.errors import Code, LedgerError
 from .hub import ClientLimits, FenceHub
 from .metrics import Metrics
-from .retention import Retention, parse_duration_ms
 from .rpc.engine_store import EngineStoreService, start_engine_store, sweep_uploads
 from .rpc.interceptors import instrumented
 from .rpc.ledger import LedgerService
@@ -47,11 +46,13 @@ from .storage.engine_sql import EngineReader
 from .storage.sql import HistoryReader, SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
 from .testing import hooks
-from .web import Dashboard
+from .upkeep import gcpolicy
+from .upkeep.retention import Retention, parse_duration_ms
+from .web.dashboard import Dashboard
 from .writer import Reads, Writer
 
 if TYPE_CHECKING:
-    from .leadership import Leadership
+    from .ha.leadership import Leadership
     from .storage.postgres import PostgresStorage
 
 log = logging.getLogger("fencepost")
@@ -366,7 +367,7 @@ class App:
         # on a SQLite file starts sooner and holds about 11 MiB less
         pg = is_url(s.db_path)
         if pg:
-            from .leadership import default_identity
+            from .ha.leadership import default_identity
             from .storage.postgres import PostgresStorage
 
             self.identity = default_identity()
@@ -486,7 +487,7 @@ class App:
         # SERVING: a probe of either that follows the gRPC one finds them up
         await self._start_http()
         if pg:
-            from .leadership import Leadership
+            from .ha.leadership import Leadership
 
             assert isinstance(storage, PostgresStorage)
             self.leadership = Leadership(

@@ -518,7 +518,7 @@ def test_event_streams_are_capped_and_one_that_never_reads_is_dropped(tmp_path: 
 def test_a_stream_that_takes_nothing_is_dropped_after_the_write_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fencepost_server import web
+    from fencepost_server.web import dashboard as web
 
     monkeypatch.setattr(web, "SSE_WRITE_TIMEOUT_S", 0.5)  # 10 s in production
     with ServerThread(tmp_path / "fp.db", http_event_queue=1_000_000) as srv:

@@ -34,7 +34,7 @@ from test_doc_examples import DOC_ADDRESS, python_blocks
 REPO = Path(__file__).resolve().parents[2]
 TS = REPO / "clients" / "typescript"
 V = fencepost.__version__
-STATIC = REPO / "server" / "fencepost_server" / "web_static"
+STATIC = REPO / "server" / "fencepost_server" / "web" / "static"
 # what the SDK needs, and nothing the server alone needs
 SDK_SET = {"fencepost", "grpcio", "grpcio-status", "protobuf", "googleapis-common-protos",
            "typing-extensions"}
@@ -74,7 +74,7 @@ def _wheels_carry_the_type_stubs_and_the_dashboard(dist: Path) -> None:
     server = set(wheel.namelist())
     assert "fencepost_server/py.typed" in server
     for f in STATIC.iterdir():
-        assert f"fencepost_server/web_static/{f.name}" in server
+        assert f"fencepost_server/web/static/{f.name}" in server
     assert not any(n.startswith("fencepost/") for n in server)
     # the test kit ships (fencepost.testing needs it); the checkout's dev tools do not
     assert {"fencepost_server/testing/server.py", "fencepost_server/testing/clock.py"} <= server
@@ -92,7 +92,7 @@ def _sdists_carry_their_sources(dist: Path) -> None:
     with tarfile.open(_one(dist, "fencepost_server-*.tar.gz")) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {"setup.py", "pyproject.toml", "README.md", "PKG-INFO"} <= names
-    assert {f"fencepost_server/web_static/{f.name}" for f in STATIC.iterdir()} <= names
+    assert {f"fencepost_server/web/static/{f.name}" for f in STATIC.iterdir()} <= names
     with tarfile.open(_one(dist, "fencepost-*.tar.gz")) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {"fencepost/py.typed", "fencepost/v1/ledger_pb2.pyi", "README.md"} <= names

@@ -26,7 +26,7 @@ from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2, ledger_pb2_grpc
 from fencepost_devtools.pgcluster import Cluster
 from fencepost_server.core import ledger as L
 from fencepost_server.core.errors import Code, LedgerError
-from fencepost_server.leadership import Leadership, writer_name
+from fencepost_server.ha.leadership import Leadership, writer_name
 from fencepost_server.storage import postgres
 from fencepost_server.storage.postgres import PgConnection, PostgresStorage
 from fencepost_server.testing.clock import ManualClock

@@ -180,7 +180,7 @@ def test_dockerignore_keeps_the_venv_and_databases_out_and_the_sources_in() -> N
     assert "server" in copied and "clients/python" in copied
     for src in copied:
         assert not _ignored(src, patterns), src
-    static = REPO / "server" / "fencepost_server" / "web_static"
+    static = REPO / "server" / "fencepost_server" / "web" / "static"
     for f in static.iterdir():  # the dashboard ships in the image
         assert not _ignored(str(f.relative_to(REPO)), patterns), f
 

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from fencepost_server.gcpolicy import NEVER, FullCollections
+from fencepost_server.upkeep.gcpolicy import NEVER, FullCollections
 
 
 class Cycle:

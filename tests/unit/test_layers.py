@@ -36,7 +36,7 @@ SDK_BACK_ARROWS = {
 # Server modules that import a SQL driver outside storage/: moves with the re-layout.
 SQL_OUTSIDE_STORAGE = {
     "fencepost_server.app",  # psycopg's error type at migration
-    "fencepost_server.leadership",  # its own PostgreSQL connection
+    "fencepost_server.ha.leadership",  # its own PostgreSQL connection
 }
 # Server modules outside rpc/ that may import the generated messages: the
 # composition root registers the services by their descriptors, and the

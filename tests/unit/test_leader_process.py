@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fencepost_server.leadership import process_gone, process_proof
+from fencepost_server.ha.leadership import process_gone, process_proof
 
 pytestmark = pytest.mark.skipif(not process_proof(), reason="needs Linux /proc")
 

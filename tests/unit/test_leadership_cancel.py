@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from fencepost_server.clock import SystemClock
-from fencepost_server.leadership import Leadership
+from fencepost_server.ha.leadership import Leadership
 
 
 async def test_a_cancel_as_the_renewal_completes_ends_the_keeper() -> None:

@@ -47,8 +47,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from .addresses import host_entry, split_address
-from .auth import (
+from ..addresses import host_entry, split_address
+from ..auth import (
     OPEN,
     RPC_ROLES,
     Authenticator,
@@ -57,15 +57,15 @@ from .auth import (
     check_role,
     is_loopback,
 )
-from .clock import Clock
-from .core import engine as E
-from .core import ledger as L
-from .core import validate
-from .core.errors import Code, LedgerError, validation
-from .core.records import Record, Status
-from .metrics import CONTENT_TYPE, Metrics
-from .storage.sqlite import KIND_DELETE
-from .writer import ChangeEvent, Reads, Writer
+from ..clock import Clock
+from ..core import engine as E
+from ..core import ledger as L
+from ..core import validate
+from ..core.errors import Code, LedgerError, validation
+from ..core.records import Record, Status
+from ..metrics import CONTENT_TYPE, Metrics
+from ..storage.sqlite import KIND_DELETE
+from ..writer import ChangeEvent, Reads, Writer
 
 log = logging.getLogger("fencepost.web")
 
@@ -78,7 +78,7 @@ SSE_POLL_S = 1.0  # an idle stream notices this often that its client has gone
 SSE_CHUNK = 200  # changes per event message: a client that stops reading holds one
 SSE_WRITE_TIMEOUT_S = 10.0  # a message the client does not take in this long: dropped
 SSE_RESET_TIMEOUT_S = 1.0  # ...and the last word to a stream already dropped
-STATIC = resources.files("fencepost_server") / "web_static"
+STATIC = resources.files("fencepost_server.web") / "static"
 STATUS_NAMES = {s.name.lower(): s for s in Status}
 LOOPBACK_NAMES = frozenset({"localhost", "[::1]"})
 # Every response: no framing (clickjacking the Cancel buttons), no sniffing,

@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .clock import Clock
-from .core import ledger as L
-from .core.errors import LedgerError
-from .writer import Reads, Writer, WriterClosed
+from ..clock import Clock
+from ..core import ledger as L
+from ..core.errors import LedgerError
+from ..writer import Reads, Writer, WriterClosed
 
 log = logging.getLogger("fencepost.retention")
 

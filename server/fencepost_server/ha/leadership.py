@@ -53,8 +53,8 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
-from .clock import Clock
-from .storage.postgres import PgConnection, connect, first_line
+from ..clock import Clock
+from ..storage.postgres import PgConnection, connect, first_line
 
 log = logging.getLogger("fencepost.leadership")
 

@@ -1,0 +1,1 @@
+"""High availability: coordinators on one PostgreSQL database, one of which leads."""

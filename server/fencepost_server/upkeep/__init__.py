@@ -1,0 +1,1 @@
+"""Background upkeep of a serving coordinator: retention and garbage collection."""

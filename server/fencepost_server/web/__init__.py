@@ -1,0 +1,1 @@
+"""The HTTP side port: the dashboard, its JSON API and /metrics."""
