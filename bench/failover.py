@@ -84,7 +84,7 @@ from coordinators import (
 
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import record_pb2 as rpb
-from fencepost_server.app import duration_ms
+from fencepost_server.config import duration_ms
 
 HOLD_TTL_MS = 30_000
 

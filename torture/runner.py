@@ -325,7 +325,7 @@ def run(cfg: Config) -> Outcome:
 
         nemesis = target.nemesis(procs, faults_log, probe)
         if cfg.store == "postgres":
-            from fencepost_server.app import duration_ms
+            from fencepost_server.config import duration_ms
 
             plan = schedule_pg(cfg.seed, cfg.duration_s, cfg.nemesis, cfg.workers, MAX_TTL_MS,
                                duration_ms(cfg.leader_lease) / 1000,
@@ -441,7 +441,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
         checked = check_all(ops + extends, runs=runs, kills=kills, snap=snap, liveness=liveness,
                             liveness_bound_s=cfg.liveness_bound_s, server_log=server_log,
                             budget=cfg.budget)
-        from fencepost_server.app import duration_ms
+        from fencepost_server.config import duration_ms
 
         t = time.perf_counter()
         epochs, attributed = check_epochs(ops, tl)

@@ -27,7 +27,6 @@ import contextvars
 import fnmatch
 import hashlib
 import logging
-import os
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -423,54 +422,6 @@ class Guard:
 
 
 # -- TLS -----------------------------------------------------------------------------
-
-
-class CertificateFiles:
-    """The server's certificate, key and client CA, re-read when a file's
-    modification time or size changes: new handshakes use the renewed files,
-    established connections keep theirs (grpc's certificate-config fetcher)."""
-
-    def __init__(self, cert: str, key: str, client_ca: str | None) -> None:
-        self.paths = tuple(p for p in (cert, key, client_ca) if p)
-        self.cert, self.key, self.client_ca = cert, key, client_ca
-        self._stamp = self._stat()
-        self.config = self._load()  # raises OSError/ValueError on a bad start
-
-    def _stat(self) -> tuple[tuple[int, int], ...]:
-        out = []
-        for p in self.paths:
-            st = os.stat(p)
-            out.append((st.st_mtime_ns, st.st_size))
-        return tuple(out)
-
-    def _load(self) -> Any:
-        cert = Path(self.cert).read_bytes()
-        key = Path(self.key).read_bytes()
-        ca = Path(self.client_ca).read_bytes() if self.client_ca else None
-        for name, data in (("--tls-cert", cert), ("--tls-key", key), ("--client-ca", ca)):
-            if data is not None and b"-----BEGIN" not in data:
-                raise ValueError(f"{name}: not a PEM file")
-        return grpc.ssl_server_certificate_configuration([(key, cert)], ca)
-
-    def fetch(self) -> Any:
-        """Called by grpc before each handshake: a new config, or None (keep)."""
-        try:
-            stamp = self._stat()
-            if stamp == self._stamp:
-                return None
-            config = self._load()
-        except (OSError, ValueError) as exc:  # half-written renewal: keep the old one
-            log.warning("TLS files changed but could not be loaded (%s); keeping the "
-                        "previous certificate", exc)
-            return None
-        self._stamp = stamp
-        log.info("TLS certificate files reloaded")
-        return config
-
-    def credentials(self) -> grpc.ServerCredentials:
-        return grpc.dynamic_ssl_server_credentials(
-            self.config, self.fetch, require_client_authentication=self.client_ca is not None
-        )
 
 
 def is_loopback(listen: str) -> bool:

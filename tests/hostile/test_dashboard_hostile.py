@@ -23,9 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
-from fencepost_server.app import ConfigError, Settings, security
 from fencepost_server.auth import token_digest
+from fencepost_server.config import ConfigError, Settings
 from fencepost_server.testing.server import ServerThread
+from fencepost_server.tls import security
 
 TESTS = Path(__file__).resolve().parents[1]
 for sub in ("service", "system"):

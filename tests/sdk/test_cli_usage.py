@@ -18,10 +18,10 @@ import pytest
 import fencepost
 from fencepost import SyncClient
 from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
-from fencepost_server.app import Settings, SettingsError
 from fencepost_server.cli import format as cli_format
 from fencepost_server.cli import main
 from fencepost_server.cli.common import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+from fencepost_server.config import Settings, SettingsError
 from fencepost_server.testing.server import ServerThread
 
 FENCEPOST = Path(sys.executable).parent / "fencepost"

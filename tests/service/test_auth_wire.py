@@ -41,8 +41,9 @@ from fencepost.v1 import (
     run_store_pb2,
 )
 from fencepost.v1 import ledger_pb2 as pb
-from fencepost_server.app import ConfigError, Settings, security
+from fencepost_server.config import ConfigError, Settings
 from fencepost_server.testing.server import ServerThread
+from fencepost_server.tls import security
 
 PD, UA, OK = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
               grpc.StatusCode.OK)

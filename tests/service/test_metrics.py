@@ -231,7 +231,7 @@ def test_a_taken_http_port_stops_the_start_unless_it_is_the_default(
 ) -> None:
     import socket
 
-    from fencepost_server.app import Settings
+    from fencepost_server.config import Settings
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

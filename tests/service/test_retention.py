@@ -14,10 +14,10 @@ from _wire import expect
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc
 from fencepost.v1 import record_pb2 as rpb
+from fencepost_server.config import parse_duration_ms
 from fencepost_server.core import ledger as L
 from fencepost_server.core.records import Status
 from fencepost_server.testing.clock import ManualClock
-from fencepost_server.upkeep.retention import parse_duration_ms
 
 COMPLETED = rpb.RUN_STATUS_COMPLETED
 

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _proc import ServerProc, free_port
 
 from fencepost_server.addresses import split_address
-from fencepost_server.app import Settings
 from fencepost_server.cli.common import default_addr
 from fencepost_server.cli.main import build_parser
+from fencepost_server.config import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "docs" / "kubernetes.yaml"

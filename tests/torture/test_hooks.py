@@ -11,8 +11,8 @@ import pytest
 
 from fencepost.v1 import ledger_pb2 as pb
 from fencepost.v1 import ledger_pb2_grpc, testing_pb2, testing_pb2_grpc
-from fencepost_server.app import Settings
 from fencepost_server.clock import OffsetClock
+from fencepost_server.config import Settings
 from fencepost_server.testing import hooks
 from fencepost_server.testing.clock import ManualClock
 from fencepost_server.testing.server import ServerThread

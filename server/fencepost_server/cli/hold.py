@@ -37,7 +37,7 @@ from typing import Any, TextIO
 import fencepost
 from fencepost import LeaseHeldError, LeaseLostError, RunSuspendedError
 
-from ..upkeep.retention import parse_duration_ms
+from ..config import parse_duration_ms
 from .common import EXIT_LOST, positive_int, security
 
 DEFAULT_GRACE_S = 10.0

@@ -36,7 +36,7 @@ from . import ops
 from .common import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, default_addr
 
 if TYPE_CHECKING:
-    from ..app import Settings
+    from ..config import Settings
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -236,7 +236,9 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     # here, not at the top: the operator commands start without loading the server
-    from ..app import ConfigError, Settings, SettingsError, security, serve
+    from ..app import serve
+    from ..config import ConfigError, Settings, SettingsError
+    from ..tls import security
 
     try:
         settings = _serve_settings(args, Settings)

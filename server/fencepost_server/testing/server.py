@@ -23,8 +23,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..app import App, Settings
+from ..app import App
 from ..clock import Clock, SystemClock
+from ..config import Settings
 from ..storage import is_url
 from .clock import ManualClock
 

@@ -25,26 +25,6 @@ from ..writer import Reads, Writer, WriterClosed
 
 log = logging.getLogger("fencepost.retention")
 
-_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
-
-
-def parse_duration_ms(text: str, what: str) -> int:
-    """``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"500ms"`` or plain seconds
-    (``"3600"``) -> ms; RuntimeError naming ``what`` for anything else."""
-    t = text.strip().lower()
-    for unit in ("ms", "s", "m", "h", "d"):
-        if t.endswith(unit) and t[: -len(unit)].strip().isdigit():
-            value = int(t[: -len(unit)]) * _UNITS_MS[unit]
-            break
-    else:
-        value = int(t) * 1000 if t.isdigit() else 0
-    if value <= 0:
-        raise RuntimeError(
-            f"{what}: {text!r} is not a positive duration (for example 90s, 30m, 12h, 7d)"
-        )
-    return value
-
-
 class Retention:
     def __init__(
         self,

@@ -37,9 +37,7 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import re
-import ssl
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from importlib import resources
@@ -65,6 +63,7 @@ from ..core.errors import Code, LedgerError, validation
 from ..core.records import Record, Status
 from ..metrics import CONTENT_TYPE, Metrics
 from ..storage.sqlite import KIND_DELETE
+from ..tls import ContextFiles
 from ..writer import ChangeEvent, Reads, Writer
 
 log = logging.getLogger("fencepost.web")
@@ -261,45 +260,6 @@ class _Stream:
         self.writing = False
 
 
-class _TlsFiles:
-    """The dashboard's TLS context from the gRPC port's files, rebuilt before a
-    handshake when one of them changed (as the gRPC port does)."""
-
-    def __init__(self, cert: str, key: str, client_ca: str | None) -> None:
-        self.cert, self.key, self.client_ca = cert, key, client_ca
-        self.paths = tuple(p for p in (cert, key, client_ca) if p)
-        self._stamp = self._stat()
-        self.context = self._build()
-        self.context.sni_callback = self._check  # called on every handshake, SNI or not
-        self.current = self.context
-
-    def _stat(self) -> tuple[tuple[int, int], ...]:
-        return tuple((st.st_mtime_ns, st.st_size) for st in map(os.stat, self.paths))
-
-    def _build(self) -> ssl.SSLContext:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.cert, self.key)
-        if self.client_ca:
-            ctx.verify_mode = ssl.CERT_REQUIRED
-            ctx.load_verify_locations(self.client_ca)
-        return ctx
-
-    def _check(self, conn: Any, server_name: str | None, ctx: ssl.SSLContext) -> None:
-        try:
-            stamp = self._stat()
-            if stamp != self._stamp:
-                self._stamp = stamp
-                self.current = self._build()
-                log.info("dashboard TLS certificate files reloaded")
-        except (OSError, ssl.SSLError, ValueError) as exc:  # half-written: keep the old one
-            log.warning("TLS files changed but could not be loaded for the dashboard (%s); "
-                        "keeping the previous certificate", exc)
-        if self.current is not ctx:
-            conn.context = self.current
-
-
-
 class Settings(Protocol):
     """The settings the dashboard reads."""
 
@@ -362,7 +322,7 @@ class Dashboard:
         self._per_address: Counter[str] = Counter()
         self._per_principal: Counter[str] = Counter()
         self._hosts: list[tuple[str, int | None]] = []  # besides the loopback names
-        self._tls: _TlsFiles | None = None
+        self._tls: ContextFiles | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self.ports: list[int] = []  # every port listened on
         self.http_port = 0  # the dashboard's (0: not served)
@@ -396,7 +356,7 @@ class Dashboard:
         s = self.source.settings
         assert self.source.writer is not None
         if s.tls_cert and http_listen:
-            self._tls = _TlsFiles(s.tls_cert, s.tls_key, s.client_ca or None)
+            self._tls = ContextFiles(s.tls_cert, s.tls_key, s.client_ca or None)
         self._hosts = [host_entry(h) for h in s.http_allowed_hosts]
         self._unsubscribe = self.source.writer.subscribe(self._on_changes)
         for address, full in ((http_listen, True), (metrics_listen, False)):
