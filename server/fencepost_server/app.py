@@ -1,6 +1,7 @@
-"""Composition root: builds everything from one frozen Settings and owns the
-shutdown order (health NOT_SERVING -> server.stop(grace) -> writer drains and
-commits -> database closes)."""
+"""Composition root: builds every part from one frozen Settings, runs their
+tasks under one ``asyncio.TaskGroup`` and owns the shutdown order (health
+NOT_SERVING -> server.stop(grace) -> writer drains and commits -> leadership
+handed over -> database closes)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import contextlib
 import logging
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +25,7 @@ from . import version
 from .auth import Authenticator
 from .clock import Clock, OffsetClock, SystemClock
 from .config import Settings, duration_ms, parse_duration_ms
-from .core import ledger as L
-from .core.errors import Code, LedgerError
+from .ha.coordinator import Coordinator
 from .hub import ClientLimits, FenceHub
 from .metrics import Metrics
 from .rpc.engine_store import EngineStoreService, start_engine_store, sweep_uploads
@@ -47,37 +46,12 @@ from .writer import Reads, Writer
 
 if TYPE_CHECKING:
     from .ha.leadership import Leadership
-    from .storage.postgres import PostgresStorage
 
 log = logging.getLogger("fencepost")
 
-
-
 # TEST-ONLY broken builds (``--fault``, testing/hooks.py), honoured only with ``--test-hooks``.
 FAULTS = hooks.FAULTS
-
-
 EXIT_DEPOSED = 3  # fencepost serve: this coordinator lost leadership (restart it)
-
-
-def _migrate(storage: PostgresStorage) -> None:
-    """Create or upgrade the PostgreSQL schema on a short-lived connection."""
-    import psycopg
-
-    from .storage import postgres
-
-    try:
-        db = postgres.connect(storage.url, f"fencepost-migrate {storage.name}")
-        try:
-            postgres.migrate(db, storage.path)
-        finally:
-            db.close()
-    except psycopg.Error as exc:  # unreachable, no such database, no permission...
-        raise RuntimeError(
-            f"{storage.path}: {postgres.first_line(exc)}; refusing to start"
-        ) from None
-
-
 
 health_aio: Any = health.aio  # type: ignore[attr-defined]  # untyped in grpcio-health-checking
 
@@ -88,6 +62,29 @@ SERVICE_NAMES = (
 )
 
 
+def transport_receive_limit(max_message_bytes: int) -> int:
+    """gRPC's receive limit: 4x ours, at least 16 MiB."""
+    return max(4 * max_message_bytes, 16 * 1024 * 1024)
+
+
+def grpc_options(s: Settings) -> list[tuple[str, Any]]:
+    return [
+        # Our own limit (rpc/registry.py) answers an oversized message
+        # with RUN_VALIDATION_ERROR and keeps the stream; gRPC's, above it,
+        # only cuts what is far too big to buffer.
+        ("grpc.max_receive_message_length", transport_receive_limit(s.max_message_bytes)),
+        ("grpc.max_send_message_length", s.max_message_bytes),
+        ("grpc.max_concurrent_streams", s.max_concurrent_streams),
+        ("grpc.so_reuseport", 0),
+        # The SDK pings every 2 s while it has calls open, to notice a frozen
+        # coordinator: allow pings that often (gRPC's default answers them
+        # with GOAWAY), with or without calls. And ping clients that have gone
+        # quiet, to close the streams of a worker whose machine vanished.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+    ]
 
 
 @dataclass
@@ -113,15 +110,55 @@ class App:
     dashboard: Dashboard | None = None
     authn: Authenticator | None = None  # None: no identities (the dashboard shares it)
     serving: bool = False
-    leadership: Leadership | None = None  # PostgreSQL: who leads (leadership.py)
     identity: str = ""
-    # set when this coordinator stops leading; ``serve`` then exits with code 3
-    deposed: asyncio.Event = field(default_factory=asyncio.Event)
-    _leading: bool = False
+    coordinator: Coordinator = field(init=False)
     _lead_task: asyncio.Task[None] | None = None
     _retain_ms: int = 0
+    _db: str = ""  # the database, as the log names it
+    _run: asyncio.Task[None] | None = None
+    _stopping: asyncio.Future[float] | None = None
+    _tasks: asyncio.TaskGroup = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.coordinator = Coordinator(
+            self.clock, prepare=self._prepare, serving=self._serving, deposed=self._deposed)
+
+    @property
+    def leadership(self) -> Leadership | None:
+        """PostgreSQL: who leads (ha/leadership.py); None on SQLite."""
+        return self.coordinator.leadership
+
+    @property
+    def deposed(self) -> asyncio.Event:
+        """Set when this coordinator stops leading; ``serve`` then exits with code 3."""
+        return self.coordinator.deposed
 
     async def start(self) -> App:
+        """Build and listen; returns once listening (a standby keeps campaigning)."""
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[None] = loop.create_future()
+        self._stopping = loop.create_future()
+        self._run = asyncio.create_task(self._main(started), name="fencepost-app")
+        await started  # raises why the start failed
+        return self
+
+    async def _main(self, started: asyncio.Future[None]) -> None:
+        """Every task of the coordinator runs in this one group."""
+        assert self._stopping is not None
+        async with asyncio.TaskGroup() as tasks:
+            self._tasks = tasks
+            try:
+                await self._build(tasks)
+            except Exception as exc:  # to start(), as raised: not in an ExceptionGroup
+                started.set_exception(exc)
+                return
+            except BaseException:
+                started.cancel()
+                raise
+            started.set_result(None)
+            await self._shutdown(await self._stopping)
+
+    async def _build(self, tasks: asyncio.TaskGroup) -> None:
         s = self.settings
         if s.fault and s.fault not in FAULTS:
             raise RuntimeError(f"unknown --fault {s.fault!r}; known: {', '.join(FAULTS)}")
@@ -131,17 +168,20 @@ class App:
             if s.retain_terminal else 0
         self._retain_ms = retain_ms
         storage: SqlStorage
+        self._db = str(Path(s.db_path))
         # psycopg and the leadership module load only for PostgreSQL: a server
         # on a SQLite file starts sooner and holds about 11 MiB less
         pg = is_url(s.db_path)
         if pg:
             from .ha.leadership import default_identity
+            from .storage import postgres
             from .storage.postgres import PostgresStorage
 
             self.identity = default_identity()
             storage = PostgresStorage(
                 s.db_path, durable=s.durability is Durability.FULL, name=self.identity,
                 unsafe_skip_epoch_check=s.test_hooks and s.fault == "no-epoch-check")
+            self._db = str(storage.path)
         else:
             storage = SqliteStorage(s.db_path, s.durability)
         writer = self.writer = Writer(
@@ -153,11 +193,8 @@ class App:
             history_revisions=s.history_revisions,
             history_max_age_ms=s.history_max_age_s * 1000,
             prune_every_ms=int(s.prune_every_s * 1000),
-            on_failed_commit=self._on_failed_commit,
-            # a renewal is answered from memory only while this coordinator
-            # is sure it leads (docs/SPEC.md §9.1); else it goes to the epoch check
-            memory_ok=(lambda: self._leading and self.leadership is not None
-                       and self.leadership.leading) if pg else None,
+            on_failed_commit=self.coordinator.on_failed_commit,
+            memory_ok=self.coordinator.memory_ok if pg else None,
             **(hooks.writer_faults(s.fault) if s.test_hooks else {}),
         )
         reads = self.reads = Reads(storage, lambda: writer.state)
@@ -165,7 +202,7 @@ class App:
             assert isinstance(storage, PostgresStorage)
             # the schema first (standbys need the leader row), then only the
             # leader loads the state (``_lead``)
-            await asyncio.to_thread(_migrate, storage)
+            await asyncio.to_thread(postgres.prepare, storage)
         else:
             await self.writer.start()
         self.engine_store, self._engine_reader = start_engine_store(self.writer, storage.reader)
@@ -177,31 +214,13 @@ class App:
                                 max_tracked_per_principal=s.max_tracked_per_principal))
         self.hub.start()
         self.metrics = Metrics(self.writer, self.hub, self.clock, version())
-        self.metrics.leadership = self._leader_gauge
+        self.metrics.leadership = self.coordinator.gauge
         instrument = instrumented(self.metrics)
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
         self._history = HistoryReader(storage.reader)
-        options = [
-            # Our own limit (rpc/registry.py) answers an oversized message
-            # with RUN_VALIDATION_ERROR and keeps the stream; gRPC's, above it,
-            # only cuts what is far too big to buffer.
-            ("grpc.max_receive_message_length", transport_receive_limit(s.max_message_bytes)),
-            ("grpc.max_send_message_length", s.max_message_bytes),
-            ("grpc.max_concurrent_streams", s.max_concurrent_streams),
-            ("grpc.so_reuseport", 0),
-            # The SDK pings every 2 s while it has calls open, to notice a
-            # frozen coordinator: allow pings that often (gRPC's default
-            # answers them with GOAWAY), with or without calls. And ping
-            # clients that have gone quiet, to close the streams of a worker
-            # whose machine vanished.
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-        ]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(options=grpc_options(s))
         guarded: dict[str, Any] = {"authn": authn, "max_message_bytes": s.max_message_bytes,
-                                   "gate": self._gate}
+                                   "gate": self.coordinator.gate}
         add_service(
             self.server,
             LedgerService(
@@ -231,7 +250,7 @@ class App:
             self._test_hooks({**guarded, "gate": None})
         self.health = health_aio.HealthServicer()
         # gRPC's servicer starts out SERVING for "": not before the state is
-        # loaded and every listener is up (_serve_as_leader says so)
+        # loaded and every listener is up (the coordinator says so)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -258,113 +277,43 @@ class App:
             from .ha.leadership import Leadership
 
             assert isinstance(storage, PostgresStorage)
-            self.leadership = Leadership(
+            leadership = Leadership(
                 storage.url, self.clock, address=s.advertise or self.address,
                 identity=self.identity,
                 lease_ms=duration_ms(s.leader_lease), renew_ms=duration_ms(s.leader_renew),
                 max_skew_ms=duration_ms(s.max_clock_skew, "max_clock_skew"),
             )
-            self._lead_task = asyncio.create_task(self._lead(storage), name="fencepost-leader")
+            self._lead_task = tasks.create_task(
+                self.coordinator.lead(leadership, storage, self.writer, self._describe),
+                name="fencepost-leader")
             log.info("fencepost standby on %s (db=%s, advertised as %s): waiting to lead",
-                     self.address, storage.path, self.leadership.address)
+                     self.address, storage.path, leadership.address)
         else:
-            await self._serve_as_leader()
-            log.info(
-                "fencepost serving on %s (db=%s, durability=%s, revision=%d, runs=%d)",
-                self.address,
-                Path(s.db_path),
-                s.durability.value,
-                self.writer.state.revision,
-                len(self.writer.state.index),
-            )
-        return self
+            await self.coordinator.lead_alone()
+            log.info("fencepost serving on %s", self._describe())
 
-    async def _serve_as_leader(self) -> None:
-        """The writer runs: sweep what a crash left, start retention, SERVING."""
+    async def _prepare(self) -> None:
+        """The state is loaded: sweep what a crash left, start retention."""
         assert self.writer is not None and self.reads is not None
         await sweep_uploads(self.writer)
         if self._retain_ms:
             self.retention = Retention(self.writer, self.reads, self.clock, self._retain_ms)
-            self.retention.start()
-        self._leading = True
+            self.retention.start(self._tasks)
+
+    async def _serving(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
-    async def _lead(self, storage: PostgresStorage) -> None:
-        """Standby until this coordinator takes over; then load, extend the
-        live leases by the time the coordinator was unavailable, serve, and
-        renew until leadership is lost (then ``deposed`` is set)."""
-        ld = self.leadership
-        assert ld is not None and self.writer is not None
-        try:
-            takeover = await ld.campaign()
-            storage.epoch = takeover.epoch
-            keeper = asyncio.create_task(ld.keep(), name="fencepost-leader-renewal")
-            started = time.perf_counter()
-            await self.writer.start()
-            log.info("taking over (epoch %d): loaded revision %d, %d runs in %.2f s",
-                     takeover.epoch, self.writer.state.revision, len(self.writer.state.index),
-                     time.perf_counter() - started)
-            if takeover.gap_ms:
-                extended = await self.writer.submit(
-                    L.ExtendLeases(takeover.gap_ms, self.clock.now_ms() - takeover.gap_ms)
-                )
-                assert isinstance(extended, L.LeasesExtended)
-                log.info("epoch %d: extended %d leases and %d claims and locks by %d ms",
-                         takeover.epoch, extended.runs, extended.others, takeover.gap_ms)
-            if ld.leading:
-                await self._serve_as_leader()
-                log.info(
-                    "leading (epoch %d) on %s after %s; loaded revision %d, %d runs in %.2f s; "
-                    "leases extended by %d ms",
-                    takeover.epoch, ld.address, takeover.previous or "a fresh database",
-                    self.writer.state.revision, len(self.writer.state.index),
-                    time.perf_counter() - started, takeover.gap_ms,
-                )
-                log.info("fencepost serving on %s (db=%s, durability=%s, revision=%d, runs=%d)",
-                         self.address, storage.path, self.settings.durability.value,
-                         self.writer.state.revision, len(self.writer.state.index))
-            why = await keeper
-        except asyncio.CancelledError:
-            raise
-        except (LedgerError, RuntimeError, *storage.ERRORS) as exc:  # a database failure
-            why = f"could not take over: {exc}"
-            log.error("taking over failed: %s", exc)
-        except Exception as exc:  # could not load or extend: not leading
-            why = f"could not take over: {exc}"
-            log.exception("taking over failed")
-        self._depose(why)
-
-    def _depose(self, why: str) -> None:
-        """Leadership is lost: refuse everything from now on (``deposed``)."""
-        if self.leadership is not None:
-            self.leadership.lose(why)
-        self._leading = False
+    def _deposed(self) -> None:
         if self.hub is not None:
             self.hub.shutdown()  # streams end with UNAVAILABLE: clients go to the new leader
         if self.health is not None:
-            asyncio.get_running_loop().create_task(
-                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
-        self.deposed.set()
+            self._tasks.create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
-    def _on_failed_commit(self, exc: LedgerError) -> None:
-        if exc.code is Code.NOT_LEADER and self.leadership is not None:
-            self._depose("a batch found the epoch moved: another coordinator took over")
-
-    def _leader_gauge(self) -> tuple[int, int]:
-        ld = self.leadership
-        if ld is None:
-            return int(self._leading), 0
-        return int(self._leading and ld.leading), ld.epoch or 0
-
-    def _gate(self) -> LedgerError | None:
-        """None while this coordinator leads; else why it refuses (NOT_LEADER)."""
-        ld = self.leadership
-        if ld is None or (self._leading and ld.leading):
-            return None
-        from .storage.postgres import NotLeader  # loaded: only PostgreSQL has a leadership
-
-        leader = ld.leader_address
-        return NotLeader("" if leader == ld.address else leader)
+    def _describe(self) -> str:
+        assert self.writer is not None
+        s = self.settings
+        return (f"{self.address} (db={self._db}, durability={s.durability.value}, "
+                f"revision={self.writer.state.revision}, runs={len(self.writer.state.index)})")
 
     def _test_hooks(self, guarded: dict[str, Any]) -> None:
         """TEST-ONLY: register TestHooks and switch on a broken build (torture/)."""
@@ -394,7 +343,7 @@ class App:
             )
 
     async def _start_http(self) -> None:
-        """The dashboard + /metrics, and the metrics-only listener (web.py)."""
+        """The dashboard + /metrics, and the metrics-only listener (web/)."""
         s = self.settings
         metrics_listen = s.metrics_listen
         if not metrics_listen and s.metrics_port:
@@ -405,7 +354,7 @@ class App:
         try:
             await self.dashboard.start(s.http_listen, metrics_listen, Settings.http_listen)
         except RuntimeError:
-            await self.stop(0)
+            await self._shutdown(0)
             raise
 
     @property
@@ -453,7 +402,13 @@ class App:
     async def stop(self, grace: float | None = None) -> None:
         """Graceful: NOT_SERVING, stop accepting, finish in-flight calls, then
         let the writer commit what it has and close the database."""
-        grace = self.settings.shutdown_grace_s if grace is None else grace
+        assert self._run is not None and self._stopping is not None
+        if not self._stopping.done():
+            self._stopping.set_result(self.settings.shutdown_grace_s if grace is None else grace)
+        await self._run
+
+    async def _shutdown(self, grace: float) -> None:
+        """The shutdown order; the group's tasks end here, before it exits."""
         if self.health is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._lead_task is not None:
@@ -481,11 +436,7 @@ class App:
             await self.writer.close()
         if self.reads is not None:
             await self.reads.close()
-        if self.leadership is not None:
-            if self._leading and self.leadership.leading:
-                await self.leadership.resign()  # a standby takes over at once
-            self._leading = False
-            await self.leadership.close()
+        await self.coordinator.close()  # a standby takes over at once
         if self._engine_reader is not None:
             await asyncio.to_thread(self._engine_reader.close)
         if self._history_executor is not None and self._history is not None:
@@ -493,11 +444,6 @@ class App:
             await asyncio.get_running_loop().run_in_executor(self._history_executor, history.close)
             self._history_executor.shutdown(wait=True)
         log.info("fencepost stopped")
-
-
-def transport_receive_limit(max_message_bytes: int) -> int:
-    """gRPC's receive limit: 4x ours, at least 16 MiB."""
-    return max(4 * max_message_bytes, 16 * 1024 * 1024)
 
 
 async def serve(settings: Settings, clock: Clock | None = None) -> None:

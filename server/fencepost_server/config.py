@@ -75,7 +75,7 @@ class Settings:
     health_listen: str = ""  # also serve only gRPC health here, plaintext (probes under TLS)
     max_tracked_per_stream: int = 100_000  # leases one KeepAlive stream may track
     max_inflight_per_stream: int = 4096  # unanswered commands per Execute stream
-    # What one client's streams may hold (streams.ClientLimits): items queued
+    # What one client's streams may hold (hub.ClientLimits): items queued
     # for a reader (stream_queue_limit per stream) and leases tracked.
     max_queued_per_connection: int = 131_072
     max_queued_per_principal: int = 262_144

@@ -33,11 +33,8 @@ SDK_BACK_ARROWS = {
     ("fencepost._transaction", "fencepost._client"),
     ("fencepost._store", "fencepost._transaction"),
 }
-# Server modules that import a SQL driver outside storage/: moves with the re-layout.
-SQL_OUTSIDE_STORAGE = {
-    "fencepost_server.app",  # psycopg's error type at migration
-    "fencepost_server.ha.leadership",  # its own PostgreSQL connection
-}
+# Server modules that import a SQL driver outside storage/: none.
+SQL_OUTSIDE_STORAGE: set[str] = set()
 # Server modules outside rpc/ that may import the generated messages: the
 # composition root registers the services by their descriptors, and the
 # package's version line names the API it serves.
@@ -185,6 +182,41 @@ def test_one_module_builds_a_grpc_status() -> None:
            if name != "fencepost_server.rpc.status"
            for word in STATUS_BUILDERS if word in path.read_text(encoding="utf-8")]
     assert bad == []
+
+
+def _importers(prefixes: tuple[str, ...], targets: tuple[str, ...]) -> list[str]:
+    """Imports by a module under one of ``prefixes`` of a module under one of ``targets``."""
+    mods = modules(SERVER)
+
+    def under(name: str, roots: tuple[str, ...]) -> bool:
+        return any(name == r or name.startswith(r + ".") for r in roots)
+
+    return [f"{i.module}:{i.line} imports {i.target}"
+            for name, path in mods.items() if under(name, prefixes)
+            for i in imports_of(name, path, mods) if under(i.target, targets)]
+
+
+def test_nothing_below_the_composition_root_imports_it() -> None:
+    """app.py builds everything; only the CLI and the test kit, above it, start it."""
+    users = {i.split(":")[0] for i in _importers(("fencepost_server",), ("fencepost_server.app",))}
+    assert users <= {"fencepost_server.cli.main", "fencepost_server.testing.server"}, users
+
+
+def test_the_dashboard_reads_through_its_source_not_app_or_storage() -> None:
+    assert _importers(("fencepost_server.web",),
+                      ("fencepost_server.app", "fencepost_server.storage")) == []
+
+
+def test_the_house_floors_import_only_downward() -> None:
+    """config and tls sit under everything that serves; ha/ and upkeep/ under app."""
+    low = ("fencepost_server.config", "fencepost_server.tls")
+    high = ("fencepost_server.app", "fencepost_server.ha", "fencepost_server.upkeep",
+            "fencepost_server.web", "fencepost_server.services", "fencepost_server.writer",
+            "fencepost_server.cli", "fencepost_server.testing")
+    assert _importers(low, high) == []
+    assert _importers(("fencepost_server.ha", "fencepost_server.upkeep"),
+                      ("fencepost_server.web", "fencepost_server.services",
+                       "fencepost_server.cli", "fencepost_server.testing")) == []
 
 
 def test_no_product_module_imports_the_dev_tools() -> None:

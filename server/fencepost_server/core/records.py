@@ -38,6 +38,10 @@ class Status(IntEnum):
 
 TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED})
 
+# What one change of the log did to its run: written, or hard-deleted.
+KIND_PUT = 1
+KIND_DELETE = 2
+
 TRANSITIONS: dict[Status, frozenset[Status]] = {
     Status.QUEUED: frozenset({Status.RUNNING, Status.CANCELLED, Status.FAILED}),
     Status.RUNNING: frozenset(

@@ -50,11 +50,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
-from psycopg import errors as pg_errors
-
 from ..clock import Clock
-from ..storage.postgres import PgConnection, connect, first_line
+from ..storage.postgres import (
+    DRIVER_ERRORS,
+    LockNotAvailable,
+    PgConnection,
+    connect,
+    first_line,
+)
 
 log = logging.getLogger("fencepost.leadership")
 
@@ -181,7 +184,7 @@ class Leadership:
         while True:
             try:
                 won, wait_ms = await loop.run_in_executor(self._thread, self._try_take_over)
-            except psycopg.Error as exc:
+            except DRIVER_ERRORS as exc:
                 log.warning("leader election: %s", first_line(exc))
                 self._drop()
                 won, wait_ms = None, self.renew_ms
@@ -200,7 +203,7 @@ class Leadership:
                     f"SELECT epoch, holder, address, renewed_at, expires_at, {_DB_NOW}, "
                     "process FROM fencepost_leader WHERE id = 1 FOR UPDATE"
                 ).fetchone()
-            except pg_errors.LockNotAvailable:
+            except LockNotAvailable:
                 db.execute("ROLLBACK")
                 return None, self._unblock(db)
             assert row is not None, "the leader row is created by the schema migration"
@@ -255,7 +258,7 @@ class Leadership:
                     why = await loop.run_in_executor(self._thread, self._renew)
             except TimeoutError:
                 return self._lose("the leader row was not renewed within the leader lease")
-            except psycopg.Error as exc:
+            except DRIVER_ERRORS as exc:
                 log.warning("leader renewal failed: %s", first_line(exc))
                 self._drop()
                 continue
@@ -304,7 +307,9 @@ class Leadership:
         try:
             async with asyncio.timeout(2):  # not wait_for (see keep)
                 await loop.run_in_executor(self._thread, self._resign)
-        except (TimeoutError, psycopg.Error) as exc:
+        except TimeoutError as exc:
+            log.warning("could not give leadership up: %r", exc)
+        except DRIVER_ERRORS as exc:
             log.warning("could not give leadership up: %r", exc)
 
     def _resign(self) -> None:

@@ -359,6 +359,12 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+# What a call on a PgConnection raises, and the one error callers outside
+# storage/ tell apart (a ``lock_timeout`` ran out): they need no driver import.
+DRIVER_ERRORS: tuple[type[Exception], ...] = (psycopg.Error,)
+LockNotAvailable = pg_errors.LockNotAvailable
+
+
 class NotLeader(LedgerError):
     def __init__(self, leader: str) -> None:
         where = f"the leader is at {leader}" if leader else "no leader is known yet"
@@ -506,6 +512,19 @@ class PostgresStorage(SqlStorage):
             (cutoff_ms, at, run_id, limit),
         ).fetchall()
         return [(r[0], r[1], r[2]) for r in rows]
+
+
+def prepare(storage: PostgresStorage) -> None:
+    """Create or upgrade the schema on a short-lived connection; RuntimeError
+    (the server refuses to start) when the database cannot be reached or used."""
+    try:
+        db = connect(storage.url, f"fencepost-migrate {storage.name}")
+        try:
+            migrate(db, storage.path)
+        finally:
+            db.close()
+    except psycopg.Error as exc:  # unreachable, no such database, no permission...
+        raise RuntimeError(f"{storage.path}: {first_line(exc)}; refusing to start") from None
 
 
 def migrate(db: PgConnection, where: str) -> None:

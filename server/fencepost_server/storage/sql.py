@@ -19,6 +19,8 @@ import orjson
 from ..core import codec
 from ..core.errors import LedgerError
 from ..core.records import (
+    KIND_DELETE,  # noqa: F401  (re-exported with KIND_PUT: the log's kinds)
+    KIND_PUT,
     MAX_INT64,
     MAX_SAFE,
     Record,
@@ -31,9 +33,6 @@ from ..core.records import (
 # from the runs table on demand once it reflects them.
 HOT_STATUSES = (1, 2, 3)  # queued, running, suspended
 COLD_STATUSES = (4, 5, 6)  # completed, failed, cancelled
-
-KIND_PUT = 1
-KIND_DELETE = 2
 
 log = logging.getLogger("fencepost.storage")
 

@@ -75,8 +75,8 @@ class Retention:
             if len(due) < self.chunk:
                 return done
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="fencepost-retention")
+    def start(self, tasks: asyncio.TaskGroup) -> None:
+        self._task = tasks.create_task(self._loop(), name="fencepost-retention")
 
     async def _loop(self) -> None:
         while True:

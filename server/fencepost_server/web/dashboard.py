@@ -60,9 +60,8 @@ from ..core import engine as E
 from ..core import ledger as L
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
-from ..core.records import Record, Status
+from ..core.records import KIND_DELETE, Record, Status
 from ..metrics import CONTENT_TYPE, Metrics
-from ..storage.sqlite import KIND_DELETE
 from ..tls import ContextFiles
 from ..writer import ChangeEvent, Reads, Writer
 
