@@ -14,7 +14,7 @@ creation order), on a fresh SQLite file at durability FULL:
    from run to run with the writer's periodic work (copying runs into the
    runs table, pruning, checkpoints); 50,000 average over it.
    The ratio of the last checkpoint to the first is the growth. Full garbage
-   collections follow the schedule ``fencepost serve`` gives them (gcpolicy.py).
+   collections follow the schedule ``fencepost serve`` gives them (upkeep/gcpolicy.py).
 2. **Live work**: ``--live`` more runs are acquired and left running.
    Then ``--rounds`` interleaved rounds (default 3; 0: none), each a slice
    on the big store (its writer still the fill's) and, right after, the

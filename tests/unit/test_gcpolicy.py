@@ -1,4 +1,4 @@
-"""The serving process's full-collection schedule (gcpolicy.py)."""
+"""The serving process's full-collection schedule (upkeep/gcpolicy.py)."""
 
 from __future__ import annotations
 

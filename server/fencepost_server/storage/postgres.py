@@ -9,7 +9,7 @@ cluster has any), and only then does the writer answer anyone. A broken
 connection fails its batch (STORAGE_UNAVAILABLE, nothing changed) and the next
 batch reconnects.
 
-Leadership (leadership.py): while this storage serves a leader, every batch
+Leadership (ha/leadership.py): while this storage serves a leader, every batch
 first reads the leader row FOR KEY SHARE and checks that it still holds this
 coordinator's epoch. That lock is held until COMMIT, and a takeover locks the
 row FOR UPDATE (which waits for it) before it bumps the epoch, so a batch
@@ -181,7 +181,7 @@ MIGRATIONS: list[list[str]] = [
                upload_id  {_TEXT} PRIMARY KEY,
                started_at BIGINT NOT NULL
            )""",
-        # Leadership (leadership.py): one row. The epoch increases on every
+        # Leadership (ha/leadership.py): one row. The epoch increases on every
         # change of leader; times are the database's clock, in ms.
         """CREATE TABLE fencepost_leader (
                id         INTEGER PRIMARY KEY CHECK (id = 1),
@@ -241,7 +241,7 @@ MIGRATIONS: list[list[str]] = [
         "DELETE FROM saved_index WHERE revision <> (SELECT value FROM meta WHERE "
         "key = 'revision') OR revision <> (SELECT value FROM meta WHERE key = 'materialized')",
     ],
-    # 4 -> 5: the leader's process (leadership.py, process_proof), so that a
+    # 4 -> 5: the leader's process (ha/leadership.py, process_proof), so that a
     # coordinator restarted in place after a crash need not wait for the lease.
     [
         "ALTER TABLE fencepost_leader ADD COLUMN process TEXT NOT NULL DEFAULT ''",
