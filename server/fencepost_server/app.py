@@ -16,10 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from fencepost.v1 import engine_store_pb2, ledger_pb2, run_store_pb2, testing_pb2
 
 from . import version
 from .auth import Authenticator
@@ -31,8 +27,8 @@ from .metrics import Metrics
 from .rpc.engine_store import EngineStoreService, start_engine_store, sweep_uploads
 from .rpc.interceptors import instrumented
 from .rpc.ledger import LedgerService
-from .rpc.registry import add_service
 from .rpc.run_store import RunStoreService
+from .rpc.server import Health, add_test_hooks, server
 from .storage import engine_sql, is_url
 from .storage.engine_sql import EngineReader
 from .storage.sql import HistoryReader, SqlStorage
@@ -53,39 +49,6 @@ log = logging.getLogger("fencepost")
 FAULTS = hooks.FAULTS
 EXIT_DEPOSED = 3  # fencepost serve: this coordinator lost leadership (restart it)
 
-health_aio: Any = health.aio  # type: ignore[attr-defined]  # untyped in grpcio-health-checking
-
-SERVICE_NAMES = (
-    ledger_pb2.DESCRIPTOR.services_by_name["Ledger"].full_name,
-    run_store_pb2.DESCRIPTOR.services_by_name["RunStore"].full_name,
-    engine_store_pb2.DESCRIPTOR.services_by_name["EngineStore"].full_name,
-)
-
-
-def transport_receive_limit(max_message_bytes: int) -> int:
-    """gRPC's receive limit: 4x ours, at least 16 MiB."""
-    return max(4 * max_message_bytes, 16 * 1024 * 1024)
-
-
-def grpc_options(s: Settings) -> list[tuple[str, Any]]:
-    return [
-        # Our own limit (rpc/registry.py) answers an oversized message
-        # with RUN_VALIDATION_ERROR and keeps the stream; gRPC's, above it,
-        # only cuts what is far too big to buffer.
-        ("grpc.max_receive_message_length", transport_receive_limit(s.max_message_bytes)),
-        ("grpc.max_send_message_length", s.max_message_bytes),
-        ("grpc.max_concurrent_streams", s.max_concurrent_streams),
-        ("grpc.so_reuseport", 0),
-        # The SDK pings every 2 s while it has calls open, to notice a frozen
-        # coordinator: allow pings that often (gRPC's default answers them
-        # with GOAWAY), with or without calls. And ping clients that have gone
-        # quiet, to close the streams of a worker whose machine vanished.
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-    ]
-
 
 @dataclass
 class App:
@@ -96,11 +59,9 @@ class App:
     writer: Writer | None = None
     reads: Reads | None = None
     server: grpc.aio.Server | None = None
-    health: Any = None
+    health: Health = field(default_factory=Health)
     hub: FenceHub | None = None
     port: int = 0
-    health_server: grpc.aio.Server | None = None
-    health_port: int = 0
     _history: HistoryReader | None = None
     _history_executor: ThreadPoolExecutor | None = None
     engine_store: EngineStoreService | None = None
@@ -109,7 +70,6 @@ class App:
     metrics: Metrics | None = None
     dashboard: Dashboard | None = None
     authn: Authenticator | None = None  # None: no identities (the dashboard shares it)
-    serving: bool = False
     identity: str = ""
     coordinator: Coordinator = field(init=False)
     _lead_task: asyncio.Task[None] | None = None
@@ -218,44 +178,22 @@ class App:
         instrument = instrumented(self.metrics)
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
         self._history = HistoryReader(storage.reader)
-        self.server = grpc.aio.server(options=grpc_options(s))
         guarded: dict[str, Any] = {"authn": authn, "max_message_bytes": s.max_message_bytes,
                                    "gate": self.coordinator.gate}
-        add_service(
-            self.server,
+        self.server = server(
             LedgerService(
                 self.writer, self.hub, self._history, self._history_executor, reads=reads,
                 max_tracked_per_stream=s.max_tracked_per_stream,
                 max_inflight_per_stream=s.max_inflight_per_stream,
             ),
-            ledger_pb2.DESCRIPTOR.services_by_name["Ledger"],
-            **guarded,
-            instrument=instrument,
-        )
-        add_service(
-            self.server,
             RunStoreService(self.writer, reads),
-            run_store_pb2.DESCRIPTOR.services_by_name["RunStore"],
-            **guarded,
-            instrument=instrument,
-        )
-        add_service(
-            self.server,
             self.engine_store,
-            engine_store_pb2.DESCRIPTOR.services_by_name["EngineStore"],
-            **guarded,
-            instrument=instrument,
-        )
+            max_concurrent_streams=s.max_concurrent_streams, instrument=instrument, **guarded)
         if s.test_hooks or s.fault:
             self._test_hooks({**guarded, "gate": None})
-        self.health = health_aio.HealthServicer()
-        # gRPC's servicer starts out SERVING for "": not before the state is
-        # loaded and every listener is up (the coordinator says so)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        # not SERVING before the state is loaded and every listener is up
+        await self.health.set(False)
+        self.health.add_to(self.server)
         if credentials is None:
             self.port = self.server.add_insecure_port(s.listen)
         else:
@@ -264,12 +202,7 @@ class App:
             raise RuntimeError(f"could not listen on {s.listen}")
         await self.server.start()
         if s.health_listen:
-            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_port = self.health_server.add_insecure_port(s.health_listen)
-            if self.health_port == 0:
-                raise RuntimeError(f"could not listen on {s.health_listen} (--health-listen)")
-            await self.health_server.start()
+            await self.health.listen(s.health_listen)
         # the dashboard and /metrics (with /healthz) listen before health says
         # SERVING: a probe of either that follows the gRPC one finds them up
         await self._start_http()
@@ -301,13 +234,12 @@ class App:
             self.retention.start(self._tasks)
 
     async def _serving(self) -> None:
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(True)
 
     def _deposed(self) -> None:
         if self.hub is not None:
             self.hub.shutdown()  # streams end with UNAVAILABLE: clients go to the new leader
-        if self.health is not None:
-            self._tasks.create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._tasks.create_task(self.health.set(False))
 
     def _describe(self) -> str:
         assert self.writer is not None
@@ -317,8 +249,6 @@ class App:
 
     def _test_hooks(self, guarded: dict[str, Any]) -> None:
         """TEST-ONLY: register TestHooks and switch on a broken build (torture/)."""
-        from .rpc.test_hooks import TestHooksService
-
         s = self.settings
         if not s.test_hooks:
             log.warning("--fault %s ignored: it is only honoured with --test-hooks", s.fault)
@@ -329,12 +259,7 @@ class App:
             "clock (%s). NEVER run this in production.",
             type(self.clock).__name__,
         )
-        add_service(
-            self.server,
-            TestHooksService(self.clock),
-            testing_pb2.DESCRIPTOR.services_by_name["TestHooks"],
-            **guarded,
-        )
+        add_test_hooks(self.server, self.clock, **guarded)
         if s.fault:  # built into the writer (hooks.writer_faults)
             log.warning(
                 "BROKEN BUILD --fault %s: this server violates its guarantees on purpose "
@@ -388,11 +313,14 @@ class App:
 
         return await self._engine_reader.run(read)
 
-    async def _set_health(self, status: Any) -> None:
-        assert self.health is not None
-        self.serving = status == health_pb2.HealthCheckResponse.SERVING
-        for name in ("", *SERVICE_NAMES):
-            await self.health.set(name, status)
+    @property
+    def serving(self) -> bool:
+        return self.health.serving
+
+    @property
+    def health_port(self) -> int:
+        """The health-only listener's port (0: none)."""
+        return self.health.port
 
     @property
     def address(self) -> str:
@@ -409,8 +337,8 @@ class App:
 
     async def _shutdown(self, grace: float) -> None:
         """The shutdown order; the group's tasks end here, before it exits."""
-        if self.health is not None:
-            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:  # built: health can say so
+            await self.health.set(False)
         if self._lead_task is not None:
             self._lead_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -424,8 +352,7 @@ class App:
             self.hub.shutdown()  # streams end with UNAVAILABLE
         if self.server is not None:
             await self.server.stop(grace)
-        if self.health_server is not None:
-            await self.health_server.stop(0)
+        await self.health.stop()
         if self.hub is not None:
             await self.hub.close()
         if self.engine_store is not None:
