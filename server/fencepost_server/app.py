@@ -29,7 +29,7 @@ from .rpc.interceptors import instrumented
 from .rpc.ledger import LedgerService
 from .rpc.run_store import RunStoreService
 from .rpc.server import Health, add_test_hooks, server
-from .storage import engine_sql, is_url
+from .storage import is_url
 from .storage.engine_sql import EngineReader
 from .storage.sql import HistoryReader, SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
@@ -189,8 +189,10 @@ class App:
             RunStoreService(self.writer, reads),
             self.engine_store,
             max_concurrent_streams=s.max_concurrent_streams, instrument=instrument, **guarded)
-        if s.test_hooks or s.fault:
-            self._test_hooks({**guarded, "gate": None})
+        if s.test_hooks:  # TEST-ONLY; a fault is built into the writer (hooks.writer_faults)
+            add_test_hooks(self.server, self.clock, s.fault, **{**guarded, "gate": None})
+        elif s.fault:
+            log.warning("--fault %s ignored: it is only honoured with --test-hooks", s.fault)
         # not SERVING before the state is loaded and every listener is up
         await self.health.set(False)
         self.health.add_to(self.server)
@@ -247,26 +249,6 @@ class App:
         return (f"{self.address} (db={self._db}, durability={s.durability.value}, "
                 f"revision={self.writer.state.revision}, runs={len(self.writer.state.index)})")
 
-    def _test_hooks(self, guarded: dict[str, Any]) -> None:
-        """TEST-ONLY: register TestHooks and switch on a broken build (torture/)."""
-        s = self.settings
-        if not s.test_hooks:
-            log.warning("--fault %s ignored: it is only honoured with --test-hooks", s.fault)
-            return
-        assert self.server is not None and self.writer is not None
-        log.warning(
-            "TEST HOOKS ENABLED: the TestHooks service lets any client move this server's "
-            "clock (%s). NEVER run this in production.",
-            type(self.clock).__name__,
-        )
-        add_test_hooks(self.server, self.clock, **guarded)
-        if s.fault:  # built into the writer (hooks.writer_faults)
-            log.warning(
-                "BROKEN BUILD --fault %s: this server violates its guarantees on purpose "
-                "(torture self-test). NEVER run this in production.",
-                s.fault,
-            )
-
     async def _start_http(self) -> None:
         """The dashboard + /metrics, and the metrics-only listener (web/)."""
         s = self.settings
@@ -304,14 +286,8 @@ class App:
     ) -> tuple[list[Any], int]:
         """A page of engine-store runs (created_at, id order) and the match count."""
         assert self._engine_reader is not None
-
-        def read(conn: Any) -> tuple[list[Any], int]:
-            pages = list(engine_sql.list_runs(
-                conn, lambda items, total: (items, total), agent=agent, statuses=statuses,
-                concurrency_key=None, limit=limit, offset=offset))
-            return [r for items, _ in pages for r in items], pages[0][1] if pages else 0
-
-        return await self._engine_reader.run(read)
+        return await self._engine_reader.runs_page(
+            agent=agent, statuses=statuses, limit=limit, offset=offset)
 
     @property
     def serving(self) -> bool:

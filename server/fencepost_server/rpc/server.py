@@ -67,12 +67,18 @@ def server(ledger: object, run_store: object, engine_store: object, *,
     return srv
 
 
-def add_test_hooks(srv: grpc.aio.Server, clock: Clock, **guarded: Any) -> None:
-    """TEST-ONLY: the TestHooks service, which moves this server's clock."""
+def add_test_hooks(srv: grpc.aio.Server, clock: Clock, fault: str, **guarded: Any) -> None:
+    """TEST-ONLY: the TestHooks service, which moves this server's clock, said
+    loudly, as is the broken build ``fault`` (the writer was built with it)."""
     from .test_hooks import TestHooksService
 
+    log.warning("TEST HOOKS ENABLED: the TestHooks service lets any client move this server's "
+                "clock (%s). NEVER run this in production.", type(clock).__name__)
     add_service(srv, TestHooksService(clock), testing_pb2.DESCRIPTOR.services_by_name["TestHooks"],
                 **guarded)
+    if fault:
+        log.warning("BROKEN BUILD --fault %s: this server violates its guarantees on purpose "
+                    "(torture self-test). NEVER run this in production.", fault)
 
 
 class Health:

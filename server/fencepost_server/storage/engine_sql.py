@@ -594,6 +594,18 @@ class EngineReader:
         self._lock = threading.Lock()
         self._closed = False
 
+    async def runs_page(self, *, agent: str | None, statuses: Sequence[str], limit: int,
+                        offset: int) -> tuple[list[E.Run], int]:
+        """One page of runs (created_at, id order) and the match count (the dashboard)."""
+
+        def read(conn: Any) -> tuple[list[E.Run], int]:
+            pages = list(list_runs(
+                conn, lambda items, total: (items, total), agent=agent, statuses=statuses,
+                concurrency_key=None, limit=limit, offset=offset))
+            return [r for items, _ in pages for r in items], pages[0][1] if pages else 0
+
+        return await self.run(read)
+
     def _checkout(self) -> Any:
         with self._lock:
             if self._closed:
