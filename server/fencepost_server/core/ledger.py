@@ -182,7 +182,7 @@ MAX_TRANSACTION_COMMANDS = 100
 
 @dataclass(slots=True)
 class ExtendLeases:
-    """A new leader's first command (leadership.py): every lease that had not
+    """A new leader's first command (ha/leadership.py): every lease that had not
     expired at ``alive_at`` (when the coordinator became unavailable) is
     extended by ``by_ms`` (how long it was unavailable), so no holder loses a
     lease because the coordinator changed: a change of leader only ever

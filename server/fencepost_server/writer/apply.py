@@ -375,7 +375,7 @@ class Apply:
         return decision.result
 
     def _extend_leases(self, cmd: L.ExtendLeases, st: _Step, now: int) -> L.LeasesExtended:
-        """A new leader's extension of every live lease (leadership.py): the
+        """A new leader's extension of every live lease (ha/leadership.py): the
         ledger's leases in memory (every leased run is held there), then the
         engine store's claims and locks in their tables."""
         runs = 0

@@ -140,7 +140,7 @@ class Writer:
     def _open_and_load(self) -> LedgerState:
         """The committed state, index included, built in the writer thread: with
         a million runs the index takes seconds, which on the event loop would
-        stall every call, and a new leader's renewals (leadership.py) for long
+        stall every call, and a new leader's renewals (ha/leadership.py) for long
         enough to lose the leadership it has just won."""
         self.storage.open()
         built: list[RunIndex] = []
