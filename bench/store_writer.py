@@ -133,7 +133,7 @@ async def amain(args: argparse.Namespace, workdir: Path) -> list[StoreRun]:
                     pstorage = PostgresStorage(url)
                     await asyncio.to_thread(pstorage.open)  # the schema and the leader row
                     pstorage.close()
-                    pstorage.epoch = await _lead(url)
+                    pstorage.lead(await _lead(url))
                     storage = pstorage
                 run = await measure(storage, store, rnd, args, pg if store != "sqlite" else None)
                 runs.append(run)

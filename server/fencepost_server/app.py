@@ -173,8 +173,8 @@ class App:
                                 max_tracked_per_connection=s.max_tracked_per_connection,
                                 max_tracked_per_principal=s.max_tracked_per_principal))
         self.hub.start()
-        self.metrics = Metrics(self.writer, self.hub, self.clock, version())
-        self.metrics.leadership = self.coordinator.gauge
+        self.metrics = Metrics(self.writer, self.hub, self.clock, version(),
+                               leadership=self.coordinator.gauge)
         instrument = instrumented(self.metrics)
         self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
         self._history = HistoryReader(storage.reader)

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one coordinator (served at ``/metrics`` by web.py).
+"""Prometheus metrics of one coordinator (served at ``/metrics`` by web/dashboard.py).
 
 Each ``App`` owns its own registry (several servers may share a process in
 tests). Counters end in ``_total``, durations are ``_seconds`` histograms,
@@ -60,13 +60,13 @@ LEASE_SCAN_PAUSE_S = 0.001
 
 
 class Metrics:
-    def __init__(self, writer: Writer, hub: FenceHub, clock: Clock, version: str) -> None:
+    def __init__(self, writer: Writer, hub: FenceHub, clock: Clock, version: str, *,
+                 leadership: Callable[[], tuple[int, int]] = lambda: (1, 0)) -> None:
         self.writer = writer
         self.hub = hub
         self.clock = clock
-        # (serving as leader: 1 or 0, the leader epoch; 0 without PostgreSQL),
-        # set by app.py
-        self.leadership: Callable[[], tuple[int, int]] = lambda: (1, 0)
+        # (serving as leader: 1 or 0, the leader epoch; 0 without PostgreSQL)
+        self.leadership = leadership
         self.registry = CollectorRegistry()
         r = self.registry
         self.rpc_seconds = Histogram(
@@ -91,7 +91,7 @@ class Metrics:
         )
         for kind in (*STREAM_KINDS.values(), "dashboard_events"):
             self.open_streams.labels(kind)
-        # The dashboard port (web.py): requests it refused before any handler,
+        # The dashboard port (web/dashboard.py): requests it refused before any handler,
         # and event streams it dropped.
         self.http_refused = Counter(
             "fencepost_http_refused", "Dashboard requests refused, by reason",

@@ -62,7 +62,7 @@ async def _leader(url: str, name: str, clock: ManualClock) -> tuple[Leadership, 
     ld = Leadership(url, clock, address=f"{name}:1", identity=name, lease_ms=600,
                     renew_ms=100, max_skew_ms=0)
     took = await ld.campaign()
-    storage.epoch = took.epoch
+    storage.lead(took.epoch)
     writer = Writer(storage, clock)
     await writer.start()
     return ld, writer

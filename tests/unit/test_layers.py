@@ -36,9 +36,8 @@ SDK_BACK_ARROWS = {
 # Server modules that import a SQL driver outside storage/: none.
 SQL_OUTSIDE_STORAGE: set[str] = set()
 # Server modules outside rpc/ that may import the generated messages: the
-# composition root registers the services by their descriptors, and the
 # package's version line names the API it serves.
-PROTO_OUTSIDE_RPC = {"fencepost_server.app", "fencepost_server"}
+PROTO_OUTSIDE_RPC = {"fencepost_server"}
 PROTO = "fencepost.v1"
 
 

@@ -67,7 +67,7 @@ class Coordinator:
                     describe: Callable[[], str]) -> None:
         try:
             takeover = await ld.campaign()
-            storage.epoch = takeover.epoch
+            storage.lead(takeover.epoch)
             keeper = asyncio.create_task(ld.keep(), name="fencepost-leader-renewal")
             started = time.perf_counter()
             await writer.start()

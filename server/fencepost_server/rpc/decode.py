@@ -17,7 +17,7 @@ are no valid encoding, so they are ``Malformed`` too, naming ``request``.
 A message over the server's size limit is ``Malformed`` too (not decoded at
 all, naming ``request``), so it is refused the same way and never tears down a
 KeepAlive or Execute stream; gRPC's own receive limit is set well above it
-(app.py)."""
+(rpc/server.py)."""
 
 from __future__ import annotations
 

@@ -378,7 +378,7 @@ class NotLeader(LedgerError):
 class PostgresStorage(SqlStorage):
     """The PostgreSQL backend. Not thread-safe: the writer thread owns it.
 
-    ``epoch``: set by the leadership once this coordinator leads; every batch
+    ``epoch``: given by ``lead`` once this coordinator leads; every batch
     then checks it inside its own transaction (None: no check, a coordinator
     that does not lead never writes)."""
 
@@ -402,6 +402,11 @@ class PostgresStorage(SqlStorage):
         self._xid: int | None = None  # the open batch's transaction id
 
     # -- lifecycle ---------------------------------------------------------------
+
+    def lead(self, epoch: int) -> None:
+        """This coordinator leads under ``epoch``: every batch from now on
+        commits only while the leader row still holds it."""
+        self.epoch = epoch
 
     def open(self) -> None:
         """Connect and migrate (the schema only: no leader check here)."""
