@@ -210,11 +210,11 @@ def test_the_house_floors_import_only_downward() -> None:
     """config and tls sit under everything that serves; ha/ and upkeep/ under app."""
     low = ("fencepost_server.config", "fencepost_server.tls")
     high = ("fencepost_server.app", "fencepost_server.ha", "fencepost_server.upkeep",
-            "fencepost_server.web", "fencepost_server.services", "fencepost_server.writer",
+            "fencepost_server.web", "fencepost_server.rpc", "fencepost_server.writer",
             "fencepost_server.cli", "fencepost_server.testing")
     assert _importers(low, high) == []
     assert _importers(("fencepost_server.ha", "fencepost_server.upkeep"),
-                      ("fencepost_server.web", "fencepost_server.services",
+                      ("fencepost_server.web", "fencepost_server.rpc",
                        "fencepost_server.cli", "fencepost_server.testing")) == []
 
 
