@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,21 +23,21 @@ from .config import Settings, duration_ms, parse_duration_ms
 from .ha.coordinator import Coordinator
 from .hub import ClientLimits, FenceHub
 from .metrics import Metrics
-from .rpc.engine_store import EngineStoreService, start_engine_store, sweep_uploads
+from .rpc.engine_store import EngineStoreService, sweep_uploads
 from .rpc.interceptors import instrumented
 from .rpc.ledger import LedgerService
 from .rpc.run_store import RunStoreService
 from .rpc.server import Health, add_test_hooks, server
 from .storage import is_url
-from .storage.engine_sql import EngineReader
-from .storage.sql import HistoryReader, SqlStorage
+from .storage.engine_sql import EngineReader, WriterHooks
+from .storage.sql import SqlStorage
 from .storage.sqlite import Durability, SqliteStorage
 from .testing import hooks
 from .tls import security
 from .upkeep import gcpolicy
 from .upkeep.retention import Retention
 from .web.dashboard import Dashboard
-from .writer import Reads, Writer
+from .writer import History, Reads, Writer
 
 if TYPE_CHECKING:
     from .ha.leadership import Leadership
@@ -62,8 +61,7 @@ class App:
     health: Health = field(default_factory=Health)
     hub: FenceHub | None = None
     port: int = 0
-    _history: HistoryReader | None = None
-    _history_executor: ThreadPoolExecutor | None = None
+    _history: History | None = None
     engine_store: EngineStoreService | None = None
     _engine_reader: EngineReader | None = None
     retention: Retention | None = None
@@ -165,7 +163,10 @@ class App:
             await asyncio.to_thread(postgres.prepare, storage)
         else:
             await self.writer.start()
-        self.engine_store, self._engine_reader = start_engine_store(self.writer, storage.reader)
+        # the engine store: its executors into the writer, its reads on reader threads
+        writer.attach_engine(WriterHooks())
+        self._engine_reader = EngineReader(storage.reader)
+        self.engine_store = EngineStoreService(writer, self._engine_reader)
         self.hub = FenceHub(self.writer, self.clock, reads=reads, queue_limit=s.stream_queue_limit,
                             limits=ClientLimits(
                                 max_queued_per_connection=s.max_queued_per_connection,
@@ -176,13 +177,12 @@ class App:
         self.metrics = Metrics(self.writer, self.hub, self.clock, version(),
                                leadership=self.coordinator.gauge)
         instrument = instrumented(self.metrics)
-        self._history_executor = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
-        self._history = HistoryReader(storage.reader)
+        self._history = History(storage.reader)
         guarded: dict[str, Any] = {"authn": authn, "max_message_bytes": s.max_message_bytes,
                                    "gate": self.coordinator.gate}
         self.server = server(
             LedgerService(
-                self.writer, self.hub, self._history, self._history_executor, reads=reads,
+                self.writer, self.hub, self._history, reads=reads,
                 max_tracked_per_stream=s.max_tracked_per_stream,
                 max_inflight_per_stream=s.max_inflight_per_stream,
             ),
@@ -276,10 +276,8 @@ class App:
 
     async def run_history(self, run_id: str, limit: int) -> list[Any]:
         """One run's retained changes, oldest first (read off the loop)."""
-        assert self._history is not None and self._history_executor is not None
-        return await asyncio.get_running_loop().run_in_executor(
-            self._history_executor, self._history.run_history, run_id, limit
-        )
+        assert self._history is not None
+        return await self._history.run_history(run_id, limit)
 
     async def engine_runs(
         self, *, agent: str | None, statuses: list[str], limit: int, offset: int
@@ -342,10 +340,8 @@ class App:
         await self.coordinator.close()  # a standby takes over at once
         if self._engine_reader is not None:
             await asyncio.to_thread(self._engine_reader.close)
-        if self._history_executor is not None and self._history is not None:
-            history = self._history
-            await asyncio.get_running_loop().run_in_executor(self._history_executor, history.close)
-            self._history_executor.shutdown(wait=True)
+        if self._history is not None:
+            await self._history.close()
         log.info("fencepost stopped")
 
 

@@ -18,8 +18,8 @@ from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.ledger import Acquire, RecordCheckpoint
 from fencepost_server.core.records import Record
 from fencepost_server.storage import postgres
+from fencepost_server.storage.history import HistoryReader
 from fencepost_server.storage.postgres import PostgresStorage
-from fencepost_server.storage.sql import HistoryReader
 from fencepost_server.writer import Writer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -97,7 +97,7 @@ async def _run(tmp: Path, prog: list[tuple[bool, list[tuple[Any, ...]]]]) -> tup
     """Run the program; returns (accepted, refused) fenced writes."""
     clock = ManualClock()
     writer = Writer(SqliteStorage(tmp / "p.db"), clock)
-    Q.register(writer)
+    writer.attach_engine(Q.WriterHooks())
     await writer.start()
     run_holders: list[tuple[str, int]] = []  # (owner, token) of every grant, in order
     lock_holders: list[tuple[str, int]] = []

@@ -2,9 +2,9 @@
 
 Each handler validates its request with the input rules of ``core.engine``
 (naming the field), builds a command and awaits the writer, or reads through
-the ``EngineReader`` (read-only connections in reader threads); then converts
-the answer to protobuf. The rules live in ``core.engine``, the SQL in
-``storage/engine_sql.py``.
+the ``EngineReads`` it is handed (read-only connections in reader threads);
+then converts the answer to protobuf. The rules live in ``core.engine``, the
+SQL behind both seams under the writer.
 
 Every unary mutation is two synchronous functions, request -> writer command
 and writer result -> response, listed in ``engine_convert.MUTATIONS``: the unary handlers
@@ -24,8 +24,8 @@ import hashlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -34,8 +34,6 @@ from fencepost.v1 import engine_store_pb2_grpc
 
 from ..core import engine as E
 from ..core.errors import Code, LedgerError, validation
-from ..storage import engine_sql as Q
-from ..storage.engine_sql import EngineReader
 from ..writer import Writer
 from . import engine_convert as EC
 from .commands import KINDS
@@ -47,11 +45,41 @@ log = logging.getLogger("fencepost.engine_store")
 # Chunks of one upload queued to the writer but not yet committed.
 STAGE_IN_FLIGHT = 4
 
+P = TypeVar("P")
+
+
+class EngineReads(Protocol):
+    """The committed reads the service needs. Listings yield the pages
+    ``make_page`` builds, each read in a reader thread, all one snapshot; a
+    read the database could not answer raises STORAGE_UNAVAILABLE."""
+
+    async def get_run(self, run_id: str) -> E.Run | None: ...
+    def list_runs(
+        self, make_page: Callable[[list[E.Run], int], P], *, agent: str | None,
+        statuses: Sequence[str], concurrency_key: str | None, limit: int | None, offset: int,
+    ) -> AsyncIterator[P]: ...
+    def list_steps(
+        self, make_page: Callable[[list[E.Step]], P], run_id: str) -> AsyncIterator[P]: ...
+    async def latest_checkpoint(self, run_id: str) -> E.Checkpoint | None: ...
+    async def get_effect(self, key: str) -> tuple[str, int] | None: ...
+    async def kv_get(self, agent: str, key: str) -> tuple[str, int] | None: ...
+    def doc_list(
+        self, make_page: Callable[[list[E.Doc]], P], *, agent: str, collection: str,
+        where: dict[str, Any], limit: int | None,
+    ) -> AsyncIterator[P]: ...
+    async def get_artifact(self, art_id: str) -> E.Artifact | None: ...
+    async def artifact_exists(self, art_id: str) -> bool: ...
+    async def artifact_layout(self, art_id: str) -> tuple[E.Artifact, str, int] | None: ...
+    async def read_chunk(self, upload_id: str, seq: int) -> bytes | None: ...
+    def list_artifacts(
+        self, make_page: Callable[[list[E.Artifact]], P], run_id: str) -> AsyncIterator[P]: ...
+
+
 # -- the servicer ----------------------------------------------------------------------
 
 
 class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
-    def __init__(self, writer: Writer, reader: EngineReader) -> None:
+    def __init__(self, writer: Writer, reader: EngineReads) -> None:
         self.writer = writer
         self.reader = reader
         self._background: set[asyncio.Task[Any]] = set()
@@ -84,7 +112,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def GetRun(
         self, request: pb.EngineGetRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineGetRunResponse:
-        run = await self.reader.run(Q.get_run, E.ident("id", request.id))
+        run = await self.reader.get_run(E.ident("id", request.id))
         if run is None:
             return pb.EngineGetRunResponse(found=False)
         return pb.EngineGetRunResponse(found=True, run=EC.run_to_pb(run))
@@ -104,15 +132,8 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         ckey = EC.opt_text(request, "concurrency_key", "concurrency_key", E.MAX_KEY_BYTES)
         limit = EC.limit_from_pb(request)
         offset = E.non_negative("offset", request.offset)
-        pages = self.reader.pages(
-            Q.list_runs,
-            EC.runs_page,
-            agent=agent,
-            statuses=statuses,
-            concurrency_key=ckey,
-            limit=limit,
-            offset=offset,
-        )
+        pages = self.reader.list_runs(EC.runs_page, agent=agent, statuses=statuses,
+                                      concurrency_key=ckey, limit=limit, offset=offset)
         await self._stream(context, pages)
 
     @handler
@@ -140,7 +161,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         self, request: pb.EngineListStepsRequest, context: grpc.aio.ServicerContext
     ) -> None:
         run_id = E.ident("run_id", request.run_id)
-        await self._stream(context, self.reader.pages(Q.list_steps, EC.steps_page, run_id))
+        await self._stream(context, self.reader.list_steps(EC.steps_page, run_id))
 
     @handler
     async def SaveCheckpoint(
@@ -152,7 +173,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def LatestCheckpoint(
         self, request: pb.EngineLatestCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineLatestCheckpointResponse:
-        cp = await self.reader.run(Q.latest_checkpoint, E.ident("run_id", request.run_id))
+        cp = await self.reader.latest_checkpoint(E.ident("run_id", request.run_id))
         if cp is None:
             return pb.EngineLatestCheckpointResponse(found=False)
         return pb.EngineLatestCheckpointResponse(found=True, checkpoint=EC.checkpoint_to_pb(cp))
@@ -183,7 +204,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def GetEffect(
         self, request: pb.EngineGetEffectRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineGetEffectResponse:
-        row = await self.reader.run(Q.get_effect, E.ident("key", request.key, E.MAX_KEY_BYTES))
+        row = await self.reader.get_effect(E.ident("key", request.key, E.MAX_KEY_BYTES))
         if row is None:
             return pb.EngineGetEffectResponse(found=False)
         return pb.EngineGetEffectResponse(
@@ -200,8 +221,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def KvGet(
         self, request: pb.EngineKvGetRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineKvGetResponse:
-        row = await self.reader.run(
-            Q.kv_get,
+        row = await self.reader.kv_get(
             E.ident("agent", request.agent, E.MAX_NAME_BYTES),
             E.ident("key", request.key, E.MAX_KEY_BYTES),
         )
@@ -225,9 +245,8 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         collection = E.ident("collection", request.collection, E.MAX_NAME_BYTES)
         where = E.parse_where(request.where.json if request.HasField("where") else None)
         limit = EC.limit_from_pb(request)
-        pages = self.reader.pages(
-            Q.doc_list, EC.docs_page, agent=agent, collection=collection, where=where, limit=limit
-        )
+        pages = self.reader.doc_list(EC.docs_page, agent=agent, collection=collection,
+                                     where=where, limit=limit)
         await self._stream(context, pages)
 
     @handler
@@ -258,7 +277,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
             raise validation("header", "the first message must be the header (bytes came first)")
         hdr = EC.ArtifactHeader(first.header)
         # An id that exists keeps its artifact: its bytes need not be stored again.
-        exists = await self.reader.run(Q.artifact_exists, hdr.id)
+        exists = await self.reader.artifact_exists(hdr.id)
         upload_id = "" if exists else uuid.uuid4().hex
         adopted = False
         try:
@@ -374,7 +393,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def GetArtifact(
         self, request: pb.EngineGetArtifactRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineGetArtifactResponse:
-        art = await self.reader.run(Q.get_artifact, E.ident("id", request.id))
+        art = await self.reader.get_artifact(E.ident("id", request.id))
         if art is None:
             return pb.EngineGetArtifactResponse(found=False)
         return pb.EngineGetArtifactResponse(found=True, artifact=EC.artifact_to_pb(art))
@@ -384,7 +403,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         self, request: pb.EngineReadArtifactRequest, context: grpc.aio.ServicerContext
     ) -> None:
         art_id = E.ident("id", request.id)
-        layout = await self.reader.run(Q.artifact_layout, art_id)
+        layout = await self.reader.artifact_layout(art_id)
         if layout is None:
             raise LedgerError(Code.RUN_NOT_FOUND, f"artifact {art_id!r} not found", field="id")
         art, upload_id, chunks = layout
@@ -393,7 +412,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
             await context.write(pb.EngineReadArtifactResponse(artifact=head))
             return
         for seq in range(chunks):
-            data = await self.reader.run(Q.read_chunk, upload_id, seq)
+            data = await self.reader.read_chunk(upload_id, seq)
             if data is None:  # deleted meanwhile: its chunks went with it
                 raise LedgerError(
                     Code.RUN_NOT_FOUND,
@@ -411,7 +430,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         self, request: pb.EngineListArtifactsRequest, context: grpc.aio.ServicerContext
     ) -> None:
         run_id = E.ident("run_id", request.run_id)
-        await self._stream(context, self.reader.pages(Q.list_artifacts, EC.artifacts_page, run_id))
+        await self._stream(context, self.reader.list_artifacts(EC.artifacts_page, run_id))
 
     @handler
     async def DeleteArtifact(
@@ -425,17 +444,6 @@ def _consume(fut: asyncio.Future[Any]) -> None:
     """Retrieve a staged chunk's outcome nobody awaits any more."""
     if not fut.cancelled():
         fut.exception()
-
-
-def start_engine_store(
-    writer: Writer, connect: Callable[[], Any]
-) -> tuple[EngineStoreService, EngineReader]:
-    """Register the executors and build the servicer with its reader over
-    ``connect`` (the storage's read-only connections); call before the server
-    starts serving, and ``sweep_uploads`` once the writer runs."""
-    Q.register(writer)
-    reader = EngineReader(connect)
-    return EngineStoreService(writer, reader), reader
 
 
 async def sweep_uploads(writer: Writer) -> None:

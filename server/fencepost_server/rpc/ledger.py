@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -18,14 +17,13 @@ from ..core.errors import Code, LedgerError, unrepresentable, validation
 from ..core.fence import fences_writes
 from ..core.records import Record, Status, out_of_range
 from ..hub import FenceHub
-from ..storage.sqlite import HistoryReader
 from ..writer import Reads, Writer
 from . import convert
 from .commands import KINDS, filler
 from .execute import ExecuteHandler
 from .keepalive import KeepAliveHandler
 from .status import handler
-from .watch import WatchHandler
+from .watch import History, WatchHandler
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -74,8 +72,7 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         self,
         writer: Writer,
         hub: FenceHub,
-        history: HistoryReader,
-        history_executor: ThreadPoolExecutor,
+        history: History,
         *,
         reads: Reads,
         max_tracked_per_stream: int = 100_000,
@@ -85,7 +82,7 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         self.reads = reads
         self.keepalive = KeepAliveHandler(
             writer, hub, max_tracked_per_stream=max_tracked_per_stream)
-        self.watch = WatchHandler(writer, hub, history, history_executor)
+        self.watch = WatchHandler(writer, hub, history)
         self.execute = ExecuteHandler(
             writer, hub, self.keepalive.track_acquired,
             max_inflight_per_stream=max_inflight_per_stream)

@@ -16,7 +16,6 @@ from fencepost.v1 import ledger_pb2 as lpb
 
 from ..core.errors import Code, LedgerError, validation
 from ..core.records import out_of_range
-from ..storage.sql import read_errors
 from .convert import record_to_pb
 from .decode import Malformed
 
@@ -125,12 +124,6 @@ def handler(fn: H) -> H:
             await refuse(context, err)
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
-        except read_errors() as exc:
-            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            log.warning("%s: the database could not answer: %s", fn.__name__, why)
-            refusal = LedgerError(Code.STORAGE_UNAVAILABLE,
-                                  f"the database could not answer; nothing changed: {why}")
-            await refuse(context, refusal)
         except Exception as exc:
             log.exception("unexpected error in %s", fn.__name__)
             await context.abort_with_status(internal_status(exc))  # type: ignore[attr-defined]

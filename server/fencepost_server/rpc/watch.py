@@ -4,9 +4,7 @@ changes the hub offers the watch, each as a WatchRunsResponse."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Protocol
 
 import grpc
 
@@ -14,15 +12,23 @@ from fencepost.v1 import ledger_pb2 as pb
 
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
-from ..core.records import MAX_SAFE, Record, out_of_range
+from ..core.records import KIND_DELETE, MAX_SAFE, Record, out_of_range
 from ..hub import FenceHub, Watch
-from ..storage.sqlite import KIND_DELETE, HistoryReader
 from ..writer import Writer
 from .convert import record_to_pb
 from .pump import enter, headers_first, run_until_stopped
 
 MAX_WATCH_IDS = 1000
 REPLAY_PAGE = 1000
+
+
+class History(Protocol):
+    """What replay needs: the retained changes in a revision range, oldest
+    first (a read the database could not answer raises STORAGE_UNAVAILABLE)."""
+
+    async def read(
+        self, from_revision: int, to_revision: int, limit: int
+    ) -> list[tuple[int, str, int, Record | None]]: ...
 
 
 def watch_message(
@@ -39,14 +45,10 @@ def watch_message(
 
 
 class WatchHandler:
-    def __init__(
-        self, writer: Writer, hub: FenceHub, history: HistoryReader,
-        history_executor: ThreadPoolExecutor,
-    ) -> None:
+    def __init__(self, writer: Writer, hub: FenceHub, history: History) -> None:
         self.writer = writer
         self.hub = hub
         self.history = history
-        self.history_executor = history_executor
 
     async def __call__(
         self, request: pb.WatchRunsRequest, context: grpc.aio.ServicerContext
@@ -76,16 +78,13 @@ class WatchHandler:
             self.hub.watchers.discard(watch)
             self.hub.leave(watch)
 
-    def _in_executor(self, fn: Any, *args: Any) -> Awaitable[Any]:
-        return asyncio.get_running_loop().run_in_executor(self.history_executor, fn, *args)
-
     async def _pump(
         self, watch: Watch, start: int, upto: int, context: grpc.aio.ServicerContext
     ) -> None:
         if start:
             nxt = start
             while nxt <= upto:
-                rows = await self._in_executor(self.history.read, nxt, upto, REPLAY_PAGE)
+                rows = await self.history.read(nxt, upto, REPLAY_PAGE)
                 if not rows or rows[0][0] != nxt:
                     raise LedgerError(
                         Code.RUN_REVISION_COMPACTED,

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from ..core import engine as E
 from ..core import fence as F
 from ..core.errors import validation
-from .sql import broken
+from .sql import answering, broken
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -395,11 +395,6 @@ class WriterHooks:
     extend_leases = staticmethod(extend_leases)
 
 
-def register(writer: Any) -> None:
-    """Hand the engine store's hooks to ``writer``."""
-    writer.attach_engine(WriterHooks())
-
-
 # -- reads (reader threads, read-only connections) -------------------------------------------
 
 PAGE_ITEMS = 1000
@@ -594,6 +589,54 @@ class EngineReader:
         self._lock = threading.Lock()
         self._closed = False
 
+    # -- what the EngineStore service reads (its ``EngineReads``) ---------------------------
+
+    async def get_run(self, run_id: str) -> E.Run | None:
+        return await self.run(get_run, run_id)
+
+    def list_runs(
+        self, make_page: Callable[[list[E.Run], int], P], *, agent: str | None,
+        statuses: Sequence[str], concurrency_key: str | None, limit: int | None, offset: int,
+    ) -> AsyncIterator[P]:
+        return self.pages(list_runs, make_page, agent=agent, statuses=statuses,
+                          concurrency_key=concurrency_key, limit=limit, offset=offset)
+
+    def list_steps(self, make_page: Callable[[list[E.Step]], P], run_id: str) -> AsyncIterator[P]:
+        return self.pages(list_steps, make_page, run_id)
+
+    async def latest_checkpoint(self, run_id: str) -> E.Checkpoint | None:
+        return await self.run(latest_checkpoint, run_id)
+
+    async def get_effect(self, key: str) -> tuple[str, int] | None:
+        return await self.run(get_effect, key)
+
+    async def kv_get(self, agent: str, key: str) -> tuple[str, int] | None:
+        return await self.run(kv_get, agent, key)
+
+    def doc_list(
+        self, make_page: Callable[[list[E.Doc]], P], *, agent: str, collection: str,
+        where: dict[str, Any], limit: int | None,
+    ) -> AsyncIterator[P]:
+        return self.pages(doc_list, make_page, agent=agent, collection=collection, where=where,
+                          limit=limit)
+
+    async def get_artifact(self, art_id: str) -> E.Artifact | None:
+        return await self.run(get_artifact, art_id)
+
+    async def artifact_exists(self, art_id: str) -> bool:
+        return await self.run(artifact_exists, art_id)
+
+    async def artifact_layout(self, art_id: str) -> tuple[E.Artifact, str, int] | None:
+        return await self.run(artifact_layout, art_id)
+
+    async def read_chunk(self, upload_id: str, seq: int) -> bytes | None:
+        return await self.run(read_chunk, upload_id, seq)
+
+    def list_artifacts(
+        self, make_page: Callable[[list[E.Artifact]], P], run_id: str
+    ) -> AsyncIterator[P]:
+        return self.pages(list_artifacts, make_page, run_id)
+
     async def runs_page(self, *, agent: str | None, statuses: Sequence[str], limit: int,
                         offset: int) -> tuple[list[E.Run], int]:
         """One page of runs (created_at, id order) and the match count (the dashboard)."""
@@ -638,7 +681,8 @@ class EngineReader:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._call, fn, args, kwargs)
+        with answering():
+            return await loop.run_in_executor(self._pool, self._call, fn, args, kwargs)
 
     def _open(
         self, fn: Callable[..., Iterator[P]], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -663,7 +707,8 @@ class EngineReader:
     ) -> AsyncIterator[P]:
         opened = self._pool.submit(self._open, fn, args, kwargs)
         try:
-            conn, it = await asyncio.wrap_future(opened)
+            with answering():
+                conn, it = await asyncio.wrap_future(opened)
         except BaseException:
             # cancelled while opening: give the connection back once it is open
             opened.add_done_callback(self._finish_opened)
@@ -673,7 +718,8 @@ class EngineReader:
         try:
             while True:
                 step = self._pool.submit(next, it, done)
-                page = await asyncio.wrap_future(step)
+                with answering():
+                    page = await asyncio.wrap_future(step)
                 if page is done:
                     return
                 yield page

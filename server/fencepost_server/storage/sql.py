@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from ..core import codec
-from ..core.errors import LedgerError
+from ..core.errors import Code, LedgerError
 from ..core.records import (
     KIND_DELETE,  # noqa: F401  (re-exported with KIND_PUT: the log's kinds)
     KIND_PUT,
@@ -55,6 +55,25 @@ def read_errors() -> tuple[type[BaseException], ...]:
     (a server on SQLite never imports psycopg)."""
     pg = sys.modules.get("psycopg")
     return (sqlite3.Error,) if pg is None else (sqlite3.Error, pg.Error)
+
+
+def unavailable(exc: BaseException) -> LedgerError:
+    """The refusal of a read the database could not answer (one of
+    ``read_errors``): STORAGE_UNAVAILABLE, retryable, naming the cause."""
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    log.warning("the database could not answer: %s", why)
+    return LedgerError(Code.STORAGE_UNAVAILABLE,
+                       f"the database could not answer; nothing changed: {why}")
+
+
+@contextlib.contextmanager
+def answering() -> Iterator[None]:
+    """Around a committed read: what the database could not answer leaves as
+    ``unavailable``'s LedgerError, so callers need not know the drivers."""
+    try:
+        yield
+    except read_errors() as exc:
+        raise unavailable(exc) from exc
 
 
 @dataclass
@@ -747,52 +766,3 @@ def broken(conn: Any) -> bool:
     """Whether a reader's connection can no longer be used (PostgreSQL: the
     server restarted or ended the session); the reader then opens a new one."""
     return bool(getattr(conn, "broken", False))
-
-
-class HistoryReader:
-    """Reads the retained change history on its own read-only connection (for
-    WatchRuns replay), so replay never runs on the writer's connection; it
-    reads committed history while the writer commits."""
-
-    def __init__(self, connect: Callable[[], Any]) -> None:
-        self._connect = connect  # a storage's ``reader``
-        self._db: Any = None
-
-    def _conn(self) -> Any:
-        if self._db is not None and broken(self._db):
-            self.close()
-        if self._db is None:
-            self._db = self._connect()
-        return self._db
-
-    def read(
-        self, from_revision: int, to_revision: int, limit: int = 1000
-    ) -> list[tuple[int, str, int, Record | None]]:
-        rows = self._conn().execute(
-            "SELECT revision, run_id, kind, record FROM changes "
-            "WHERE revision >= ? AND revision <= ? ORDER BY revision LIMIT ?",
-            (from_revision, to_revision, limit),
-        ).fetchall()
-        return [
-            (rev, run_id, kind, record_from_dict(_loads(text)) if text else None)
-            for rev, run_id, kind, text in rows
-        ]
-
-    def run_history(self, run_id: str, limit: int) -> list[tuple[int, int, Record | None]]:
-        """The last ``limit`` retained changes of one run, oldest first:
-        (revision, kind, record or None)."""
-        rows = self._conn().execute(
-            "SELECT revision, kind, record FROM changes WHERE run_id = ? "
-            "ORDER BY revision DESC LIMIT ?",
-            (run_id, limit),
-        ).fetchall()
-        return [
-            (rev, kind, record_from_dict(_loads(text)) if text else None)
-            for rev, kind, text in reversed(rows)
-        ]
-
-    def close(self) -> None:
-        if self._db is not None:
-            with contextlib.suppress(Exception):
-                self._db.close()
-            self._db = None

@@ -36,7 +36,6 @@ from .sql import (  # noqa: F401  (re-exported: the writer, tests and benchmarks
     KIND_PUT,
     PRUNE_CHUNK,
     Batch,
-    HistoryReader,
     LoadedState,
     SqlStorage,
 )

@@ -1,7 +1,8 @@
-"""Committed reads (GetRun, ListRuns, the dashboard, retention): from the
-writer's committed state in memory, and for finished runs memory no longer
-holds, from the runs table on a read-only connection in a thread of its own
-(the event loop never waits on the database). Never writes."""
+"""Committed reads (GetRun, ListRuns, the dashboard, retention, WatchRuns
+replay): from the writer's committed state in memory, and for finished runs
+memory no longer holds, and the retained history, from read-only connections
+in threads of their own (the event loop never waits on the database). Never
+writes. A read the database could not answer raises STORAGE_UNAVAILABLE."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import contextlib
 import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from ..core.records import Record, Status
-from ..storage.sql import SqlStorage, broken
+from ..storage.history import HistoryReader
+from ..storage.sql import SqlStorage, answering, broken
 from .state import LedgerState
+
+T = TypeVar("T")
 
 
 class Reads:
@@ -71,7 +75,8 @@ class Reads:
                 missing.append(run_id)
         if missing:
             loop = asyncio.get_running_loop()
-            got = await loop.run_in_executor(self._reader, self._read_cold, missing)
+            with answering():
+                got = await loop.run_in_executor(self._reader, self._read_cold, missing)
             for run_id in missing:
                 # the writer may have changed it meanwhile: memory is newer
                 rec = st.runs.get(run_id) or got.get(run_id)
@@ -127,10 +132,11 @@ class Reads:
         last changed before ``cutoff_ms``, oldest first from ``after`` (for
         retention)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._reader,
-            lambda: self.storage.finished_before(self._read_only(), cutoff_ms, limit, after),
-        )
+        with answering():
+            return await loop.run_in_executor(
+                self._reader,
+                lambda: self.storage.finished_before(self._read_only(), cutoff_ms, limit, after),
+            )
 
     def _read_cold(self, run_ids: list[str]) -> dict[str, Record]:
         return self.storage.read_runs(run_ids, self._read_only())
@@ -143,3 +149,30 @@ class Reads:
         if self._reader_db is None:
             self._reader_db = self.storage.reader()
         return self._reader_db
+
+
+class History:
+    """The retained change history (storage/history.py) read in a thread of
+    its own: WatchRuns replay and the dashboard's run history."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._history = HistoryReader(connect)  # a storage's ``reader``
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fencepost-history")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        with answering():
+            return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def read(
+        self, from_revision: int, to_revision: int, limit: int
+    ) -> list[tuple[int, str, int, Record | None]]:
+        """Changes ``from_revision``..``to_revision``, oldest first, at most ``limit``."""
+        return await self._call(self._history.read, from_revision, to_revision, limit)
+
+    async def run_history(self, run_id: str, limit: int) -> list[tuple[int, int, Record | None]]:
+        """One run's last ``limit`` retained changes, oldest first."""
+        return await self._call(self._history.run_history, run_id, limit)
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._history.close)
+        self._thread.shutdown(wait=True)

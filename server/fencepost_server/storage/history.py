@@ -1,0 +1,60 @@
+"""The retained change history, read on a read-only connection of its own
+(WatchRuns replay, the dashboard's run history): never the writer's."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from ..core.records import Record, record_from_dict
+from .sql import _loads, broken
+
+
+class HistoryReader:
+    """Reads the retained change history on its own read-only connection (for
+    WatchRuns replay), so replay never runs on the writer's connection; it
+    reads committed history while the writer commits."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect  # a storage's ``reader``
+        self._db: Any = None
+
+    def _conn(self) -> Any:
+        if self._db is not None and broken(self._db):
+            self.close()
+        if self._db is None:
+            self._db = self._connect()
+        return self._db
+
+    def read(
+        self, from_revision: int, to_revision: int, limit: int = 1000
+    ) -> list[tuple[int, str, int, Record | None]]:
+        rows = self._conn().execute(
+            "SELECT revision, run_id, kind, record FROM changes "
+            "WHERE revision >= ? AND revision <= ? ORDER BY revision LIMIT ?",
+            (from_revision, to_revision, limit),
+        ).fetchall()
+        return [
+            (rev, run_id, kind, record_from_dict(_loads(text)) if text else None)
+            for rev, run_id, kind, text in rows
+        ]
+
+    def run_history(self, run_id: str, limit: int) -> list[tuple[int, int, Record | None]]:
+        """The last ``limit`` retained changes of one run, oldest first:
+        (revision, kind, record or None)."""
+        rows = self._conn().execute(
+            "SELECT revision, kind, record FROM changes WHERE run_id = ? "
+            "ORDER BY revision DESC LIMIT ?",
+            (run_id, limit),
+        ).fetchall()
+        return [
+            (rev, kind, record_from_dict(_loads(text)) if text else None)
+            for rev, kind, text in reversed(rows)
+        ]
+
+    def close(self) -> None:
+        if self._db is not None:
+            with contextlib.suppress(Exception):
+                self._db.close()
+            self._db = None
