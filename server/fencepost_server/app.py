@@ -186,7 +186,7 @@ class App:
                 max_tracked_per_stream=s.max_tracked_per_stream,
                 max_inflight_per_stream=s.max_inflight_per_stream,
             ),
-            RunStoreService(self.writer, reads),
+            RunStoreService(self.writer, reads, backend=storage.backend),
             self.engine_store,
             max_concurrent_streams=s.max_concurrent_streams, instrument=instrument, **guarded)
         if s.test_hooks:  # TEST-ONLY; a fault is built into the writer (hooks.writer_faults)

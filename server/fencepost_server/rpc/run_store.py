@@ -18,9 +18,10 @@ from .status import handler
 
 
 class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
-    def __init__(self, writer: Writer, reads: Reads) -> None:
+    def __init__(self, writer: Writer, reads: Reads, *, backend: str) -> None:
         self.writer = writer
         self.reads = reads
+        self.backend = backend  # what Describe names: "sqlite" or "postgresql"
 
     async def _answer(self, kind: str, request: Any, response: Any) -> Any:
         """A raw-seam command from the registry; a compare-and-set or delete
@@ -37,8 +38,7 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DescribeResponse:
         return pb.DescribeResponse(
-            atomicity=pb.ATOMICITY_CROSS_PROCESS, backend=self.writer.storage.backend, schema=1
-        )
+            atomicity=pb.ATOMICITY_CROSS_PROCESS, backend=self.backend, schema=1)
 
     @handler
     async def Get(
