@@ -1,7 +1,9 @@
 """The floors of the server package and the SDK, read from their source with
-``ast``: no import circle, a core that imports only the standard library,
-SQL drivers only in ``storage/``, protobuf messages only in ``rpc/``, and no
-product module that imports the checkout's dev tools.
+``ast``: every server module on a floor (``FLOORS``) and every import to the
+same floor or lower; no import circle; a core that imports only the standard
+library; SQL drivers only in ``storage/``; protobuf messages only in
+``rpc/``; committed reads handed to rpc/, web/ and the hub, never imported
+from storage; no product module that imports the checkout's dev tools.
 
 How imports are counted: every ``import`` and ``from ... import`` statement
 anywhere in a module (at the top, inside functions and classes, under ``if
@@ -183,6 +185,62 @@ def test_one_module_builds_a_grpc_status() -> None:
     assert bad == []
 
 
+# The floors of the server package, lowest first. A module's floor is that of
+# its longest dotted prefix here ("__init__": the package's own module); every
+# import goes to the same floor or lower (the circles test keeps a floor flat).
+FLOORS = {
+    # pure rules, stdlib only
+    "core": 0,
+    # leaves under every part; the test kit's clock and faults, which app.py
+    # and the tests hand in from above
+    "clock": 1, "scope": 1, "addresses": 1, "auth": 1, "testing.clock": 1, "testing.hooks": 1,
+    # SQL
+    "storage": 2,
+    # the single writer and its committed reads; Settings, the TLS files and
+    # the version line name a store (its durability, its schema version)
+    "writer": 3, "config": 3, "tls": 3, "__init__": 3,
+    # what runs beside the writer: sessions, leadership, upkeep, counters
+    "hub": 4, "ha": 4, "upkeep": 4, "metrics": 4,
+    # the two front doors: gRPC and HTTP
+    "rpc": 5, "web": 5,
+    # the composition root
+    "app": 6,
+    # what starts an App: the command line and the test kit's server
+    "cli": 7, "testing": 7,
+}
+
+
+def floor(module: str) -> int | None:
+    """The floor of a server module (None: it has none)."""
+    parts = module.split(".")[1:] or ["__init__"]
+    while parts:
+        if (found := FLOORS.get(".".join(parts))) is not None:
+            return found
+        parts.pop()
+    return None
+
+
+def back_arrows(root: Path) -> list[str]:
+    """Every import of the package at ``root`` that goes to a higher floor."""
+    mods = modules(root)
+    return [f"{i.module}:{i.line} (floor {floor(i.module)}) imports {i.target} "
+            f"(floor {floor(i.target)})"
+            for name, path in mods.items() for i in imports_of(name, path, mods)
+            if i.target in mods and (floor(i.target) or 0) > (floor(name) or 0)]
+
+
+def test_every_server_module_has_a_floor() -> None:
+    """A new top-level module or package is placed in FLOORS."""
+    assert [m for m in modules(SERVER) if floor(m) is None] == []
+    keys = {m.split(".", 1)[1] if "." in m else "__init__" for m in modules(SERVER)}
+    assert [k for k in FLOORS if not any(m == k or m.startswith(k + ".") for m in keys)] == []
+
+
+def test_every_import_goes_to_the_same_floor_or_lower() -> None:
+    arrows = back_arrows(SERVER)
+    assert not arrows, "imports up a floor:\n" + "\n".join(arrows)
+
+
 def _importers(prefixes: tuple[str, ...], targets: tuple[str, ...]) -> list[str]:
     """Imports by a module under one of ``prefixes`` of a module under one of ``targets``."""
     mods = modules(SERVER)
@@ -195,27 +253,11 @@ def _importers(prefixes: tuple[str, ...], targets: tuple[str, ...]) -> list[str]
             for i in imports_of(name, path, mods) if under(i.target, targets)]
 
 
-def test_nothing_below_the_composition_root_imports_it() -> None:
-    """app.py builds everything; only the CLI and the test kit, above it, start it."""
-    users = {i.split(":")[0] for i in _importers(("fencepost_server",), ("fencepost_server.app",))}
-    assert users <= {"fencepost_server.cli.main", "fencepost_server.testing.server"}, users
-
-
-def test_the_dashboard_reads_through_its_source_not_app_or_storage() -> None:
-    assert _importers(("fencepost_server.web",),
-                      ("fencepost_server.app", "fencepost_server.storage")) == []
-
-
-def test_the_house_floors_import_only_downward() -> None:
-    """config and tls sit under everything that serves; ha/ and upkeep/ under app."""
-    low = ("fencepost_server.config", "fencepost_server.tls")
-    high = ("fencepost_server.app", "fencepost_server.ha", "fencepost_server.upkeep",
-            "fencepost_server.web", "fencepost_server.rpc", "fencepost_server.writer",
-            "fencepost_server.cli", "fencepost_server.testing")
-    assert _importers(low, high) == []
-    assert _importers(("fencepost_server.ha", "fencepost_server.upkeep"),
-                      ("fencepost_server.web", "fencepost_server.rpc",
-                       "fencepost_server.cli", "fencepost_server.testing")) == []
+def test_servicers_the_dashboard_and_the_hub_read_through_seams() -> None:
+    """Committed reads come in as objects the consumer declares (writer.Reads,
+    writer.History, EngineReads), never by importing storage or App."""
+    readers = ("fencepost_server.rpc", "fencepost_server.web", "fencepost_server.hub")
+    assert _importers(readers, ("fencepost_server.app", "fencepost_server.storage")) == []
 
 
 def test_no_product_module_imports_the_dev_tools() -> None:
@@ -254,3 +296,16 @@ def test_the_checker_finds_a_circle_however_its_arrows_hide(tmp_path: Path) -> N
     assert circles(g) == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
     files["pkg/sub/c.py"] = "X = 1\n"
     assert circles(graph(_tree(tmp_path / "none", files))) == []
+
+
+def test_the_floors_find_an_import_up_a_floor(tmp_path: Path) -> None:
+    """core (0) importing the writer (3), inside a function: one back-arrow."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/core/__init__.py": "",
+        "pkg/core/rules.py": "def f():\n    from ..writer import w\n",
+        "pkg/writer/__init__.py": "",
+        "pkg/writer/w.py": "from ..core import rules\n",
+    }
+    root = _tree(tmp_path, files)
+    assert [a.split(" imports ")[1] for a in back_arrows(root)] == ["pkg.writer.w (floor 3)"]
