@@ -172,11 +172,14 @@ async def _filling(store: Store, order: str, args: argparse.Namespace) -> Any:
     writer = Writer(_storage(store), SystemClock(), commit_delay_ms=8)
     await writer.start()
     collections = FullCollections()
-    collections.start()
     try:
-        yield _Filler(writer, order, args.submitters)
+        async with asyncio.TaskGroup() as tasks:
+            collections.start(tasks)
+            try:
+                yield _Filler(writer, order, args.submitters)
+            finally:
+                await collections.stop()
     finally:
-        await collections.stop()
         await writer.close()
 
 

@@ -55,6 +55,8 @@ class App:
 
     settings: Settings
     clock: Clock = field(default_factory=SystemClock)
+    # process-wide, so only ``serve`` hands one in (not an App in a test's process)
+    collections: gcpolicy.FullCollections | None = None
     writer: Writer | None = None
     reads: Reads | None = None
     server: grpc.aio.Server | None = None
@@ -226,6 +228,8 @@ class App:
         else:
             await self.coordinator.lead_alone()
             log.info("fencepost serving on %s", self._describe())
+        if self.collections is not None:
+            self.collections.start(tasks)
 
     async def _prepare(self) -> None:
         """The state is loaded: sweep what a crash left, start retention."""
@@ -311,6 +315,8 @@ class App:
 
     async def _shutdown(self, grace: float) -> None:
         """The shutdown order; the group's tasks end here, before it exits."""
+        if self.collections is not None:
+            await self.collections.stop()
         if self.server is not None:  # built: health can say so
             await self.health.set(False)
         if self._lead_task is not None:
@@ -350,7 +356,7 @@ async def serve(settings: Settings, clock: Clock | None = None) -> None:
     if clock is None and settings.test_hooks:
         clock = OffsetClock()
         clock.jump(max(0, settings.test_clock_offset_ms))
-    app = App(settings, clock or SystemClock())
+    app = App(settings, clock or SystemClock(), collections=gcpolicy.FullCollections())
     # before the start: a SIGTERM that comes while the server still starts
     # (loads its state, opens its listeners) is kept, and the stop follows
     stop = asyncio.Event()
@@ -358,8 +364,6 @@ async def serve(settings: Settings, clock: Clock | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await app.start()
-    collections = gcpolicy.FullCollections()  # process-wide: only a serving process
-    collections.start()
     stopped, deposed = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(app.deposed.wait())
     await asyncio.wait((stopped, deposed), return_when=asyncio.FIRST_COMPLETED)
     if app.deposed.is_set():
@@ -371,5 +375,4 @@ async def serve(settings: Settings, clock: Clock | None = None) -> None:
         logging.shutdown()
         os._exit(EXIT_DEPOSED)
     log.info("signal received; draining")
-    await collections.stop()
     await app.stop()

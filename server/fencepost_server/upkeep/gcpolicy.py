@@ -45,14 +45,12 @@ class FullCollections:
         self._saved: tuple[int, int, int] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    def start(self, tasks: asyncio.TaskGroup) -> None:
         """Stop CPython's automatic full collections; run one every ``every_s``
-        on the running loop instead."""
+        in ``tasks`` instead."""
         young, middle, _ = self._saved = gc.get_threshold()
         gc.set_threshold(young, middle, NEVER)
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name="fencepost-gc"
-        )
+        self._task = tasks.create_task(self._run(), name="fencepost-gc")
 
     async def _run(self) -> None:
         while True:
