@@ -185,6 +185,46 @@ async def test_a_lease_expired_before_the_last_flush_is_not_extended(tmp_path: P
         await w2.close()
 
 
+async def test_a_flush_copies_only_the_expiries_its_floor_would_pass(tmp_path: Path) -> None:
+    """A lease whose stored expiry is past the new floor is extended by the
+    restart rule as it is: the cycle leaves it for a later one, and a crash
+    after the floor is stored still gives it its acknowledged expiry."""
+    path = tmp_path / "m.db"
+    clock = ManualClock()
+    w = await _writer(path, clock, lease_flush_ms=2_000)
+    a = await w.submit(L.Acquire("a", "A", ttl_ms=3_000))
+    b = await w.submit(L.Acquire("b", "A", ttl_ms=20_000))
+    clock.advance(1_100)
+    await w.submit(L.Acquire("x1", "A"))  # a batch: "a" and "b" copied into runs
+    assert _stored(path)[0] == {"a": _until(a), "b": _until(b)}
+    ra = await w.submit(L.Renew("a", "A", a.fencing_token))
+    rb = await w.submit(L.Renew("b", "A", b.fencing_token))
+    clock.advance(2_400)
+    await w.submit(L.Acquire("x2", "A"))  # a batch: the flush cycle starts and ends
+    runs, floor = _stored(path)
+    assert floor == clock.now_ms()
+    assert runs["a"] == _until(ra)  # stored until before the floor: copied
+    assert runs["b"] == _until(b) > floor  # stored live past it: left as it is
+    clock.advance(2_000)  # a cycle with nothing to copy: an idle writer stores its floor
+    for _ in range(500):
+        if _stored(path)[1] == clock.now_ms():
+            break
+        await asyncio.sleep(0.01)
+    runs, floor = _stored(path)
+    assert floor == clock.now_ms() and runs["b"] == _until(b)
+    await _crash(w)
+    clock.advance(500)
+    w2 = await _writer(path, clock)
+    try:
+        assert w2.state.runs["a"] == ra  # expired before the floor: not extended
+        assert _until(w2.state.runs["b"]) == clock.now_ms() + 20_000 > _until(rb)
+        with pytest.raises(LedgerError) as held:
+            await w2.submit(L.Acquire("b", "B"))
+        assert held.value.code is Code.RUN_LEASE_HELD
+    finally:
+        await w2.close()
+
+
 async def test_a_clean_stop_leaves_every_expiry_exact(tmp_path: Path) -> None:
     path = tmp_path / "m.db"
     clock = ManualClock()

@@ -27,7 +27,7 @@ from ..core.records import Record, out_of_range
 from ..hub import FenceHub, LostReason, Session, lost_reason
 from ..writer import Writer
 from .commands import stream_renew
-from .convert import _ts, record_to_pb
+from .convert import _set_ts, _ts, record_to_pb
 from .decode import Malformed
 from .pump import enter, headers_first, run_until_stopped
 from .status import keepalive_error, undecodable
@@ -44,19 +44,42 @@ class KeepAliveSession(Session):
     messages, through a queue counted against the stream's limits."""
 
     outbox: asyncio.Queue[pb.KeepAliveResponse] = field(default_factory=asyncio.Queue)
+    # this loop turn's `renewed` answers, written in place into one `batch`
+    # message (no message, copy and queue entry per renewal); queued at the
+    # turn's end, or before any other event, so the order is kept
+    pending: pb.KeepAliveResponse | None = None
 
     def send(self, msg: pb.KeepAliveResponse) -> None:
+        if self.pending is not None:
+            self.flush()
         if self.charge(1):
             self.outbox.put_nowait(msg)
 
+    def flush(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None and self.stop.reason is None:
+            self.outbox.put_nowait(pending)
+
     def clear(self) -> None:
+        self.pending = None
         while not self.outbox.empty():
             self.outbox.get_nowait()
 
     def renewed(self, run_id: str, token: int, expires_at: int, ttl_remaining_ms: int) -> None:
-        self.send(pb.KeepAliveResponse(renewed=pb.KeepAliveRenewed(
-            run_id=run_id, fencing_token=token, expires_at=_ts(expires_at),
-            ttl_remaining_ms=ttl_remaining_ms)))
+        if not self.charge(1):
+            return
+        pending = self.pending
+        if pending is None or len(pending.batch) >= MAX_BATCH:
+            if pending is None:
+                asyncio.get_running_loop().call_soon(self.flush)
+            else:
+                self.flush()
+            pending = self.pending = pb.KeepAliveResponse()
+        r = pending.batch.add().renewed
+        r.run_id = run_id
+        r.fencing_token = token
+        _set_ts(r.expires_at, expires_at)
+        r.ttl_remaining_ms = ttl_remaining_ms
 
     def lost(self, run_id: str, token: int, reason: LostReason, record: Record | None) -> None:
         lost = pb.KeepAliveLost(run_id=run_id, fencing_token=token, reason=LOST_REASON[reason])
@@ -67,6 +90,14 @@ class KeepAliveSession(Session):
     def expiring(self, run_id: str, token: int, expires_at: int) -> None:
         self.send(pb.KeepAliveResponse(expiring=pb.KeepAliveExpiring(
             run_id=run_id, fencing_token=token, expires_at=_ts(expires_at))))
+
+
+def _add(out: pb.KeepAliveResponse, msg: pb.KeepAliveResponse) -> None:
+    """Add ``msg``'s events to the batch ``out``."""
+    if msg.batch:
+        out.batch.extend(msg.batch)
+    else:
+        out.batch.append(msg)
 
 
 class KeepAliveHandler:
@@ -106,14 +137,18 @@ class KeepAliveHandler:
         outbox = session.outbox
         while True:
             msg = await outbox.get()
+            n = len(msg.batch) or 1  # a turn's renewals come as one `batch` already
             if not outbox.empty():
-                batch = [msg]
-                while not outbox.empty() and len(batch) < MAX_BATCH:
-                    batch.append(outbox.get_nowait())
-                msg = pb.KeepAliveResponse(batch=batch)
-                session.uncharge(len(batch))
-            else:
-                session.uncharge(1)
+                out = pb.KeepAliveResponse()
+                _add(out, msg)
+                while not outbox.empty() and n < MAX_BATCH:
+                    more = outbox.get_nowait()
+                    n += len(more.batch) or 1
+                    _add(out, more)
+                msg = out
+            session.uncharge(n)
+            if n == 1 and msg.batch:
+                msg = msg.batch[0]  # a lone event goes out as itself, as ever
             await context.write(msg)
 
     async def _reader(self, session: KeepAliveSession, requests: AsyncIterator[Any]) -> None:

@@ -384,7 +384,7 @@ class Writer:
                 if item is not _FLUSH:
                     batch.append(item)
             flush, floor = ([], None) if stopping else self.renewals.take_flush()
-            if batch or flush:
+            if batch or flush or floor is not None:
                 if batch:
                     delay.took(len(batch))
                 delay.measure_busy(loop.time())
