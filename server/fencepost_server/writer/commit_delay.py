@@ -67,21 +67,27 @@ class CommitDelay:
         self.loop_busy = (cpu - self._busy_cpu) / since
         self._busy_since, self._busy_cpu = now, cpu
 
-    async def hold(self, queued: Callable[[], int]) -> bool:
+    async def hold(self, queued: Callable[[], int]) -> tuple[bool, bool]:
         """Hold the batch open until as many commands are queued as the
         largest recent batch had (at most COMMIT_GATHER), or the window ends;
-        True when it gathered nothing."""
+        (it gathered nothing, the window ended it)."""
         loop = asyncio.get_running_loop()
         first = queued()
         woken = self._wake = loop.create_future()
         self._target = self.target()
-        timer = loop.call_later(self.delay_s, wake, woken)
+        ran_out: list[bool] = []
+
+        def window_ends() -> None:
+            ran_out.append(True)
+            wake(woken)
+
+        timer = loop.call_later(self.delay_s, window_ends)
         try:
             await woken
         finally:
             timer.cancel()
             self._wake = None
-        return queued() == first
+        return queued() == first, bool(ran_out)
 
     def arrived(self, queued: int) -> None:
         """A command was queued (``queued`` now): a held batch ends once the

@@ -46,6 +46,7 @@ class WriterStats:
     commit_seconds: float = 0.0
     held: int = 0  # batches held open by the commit delay
     held_in_vain: int = 0  # of those, the ones that gathered nothing
+    held_to_window: int = 0  # of those, the ones the window ended (not the target)
     memory_renewals: int = 0  # renewals answered from memory, no commit
     leases_flushed: int = 0  # lease expiries copied into the runs table
 

@@ -373,9 +373,10 @@ class Writer:
             elif first is not _FLUSH:
                 batch.append(first)
                 if not self._closing and delay.holds(self._queue.qsize() + 1):
-                    in_vain = await delay.hold(self._queue.qsize)
+                    in_vain, ran_out = await delay.hold(self._queue.qsize)
                     self.stats.held += 1
                     self.stats.held_in_vain += in_vain
+                    self.stats.held_to_window += ran_out
             while len(batch) < self.max_batch and not self._queue.empty():
                 item = self._queue.get_nowait()
                 if item is _STOP:
