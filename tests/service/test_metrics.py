@@ -161,10 +161,12 @@ def fencepost_version() -> str:
 
 async def test_revocations_by_reason_and_open_streams(server: ServerThread) -> None:
     async with fencepost.Client(server.address, owner="w") as client:
-        lease = await client.acquire("m-cancel")
-        await lease.renew()  # the KeepAlive stream is up and tracks it
-        text = scrape(server)
-        assert value(text, "fencepost_open_streams", kind="keepalive") == 1
+        lease = await client.acquire("m-cancel")  # over Execute
+        # the background renewer opens the KeepAlive stream on its own time
+        deadline = time.monotonic() + 10
+        while value(text := scrape(server), "fencepost_open_streams", kind="keepalive") != 1:
+            assert time.monotonic() < deadline, "no KeepAlive stream opened within 10 s"
+            await asyncio.sleep(0.02)
         assert value(text, "fencepost_open_streams", kind="execute") == 1
         await client.cancel("m-cancel")
         await lease.lost.wait()
