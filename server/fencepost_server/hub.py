@@ -271,7 +271,7 @@ class FenceHub:
         self._armed: dict[int, Session] = {}
         self._seq = itertools.count()
         self._task: asyncio.Task[None] | None = None
-        self._unsubscribe: Callable[[], None] | None = None
+        self._unsubscribe: list[Callable[[], None]] = []
         self.sessions: set[Session] = set()
         # KeepAliveHello.stream_name -> the open session it names
         self.named: dict[str, Session] = {}
@@ -285,8 +285,8 @@ class FenceHub:
         self.lost_pushed: collections.Counter[LostReason] = collections.Counter()
 
     def start(self) -> None:
-        self._unsubscribe = self.writer.subscribe(self.on_changes)
-        self.writer.subscribe_renewals(self.on_renewed)
+        self._unsubscribe = [self.writer.subscribe(self.on_changes),
+                             self.writer.subscribe_renewals(self.on_renewed)]
         self._task = asyncio.create_task(self._expiry_loop(), name="fencepost-expiry")
 
     def shutdown(self) -> None:
@@ -347,8 +347,9 @@ class FenceHub:
 
     async def close(self) -> None:
         self.shutdown()
-        if self._unsubscribe is not None:
-            self._unsubscribe()
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe = []
         if self._task is not None:
             self._task.cancel()
             try:

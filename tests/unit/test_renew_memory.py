@@ -242,3 +242,21 @@ async def test_a_clean_stop_leaves_every_expiry_exact(tmp_path: Path) -> None:
         assert _stored(path)[1] == clock.now_ms()  # stored before anything is renewed
     finally:
         await w2.close()
+
+
+async def test_a_closed_hub_hears_no_more_renewals(tmp_path: Path) -> None:
+    """The hub subscribes to the change feed and to renewals from memory at its
+    start, and drops both at its close: a closed hub is never called again."""
+    from fencepost_server.hub import FenceHub
+    from fencepost_server.writer import Reads
+
+    clock = ManualClock()
+    w = await _writer(tmp_path / "h.db", clock)
+    hub = FenceHub(w, clock, reads=Reads(w.storage, lambda: w.state))
+    try:
+        hub.start()
+        assert w.renewals._listeners == [hub.on_renewed] and len(w._listeners) == 1
+        await hub.close()
+        assert w.renewals._listeners == [] and w._listeners == []
+    finally:
+        await w.close()
