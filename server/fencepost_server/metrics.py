@@ -5,17 +5,18 @@ tests). Counters end in ``_total``, durations are ``_seconds`` histograms,
 no label carries a run id or an owner. docs/OPERATIONS.md lists exactly
 what is exposed (tests/service/test_metrics.py compares the two).
 
-Lease counts and expiries are read from the committed state when scraped;
-an expiry is counted once per lease that reached its expiry unrenewed,
-whether a scrape saw it expired or a later change (a takeover, a cancel)
-ended it first.
+Lease counts follow the committed state (``LeaseCounts``): a scrape moves
+only the leases whose expiry passed since the last one. An expiry is counted
+once per lease that reached its expiry unrenewed, whether a scrape saw it
+expired or a later change or renewal ended it first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import platform
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -30,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from .clock import Clock
 from .core import ledger as L
-from .core.records import Record
+from .core.records import TERMINAL, Record
 from .hub import FenceHub, LostReason
 from .writer import ChangeEvent, Writer
 
@@ -48,8 +49,8 @@ EVENT_DROPS = ("queue_full", "write_timeout")
 CLIENT_KINDS = ("connection", "principal")
 STREAM_LIMITS = tuple(f"max_{what}_per_{per}" for what in ("queued", "tracked")
                       for per in ("stream", "connection", "principal"))
-# Records a scrape counts between two yields to the event loop (render_async):
-# counting 100 000 leases in one go stalled every call for ~50 ms
+# Leases a scrape moves (or a first count places) between two yields to the
+# event loop: counting 100 000 leases in one go stalled every call for ~50 ms
 LEASE_SCAN_CHUNK = 4096
 # ...and how long it pauses after each chunk. Not sleep(0): a loop that is
 # never idle never releases the GIL but at the interpreter's switch interval,
@@ -57,6 +58,228 @@ LEASE_SCAN_CHUNK = 4096
 # scrape of 200,000 leases; a real pause lets the loop block in epoll, and the
 # writer runs.
 LEASE_SCAN_PAUSE_S = 0.001
+# Width of the buckets of expiries a scrape visits: it reads only the leases
+# of the bucket holding its own time, not those of later ones.
+LEASE_BUCKET_MS = 256
+
+
+def _lease_key(rec: Record) -> tuple[int, int, int]:
+    lease = rec.lease
+    assert lease is not None
+    return rec.fencing_token, lease.expires_at, lease.expires_at + lease.lock_delay_ms
+
+
+class LeaseCounts:
+    """The leases of unfinished runs by state, kept as the writer's committed
+    state moves: each change and each renewal from memory places its run's
+    lease again (``reconcile``: against the committed record, so the order of
+    the two feeds does not matter), and a count moves only the leases whose
+    expiry or lock delay the time passed since the last one, found through
+    buckets of expiries; a lease is counted in one dict of the three. The
+    first count, and one after the committed state was replaced (a takeover's
+    load) or the clock went back, builds them from every record. Loop thread."""
+
+    def __init__(self, writer: Writer, clock: Clock) -> None:
+        self.writer = writer
+        self.clock = clock
+        self.expiries = 0  # leases that reached their expiry unrenewed, each once
+        self._state: object = None  # the committed state followed (None: not built)
+        self._high = 0  # the latest time counted at
+        self.live: dict[str, Record] = {}
+        self.delay: dict[str, Record] = {}
+        self.expired: dict[str, Record] = {}
+        # bucket -> the live runs whose expiry is in it, and the buckets in a
+        # heap; the same for the lock delays' ends of those in lock delay
+        self._live_due: dict[int, set[str]] = {}
+        self._live_keys: list[int] = []
+        self._delay_due: dict[int, set[str]] = {}
+        self._delay_keys: list[int] = []
+        self._building: set[str] | None = None  # runs changed while a build runs
+        # live leases a count saw expired before the clock went back: (token,
+        # expiry) of each, not counted as expiries again
+        self._again: dict[str, tuple[int, int]] = {}
+
+    def counts(self) -> dict[str, int]:
+        return {"live": len(self.live), "lock_delay": len(self.delay),
+                "expired": len(self.expired)}
+
+    # -- the feeds --------------------------------------------------------------
+
+    def on_changes(self, events: list[ChangeEvent]) -> None:
+        if self._building is not None or self.writer.state is self._state:
+            for ev in events:
+                self.reconcile(ev.run_id)
+            return
+        # not built yet (or the state was replaced): a change that ends a
+        # lease past its expiry counts that expiry, as a built count would
+        now = self.clock.now_ms()
+        for ev in events:
+            prev, rec = ev.previous, ev.record
+            if prev is None or prev.lease is None or prev.status in TERMINAL:
+                continue
+            token, expires, _ = _lease_key(prev)
+            if expires <= now and (rec is None or rec.lease is None
+                                   or _lease_key(rec)[:2] != (token, expires)):
+                self.expiries += 1
+
+    def on_renewed(self, run_id: str, rec: Record) -> None:
+        self.reconcile(run_id)
+
+    def reconcile(self, run_id: str) -> None:
+        """Count ``run_id``'s lease as its committed record has it now. A lease
+        that ended (a new token or expiry, or none) past its expiry, unseen by
+        a count, counts as an expiry here."""
+        if self._building is not None:
+            self._building.add(run_id)
+            return
+        state = self.writer.state
+        if state is not self._state:
+            return  # not built, or replaced: the next count builds
+        cur = state.runs.get(run_id)
+        new = cur if cur is not None and cur.lease is not None and (
+            cur.status not in TERMINAL) else None
+        where = (self.live if run_id in self.live else self.delay if run_id in self.delay
+                 else self.expired if run_id in self.expired else None)
+        now = self.clock.now_ms()
+        if where is not None:
+            old = where[run_id]
+            if new is not None and _lease_key(old) == _lease_key(new):
+                where[run_id] = new  # the same lease on a new record
+                return
+            del where[run_id]
+            token, expires, delay_end = _lease_key(old)
+            if where is self.live:
+                self._due_set(self._live_due, expires).discard(run_id)
+                if expires <= now and (new is None or _lease_key(new)[:2] != (token, expires)):
+                    self._expired_now(run_id, token, expires)
+            elif where is self.delay:
+                self._due_set(self._delay_due, delay_end).discard(run_id)
+        if new is not None:
+            self._place(run_id, new, now, None)
+
+    def _place(self, run_id: str, rec: Record, now: int,
+               counted: dict[str, Record] | None) -> None:
+        """Count a lease in its state at ``now``; one already past its expiry
+        counts as an expiry unless ``counted`` holds it (a build)."""
+        token, expires, delay_end = _lease_key(rec)
+        seen = counted.get(run_id) if counted is not None else None
+        if seen is not None and _lease_key(seen)[:2] != (token, expires):
+            seen = None
+        if now < expires:
+            self.live[run_id] = rec
+            self._due(self._live_due, self._live_keys, expires, run_id)
+            if seen is not None:
+                self._again[run_id] = (token, expires)
+            return
+        if seen is None:
+            self._expired_now(run_id, token, expires)
+        if now < delay_end:
+            self.delay[run_id] = rec
+            self._due(self._delay_due, self._delay_keys, delay_end, run_id)
+        else:
+            self.expired[run_id] = rec
+
+    def _expired_now(self, run_id: str, token: int, expires: int) -> None:
+        """Count a lease that reached its expiry, unless it was counted before
+        the clock went back."""
+        if not self._again or self._again.pop(run_id, None) != (token, expires):
+            self.expiries += 1
+
+    @staticmethod
+    def _due_set(due: dict[int, set[str]], at: int) -> set[str]:
+        return due.get(at // LEASE_BUCKET_MS) or set()
+
+    @staticmethod
+    def _due(due: dict[int, set[str]], keys: list[int], at: int, run_id: str) -> None:
+        bucket = at // LEASE_BUCKET_MS
+        runs = due.get(bucket)
+        if runs is None:
+            runs = due[bucket] = set()
+            heapq.heappush(keys, bucket)
+        runs.add(run_id)
+
+    # -- counting ---------------------------------------------------------------
+
+    def count(self) -> Iterator[None]:
+        """Bring the counts to now, yielding between chunks (the loop may run
+        the feeds in between): a build, or the leases whose time passed."""
+        now = self.clock.now_ms()
+        if self._state is not self.writer.state or now < self._high:
+            yield from self._build()
+            return
+        top = now // LEASE_BUCKET_MS
+        yield from self._drain(self._live_keys, self._live_due, self.live, top, now, True)
+        yield from self._drain(self._delay_keys, self._delay_due, self.delay, top, now, False)
+        self._high = now
+
+    def _drain(self, keys: list[int], due: dict[int, set[str]], held: dict[str, Record],
+               top: int, now: int, live: bool) -> Iterator[None]:
+        """Move the leases of ``held`` (live or in lock delay) whose expiry
+        (or lock delay's end) is at or before ``now``: every one of the
+        buckets before ``now``'s, those due of ``now``'s own."""
+        while keys and keys[0] <= top:
+            bucket = keys[0]
+            runs = due.get(bucket)
+            if not runs:
+                heapq.heappop(keys)
+                due.pop(bucket, None)
+                continue
+            ids = list(runs)
+            for i in range(0, len(ids), LEASE_SCAN_CHUNK):
+                for run_id in ids[i:i + LEASE_SCAN_CHUNK]:
+                    if run_id not in runs:
+                        continue  # moved by a feed meanwhile
+                    rec = held[run_id]
+                    _, expires, delay_end = _lease_key(rec)
+                    if (expires if live else delay_end) > now:
+                        continue  # (only in now's own bucket)
+                    runs.discard(run_id)
+                    del held[run_id]
+                    if not live:
+                        self.expired[run_id] = rec
+                        continue
+                    self._expired_now(run_id, rec.fencing_token, expires)
+                    if now < delay_end:
+                        self.delay[run_id] = rec
+                        self._due(self._delay_due, self._delay_keys, delay_end, run_id)
+                    else:
+                        self.expired[run_id] = rec
+                if i + LEASE_SCAN_CHUNK < len(ids):
+                    yield
+            if bucket == top:
+                break
+            yield
+
+    def _build(self) -> Iterator[None]:
+        """Count every lease of the committed records from scratch (those an
+        earlier count saw expired are not counted as expiries again)."""
+        state = self.writer.state
+        now = self.clock.now_ms()
+        records = list(state.runs.values())
+        counted = {**self.delay, **self.expired}
+        for run_id, (token, expires) in self._again.items():  # still not counted again
+            rec = self.live.get(run_id)
+            if rec is not None and _lease_key(rec)[:2] == (token, expires):
+                counted[run_id] = rec
+        self._again = {}
+        self._state = None
+        self.live, self.delay, self.expired = {}, {}, {}
+        self._live_due, self._live_keys, self._delay_due, self._delay_keys = {}, [], {}, []
+        changed: set[str] = set()
+        self._building = changed
+        try:
+            for i in range(0, len(records), LEASE_SCAN_CHUNK):
+                if i:
+                    yield
+                for rec in records[i:i + LEASE_SCAN_CHUNK]:
+                    if rec.lease is not None and rec.status not in TERMINAL:
+                        self._place(rec.run_id, rec, now, counted)
+        finally:
+            self._building = None
+        self._state = state
+        self._high = now
+        for run_id in changed:  # changed while it ran: as they are now
+            self.reconcile(run_id)
 
 
 class Metrics:
@@ -110,29 +333,34 @@ class Metrics:
             ["version", "python"], registry=r,
         )
         info.labels(version, platform.python_version()).set(1)
-        self.expiries = 0
-        self._expired: dict[str, tuple[int, int]] = {}  # run -> (token, expires_at) seen expired
-        # while render_async counts: expired leases that ended meanwhile (run -> key)
-        self._ended_in_scan: dict[str, tuple[int, int]] | None = None
+        self.leases = LeaseCounts(writer, clock)
         self._counted: dict[str, int] | None = None  # render_async's counts, for its collect
         self._scraping = asyncio.Lock()  # one render_async at a time
         r.register(_StateCollector(self))
         self._unobserve = writer.observe_batches(self._on_batch)
         self._unsubscribe = writer.subscribe(self._on_changes)
+        self._unrenewed = writer.subscribe_renewals(self.leases.on_renewed)
 
     def close(self) -> None:
+        self._unrenewed()
         self._unsubscribe()
         self._unobserve()
+
+    @property
+    def expiries(self) -> int:
+        return self.leases.expiries
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     async def render_async(self) -> bytes:
-        """``render``, counting the leases a chunk at a time with the loop
-        free in between: a scrape of a server holding many leases does not
-        stall the calls it serves."""
+        """``render``, bringing the lease counts to now a chunk at a time with
+        the loop free in between: a scrape of a server holding many leases
+        does not stall the calls it serves."""
         async with self._scraping:
-            self._counted = await self._count_leases_async()
+            for _ in self.leases.count():
+                await asyncio.sleep(LEASE_SCAN_PAUSE_S)
+            self._counted = self.leases.counts()
             try:
                 return generate_latest(self.registry)
             finally:
@@ -145,83 +373,21 @@ class Metrics:
         self.batch_size.observe(commands)
 
     def _on_changes(self, events: list[ChangeEvent]) -> None:
-        now = self.clock.now_ms()
         for ev in events:
             prev, rec = ev.previous, ev.record
-            if prev is None or prev.lease is None:
-                continue
-            moved = rec is not None and rec.fencing_token != prev.fencing_token
-            if ev.cause is L.Acquire and moved:
+            if (ev.cause is L.Acquire and prev is not None and prev.lease is not None
+                    and rec is not None and rec.fencing_token != prev.fencing_token):
                 self.takeovers.inc()
-            if prev.lease.expires_at > now:
-                continue
-            key = (prev.fencing_token, prev.lease.expires_at)
-            ended = rec is None or rec.lease is None or (
-                rec.fencing_token, rec.lease.expires_at) != key
-            if not ended:
-                continue
-            if self._ended_in_scan is not None:
-                self._ended_in_scan[ev.run_id] = key
-            if self._expired.pop(ev.run_id, None) != key:
-                self.expiries += 1  # expired and ended before a scrape saw it
+        self.leases.on_changes(events)
 
     def lease_counts(self) -> dict[str, int]:
-        """Leases by state now; counts the expiries first seen here."""
+        """Leases by state now (counted in one go unless a scrape is counting)."""
         if self._counted is not None:
             return self._counted
-        now = self.clock.now_ms()
-        counts = dict.fromkeys(LEASE_STATES, 0)
-        seen: dict[str, tuple[int, int]] = {}
-        self._count(self.writer.state.runs.values(), now, counts, seen)
-        self._settle_expired(seen, {})
-        return counts
-
-    async def _count_leases_async(self) -> dict[str, int]:
-        """``lease_counts`` over the committed records as they were when it
-        began (a snapshot: records are replaced, never changed in place), in
-        chunks. Expired leases that a change ends meanwhile were counted by
-        ``_on_changes``; they are not counted again."""
-        now = self.clock.now_ms()
-        records = list(self.writer.state.runs.values())
-        counts = dict.fromkeys(LEASE_STATES, 0)
-        seen: dict[str, tuple[int, int]] = {}
-        ended: dict[str, tuple[int, int]] = {}
-        self._ended_in_scan = ended
-        try:
-            for i in range(0, len(records), LEASE_SCAN_CHUNK):
-                if i:
-                    await asyncio.sleep(LEASE_SCAN_PAUSE_S)
-                self._count(records[i:i + LEASE_SCAN_CHUNK], now, counts, seen)
-        finally:
-            self._ended_in_scan = None
-        self._settle_expired(seen, ended)
-        return counts
-
-    @staticmethod
-    def _count(records: Iterable[Record], now: int, counts: dict[str, int],
-               seen: dict[str, tuple[int, int]]) -> None:
-        for rec in records:
-            lease = rec.lease
-            if lease is None:
-                continue
-            if now < lease.expires_at:
-                counts["live"] += 1
-                continue
-            counts["lock_delay" if now < lease.expires_at + lease.lock_delay_ms else "expired"] += 1
-            seen[rec.run_id] = (rec.fencing_token, lease.expires_at)
-
-    def _settle_expired(
-        self, seen: dict[str, tuple[int, int]], ended: dict[str, tuple[int, int]]
-    ) -> None:
-        """Count the expired leases this scrape saw first; remember the rest."""
-        still: dict[str, tuple[int, int]] = {}
-        for run_id, key in seen.items():
-            if ended.get(run_id) == key:
-                continue  # ended during the scan: _on_changes settled it
-            if self._expired.get(run_id) != key:
-                self.expiries += 1
-            still[run_id] = key
-        self._expired = still
+        if not self._scraping.locked():
+            for _ in self.leases.count():
+                pass
+        return self.leases.counts()
 
 
 class _StateCollector(Collector):

@@ -384,6 +384,7 @@ class PostgresStorage(SqlStorage):
 
     backend = "postgresql"
     GREATEST = "GREATEST"
+    SET_EXPIRY = "jsonb_set(record::jsonb, '{lease,2}', to_jsonb(?::bigint))::text"
     ID_ARRAY = "json_agg(run_id ORDER BY run_id)::text"
     ERRORS = (psycopg.Error,)
 

@@ -113,6 +113,9 @@ class Batch:
     # The lease floor to store once this commits (docs/SPEC.md §4): every
     # expiry renewed from memory before it is in runs; LEASES_EXACT: all are.
     lease_floor: int | None = None
+    # Runs whose row is their record but for the lease's expiry (renewed from
+    # memory since): only the expiry is written into the row.
+    expiries: list[tuple[str, Record]] = field(default_factory=list)
 
 
 # meta.lease_floor when every stored lease expiry is exact (a clean stop, or a
@@ -172,6 +175,9 @@ class SqlStorage:
     # runs' ids at start-up (SQLite's planner needs it), and the aggregate
     # that gathers a group's run ids into one JSON array (text)
     GREATEST = "max"
+    # the stored record with its lease's expiry replaced (the record's form:
+    # "lease": [owner, acquired_at, expires_at, ttl_ms, lock_delay_ms])
+    SET_EXPIRY = "json_set(record, '$.lease[2]', ?)"
     STATUS_INDEX = ""
     ID_ARRAY = "json_group_array(run_id)"
     # the driver's error class: a batch that hits one fails as STORAGE_*
@@ -548,8 +554,50 @@ class SqlStorage:
         self, db: Any, runs: list[tuple[str, Record | None]], mark: int, revision: int
     ) -> None:
         """Copy runs into the runs table and set the mark (and the revision: one
-        statement for both meta rows). A run without a row goes in the
-        current block; ``rows`` learns of it once the transaction commits."""
+        statement for both meta rows)."""
+        self._upsert(db, runs)
+        db.execute(
+            "UPDATE meta SET value = CASE key WHEN 'revision' THEN ? ELSE ? END "
+            "WHERE key IN ('revision', 'materialized')",
+            (revision, mark),
+        )
+
+    def _write_expiries(self, db: Any, runs: list[tuple[str, Record]]) -> None:
+        """Write only the lease expiry into the rows of ``runs``, each current
+        but for it: an edit of the stored JSON in SQL, no record encoded. A run
+        with no row or no lease, or rows the database cannot edit (written by
+        hand), get their whole record instead."""
+        rows, staged = self.rows, self._staged
+        edits: list[tuple[int, int, str]] = []
+        edited: list[tuple[str, Record]] = []
+        whole: list[tuple[str, Record | None]] = []
+        for run_id, r in runs:
+            block = rows.get(run_id)
+            lease = r.lease
+            if block is None or lease is None or run_id in staged or (
+                    _int64(lease.expires_at) != lease.expires_at):
+                whole.append((run_id, r))
+                continue
+            edits.append((lease.expires_at, block, run_id))
+            edited.append((run_id, r))
+        if edits:
+            db.execute("SAVEPOINT expiries")
+            try:
+                db.executemany(
+                    f"UPDATE runs SET record = {self.SET_EXPIRY} WHERE block = ? AND run_id = ?",
+                    edits,
+                )
+            except self.ERRORS:
+                db.execute("ROLLBACK TO expiries")
+                whole += edited
+            db.execute("RELEASE expiries")
+        if whole:
+            self._upsert(db, whole)
+
+    def _upsert(self, db: Any, runs: list[tuple[str, Record | None]]) -> None:
+        """Write each run's whole record into its row (None: delete it). A run
+        without a row goes in the current block; ``rows`` learns of it once
+        the transaction commits."""
         rows, staged = self.rows, self._staged
         puts = []
         gone = []
@@ -596,11 +644,6 @@ class SqlStorage:
                 [(b,) for b in sorted(changed)],
             )
             self._touching |= changed
-        db.execute(
-            "UPDATE meta SET value = CASE key WHEN 'revision' THEN ? ELSE ? END "
-            "WHERE key IN ('revision', 'materialized')",
-            (revision, mark),
-        )
 
     @staticmethod
     def _compacted(db: Any, revision: int) -> int:
@@ -723,6 +766,8 @@ class SqlStorage:
             self._materialize(db, batch.materialize, batch.materialized, batch.revision)
         elif batch.changes:
             db.execute("UPDATE meta SET value = ? WHERE key = 'revision'", (batch.revision,))
+        if batch.expiries:
+            self._write_expiries(db, batch.expiries)
         if batch.lease_floor is not None:
             self.set_lease_floor(batch.lease_floor)
         if batch.requests:

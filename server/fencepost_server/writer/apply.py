@@ -247,12 +247,19 @@ class Apply:
             out.revision = rev
             taken, mark = self._plan_materialization(now, rev, changed)
             leases: list[tuple[str, Record | None]] = []
+            expiries: list[tuple[str, Record]] = []
             if flush:  # expiries renewed from memory, into their runs rows
                 skip = set(taken)
+                pending = self.pending
                 for k in flush:
                     rec = overlay[k] if k in overlay else committed.runs.get(k)
-                    if rec is not None and rec.status not in TERMINAL and k not in skip:
-                        leases.append((k, rec))
+                    if rec is None or rec.status in TERMINAL or k in skip:
+                        continue
+                    if k in changed or k in pending:
+                        leases.append((k, rec))  # the row lags other changes: all of it
+                    else:
+                        expiries.append((k, rec))  # the row is current but for the expiry
+            out.expiries = expiries
             if taken or mark != self.materialized or leases:
                 out.materialize = [
                     (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken

@@ -218,9 +218,10 @@ class Renewals:
         self.flushing.extend(flush)
 
     def unwritten(self, runs: dict[str, Record], skip: dict[str, Any]) -> list[
-            tuple[str, Record | None]]:
+            tuple[str, Record]]:
         """Every live lease renewed from memory and not yet in the runs table
-        (those in ``skip`` aside), for a clean stop to write."""
+        (those in ``skip``, whose rows lag other changes, aside), for a clean
+        stop to write: their rows are current but for the expiry."""
         return [
             (k, rec) for k in {*self.flushing, *self.dirty}
             if k not in skip and (rec := runs.get(k)) is not None

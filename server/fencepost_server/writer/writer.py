@@ -285,7 +285,8 @@ class Writer:
             leases = self.renewals.unwritten(runs, pending)
             with self.storage.transaction():
                 out = Batch(revision=revision)
-                out.materialize = [(k, runs.get(k)) for k in pending] + leases
+                out.materialize = [(k, runs.get(k)) for k in pending]
+                out.expiries = leases
                 out.materialized = revision if pending else applier.materialized
                 out.lease_floor = LEASES_EXACT
                 self.storage.write(out)
