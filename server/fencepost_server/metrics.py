@@ -123,6 +123,16 @@ class LeaseCounts:
                 self.expiries += 1
 
     def on_renewed(self, run_id: str, rec: Record) -> None:
+        # the common case, once per renewal: a live lease renewed later stays
+        # in its earlier bucket, which re-files it when due (``_drain``)
+        old = self.live.get(run_id)
+        if (old is not None and self._building is None
+                and old.fencing_token == rec.fencing_token
+                and self.clock.now_ms() < old.lease.expires_at  # type: ignore[union-attr]
+                <= rec.lease.expires_at  # type: ignore[union-attr]
+                and self.writer.state.runs.get(run_id) is rec):
+            self.live[run_id] = rec
+            return
         self.reconcile(run_id)
 
     def reconcile(self, run_id: str) -> None:
@@ -229,10 +239,16 @@ class LeaseCounts:
                 for run_id in ids[i:i + LEASE_SCAN_CHUNK]:
                     if run_id not in runs:
                         continue  # moved by a feed meanwhile
-                    rec = held[run_id]
+                    rec = held.get(run_id)
+                    if rec is None:  # left by a renewal's later bucket: gone since
+                        runs.discard(run_id)
+                        continue
                     _, expires, delay_end = _lease_key(rec)
                     if (expires if live else delay_end) > now:
-                        continue  # (only in now's own bucket)
+                        if (expires if live else delay_end) // LEASE_BUCKET_MS != bucket:
+                            runs.discard(run_id)  # renewed since it was filed here
+                            self._due(due, keys, expires if live else delay_end, run_id)
+                        continue
                     runs.discard(run_id)
                     del held[run_id]
                     if not live:
