@@ -45,6 +45,7 @@ PUBLIC_API = {
     # the middle layers of the error tree, and misuse (fencepost._errors)
     "InvalidInputError", "RefusedError", "UsageError", "ClientClosedError", "EventLoopError",
     "ClientStatistics",
+    "shard_of",
 }
 
 CLIENT_API = {

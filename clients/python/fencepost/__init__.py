@@ -69,6 +69,7 @@ from ._records import (
 )
 from ._retry import RetryPolicy
 from ._security import TLS
+from ._shards import shard_of
 from ._store import ABSENT, AsyncStore, InvalidRunState, Lookup, RunNotFound
 from ._sync import SyncClient, SyncLease, SyncStore, SyncStoreTransaction, SyncStubs
 from ._transaction import StoreTransaction
@@ -140,4 +141,5 @@ __all__ = [
     "__version__",
     "can_transition",
     "is_terminal",
+    "shard_of",
 ]

@@ -27,3 +27,4 @@ export type { RetryPolicy } from "./retry.js";
 export { parseEndpoints } from "./endpoints.js";
 export type { ConnectionOptions, KeepalivePingOptions, Pem, TlsOptions } from "./endpoints.js";
 export type { CommandKind, Transport } from "./execute.js";
+export { MAX_SHARDS, SHARD_KEY_SEPARATOR, shardOf } from "./shards.js";
