@@ -140,10 +140,11 @@ class App:
             self.identity = default_identity()
             storage = PostgresStorage(
                 s.db_path, durable=s.durability is Durability.FULL, name=self.identity,
-                unsafe_skip_epoch_check=s.test_hooks and s.fault == "no-epoch-check")
+                unsafe_skip_epoch_check=s.test_hooks and s.fault == "no-epoch-check",
+                shards=s.shards)
             self._db = str(storage.path)
         else:
-            storage = SqliteStorage(s.db_path, s.durability)
+            storage = SqliteStorage(s.db_path, s.durability, shards=s.shards)
         writer = self.writer = Writer(
             storage,
             self.clock,

@@ -10,6 +10,7 @@ from typing import Any
 
 from .addresses import host_entry, split_address
 from .auth import IDENTITY_SOURCES, is_loopback
+from .core.shards import MAX_SHARDS, MIN_SHARDS
 from .storage import is_url
 from .storage.sqlite import Durability
 
@@ -49,6 +50,9 @@ class Settings:
     listen: str = "127.0.0.1:50051"
     db_path: str = "./fencepost.db"
     durability: Durability = Durability.FULL
+    # The database's shard count (docs/SPEC.md §13), fixed at its first start;
+    # None: the stored count (a new database gets core.shards.DEFAULT_SHARDS).
+    shards: int | None = None
     log_level: str = "INFO"
     max_message_bytes: int = 4 * 1024 * 1024
     max_concurrent_streams: int = 1024
@@ -111,6 +115,7 @@ class Settings:
             "FENCEPOST_LISTEN": ("listen", str),
             "FENCEPOST_DB": ("db_path", str),
             "FENCEPOST_DURABILITY": ("durability", Durability),
+            "FENCEPOST_SHARDS": ("shards", int),
             "FENCEPOST_LOG_LEVEL": ("log_level", str),
             "FENCEPOST_MAX_MESSAGE_BYTES": ("max_message_bytes", int),
             "FENCEPOST_METRICS_PORT": ("metrics_port", int),
@@ -172,6 +177,7 @@ class SettingsError(ValueError):
 _CHECKS = {
     "listen": "FENCEPOST_LISTEN",
     "durability": "FENCEPOST_DURABILITY",
+    "shards": "FENCEPOST_SHARDS",
     "log_level": "FENCEPOST_LOG_LEVEL",
     "max_message_bytes": "FENCEPOST_MAX_MESSAGE_BYTES",
     "metrics_port": "FENCEPOST_METRICS_PORT",
@@ -257,6 +263,7 @@ def _normalise(name: str, value: Any) -> Any:
         "commit_delay_ms": (0, 100),
         "history_revisions": (1, 2**62),
         "history_max_age_s": (0, 2**40),
+        "shards": (MIN_SHARDS, MAX_SHARDS),
     }[name]
     if not low <= value <= high:
         raise ValueError(f"must be between {low} and {high}")

@@ -496,7 +496,7 @@ def test_a_schema_1_database_is_migrated_and_keeps_its_runs(tmp_path: Path) -> N
             pb.EngineCreateRunRequest(run=pb.EngineRun(id="e", agent="a", status="q"))
         ).created
     ro = open_read_only(path)
-    assert ro.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+    assert ro.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
     ro.close()
 
 

@@ -20,14 +20,14 @@ from fencepost_server.storage import postgres, sqlite
 
 # each store's last migration step, undone: the database its previous schema wrote
 PREVIOUS = {
-    "sqlite": (sqlite.SCHEMA_VERSION - 1, ["DROP TABLE touched_blocks",
+    "sqlite": (sqlite.SCHEMA_VERSION - 1, ["DELETE FROM meta WHERE key = 'shards'",
                                            f"PRAGMA user_version={sqlite.SCHEMA_VERSION - 1}"]),
     "postgres": (postgres.SCHEMA_VERSION - 1, [
-        "ALTER TABLE fencepost_leader DROP COLUMN process",
+        "DELETE FROM meta WHERE key = 'shards'",
         f"UPDATE fencepost_schema SET version = {postgres.SCHEMA_VERSION - 1}"]),
 }
-LAST_STEP = {"sqlite": ["CREATE TABLE touched_blocks"],
-             "postgres": ["ALTER TABLE fencepost_leader ADD COLUMN process"]}
+LAST_STEP = {"sqlite": ["INSERT INTO meta (key, value) VALUES ('shards', 64)"],
+             "postgres": ["INSERT INTO meta (key, value) VALUES ('shards', 64)"]}
 
 
 def _schema(location: str, store: str) -> int:
@@ -85,6 +85,8 @@ def test_a_database_of_the_previous_schema_is_migrated_and_keeps_its_runs(
     server.start(timeout=60)
     try:
         assert _schema(location, store) == previous + 1
+        with raw(location) as conn:  # the shard count of every database before shards
+            assert conn.rows("SELECT value FROM meta WHERE key = 'shards'") == [(64,)]
         asyncio.run(_read(server.address, runs))
     finally:
         assert server.stop() == 0, server.log_tail()

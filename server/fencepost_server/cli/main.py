@@ -91,6 +91,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "(env FENCEPOST_DURABILITY)",
     )
     p.add_argument(
+        "--shards",
+        type=int,
+        metavar="N",
+        help="the database's shard count, 1-4096, fixed when the database is created: a "
+        "later start with another count is refused (env FENCEPOST_SHARDS; default: the "
+        "stored count, 64 for a new database)",
+    )
+    p.add_argument(
         "--log-level",
         type=_log_level,
         help="DEBUG, INFO, WARNING, ERROR (env FENCEPOST_LOG_LEVEL)",
@@ -267,6 +275,7 @@ def _serve_settings(args: argparse.Namespace, settings_cls: type[Settings]) -> S
         listen=args.listen,
         db_path=args.db_path,
         durability=Durability(args.durability) if args.durability else None,
+        shards=args.shards,
         log_level=args.log_level,
         metrics_port=args.metrics_port,
         max_message_bytes=args.max_message_bytes,

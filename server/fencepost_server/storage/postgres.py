@@ -39,13 +39,13 @@ from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
 from ..core.errors import Code, LedgerError
-from .sql import SqlStorage
+from .sql import SqlStorage, settle_shards
 
 log = logging.getLogger("fencepost.storage")
 
 RESOLVE_COMMIT_S = 60.0  # how long a COMMIT lost with its connection is asked about
 SCHEMA = "fencepost"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 _MIGRATE_LOCK = 0x66656E63  # pg_advisory_xact_lock key: "fenc"
 
 _TEXT = 'TEXT COLLATE "C"'  # byte order, as SQLite and the in-memory index sort
@@ -246,6 +246,11 @@ MIGRATIONS: list[list[str]] = [
     [
         "ALTER TABLE fencepost_leader ADD COLUMN process TEXT NOT NULL DEFAULT ''",
     ],
+    # 5 -> 6: the shard count (docs/SPEC.md §13). A database from before has
+    # 64, the default then; a new one stores --shards in the same transaction.
+    [
+        "INSERT INTO meta (key, value) VALUES ('shards', 64)",
+    ],
 ]
 
 
@@ -389,9 +394,10 @@ class PostgresStorage(SqlStorage):
     ERRORS = (psycopg.Error,)
 
     def __init__(self, url: str, *, durable: bool = True, name: str = "fencepost",
-                 unsafe_skip_epoch_check: bool = False) -> None:
+                 unsafe_skip_epoch_check: bool = False, shards: int | None = None) -> None:
         super().__init__()
         self.url = url
+        self.requested_shards = shards
         self.path = redact(url)
         self.name = name
         self.synchronous_commit = "on" if durable else "off"
@@ -413,7 +419,7 @@ class PostgresStorage(SqlStorage):
         """Connect and migrate (the schema only: no leader check here)."""
         try:
             self._db = self._connect_writer()
-            migrate(self._db, self.path)
+            self.shards = migrate(self._db, self.path, self.requested_shards)
         except psycopg.Error as exc:
             self.close()
             raise RuntimeError(f"{self.path}: {first_line(exc)}") from exc
@@ -526,18 +532,19 @@ def prepare(storage: PostgresStorage) -> None:
     try:
         db = connect(storage.url, f"fencepost-migrate {storage.name}")
         try:
-            migrate(db, storage.path)
+            storage.shards = migrate(db, storage.path, storage.requested_shards)
         finally:
             db.close()
     except psycopg.Error as exc:  # unreachable, no such database, no permission...
         raise RuntimeError(f"{storage.path}: {first_line(exc)}; refusing to start") from None
 
 
-def migrate(db: PgConnection, where: str) -> None:
-    """Create or upgrade the schema, one transaction per step, under an
-    advisory lock (coordinators starting together migrate once). Refuses a
-    schema written by a newer release, and a ``fencepost`` schema holding
-    tables that are not ours."""
+def migrate(db: PgConnection, where: str, shards: int | None = None) -> int:
+    """Create or upgrade the schema, in one transaction, under an advisory
+    lock (coordinators starting together migrate once); the stored shard
+    count (a new database stores ``shards``). Refuses a schema written by a
+    newer release, a ``fencepost`` schema holding tables that are not ours,
+    and a ``shards`` other than the stored count."""
     db.execute("BEGIN")
     try:
         db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATE_LOCK,))
@@ -569,7 +576,9 @@ def migrate(db: PgConnection, where: str) -> None:
                 db.execute(stmt)
             db.execute("UPDATE fencepost_schema SET version = ?", (target,))
             log.info("%s: schema migrated to version %d", where, target)
+        stored = settle_shards(db, where, shards, fresh=version == 0)
         db.execute("COMMIT")
+        return stored
     except BaseException:
         if db.in_transaction:
             db.execute("ROLLBACK")

@@ -161,6 +161,27 @@ def _answer_text(answer: Any, encoded: dict[int, str]) -> str:
     return _dumps(codec.encode(answer))
 
 
+def settle_shards(db: Any, where: str, requested: int | None, *, fresh: bool = False) -> int:
+    """The database's shard count (meta.shards, docs/SPEC.md §13). A database
+    just created (``fresh``, inside its creating transaction) stores
+    ``requested``; an existing one keeps its own, and a start that asks for
+    another count is refused (RuntimeError: the server does not start)."""
+    if fresh and requested is not None:
+        db.execute("UPDATE meta SET value = ? WHERE key = 'shards'", (requested,))
+    row = db.execute("SELECT value FROM meta WHERE key = 'shards'").fetchone()
+    if row is None:
+        raise RuntimeError(f"{where}: the stored shard count is missing (the fencepost "
+                           "schema is damaged); refusing to start")
+    stored = int(row[0])
+    if requested is not None and requested != stored:
+        raise RuntimeError(
+            f"{where} has {stored} shards, fixed when it was created; --shards {requested} "
+            f"cannot change that. Start without --shards (the stored {stored} is used) or "
+            f"with --shards {stored}; refusing to start"
+        )
+    return stored
+
+
 class SqlStorage:
     """What the writer needs of a database (the storage seam): ``open``,
     ``load``, ``read_runs``, ``lookup_requests``, ``transaction`` /
@@ -195,6 +216,10 @@ class SqlStorage:
     _untouch = False
     _block = 0  # the block new rows go in, and how many it has been given
     _in_block = 0
+    # the shard count a start asks for (None: the stored one), and the
+    # database's own once it is open (docs/SPEC.md §13)
+    requested_shards: int | None = None
+    shards = 0
 
     def __init__(self) -> None:
         self.rows = {}

@@ -39,11 +39,12 @@ from .sql import (  # noqa: F401  (re-exported: the writer, tests and benchmarks
     Batch,
     LoadedState,
     SqlStorage,
+    settle_shards,
 )
 
 log = logging.getLogger("fencepost.storage")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # Each entry migrates user_version i -> i + 1. Append; never edit a shipped one.
 MIGRATIONS: list[list[str]] = [
@@ -253,6 +254,11 @@ MIGRATIONS: list[list[str]] = [
         "DELETE FROM saved_index WHERE revision <> (SELECT value FROM meta WHERE "
         "key = 'revision') OR revision <> (SELECT value FROM meta WHERE key = 'materialized')",
     ],
+    # 7 -> 8: the shard count (docs/SPEC.md §13). A database from before has
+    # 64, the default then; a new one stores --shards in the same transaction.
+    [
+        "INSERT INTO meta (key, value) VALUES ('shards', 64)",
+    ],
 ]
 
 class Durability(StrEnum):
@@ -296,11 +302,13 @@ class SqliteStorage(SqlStorage):
     ERRORS = (sqlite3.Error,)
 
     def __init__(self, path: str | Path, durability: Durability = Durability.FULL,
-                 *, pipelined: bool = True) -> None:
+                 *, pipelined: bool = True, shards: int | None = None) -> None:
         """``pipelined``: with FULL durability, COMMIT writes the WAL and ``sync``
-        fsyncs it apart (``deferred_sync``); False: COMMIT fsyncs itself."""
+        fsyncs it apart (``deferred_sync``); False: COMMIT fsyncs itself.
+        ``shards``: the shard count this start asks for (None: the stored one)."""
         super().__init__()
         self.path = str(path)
+        self.requested_shards = shards
         self.durability = Durability(durability)
         self.deferred_sync = (pipelined and self.durability is Durability.FULL
                               and self.path != ":memory:")
@@ -353,6 +361,7 @@ class SqliteStorage(SqlStorage):
             if self._needs_migration(db):
                 self._verified()
                 self._migrate(db)
+            self.shards = settle_shards(db, self.path, self.requested_shards)
         except sqlite3.DatabaseError as exc:
             self._abandon(db)
             raise self._verdict(RuntimeError(
@@ -435,6 +444,8 @@ class SqliteStorage(SqlStorage):
             try:
                 for stmt in MIGRATIONS[target - 1]:
                     db.execute(stmt)
+                if version == 0 and target == SCHEMA_VERSION:  # created by this start
+                    settle_shards(db, self.path, self.requested_shards, fresh=True)
                 db.execute(f"PRAGMA user_version={target}")
                 db.execute("COMMIT")
             except BaseException:
