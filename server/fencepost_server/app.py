@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -144,6 +145,7 @@ class App:
                 shards=s.shards)
             self._db = str(storage.path)
         else:
+            self.identity = f"{socket.gethostname()}/{os.getpid()}"
             storage = SqliteStorage(s.db_path, s.durability, shards=s.shards)
         writer = self.writer = Writer(
             storage,
@@ -188,6 +190,7 @@ class App:
                 self.writer, self.hub, self._history, reads=reads,
                 max_tracked_per_stream=s.max_tracked_per_stream,
                 max_inflight_per_stream=s.max_inflight_per_stream,
+                shard_owner=self._shard_owner,
             ),
             RunStoreService(self.writer, reads, backend=storage.backend),
             self.engine_store,
@@ -247,6 +250,13 @@ class App:
         if self.hub is not None:
             self.hub.shutdown()  # streams end with UNAVAILABLE: clients go to the new leader
         self._tasks.create_task(self.health.set(False))
+
+    def _shard_owner(self) -> tuple[str, str, int]:
+        """Who leads every shard: (identity, advertised address, epoch)."""
+        ld = self.leadership
+        if ld is None:
+            return self.identity, self.settings.advertise or self.address, 0
+        return ld.identity, ld.address, ld.epoch or 0
 
     def _describe(self) -> str:
         assert self.writer is not None

@@ -45,14 +45,15 @@ PUBLIC_API = {
     # the middle layers of the error tree, and misuse (fencepost._errors)
     "InvalidInputError", "RefusedError", "UsageError", "ClientClosedError", "EventLoopError",
     "ClientStatistics",
-    "shard_of",
+    "shard_of", "ShardInfo", "ShardMap",
 }
 
 CLIENT_API = {
     "acquire", "address", "cancel", "closed", "default_ttl_ms", "delete", "endpoints", "get",
     "list",
     "list_all",
-    "owner", "renewal", "request_resume", "retry", "statistics", "store", "stubs",
+    "owner", "renewal", "request_resume", "retry", "shard_of", "shards", "statistics", "store",
+    "stubs",
     "validate_fence", "watch",
 }
 

@@ -4,21 +4,31 @@ count is refused before serving."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from _db import raw
+from _wire import expect
 
+import fencepost
+from fencepost import SyncClient
+from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
 from fencepost_server.cli.common import EXIT_REFUSED, EXIT_USAGE
 from fencepost_server.cli.main import main
 from fencepost_server.config import Settings, SettingsError
 from fencepost_server.core.shards import DEFAULT_SHARDS
 from fencepost_server.storage import postgres, sqlite
+from fencepost_server.testing.clock import ManualClock
 from fencepost_server.testing.server import ServerThread
+from fencepost_server.writer import reads
 
 
 @pytest.fixture
@@ -123,3 +133,99 @@ def test_fencepost_serve_refuses_another_count_with_exit_1(backend: str, tmp_pat
     assert done.returncode == EXIT_REFUSED, done.stderr
     assert "has 16 shards" in done.stderr and "--shards 32" in done.stderr
     assert stored_shards(db) == 16
+
+
+# -- the Shards RPC -------------------------------------------------------------------
+
+
+def expected_counts(run_ids: list[str], n: int) -> list[int]:
+    counts = [0] * n
+    for run_id in run_ids:
+        counts[fencepost.shard_of(run_id, n)] += 1
+    return counts
+
+
+def test_the_map_counts_each_run_and_live_lease_in_its_shard(
+    server: ServerThread, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reads, "SHARD_SCAN_CHUNK", 7)  # many chunks, and a short last one
+    run_ids = [f"shard-run-{i}" for i in range(200)]
+    with SyncClient(server.address, owner="w-shards", renewal="off") as client:
+        leases = [client.acquire(r, ttl_ms=60_000) for r in run_ids]
+        got = client.shards()
+        assert got.shard_count == len(got.shards) == 64
+        assert [s.index for s in got.shards] == list(range(64))
+        assert [s.runs for s in got.shards] == expected_counts(run_ids, 64)
+        assert [s.leases for s in got.shards] == expected_counts(run_ids, 64)
+        assert sum(s.runs for s in got.shards) == 200
+        assert got.revision >= 200
+        for run_id in run_ids[:5]:
+            assert client.shard_of(run_id) == fencepost.shard_of(run_id, 64)
+            assert got.shard_of(run_id) == fencepost.shard_of(run_id, 64)
+
+        for lease in leases[:50]:  # finished: still runs, no longer leases
+            lease.finish("completed")
+        client.acquire("shard-late", ttl_ms=1_000)
+        got = client.shards()
+        assert [s.runs for s in got.shards] == expected_counts([*run_ids, "shard-late"], 64)
+        assert [s.leases for s in got.shards] == expected_counts(
+            [*run_ids[50:], "shard-late"], 64)
+
+        clock.advance(1_000)  # expired exactly at T + D: not live
+        got = client.shards()
+        assert [s.leases for s in got.shards] == expected_counts(run_ids[50:], 64)
+        clock.advance(60_000)
+        assert sum(s.leases for s in client.shards().shards) == 0
+        assert sum(s.runs for s in client.shards().shards) == 201
+
+
+def test_every_shard_names_this_coordinator_and_its_epoch(server: ServerThread) -> None:
+    app = server.app
+    assert app is not None
+    with SyncClient(server.address, owner="w-map") as client:
+        shards = client.shards().shards
+    if app.leadership is None:  # SQLite: this process, no epoch
+        owner, address, epoch = f"{socket.gethostname()}/{os.getpid()}", server.address, 0
+    else:
+        owner, address, epoch = app.leadership.identity, app.leadership.address, \
+            app.leadership.epoch
+        assert epoch is not None and epoch >= 1 and address == server.address
+    assert {(s.owner, s.address, s.epoch) for s in shards} == {(owner, address, epoch)}
+
+
+def test_the_map_over_the_wire_has_the_stored_count(new_db: str) -> None:
+    with ServerThread(new_db, shards=5) as srv, grpc.insecure_channel(srv.address) as ch:
+        resp = ledger_pb2_grpc.LedgerStub(ch).Shards(ledger_pb2.ShardsRequest(), timeout=10)
+        assert resp.shard_count == 5 and [s.index for s in resp.shards] == list(range(5))
+        with SyncClient(srv.address, owner="w") as client:
+            client.acquire("only-run")
+            assert client.shard_of("only-run") == fencepost.shard_of("only-run", 5)
+            assert [s.runs for s in client.shards().shards] == expected_counts(["only-run"], 5)
+
+
+def test_a_standby_answers_not_leader_naming_the_leader(backend: str, db: str) -> None:
+    if backend != "postgres":
+        pytest.skip("only PostgreSQL has standbys")
+    with ServerThread(db, max_clock_skew="0") as leader, \
+            ServerThread(db, max_clock_skew="0", wait_leading=0) as standby:
+        assert standby.app is not None and standby.app.leadership is not None
+        deadline = time.monotonic() + 30
+        while standby.app.leadership.leader_address != leader.address:  # its campaign read it
+            assert time.monotonic() < deadline, "the standby never saw the leader"
+            time.sleep(0.02)
+        with grpc.insecure_channel(standby.address) as ch:
+            e = expect(ledger_pb2_grpc.LedgerStub(ch).Shards, ledger_pb2.ShardsRequest(),
+                       grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+        assert e.metadata["leader"] == leader.address
+        # the SDK follows the leader the standby names, as for every read
+        with SyncClient([standby.address, leader.address], owner="w") as client:
+            assert {s.address for s in client.shards().shards} == {leader.address}
+
+
+async def test_the_async_client_fetches_the_count_once_for_shard_of(server: ServerThread) -> None:
+    async with fencepost.Client(server.address, owner="w-async") as client:
+        async with client.acquire("async-run") as lease:
+            assert await client.shard_of("async-run") == fencepost.shard_of("async-run", 64)
+            got = await client.shards()
+            assert got.shards[got.shard_of("async-run")].leases == 1
+            await lease.finish("completed")

@@ -61,3 +61,14 @@ def test_a_count_out_of_bounds_is_refused(n: int) -> None:
 
 def test_a_compound_key_joins_its_parts_with_the_separator() -> None:
     assert shards.compound_key("billing", "charge-7") == "billing\x1fcharge-7"
+
+
+@given(st.lists(st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=20)),
+       st.integers(1, 70))
+def test_tally_counts_each_key_in_its_shard(keys: list[str], n: int) -> None:
+    counts = [0] * n
+    shards.tally(keys, n, counts)
+    expected = [0] * n
+    for key in keys:
+        expected[shards.shard_of(key, n)] += 1
+    assert counts == expected

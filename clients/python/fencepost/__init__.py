@@ -69,7 +69,7 @@ from ._records import (
 )
 from ._retry import RetryPolicy
 from ._security import TLS
-from ._shards import shard_of
+from ._shards import ShardInfo, ShardMap, shard_of
 from ._store import ABSENT, AsyncStore, InvalidRunState, Lookup, RunNotFound
 from ._sync import SyncClient, SyncLease, SyncStore, SyncStoreTransaction, SyncStubs
 from ._transaction import StoreTransaction
@@ -121,6 +121,8 @@ __all__ = [
     "RunRecord",
     "RunStatus",
     "RunSuspendedError",
+    "ShardInfo",
+    "ShardMap",
     "ShuttingDownError",
     "StorageFullError",
     "StorageUnavailableError",

@@ -68,6 +68,7 @@ from ._records import (
 from ._renewal import NoRenewer, Renewer, StreamRenewer, UnaryRenewer
 from ._retry import RetryPolicy
 from ._security import TLS, channel_credentials
+from ._shards import ShardMap, shard_map_from_pb, shard_of
 from ._store import AsyncStore, fence_of, telling
 from .v1 import ledger_pb2, ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 
@@ -867,6 +868,7 @@ class Client:
         self._on_lost = on_lost
         self._cleanups: set[asyncio.Task[Any]] = set()
         self._closed = False
+        self._shard_count: int | None = None  # the database's, once shards() asked
 
     def __repr__(self) -> str:
         return f"<Client {','.join(self._connection.endpoints.listed)} owner={self._owner!r}>"
@@ -1147,6 +1149,23 @@ class Client:
             status=status_from_pb(resp.status),
             revision=resp.revision,
         )
+
+    async def shards(self) -> ShardMap:
+        """The shard map (docs/SPEC.md §13): the database's shard count and,
+        per shard, the coordinator that leads it, its epoch, and its runs and
+        live leases. The count is kept for ``shard_of``."""
+        resp = await self._call("Shards", ledger_pb2.ShardsRequest(), mutation=False)
+        shard_map = shard_map_from_pb(resp)
+        self._shard_count = shard_map.shard_count
+        return shard_map
+
+    async def shard_of(self, key: str) -> int:
+        """The shard ``key`` belongs to, by the database's shard count (asked
+        with ``shards()`` once, then kept: a database's count never changes)."""
+        if self._shard_count is None:
+            await self.shards()
+        assert self._shard_count is not None
+        return shard_of(key, self._shard_count)
 
     # -- internals (shared with SyncClient) ----------------------------------------------
 

@@ -65,6 +65,7 @@ from ._records import (
 )
 from ._retry import RetryPolicy
 from ._security import TLS, sync_channel
+from ._shards import ShardMap
 from ._store import (
     ABSENT,
     AsyncStore,
@@ -574,6 +575,12 @@ class SyncClient:
 
     def validate_fence(self, run_id: str, fencing_token: int) -> FenceStatus:
         return self._portal.run(self._client.validate_fence(run_id, fencing_token))
+
+    def shards(self) -> ShardMap:
+        return self._portal.run(self._client.shards())
+
+    def shard_of(self, key: str) -> int:
+        return self._portal.run(self._client.shard_of(key))
 
     def watch(
         self, run_ids: Iterable[str] = (), from_revision: int = 0

@@ -10,6 +10,7 @@ the Python SDK (``fencepost.shard_of``) and the TypeScript client
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 # A database's shard count: fixed when it is created (``fencepost serve --shards``).
 DEFAULT_SHARDS = 64
@@ -32,3 +33,11 @@ def shard_of(key: str, shards: int) -> int:
 def compound_key(*parts: str) -> str:
     """The shard key of an item named by several fields, in the order given."""
     return SEPARATOR.join(parts)
+
+
+def tally(keys: Iterable[str], shards: int, counts: list[int]) -> None:
+    """Add one to ``counts[shard_of(key, shards)]`` for each key (the rule
+    inlined: about half a microsecond a key, for counting a million)."""
+    sha256, from_bytes = hashlib.sha256, int.from_bytes
+    for key in keys:
+        counts[from_bytes(sha256(key.encode("utf-8")).digest()[:4], "big") % shards] += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -77,9 +78,12 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         reads: Reads,
         max_tracked_per_stream: int = 100_000,
         max_inflight_per_stream: int = 4096,
+        shard_owner: Callable[[], tuple[str, str, int]] = lambda: ("", "", 0),
     ) -> None:
         self.writer = writer
         self.reads = reads
+        # (identity, advertised address, epoch) of the coordinator leading every shard
+        self.shard_owner = shard_owner
         self.keepalive = KeepAliveHandler(
             writer, hub, max_tracked_per_stream=max_tracked_per_stream)
         self.watch = WatchHandler(writer, hub, history)
@@ -235,4 +239,19 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
             fencing_token=rec.fencing_token,
             status=int(rec.status),  # type: ignore[arg-type]
             revision=revision,
+        )
+
+    @handler
+    async def Shards(
+        self, request: pb.ShardsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ShardsResponse:
+        n = self.writer.storage.shards
+        owner, address, epoch = self.shard_owner()
+        counts = await self.reads.shard_counts(n, self.writer.clock.now_ms())
+        return pb.ShardsResponse(
+            shard_count=n,
+            revision=counts.revision,
+            shards=[pb.ShardInfo(index=i, owner=owner, address=address, epoch=epoch,
+                                 runs=counts.runs[i], leases=counts.leases[i])
+                    for i in range(n)],
         )

@@ -14,11 +14,28 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..core.records import Record, Status
+from ..core.shards import tally
 from ..storage.history import HistoryReader
 from ..storage.sql import SqlStorage, answering, broken
 from .state import LedgerState
 
 T = TypeVar("T")
+
+# Run ids a shard count hashes between two yields to the event loop (about
+# 2 ms of work), and the pause after each: a real pause, not sleep(0), so the
+# loop blocks in epoll and the writer thread gets the GIL (metrics.py's lease
+# scan measured why).
+SHARD_SCAN_CHUNK = 4096
+SHARD_SCAN_PAUSE_S = 0.001
+
+
+class ShardCounts:
+    """Ledger runs and live leases per shard, and the revision they reflect."""
+
+    __slots__ = ("leases", "revision", "runs")
+
+    def __init__(self, revision: int, runs: list[int], leases: list[int]) -> None:
+        self.revision, self.runs, self.leases = revision, runs, leases
 
 
 class Reads:
@@ -30,6 +47,10 @@ class Reads:
         self._state = state
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-reader")
         self._reader_db: Any = None
+        # the last count of runs per shard: (revision, shards, counts), and
+        # the scan in flight, which concurrent callers share
+        self._shard_runs: tuple[int, int, list[int]] | None = None
+        self._shard_scan: asyncio.Future[tuple[int, int, list[int]]] | None = None
 
     @property
     def state(self) -> LedgerState:
@@ -138,6 +159,36 @@ class Reads:
                 lambda: self.storage.finished_before(self._read_only(), cutoff_ms, limit, after),
             )
 
+    async def shard_counts(self, shards: int, now: int) -> ShardCounts:
+        """Ledger runs (every status) and leases live at ``now`` per shard, over
+        the committed state: the ids as they were when the count began (a
+        snapshot), hashed a chunk at a time with the loop free in between; the
+        count of runs is kept until the revision moves, and shared by callers
+        that ask while it runs."""
+        runs = self._shard_runs
+        if runs is None or runs[:2] != (self.state.revision, shards):
+            if self._shard_scan is None or self._shard_scan.done():
+                self._shard_scan = asyncio.ensure_future(self._count_runs(shards))
+            runs = await asyncio.shield(self._shard_scan)
+            if runs[1] != shards:  # another count's scan was in flight
+                runs = await self._count_runs(shards)
+        records = list(self.state.runs.values())  # replaced by the writer, never changed
+        leases = [0] * shards
+        for i in range(0, len(records), SHARD_SCAN_CHUNK):
+            if i:
+                await asyncio.sleep(SHARD_SCAN_PAUSE_S)
+            tally([rec.run_id for rec in records[i:i + SHARD_SCAN_CHUNK]
+                   if rec.lease is not None and now < rec.lease.expires_at], shards, leases)
+        return ShardCounts(runs[0], list(runs[2]), leases)
+
+    async def _count_runs(self, shards: int) -> tuple[int, int, list[int]]:
+        st = self.state
+        revision, ids = st.revision, list(st.index.status_of)
+        counts = [0] * shards
+        await _tally_in_chunks(ids, shards, counts)
+        self._shard_runs = (revision, shards, counts)
+        return self._shard_runs
+
     def _read_cold(self, run_ids: list[str]) -> dict[str, Record]:
         return self.storage.read_runs(run_ids, self._read_only())
 
@@ -149,6 +200,13 @@ class Reads:
         if self._reader_db is None:
             self._reader_db = self.storage.reader()
         return self._reader_db
+
+
+async def _tally_in_chunks(keys: list[str], shards: int, counts: list[int]) -> None:
+    for i in range(0, len(keys), SHARD_SCAN_CHUNK):
+        if i:
+            await asyncio.sleep(SHARD_SCAN_PAUSE_S)
+        tally(keys[i:i + SHARD_SCAN_CHUNK], shards, counts)
 
 
 class History:

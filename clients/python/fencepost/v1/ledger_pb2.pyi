@@ -874,6 +874,96 @@ class ValidateFenceResponse(_message.Message):
 Global___ValidateFenceResponse: _TypeAlias = ValidateFenceResponse  # noqa: Y015
 
 @_typing.final
+class ShardsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardsRequest: _TypeAlias = ShardsRequest  # noqa: Y015
+
+@_typing.final
+class ShardsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_COUNT_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    shard_count: _builtins.int
+    """The database's shard count, fixed when it was created (1 - 4096)."""
+    revision: _builtins.int
+    """The server revision the run counts reflect."""
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardInfo]:
+        """Every shard, by index: shards[i].index == i."""
+
+    def __init__(
+        self,
+        *,
+        shard_count: _builtins.int = ...,
+        shards: _abc.Iterable[Global___ShardInfo] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "shard_count", b"shard_count", "shards", b"shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardsResponse: _TypeAlias = ShardsResponse  # noqa: Y015
+
+@_typing.final
+class ShardInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    RUNS_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """0 .. shard_count - 1: where the rule of docs/SPEC.md §13 puts a key."""
+    owner: _builtins.str
+    """The coordinator that leads the shard: its identity (host/pid/...)."""
+    address: _builtins.str
+    """The address clients reach that coordinator at (its --advertise, else
+    its listen address).
+    """
+    epoch: _builtins.int
+    """The epoch it leads the shard under: on PostgreSQL the leader epoch
+    (docs/SPEC.md §9.1), which moves at every change of leader; on SQLite,
+    which has no epoch, 0.
+    """
+    runs: _builtins.int
+    """Ledger runs in the shard, of every status, as of `revision`."""
+    leases: _builtins.int
+    """Of them, the ones under a lease that is live at the time of the answer."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        owner: _builtins.str = ...,
+        address: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        runs: _builtins.int = ...,
+        leases: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "epoch", b"epoch", "index", b"index", "leases", b"leases", "owner", b"owner", "runs", b"runs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardInfo: _TypeAlias = ShardInfo  # noqa: Y015
+
+@_typing.final
 class KeepAliveRequest(_message.Message):
     """---------------------------------------------------------------------------
     KeepAlive

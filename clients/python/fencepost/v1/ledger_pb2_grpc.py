@@ -114,6 +114,11 @@ class LedgerStub:
                 request_serializer=fencepost_dot_v1_dot_ledger__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=fencepost_dot_v1_dot_ledger__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.Shards = channel.unary_unary(
+                '/fencepost.v1.Ledger/Shards',
+                request_serializer=fencepost_dot_v1_dot_ledger__pb2.ShardsRequest.SerializeToString,
+                response_deserializer=fencepost_dot_v1_dot_ledger__pb2.ShardsResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -293,6 +298,17 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Shards(self, request, context):
+        """The shard map (docs/SPEC.md §13): how many shards the database has and,
+        for each, the coordinator that leads it, its epoch, and how many ledger
+        runs and live leases it holds. Today one coordinator leads every shard.
+        Needs the worker or operator role. A coordinator that does not lead
+        answers NOT_LEADER, as for every call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -375,6 +391,11 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=fencepost_dot_v1_dot_ledger__pb2.ExecuteRequest.FromString,
                     response_serializer=fencepost_dot_v1_dot_ledger__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'Shards': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shards,
+                    request_deserializer=fencepost_dot_v1_dot_ledger__pb2.ShardsRequest.FromString,
+                    response_serializer=fencepost_dot_v1_dot_ledger__pb2.ShardsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -809,6 +830,33 @@ class Ledger:
             '/fencepost.v1.Ledger/Execute',
             fencepost_dot_v1_dot_ledger__pb2.ExecuteRequest.SerializeToString,
             fencepost_dot_v1_dot_ledger__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencepost.v1.Ledger/Shards',
+            fencepost_dot_v1_dot_ledger__pb2.ShardsRequest.SerializeToString,
+            fencepost_dot_v1_dot_ledger__pb2.ShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -181,6 +181,13 @@ class LedgerStub:
     (shutdown). A dropped stream's unanswered commands have unknown outcome:
     retry them with their request ids.
     """
+    Shards: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.ShardsRequest, _ledger_pb2.ShardsResponse]
+    """The shard map (docs/SPEC.md §13): how many shards the database has and,
+    for each, the coordinator that leads it, its epoch, and how many ledger
+    runs and live leases it holds. Today one coordinator leads every shard.
+    Needs the worker or operator role. A coordinator that does not lead
+    answers NOT_LEADER, as for every call.
+    """
 
 @_typing.type_check_only
 class LedgerAsyncStub(LedgerStub):
@@ -293,6 +300,13 @@ class LedgerAsyncStub(LedgerStub):
     STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
     (shutdown). A dropped stream's unanswered commands have unknown outcome:
     retry them with their request ids.
+    """
+    Shards: _aio.UnaryUnaryMultiCallable[_ledger_pb2.ShardsRequest, _ledger_pb2.ShardsResponse]  # type: ignore[assignment]
+    """The shard map (docs/SPEC.md §13): how many shards the database has and,
+    for each, the coordinator that leads it, its epoch, and how many ledger
+    runs and live leases it holds. Today one coordinator leads every shard.
+    Needs the worker or operator role. A coordinator that does not lead
+    answers NOT_LEADER, as for every call.
     """
 
 class LedgerServicer(metaclass=_abc_1.ABCMeta):
@@ -499,6 +513,19 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         STREAM_TOO_SLOW (the client stopped reading results), UNAVAILABLE
         (shutdown). A dropped stream's unanswered commands have unknown outcome:
         retry them with their request ids.
+        """
+
+    @_abc_1.abstractmethod
+    def Shards(
+        self,
+        request: _ledger_pb2.ShardsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.ShardsResponse, _abc.Awaitable[_ledger_pb2.ShardsResponse]]:
+        """The shard map (docs/SPEC.md §13): how many shards the database has and,
+        for each, the coordinator that leads it, its epoch, and how many ledger
+        runs and live leases it holds. Today one coordinator leads every shard.
+        Needs the worker or operator role. A coordinator that does not lead
+        answers NOT_LEADER, as for every call.
         """
 
 def add_LedgerServicer_to_server(servicer: LedgerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -77,6 +77,23 @@ export interface FenceStatus {
   revision: number;
 }
 
+/** One shard of the map: the coordinator that leads it, its epoch (0 on SQLite), its ledger runs and live leases. */
+export interface ShardInfo {
+  index: number;
+  owner: string;
+  address: string;
+  epoch: number;
+  runs: number;
+  leases: number;
+}
+
+/** `client.shards()`: the database's shard count, every shard by index, and the revision the counts reflect. */
+export interface ShardMap {
+  shardCount: number;
+  shards: ShardInfo[];
+  revision: number;
+}
+
 export interface RunChange {
   revision: number;
   kind: "put" | "delete";
@@ -322,6 +339,23 @@ export class FencepostClient {
     return {
       current: resp.current, found: resp.found, fencingToken: toNumber(resp.fencingToken),
       status: resp.found ? statusFromPb(resp.status) : undefined, revision: toNumber(resp.revision),
+    };
+  }
+
+  /**
+   * The shard map (docs/SPEC.md §13): the database's shard count and, per
+   * shard, the coordinator that leads it, its epoch, and its runs and live
+   * leases. `shardOf(key, map.shardCount)` places a key.
+   */
+  async shards(options: CallOptions = {}): Promise<ShardMap> {
+    const resp = await this.read((o) => this.stubs.ledger.shards({}, o), options);
+    return {
+      shardCount: resp.shardCount,
+      shards: resp.shards.map((s) => ({
+        index: s.index, owner: s.owner, address: s.address, epoch: toNumber(s.epoch),
+        runs: toNumber(s.runs), leases: toNumber(s.leases),
+      })),
+      revision: toNumber(resp.revision),
     };
   }
 

@@ -1,6 +1,6 @@
 export { FencepostClient, defaultOwner } from "./client.js";
 export type {
-  AcquireOptions, CallOptions, ClientOptions, CommandRequest, CommandResponse, FenceStatus, ListRunsOptions, RunChange, RunPage, WatchOptions,
+  AcquireOptions, CallOptions, ClientOptions, CommandRequest, CommandResponse, FenceStatus, ListRunsOptions, RunChange, RunPage, ShardInfo, ShardMap, WatchOptions,
 } from "./client.js";
 export { Lease } from "./lease.js";
 export { probeServer } from "./probe.js";
