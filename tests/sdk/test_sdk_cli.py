@@ -356,3 +356,31 @@ def test_watch_binary_stops_cleanly_on_ctrl_c_during_replay(
         revisions = [json.loads(line)["revision"] for line in (first + out).splitlines()]
         assert revisions == list(range(1, len(revisions) + 1))
         assert len(revisions) < REPLAY_CHANGES  # it was stopped mid-replay
+
+
+def test_shards_json_and_text(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    """One line per shard; run-a holds a lease (run-b is suspended, run-c finished)."""
+    code, out, err = run_cli(capsys, seeded, "shards", "--json")
+    assert (code, err) == (EXIT_OK, "")
+    doc = json.loads(out)
+    assert doc["shard_count"] == len(doc["shards"]) == 64 and doc["revision"] >= 3
+    assert [s["shard"] for s in doc["shards"]] == list(range(64))
+    runs, leases = [0] * 64, [0] * 64
+    for run_id in ("run-a", "run-b", "run-c"):
+        runs[fencepost.shard_of(run_id, 64)] += 1
+    leases[fencepost.shard_of("run-a", 64)] += 1
+    assert [s["runs"] for s in doc["shards"]] == runs
+    assert [s["leases"] for s in doc["shards"]] == leases
+    assert {(s["address"], s["epoch"]) for s in doc["shards"]} == {
+        (seeded.address, 0 if seeded.app.leadership is None else seeded.app.leadership.epoch)}
+
+    code, out, _ = run_cli(capsys, seeded, "shards")
+    header, *rows = out.splitlines()
+    assert code == EXIT_OK
+    assert header.split() == ["SHARD", "OWNER", "ADDRESS", "EPOCH", "RUNS", "LEASES"]
+    assert len(rows) == 64
+    cells = [r.split() for r in rows]
+    assert [int(c[0]) for c in cells] == list(range(64))
+    assert [(int(c[4]), int(c[5])) for c in cells] == list(zip(runs, leases, strict=True))
+    assert {c[2] for c in cells} == {seeded.address}
+    assert run_cli(capsys, seeded, "shards", "move")[0] == EXIT_USAGE

@@ -3,6 +3,7 @@ for ``ls``, one line per watched change (``cli/ops.py`` documents the output).""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -141,4 +142,20 @@ def engine_table(runs: list[Any], now: datetime | None = None) -> str:
                 local_time(r.updated_at),
             )
         )
+    return columns(rows)
+
+
+SHARD_COLUMNS = ("SHARD", "OWNER", "ADDRESS", "EPOCH", "RUNS", "LEASES")
+
+
+def shard_doc(shard: Any) -> dict[str, Any]:
+    """One shard of ``fencepost shards --json``."""
+    return {"shard": shard.index, "owner": shard.owner, "address": shard.address,
+            "epoch": shard.epoch, "runs": shard.runs, "leases": shard.leases}
+
+
+def shard_table(shards: Iterable[Any]) -> str:
+    rows: list[tuple[str, ...]] = [SHARD_COLUMNS]
+    rows += [(str(sh.index), sh.owner or "-", sh.address or "-", str(sh.epoch), str(sh.runs),
+              str(sh.leases)) for sh in shards]
     return columns(rows)

@@ -2,6 +2,7 @@
 
     fencepost serve [--listen ADDR] [--db PATH|postgresql://...] [--durability full|normal] ...
     fencepost get RUN_ID            fencepost ls [--status S]... [--owner O]
+    fencepost shards                (each shard's owner, address, epoch, runs, leases)
     fencepost cancel RUN_ID [-m M]  fencepost resume RUN_ID   fencepost delete RUN_ID
     fencepost hold RUN_ID [--ttl MS] [--wait] [--release] -- CMD ARGS...
     fencepost health                fencepost --version

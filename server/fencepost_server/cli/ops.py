@@ -96,7 +96,7 @@ from .common import (
 from .common import default_addr as address_from_env
 from .hold import add_hold_parser, run_hold
 
-COMMANDS = ("get", "ls", "cancel", "resume", "delete", "watch", "health", "hold")
+COMMANDS = ("get", "ls", "cancel", "resume", "delete", "watch", "health", "hold", "shards")
 DEFAULT_TIMEOUT_S = 5.0
 # With several endpoints: room for a takeover (the default 5 s leader lease, then loading).
 FAILOVER_TIMEOUT_S = 15.0
@@ -104,7 +104,8 @@ _STATUSES = [s.value for s in fencepost.RunStatus]
 
 
 def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None:  # type: ignore[type-arg]
-    """Add get, ls, cancel, resume, delete and watch to the ``fencepost`` parser."""
+    """Add the operator commands (get, ls, shards, cancel, resume, delete,
+    watch, health, hold) to the ``fencepost`` parser."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--addr",
@@ -157,6 +158,9 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
         "--engine", action="store_true", help="list the engine store's runs instead"
     )
     p.add_argument("--agent", help="with --engine: only this agent's runs")
+
+    sub.add_parser("shards", parents=[common],
+                   help="the shard map: each shard's owner, address, epoch, runs and leases")
 
     p = sub.add_parser(
         "health", parents=[common], help="check the server's health (exit 0 when SERVING)"
@@ -411,6 +415,11 @@ def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[A
                 f"revision {res.revision})\n"
             )
             return doc, text
+        case "shards":
+            shard_map = client.shards()
+            doc = {"shard_count": shard_map.shard_count, "revision": shard_map.revision,
+                   "shards": [fmt.shard_doc(sh) for sh in shard_map.shards]}
+            return doc, fmt.shard_table(shard_map.shards)
         case "ls" if args.engine:
             runs = client.store.list_runs(
                 agent=args.agent, statuses=args.statuses or None, limit=args.limit
