@@ -126,7 +126,7 @@ class LeaseCounts:
         # the common case, once per renewal: a live lease renewed later stays
         # in its earlier bucket, which re-files it when due (``_drain``)
         old = self.live.get(run_id)
-        if (old is not None and self._building is None
+        if (old is not None and self._building is None and rec.lease is not None
                 and old.fencing_token == rec.fencing_token
                 and self.clock.now_ms() < old.lease.expires_at  # type: ignore[union-attr]
                 <= rec.lease.expires_at  # type: ignore[union-attr]

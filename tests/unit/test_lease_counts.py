@@ -8,6 +8,7 @@ real SQLite file, a clock the test moves, fixed seeds."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,4 +186,31 @@ async def test_a_replaced_state_and_a_clock_gone_back_are_counted_again(tmp_path
         assert m.expiries == 1
     finally:
         m.close()
+        await w.close()
+
+
+async def test_a_renewal_released_in_its_own_batch_is_answered_and_counted(
+    tmp_path: Path,
+) -> None:
+    """A renewal decided in a batch that then releases the run: the renewal
+    listeners hear of a record without a lease, every caller is answered."""
+    clock = ManualClock()
+    w = Writer(SqliteStorage(tmp_path / "m.db"), clock)
+    await w.start()
+    hub = FenceHub(w, clock, reads=Reads(w.storage, lambda: w.state))
+    hub.start()
+    m = Metrics(w, hub, clock, "test")
+    try:
+        await w.submit(L.Acquire("a", "A", ttl_ms=60_000))
+        await m.render_async()
+        one_batch = [w.submit_nowait(L.RecordCheckpoint("a", "A", 1, "k", 1)),
+                     w.submit_nowait(L.Renew("a", "A", 1)),
+                     w.submit_nowait(L.Release("a", "A", 1))]
+        got = await asyncio.wait_for(asyncio.gather(*one_batch), 10)
+        assert got[2].lease is None and w.stats.batches == 2
+        assert m.lease_counts() == _walk(w.state.runs, clock.now_ms()) == {
+            "live": 0, "lock_delay": 0, "expired": 0}
+    finally:
+        m.close()
+        await hub.close()
         await w.close()

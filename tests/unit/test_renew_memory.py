@@ -75,6 +75,29 @@ async def test_a_renewal_moves_the_expiry_and_nothing_else_without_a_commit(
         await w.close()
 
 
+async def test_a_failing_renewal_listener_keeps_no_renewal_unanswered(tmp_path: Path) -> None:
+    """From memory and decided in a batch alike: the listener's error is
+    logged, the callers are answered."""
+    w = await _writer(tmp_path / "m.db", ManualClock())
+    heard: list[str] = []
+
+    def broken(run_id: str, rec: Record) -> None:
+        heard.append(run_id)
+        raise RuntimeError("a listener's bug")
+
+    w.subscribe_renewals(broken)
+    try:
+        a = await w.submit(L.Acquire("r", "A", ttl_ms=10_000))
+        await asyncio.wait_for(w.submit(L.Renew("r", "A", a.fencing_token)), 5)
+        behind = [w.submit_nowait(L.RecordCheckpoint("r", "A", a.fencing_token, "k", 1)),
+                  w.submit_nowait(L.Renew("r", "A", a.fencing_token))]
+        await asyncio.wait_for(asyncio.gather(*behind), 5)
+        assert heard == ["r", "r"]
+        assert (await w.submit(L.Acquire("s", "A"))).fencing_token == 1  # still writing
+    finally:
+        await w.close()
+
+
 async def test_a_renewal_queued_behind_a_takeover_is_decided_after_it(tmp_path: Path) -> None:
     """An expired lease: a rival's Acquire is queued first, so the holder's
     renewal may not be answered from the state the Acquire has not seen."""

@@ -90,7 +90,10 @@ class Renewals:
 
     def _notify(self, run_id: str, rec: Record) -> None:
         for listener in list(self._listeners):
-            listener(run_id, rec)
+            try:
+                listener(run_id, rec)
+            except Exception:  # a listener's bug must not keep a batch unanswered
+                log.exception("renewal listener failed")
 
     def allowed(self) -> bool:
         return self.memory_ok is None or self.memory_ok()
