@@ -80,13 +80,10 @@ def test_refuses_a_foreign_database_and_a_newer_schema(tmp_path: Path) -> None:
 
 
 @pytest.mark.sqlite_only  # PRAGMA synchronous / journal_mode
-def test_server_syncs_every_commit_by_default(server) -> None:  # type: ignore[no-untyped-def]
-    # COMMIT writes the WAL (synchronous=NORMAL: 1) and the writer's fsync of
-    # it, before any answer, is what FULL's COMMIT did inside
+def test_server_runs_at_synchronous_full_by_default(server) -> None:  # type: ignore[no-untyped-def]
     sync = server.call(lambda: _pragma(server, "synchronous"))
     mode = server.call(lambda: _pragma(server, "journal_mode"))
-    assert (sync, mode) == (1, "wal")
-    assert server.writer.storage.deferred_sync and server.writer._syncer is not None
+    assert (sync, mode) == (2, "wal")  # 2 == FULL
 
 
 async def _pragma(server: ServerThread, name: str) -> object:

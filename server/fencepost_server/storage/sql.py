@@ -232,15 +232,6 @@ class SqlStorage:
     def close(self) -> None:
         raise NotImplementedError
 
-    # True when COMMIT leaves the batch in the operating system's cache and
-    # ``sync`` makes it durable (the writer answers after ``sync``, and
-    # decides the next batch meanwhile: writer/DESIGN.md, "Pipelined sync")
-    deferred_sync = False
-
-    def sync(self) -> None:
-        """Make every committed batch durable (``deferred_sync`` only). Any
-        thread: it touches no connection."""
-
     def reader(self) -> Any:
         """A new read-only connection (committed state only)."""
         raise NotImplementedError

@@ -2,9 +2,8 @@
 
 One write connection, opened by the writer in its own thread (``open``), so
 per-connection pragmas stick. Every batch is one ``BEGIN IMMEDIATE ... COMMIT``
-in WAL mode. At FULL durability COMMIT writes the WAL (``synchronous=NORMAL``)
-and ``sync`` fsyncs it apart, on the writer's fsync thread; only then does
-the writer answer anyone (``pipelined=False``: ``synchronous=FULL``'s COMMIT).
+in WAL mode with ``synchronous=FULL`` unless told otherwise: COMMIT returns
+only after the WAL is fsynced, and only then does the writer answer anyone.
 The WAL is copied into the database file by a checkpointer on a connection
 and thread of its own (``_Checkpointer``), not inside the writer's commits.
 
@@ -302,17 +301,12 @@ class SqliteStorage(SqlStorage):
     ERRORS = (sqlite3.Error,)
 
     def __init__(self, path: str | Path, durability: Durability = Durability.FULL,
-                 *, pipelined: bool = True, shards: int | None = None) -> None:
-        """``pipelined``: with FULL durability, COMMIT writes the WAL and ``sync``
-        fsyncs it apart (``deferred_sync``); False: COMMIT fsyncs itself.
-        ``shards``: the shard count this start asks for (None: the stored one)."""
+                 *, shards: int | None = None) -> None:
+        """``shards``: the shard count this start asks for (None: the stored one)."""
         super().__init__()
         self.path = str(path)
         self.requested_shards = shards
         self.durability = Durability(durability)
-        self.deferred_sync = (pipelined and self.durability is Durability.FULL
-                              and self.path != ":memory:")
-        self._wal_fd: int | None = None
         self._db = None
         self._lock_fd: int | None = None
         self._check: _QuickCheck | None = None
@@ -337,9 +331,7 @@ class SqliteStorage(SqlStorage):
             if self.path != ":memory:" and mode.lower() != "wal":
                 raise RuntimeError(f"{self.path}: could not enable WAL (got {mode})")
             sync = "FULL" if self.durability is Durability.FULL else "NORMAL"
-            # deferred: COMMIT leaves the fsync of the WAL to ``sync``; NORMAL
-            # still syncs both files around every checkpoint, before the WAL restarts
-            db.execute(f"PRAGMA synchronous={'NORMAL' if self.deferred_sync else sync}")
+            db.execute(f"PRAGMA synchronous={sync}")
             db.execute("PRAGMA busy_timeout=5000")
             db.execute("PRAGMA foreign_keys=ON")
             if self.path != ":memory:":
@@ -452,19 +444,8 @@ class SqliteStorage(SqlStorage):
                 db.execute("ROLLBACK")
                 raise
 
-    def sync(self) -> None:
-        # an fsync of the WAL through a descriptor of its own: the frames every
-        # COMMIT so far wrote reach the disk, as synchronous=FULL's COMMIT does
-        fd = self._wal_fd
-        if fd is None:
-            fd = self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY | os.O_CLOEXEC)
-        os.fsync(fd)
-
     def close(self) -> None:
         self._stop_checkpointer()
-        if self._wal_fd is not None:
-            os.close(self._wal_fd)
-            self._wal_fd = None
         if self._db is not None:
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

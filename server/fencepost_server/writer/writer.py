@@ -7,12 +7,10 @@ for more, commit_delay.py), hands the whole batch to one dedicated thread
 that decides each command in order against the committed state plus the
 batch's own earlier changes, writes the rows and commits once (apply.py);
 only after that commit is durable are the callers answered, the in-memory
-committed state moved and the change feed published. On SQLite the commit's
-fsync runs on a thread of its own while the next batch is decided over the
-one syncing (DESIGN.md, "Pipelined sync"). A refused command does not
-disturb its neighbours; a failed commit fails every command of the batch and
-moves nothing. Committed reads are reads.py's; renewals answered from memory
-are renewals.py's.
+committed state moved and the change feed published. A refused command does
+not disturb its neighbours; a failed commit fails every command of the batch
+and moves nothing. Committed reads are reads.py's; renewals answered from
+memory are renewals.py's.
 
 Only this module (through the storage's ``open``) opens a write connection.
 """
@@ -23,10 +21,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import ChainMap
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from ..clock import Clock
@@ -61,82 +57,6 @@ AckBeforeCommit = Callable[[Callable[[], None]], None]
 class WriterClosed(LedgerError):
     def __init__(self) -> None:
         super().__init__(Code.SHUTTING_DOWN, "the server is shutting down; nothing was done")
-
-
-def _sync_failed(exc: BaseException) -> LedgerError:
-    return LedgerError(
-        Code.STORAGE_UNAVAILABLE,
-        f"the database file could not be synced ({exc}); whether the last writes are "
-        "durable is unknown, and this server takes no more writes: restart it (a retry "
-        "with the same request id is then answered exactly once)")
-
-
-@dataclass(slots=True)
-class _Flight:
-    """A batch committed but not yet durable: its sync is running."""
-
-    batch: list[Item]
-    flush: list[str]
-    done: Applied
-    started: float
-    published: asyncio.Future[None]
-
-
-class _Ahead(Mapping[str, Record]):
-    """The runs as the next batch must see them while the previous batch syncs:
-    that batch's records over the published ones (None there: deleted)."""
-
-    __slots__ = ("base", "top")
-
-    def __init__(self, top: dict[str, Record | None], base: dict[str, Record]) -> None:
-        self.top, self.base = top, base
-
-    def __getitem__(self, run_id: str) -> Record:
-        top = self.top
-        if run_id in top:
-            rec = top[run_id]
-            if rec is None:
-                raise KeyError(run_id)
-            return rec
-        return self.base[run_id]
-
-    def get(self, run_id: str, default: Any = None) -> Any:
-        top = self.top
-        if run_id in top:
-            rec = top[run_id]
-            return default if rec is None else rec
-        return self.base.get(run_id, default)
-
-    def __contains__(self, run_id: object) -> bool:
-        return self.get(run_id) is not None  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[str]:
-        top = self.top
-        yield from (k for k, rec in list(top.items()) if rec is not None)
-        yield from (k for k in list(self.base) if k not in top)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def items(self) -> list[tuple[str, Record]]:  # type: ignore[override]
-        # pairs taken at once: the loop may publish into ``base`` meanwhile
-        top = self.top
-        return ([(k, rec) for k, rec in list(top.items()) if rec is not None]
-                + [(k, rec) for k, rec in list(self.base.items()) if k not in top])
-
-
-class _AheadIndex:
-    """Membership in the index as the next batch must see it (``_Ahead``)."""
-
-    __slots__ = ("base", "top")
-
-    def __init__(self, top: dict[str, Record | None], base: RunIndex) -> None:
-        self.top, self.base = top, base
-
-    def __contains__(self, run_id: object) -> bool:
-        if run_id in self.top:
-            return self.top[run_id] is not None  # type: ignore[index]
-        return run_id in self.base
 
 
 class Writer:
@@ -199,10 +119,6 @@ class Writer:
         self.state = LedgerState()
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-writer")
-        self._syncer = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-fsync")
-                        if storage.deferred_sync else None)
-        self._flight: _Flight | None = None  # the batch whose sync is running
-        self._broken: LedgerError | None = None  # a sync failed: no more writes
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._busy = False
@@ -265,8 +181,6 @@ class Writer:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._close_storage)
         self._executor.shutdown(wait=True)
-        if self._syncer is not None:
-            self._syncer.shutdown(wait=True)
 
     def _close_storage(self) -> None:
         """Copy every pending run into the runs table (a clean shutdown leaves
@@ -274,8 +188,7 @@ class Writer:
         then close. Writer thread."""
         applier = self._apply
         try:
-            # never loaded: wrote nothing; a failed sync: the next start replays the log
-            if not self.storage.is_open or self._task is None or self._broken is not None:
+            if not self.storage.is_open or self._task is None:  # never loaded: wrote nothing
                 return
             revision = self.state.revision
             runs = self.state.runs
@@ -316,8 +229,6 @@ class Writer:
         happens (a cancelled request abandons its reply, not its write)."""
         if self._closing:
             raise WriterClosed()
-        if self._broken is not None:
-            raise self._broken
         if type(cmd) is L.Renew:
             got = self.renewals.from_memory(cmd, self.state.runs)
             if isinstance(got, LedgerError):
@@ -342,8 +253,6 @@ class Writer:
         WriterClosed, or LedgerError(STORAGE_UNAVAILABLE) when the queue is full."""
         if self._closing:
             raise WriterClosed()
-        if self._broken is not None:
-            raise self._broken
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if type(cmd) is L.Renew and self._renewed(Item(cmd, fut)):
             return fut
@@ -361,8 +270,8 @@ class Writer:
         ``answer(result)`` on the loop once its commit is durable — or at once,
         for WriterClosed. False, queueing nothing, when the queue is full
         (``submit_with_answer_waiting`` then)."""
-        if self._closing or self._broken is not None:
-            answer(self._broken or WriterClosed())
+        if self._closing:
+            answer(WriterClosed())
             return True
         if type(cmd) is L.Renew and self._renewed(Item(cmd, None, answer)):
             return True
@@ -378,8 +287,8 @@ class Writer:
     async def submit_with_answer_waiting(self, cmd: L.Command, answer: Answer) -> None:
         """``submit_with_answer``, waiting for room in the queue (back-pressure:
         a stream stops reading while the writer is full, as a unary call waits)."""
-        if self._closing or self._broken is not None:
-            answer(self._broken or WriterClosed())
+        if self._closing:
+            answer(WriterClosed())
             return
         if type(cmd) is L.Renew and self._renewed(Item(cmd, None, answer)):
             return
@@ -443,7 +352,7 @@ class Writer:
 
     async def wait_idle(self) -> None:
         """Wait until nothing is queued or in flight (for tests)."""
-        while not (self._queue.empty() and not self._busy and self._flight is None):
+        while not (self._queue.empty() and not self._busy):
             self._idle.clear()
             await self._idle.wait()
 
@@ -482,22 +391,15 @@ class Writer:
                     delay.took(len(batch))
                 delay.measure_busy(loop.time())
                 self._busy = True
-                deferred = False
                 try:
-                    deferred = await self._commit(loop, batch, flush, floor)
+                    await self._commit(loop, batch, flush, floor)
                 finally:
                     self._busy = False
-                    if not deferred:
-                        self._unname(batch)
-            if self._queue.empty() and self._flight is None:
+                    for item in batch:
+                        self.renewals.unname(item.cmd)
+            if self._queue.empty():
                 self._idle.set()
-        if self._flight is not None:  # the last batch's sync
-            await self._flight.published
         # anything queued after the stop marker (cannot happen: submit refuses)
-
-    def _unname(self, batch: list[Item]) -> None:
-        for item in batch:
-            self.renewals.unname(item.cmd)
 
     def _arrived(self) -> None:
         self.commit_delay.arrived(self._queue.qsize())
@@ -508,97 +410,32 @@ class Writer:
         batch: list[Item],
         flush: list[str] | None = None,
         floor: int | None = None,
-    ) -> bool:
-        """Decide and commit a batch; True when its answers wait for its sync
-        (``_synced`` then answers it and uncounts its names)."""
-        flush = flush or []
-        if self._broken is not None:
-            self._fail(batch, flush, self._broken)
-            return False
+    ) -> None:
         now = self.clock.now_ms()
         started = time.perf_counter()
-        prev = self._flight
         try:
             done: Applied = await loop.run_in_executor(
-                self._executor, self._apply, batch, self._ahead(prev), now, flush, floor
+                self._executor, self._apply, batch, self.state, now, flush or (), floor
             )
         except LedgerError as exc:  # the commit failed: nothing moved
-            if prev is not None:  # answers go out in commit order
-                await prev.published
+            self.renewals.failed(flush or [])
+            self.stats.failed_commits += 1
             log.error("commit failed for %d commands: %s", len(batch), exc.message)
-            self._fail(batch, flush, exc)
+            for item in batch:
+                item.deliver(LedgerError(exc.code, exc.message, metadata=exc.metadata))
             if self._on_failed_commit is not None:
                 self._on_failed_commit(exc)
-            return False
+            return
         except BaseException as exc:  # a bug: fail the batch, keep serving
-            if prev is not None:
-                await prev.published
+            self.renewals.failed(flush or [])
+            self.stats.failed_commits += 1
             log.exception("writer batch crashed")
-            self._fail(batch, flush, LedgerError(
-                Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}"))
-            return False
-        if self._syncer is None:  # COMMIT was durable
-            self._committed(batch, flush, done, started)
-            return False
-        if prev is not None:
-            await prev.published
-        if self._broken is not None:  # decided over a batch whose sync failed
-            self._fail(batch, flush, self._broken, count=False)
-            return False
-        # committed, not yet durable: the next batch is decided over this one
-        # while the sync runs; _synced answers it
-        flight = _Flight(batch, flush, done, started, loop.create_future())
-        self._flight = flight
-        synced = loop.run_in_executor(self._syncer, self.storage.sync)
-        synced.add_done_callback(lambda f: self._synced(flight, f))
-        return True
-
-    def _fail(self, batch: list[Item], flush: list[str], exc: LedgerError,
-              count: bool = True) -> None:
-        self.renewals.failed(flush)
-        self.stats.failed_commits += count
-        for item in batch:
-            item.deliver(LedgerError(exc.code, exc.message, metadata=exc.metadata))
-
-    def _ahead(self, flight: _Flight | None) -> LedgerState:
-        """The committed state the next batch is decided over: the published
-        one, with the batch still syncing over it."""
-        st = self.state
-        if flight is None or flight.published.done():
-            return st
-        d = flight.done
-        return LedgerState(
-            runs=_Ahead(d.overlay, st.runs),  # type: ignore[arg-type]
-            tombstones=ChainMap(d.tombs, st.tombstones),  # type: ignore[arg-type]
-            revision=d.revision,
-            index=_AheadIndex(d.overlay, st.index),  # type: ignore[arg-type]
-            compacted=st.compacted,
-        )
-
-    def _synced(self, flight: _Flight, fut: asyncio.Future[None]) -> None:
-        """On the loop, when a batch's sync ended: answer and publish it, or —
-        the sync failed — fail it and take no more writes."""
-        try:
-            exc = fut.exception()
-            if exc is None and self._broken is None:
-                self._committed(flight.batch, flight.flush, flight.done, flight.started)
-            else:
-                if self._broken is None:
-                    self._broken = _sync_failed(exc)  # type: ignore[arg-type]
-                    log.critical("%s", self._broken.message)
-                self._fail(flight.batch, [], self._broken)
-        finally:
-            self._unname(flight.batch)
-            if self._flight is flight:
-                self._flight = None
-            flight.published.set_result(None)
-            if self._queue.empty() and not self._busy:
-                self._idle.set()
-
-    def _committed(self, batch: list[Item], flush: list[str], done: Applied,
-                   started: float) -> None:
-        """A durable batch: count it, move the state, answer, publish."""
-        self.stats.leases_flushed += len(flush)
+            for item in batch:
+                item.deliver(
+                    LedgerError(Code.STORAGE_UNAVAILABLE, f"internal writer error: {exc!r}")
+                )
+            return
+        self.stats.leases_flushed += len(flush or ())
         if batch:
             self.stats.batches += 1
             self.stats.commands += len(batch)
