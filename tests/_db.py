@@ -5,6 +5,7 @@ both (turned into ``%s`` for PostgreSQL)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import sqlite3
 import time
@@ -21,6 +22,7 @@ from fencepost_server.clock import Clock
 from fencepost_server.storage import is_url, postgres
 from fencepost_server.storage.postgres import SCHEMA
 from fencepost_server.testing.server import ServerThread
+from fencepost_server.writer import Writer
 
 # rows that change while nothing happens (the leader's renewals)
 VOLATILE_TABLES = ("fencepost_leader",)
@@ -190,3 +192,21 @@ def snapshot(location: str) -> dict[str, list[tuple[Any, ...]]]:
 def count_rows(location: str, tables: Sequence[str]) -> dict[str, int]:
     with raw(location) as db:
         return {t: int(db.rows(f"SELECT count(*) FROM {t}")[0][0]) for t in tables}
+
+
+async def crash_writer(w: Writer) -> None:
+    """What kill -9 leaves of a writer in this process: nothing flushed,
+    nothing closed cleanly (the file lock released so the next writer may
+    open it)."""
+    assert w._task is not None and w._flush_timer is not None
+    w._task.cancel()
+    w._flush_timer.cancel()
+    for task in (w._task, w._flush_timer):
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError(f"{task!r} ended before it was cancelled")
+    await asyncio.get_running_loop().run_in_executor(w._executor, w.storage.close)
+    w._executor.shutdown()

@@ -7,13 +7,12 @@ the restart rule says (docs/SPEC.md §4)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import orjson
 import pytest
-from _db import raw
+from _db import crash_writer, raw
 
 from fencepost_server.core import ledger as L
 from fencepost_server.core.records import Record, record_to_dict
@@ -47,18 +46,6 @@ def _add_note(db: str, run_id: str, note: str) -> None:
 
 def _fresh(rec: Record) -> dict[str, Any]:
     return json.loads(orjson.dumps(record_to_dict(rec)))
-
-
-async def _crash(w: Writer) -> None:
-    """What kill -9 leaves: nothing flushed, nothing closed cleanly."""
-    assert w._task is not None and w._flush_timer is not None
-    w._task.cancel()
-    w._flush_timer.cancel()
-    for task in (w._task, w._flush_timer):
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    await asyncio.get_running_loop().run_in_executor(w._executor, w.storage.close)
-    w._executor.shutdown()
 
 
 async def _renewed_and_flushed(db: str, clock: ManualClock) -> tuple[Writer, dict[str, Record]]:
@@ -113,7 +100,7 @@ async def test_after_a_crash_the_edited_rows_follow_the_restart_rule(db: str) ->
     clock = ManualClock(T0)
     w, got = await _renewed_and_flushed(db, clock)
     floor = clock.now_ms()
-    await _crash(w)
+    await crash_writer(w)
     clock.advance(500)
     w2 = Writer(_storage(db), clock)
     await w2.start()

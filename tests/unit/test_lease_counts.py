@@ -9,8 +9,9 @@ real SQLite file, a clock the test moves, fixed seeds."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,16 +116,27 @@ async def _step(w: Writer, clock: ManualClock, rng: random.Random) -> None:
         pass  # refused: held by another, lost, finished...
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-async def test_counts_equal_a_walk_of_every_record(tmp_path: Path, seed: int) -> None:
-    rng = random.Random(seed)
-    clock = ManualClock()
+@contextlib.asynccontextmanager
+async def _served(tmp_path: Path, clock: ManualClock) -> AsyncIterator[tuple[Writer, Metrics]]:
+    """A writer on a real file, its hub and its metrics, closed after."""
     w = Writer(SqliteStorage(tmp_path / "m.db"), clock)
     await w.start()
     hub = FenceHub(w, clock, reads=Reads(w.storage, lambda: w.state))
     hub.start()
     m = Metrics(w, hub, clock, "test")
     try:
+        yield w, m
+    finally:
+        m.close()
+        await hub.close()
+        await w.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_counts_equal_a_walk_of_every_record(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    clock = ManualClock()
+    async with _served(tmp_path, clock) as (w, m):
         seen: set[tuple[str, int, int]] = set()
         scrapes = 0
         states: set[str] = set()  # the states some scrape counted a lease in
@@ -147,10 +159,6 @@ async def test_counts_equal_a_walk_of_every_record(tmp_path: Path, seed: int) ->
                 assert m.expiries == len(seen), f"step {i}"
         assert scrapes > 50 and m.expiries > 10 and w.stats.memory_renewals > 20
         assert states == {"live", "lock_delay", "expired"}
-    finally:
-        m.close()
-        await hub.close()
-        await w.close()
 
 
 class BackClock(ManualClock):
@@ -195,12 +203,7 @@ async def test_a_renewal_released_in_its_own_batch_is_answered_and_counted(
     """A renewal decided in a batch that then releases the run: the renewal
     listeners hear of a record without a lease, every caller is answered."""
     clock = ManualClock()
-    w = Writer(SqliteStorage(tmp_path / "m.db"), clock)
-    await w.start()
-    hub = FenceHub(w, clock, reads=Reads(w.storage, lambda: w.state))
-    hub.start()
-    m = Metrics(w, hub, clock, "test")
-    try:
+    async with _served(tmp_path, clock) as (w, m):
         await w.submit(L.Acquire("a", "A", ttl_ms=60_000))
         await m.render_async()
         one_batch = [w.submit_nowait(L.RecordCheckpoint("a", "A", 1, "k", 1)),
@@ -210,7 +213,3 @@ async def test_a_renewal_released_in_its_own_batch_is_answered_and_counted(
         assert got[2].lease is None and w.stats.batches == 2
         assert m.lease_counts() == _walk(w.state.runs, clock.now_ms()) == {
             "live": 0, "lock_delay": 0, "expired": 0}
-    finally:
-        m.close()
-        await hub.close()
-        await w.close()

@@ -9,6 +9,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from _db import crash_writer
 
 from fencepost_server.core import ledger as L
 from fencepost_server.core.errors import Code, LedgerError
@@ -22,19 +23,6 @@ async def _writer(path: Path, clock: ManualClock, **kw: int) -> Writer:
     w = Writer(SqliteStorage(path), clock, **kw)
     await w.start()
     return w
-
-
-async def _crash(w: Writer) -> None:
-    """What kill -9 leaves: nothing flushed, nothing closed cleanly (the file
-    lock released so the next writer may open it)."""
-    assert w._task is not None and w._flush_timer is not None
-    w._task.cancel()
-    w._flush_timer.cancel()
-    for task in (w._task, w._flush_timer):
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    await asyncio.get_running_loop().run_in_executor(w._executor, w.storage.close)
-    w._executor.shutdown()
 
 
 def _stored(path: Path) -> tuple[dict[str, int], int | None]:
@@ -162,7 +150,7 @@ async def test_after_a_crash_every_lease_stored_live_is_renewed_at_the_start(
     a = await w.submit(L.Acquire("r", "A", ttl_ms=10_000, lock_delay_ms=500))
     clock.advance(6_000)
     r = await w.submit(L.Renew("r", "A", a.fencing_token))  # until t0 + 16 s
-    await _crash(w)
+    await crash_writer(w)
     assert _stored(path)[0] == {} or _stored(path)[0]["r"] == _until(a)
     clock.advance(2_000)  # the restart
     w2 = await _writer(path, clock)
@@ -195,7 +183,7 @@ async def test_a_lease_expired_before_the_last_flush_is_not_extended(tmp_path: P
     await w.submit(L.Acquire("other", "A"))  # a batch: the flush cycle starts and ends
     runs, floor = _stored(path)
     assert runs["live"] == _until(r) and floor == clock.now_ms()
-    await _crash(w)
+    await crash_writer(w)
     clock.advance(500)
     w2 = await _writer(path, clock)
     try:
@@ -235,7 +223,7 @@ async def test_a_flush_copies_only_the_expiries_its_floor_would_pass(tmp_path: P
         await asyncio.sleep(0.01)
     runs, floor = _stored(path)
     assert floor == clock.now_ms() and runs["b"] == _until(b)
-    await _crash(w)
+    await crash_writer(w)
     clock.advance(500)
     w2 = await _writer(path, clock)
     try:
