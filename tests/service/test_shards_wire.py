@@ -149,6 +149,7 @@ def test_the_map_counts_each_run_and_live_lease_in_its_shard(
     server: ServerThread, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(reads, "SHARD_SCAN_CHUNK", 7)  # many chunks, and a short last one
+    monkeypatch.setattr(reads, "SHARD_COUNT_REUSE_MS", 0)  # every call counts afresh
     run_ids = [f"shard-run-{i}" for i in range(200)]
     with SyncClient(server.address, owner="w-shards", renewal="off") as client:
         leases = [client.acquire(r, ttl_ms=60_000) for r in run_ids]
@@ -179,6 +180,24 @@ def test_the_map_counts_each_run_and_live_lease_in_its_shard(
         assert sum(s.runs for s in client.shards().shards) == 201
 
 
+def test_callers_within_a_second_share_one_count(
+    server: ServerThread, clock: ManualClock
+) -> None:
+    """However often a worker asks, the run ids are hashed at most once a
+    second: a count is answered again until a second has passed."""
+    with SyncClient(server.address, owner="w-shards", renewal="off") as client:
+        client.acquire("shared-a", ttl_ms=60_000)
+        first = client.shards()
+        client.acquire("shared-b", ttl_ms=60_000)
+        again = client.shards()
+        assert again.revision == first.revision
+        assert sum(s.runs for s in again.shards) == sum(s.runs for s in first.shards)
+        clock.advance(1_000)
+        later = client.shards()
+        assert later.revision > first.revision
+        assert sum(s.runs for s in later.shards) == sum(s.runs for s in first.shards) + 1
+
+
 def test_every_shard_names_this_coordinator_and_its_epoch(server: ServerThread) -> None:
     app = server.app
     assert app is not None
@@ -193,7 +212,10 @@ def test_every_shard_names_this_coordinator_and_its_epoch(server: ServerThread) 
     assert {(s.owner, s.address, s.epoch) for s in shards} == {(owner, address, epoch)}
 
 
-def test_the_map_over_the_wire_has_the_stored_count(new_db: str) -> None:
+def test_the_map_over_the_wire_has_the_stored_count(
+    new_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reads, "SHARD_COUNT_REUSE_MS", 0)
     with ServerThread(new_db, shards=5) as srv, grpc.insecure_channel(srv.address) as ch:
         resp = ledger_pb2_grpc.LedgerStub(ch).Shards(ledger_pb2.ShardsRequest(), timeout=10)
         assert resp.shard_count == 5 and [s.index for s in resp.shards] == list(range(5))

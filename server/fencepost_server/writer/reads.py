@@ -27,15 +27,20 @@ T = TypeVar("T")
 # scan measured why).
 SHARD_SCAN_CHUNK = 4096
 SHARD_SCAN_PAUSE_S = 0.001
+# A count is answered again for this long: however many callers ask, the loop
+# hashes every run id at most once a second.
+SHARD_COUNT_REUSE_MS = 1000
 
 
 class ShardCounts:
-    """Ledger runs and live leases per shard, and the revision they reflect."""
+    """Ledger runs and live leases per shard, the revision they reflect, and
+    the server time the count began at (a lease live then is counted)."""
 
-    __slots__ = ("leases", "revision", "runs")
+    __slots__ = ("began", "leases", "revision", "runs", "shards")
 
-    def __init__(self, revision: int, runs: list[int], leases: list[int]) -> None:
-        self.revision, self.runs, self.leases = revision, runs, leases
+    def __init__(self, began: int, revision: int, runs: list[int], leases: list[int]) -> None:
+        self.began, self.revision, self.runs, self.leases = began, revision, runs, leases
+        self.shards = len(runs)
 
 
 class Reads:
@@ -47,10 +52,9 @@ class Reads:
         self._state = state
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-reader")
         self._reader_db: Any = None
-        # the last count of runs per shard: (revision, shards, counts), and
-        # the scan in flight, which concurrent callers share
-        self._shard_runs: tuple[int, int, list[int]] | None = None
-        self._shard_scan: asyncio.Future[tuple[int, int, list[int]]] | None = None
+        # the last count per shard, and the one in flight (callers share it)
+        self._shard_counts: ShardCounts | None = None
+        self._shard_scan: asyncio.Future[ShardCounts] | None = None
 
     @property
     def state(self) -> LedgerState:
@@ -160,34 +164,32 @@ class Reads:
             )
 
     async def shard_counts(self, shards: int, now: int) -> ShardCounts:
-        """Ledger runs (every status) and leases live at ``now`` per shard, over
-        the committed state: the ids as they were when the count began (a
-        snapshot), hashed a chunk at a time with the loop free in between; the
-        count of runs is kept until the revision moves, and shared by callers
-        that ask while it runs."""
-        runs = self._shard_runs
-        if runs is None or runs[:2] != (self.state.revision, shards):
+        """Ledger runs (every status) and leases live at the count's start per
+        shard, over the committed state as it was when the count began (a
+        snapshot), hashed a chunk at a time with the loop free in between. A
+        count begun within SHARD_COUNT_REUSE_MS, or in flight, is shared."""
+        got = self._shard_counts
+        if got is None or got.shards != shards or not (
+                0 <= now - got.began < SHARD_COUNT_REUSE_MS):
             if self._shard_scan is None or self._shard_scan.done():
-                self._shard_scan = asyncio.ensure_future(self._count_runs(shards))
-            runs = await asyncio.shield(self._shard_scan)
-            if runs[1] != shards:  # another count's scan was in flight
-                runs = await self._count_runs(shards)
-        records = list(self.state.runs.values())  # replaced by the writer, never changed
-        leases = [0] * shards
+                self._shard_scan = asyncio.ensure_future(self._count(shards, now))
+            got = await asyncio.shield(self._shard_scan)
+            if got.shards != shards:  # another count's scan was in flight
+                got = await self._count(shards, now)
+        return got
+
+    async def _count(self, shards: int, now: int) -> ShardCounts:
+        st = self.state
+        # both replaced by the writer, never changed in place
+        revision, ids, records = st.revision, list(st.index.status_of), list(st.runs.values())
+        runs, leases = [0] * shards, [0] * shards
+        await _tally_in_chunks(ids, shards, runs)
         for i in range(0, len(records), SHARD_SCAN_CHUNK):
-            if i:
-                await asyncio.sleep(SHARD_SCAN_PAUSE_S)
+            await asyncio.sleep(SHARD_SCAN_PAUSE_S)
             tally([rec.run_id for rec in records[i:i + SHARD_SCAN_CHUNK]
                    if rec.lease is not None and now < rec.lease.expires_at], shards, leases)
-        return ShardCounts(runs[0], list(runs[2]), leases)
-
-    async def _count_runs(self, shards: int) -> tuple[int, int, list[int]]:
-        st = self.state
-        revision, ids = st.revision, list(st.index.status_of)
-        counts = [0] * shards
-        await _tally_in_chunks(ids, shards, counts)
-        self._shard_runs = (revision, shards, counts)
-        return self._shard_runs
+        self._shard_counts = ShardCounts(now, revision, runs, leases)
+        return self._shard_counts
 
     def _read_cold(self, run_ids: list[str]) -> dict[str, Record]:
         return self.storage.read_runs(run_ids, self._read_only())

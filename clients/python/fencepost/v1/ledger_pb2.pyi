@@ -944,7 +944,9 @@ class ShardInfo(_message.Message):
     runs: _builtins.int
     """Ledger runs in the shard, of every status, as of `revision`."""
     leases: _builtins.int
-    """Of them, the ones under a lease that is live at the time of the answer."""
+    """Of them, the ones under a lease that was live when the count began: at
+    most a second before the answer (callers within a second share a count).
+    """
     def __init__(
         self,
         *,

@@ -936,7 +936,8 @@ export type ShardInfo = Message<"fencepost.v1.ShardInfo"> & {
   runs: bigint;
 
   /**
-   * Of them, the ones under a lease that is live at the time of the answer.
+   * Of them, the ones under a lease that was live when the count began: at
+   * most a second before the answer (callers within a second share a count).
    *
    * @generated from field: int64 leases = 6;
    */
