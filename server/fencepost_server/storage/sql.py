@@ -599,6 +599,7 @@ class SqlStorage:
         if edits:
             db.execute("SAVEPOINT expiries")
             try:
+                edits.sort(key=lambda e: (e[1], e[2]))  # in key order: each page once
                 db.executemany(
                     f"UPDATE runs SET record = {self.SET_EXPIRY} WHERE block = ? AND run_id = ?",
                     edits,
