@@ -43,7 +43,6 @@ COMMIT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Long-lived streams, by method name (the rest are calls, or listings that end).
 STREAM_KINDS = {"KeepAlive": "keepalive", "WatchRuns": "watch", "Execute": "execute"}
-LEASE_STATES = ("live", "lock_delay", "expired")
 HTTP_REFUSALS = ("host", "origin", "unauthenticated", "permission_denied", "too_many_streams")
 EVENT_DROPS = ("queue_full", "write_timeout")
 CLIENT_KINDS = ("connection", "principal")
