@@ -18,7 +18,7 @@ from ..core import ledger as L
 from ..core.errors import Code, LedgerError, in_transaction, validation
 from ..core.records import TERMINAL, Record
 from ..storage.sql import KIND_DELETE, KIND_PUT, Batch, SqlStorage
-from .state import ChangeEvent, LedgerState
+from .state import ChangeEvent, LedgerState, ShardTally
 
 log = logging.getLogger("fencepost.writer")
 
@@ -188,6 +188,7 @@ class Apply:
         # run_id -> (its first change not yet in the runs table, when), oldest first
         self.pending: dict[str, tuple[int, int]] = {}
         self.materialized = 0
+        self.shard_tally = ShardTally()  # commands decided, per shard (writer thread)
         self._last_prune = 0
         self._pruned_at = 0  # the revision the last prune was planned at
         self._prune_more = False
@@ -237,6 +238,7 @@ class Apply:
                             )
                         )
                         continue
+                self.shard_tally.add(cmd)
                 answer = self._dispatch(cmd, st, now)
                 if rid:
                     answered[rid] = (fp, answer)

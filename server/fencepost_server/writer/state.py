@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..core.placement import shard_keys
 from ..core.records import Record
+from ..core.shards import shard_of
 from .index import RunIndex
 
 
@@ -53,3 +55,28 @@ class WriterStats:
     @property
     def mean_batch(self) -> float:
         return self.commands / self.batches if self.batches else 0.0
+
+
+class ShardTally:
+    """Commands per shard (each shard a command writes or checks counts it
+    once; a command with no shard of its own counts nowhere). One tally per
+    thread that adds to it: the writer thread's and the event loop's."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, shards: int = 0) -> None:
+        self.counts = [0] * shards
+
+    def add(self, cmd: object) -> None:
+        counts = self.counts
+        if not counts:
+            return
+        keys = shard_keys(cmd)
+        if not keys:
+            return
+        n = len(counts)
+        if len(keys) == 1:
+            counts[shard_of(keys[0], n)] += 1
+        else:
+            for s in {shard_of(k, n) for k in keys}:
+                counts[s] += 1

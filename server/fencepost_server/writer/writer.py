@@ -42,7 +42,7 @@ from .apply import Answer, Applied, Apply, Decide, EngineHooks, Executor, Item
 from .commit_delay import CommitDelay
 from .index import RunIndex
 from .renewals import FLUSH_TICK_S, Renewals, RenewRule
-from .state import ChangeEvent, LedgerState, WriterStats
+from .state import ChangeEvent, LedgerState, ShardTally, WriterStats
 
 log = logging.getLogger("fencepost.writer")
 
@@ -116,6 +116,7 @@ class Writer:
         self._on_failed_commit = on_failed_commit
         self._flush_timer: asyncio.Task[None] | None = None
         self._saved_at = -1  # the revision of the saved index entries load() used
+        self._memory_tally = ShardTally()  # renewals answered from memory, per shard (loop)
         self.state = LedgerState()
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-writer")
@@ -152,6 +153,8 @@ class Writer:
             state.cold = []  # no longer needed: the index holds the ids
 
         loaded = self.storage.load(index)
+        self._apply.shard_tally = ShardTally(self.storage.shards)
+        self._memory_tally = ShardTally(self.storage.shards)
         self._apply.materialized = loaded.revision  # load() wrote every replayed change
         # the saved index entries still match as long as nothing is written
         self._saved_at = loaded.revision if loaded.saved else -1
@@ -234,6 +237,7 @@ class Writer:
             if isinstance(got, LedgerError):
                 raise got
             if got is not None:
+                self._memory_tally.add(cmd)
                 return got  # type: ignore[no-any-return]
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._idle.clear()
@@ -301,6 +305,8 @@ class Writer:
         got = self.renewals.from_memory(item.cmd, self.state.runs)  # type: ignore[arg-type]
         if got is None:
             return False
+        if not isinstance(got, LedgerError):
+            self._memory_tally.add(item.cmd)
         item.deliver(got)
         return True
 
@@ -355,6 +361,12 @@ class Writer:
         while not (self._queue.empty() and not self._busy):
             self._idle.clear()
             await self._idle.wait()
+
+    def shard_commands(self) -> list[int]:
+        """Commands per shard since the start: those the writer decided and
+        the renewals answered from memory."""
+        return [a + b for a, b in zip(self._apply.shard_tally.counts, self._memory_tally.counts,
+                                      strict=True)]
 
     @property
     def queue_depth(self) -> int:

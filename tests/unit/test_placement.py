@@ -1,0 +1,104 @@
+"""Where each command's items are (docs/SPEC.md "Shards", the table of
+shard keys): every command type has a rule, each rule names the keys the
+table gives, and fences and transactions add theirs."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from fencepost_server.core import engine as E
+from fencepost_server.core import ledger as L
+from fencepost_server.core import placement
+from fencepost_server.core.fence import Fence
+from fencepost_server.core.records import Record, Status
+from fencepost_server.core.shards import SEPARATOR, shard_of
+
+
+def _command_types() -> set[type]:
+    """Every dataclass of the ledger and the engine store that carries a
+    request id: the commands the writer takes."""
+    found = set()
+    for module in (L, E):
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and dataclasses.is_dataclass(cls) \
+                    and "request_id" in {f.name for f in dataclasses.fields(cls)}:
+                found.add(cls)
+    return found
+
+
+def test_every_command_type_has_a_rule() -> None:
+    assert _command_types() == placement.command_types()
+
+
+RUN = "run-7"
+RECORD = Record(RUN, 1, Status.QUEUED, 0, 0, 1, 1)
+BY_RUN = [
+    L.Acquire(RUN, "w"), L.Renew(RUN, "w", 1), L.RecordCheckpoint(RUN, "w", 1, "k", 1),
+    L.Suspend(RUN, "w", 1), L.Finish(RUN, "w", 1, Status.COMPLETED), L.Release(RUN, "w", 1),
+    L.Cancel(RUN), L.RequestResume(RUN), L.DeleteRun(RUN), L.Retire(RUN, 3),
+    L.RawCreate(RECORD), L.RawCompareAndSet(RUN, 1, RECORD), L.RawDelete(RUN),
+    E.CreateRun(RUN, "agent", "pending"), E.UpdateRun(RUN, E.RunPatch()),
+    E.ClaimRun(RUN, "w", 1000), E.RenewClaim(RUN, "w", 1000), E.AppendStep(RUN, "step"),
+    E.SaveCheckpoint(RUN, 1, "{}"),
+    E.CommitArtifact("art", RUN, "name", "text/plain", 0, "0" * 64, None),
+]
+
+
+@pytest.mark.parametrize("cmd", BY_RUN, ids=lambda c: type(c).__name__)
+def test_a_runs_items_are_keyed_by_the_run_id(cmd: object) -> None:
+    assert placement.shard_keys(cmd) == (RUN,)
+
+
+def test_keyed_items_use_their_key_or_compound_key() -> None:
+    assert placement.shard_keys(E.AcquireLock("lk", "w", 1000)) == ("lk",)
+    assert placement.shard_keys(E.ReleaseLock("lk", "w")) == ("lk",)
+    assert placement.shard_keys(E.PutEffect("fx", "{}")) == ("fx",)
+    assert placement.shard_keys(E.ClaimKey("scope", "key", RUN, 1000)) == \
+        (f"scope{SEPARATOR}key",)  # the run_id is a stored value, not a reference
+    assert placement.shard_keys(E.KvSet("agent", "key", "v")) == (f"agent{SEPARATOR}key",)
+    # one collection, one shard: the document's id plays no part
+    assert placement.shard_keys(E.DocUpsert("agent", "coll", "d1", "{}")) == \
+        placement.shard_keys(E.DocDelete("agent", "coll", "d2")) == (f"agent{SEPARATOR}coll",)
+
+
+@pytest.mark.parametrize("cmd", [
+    E.DeleteArtifact("art"), E.StageChunk("up", 0, b""), E.DiscardUpload("up"),
+    E.SweepUploads(), L.ExtendLeases(1, 1),
+], ids=lambda c: type(c).__name__)
+def test_writes_naming_no_run_and_sweeps_have_no_shard(cmd: object) -> None:
+    assert placement.shard_keys(cmd) is None
+    assert placement.shards_of(cmd, 64) is None
+
+
+def test_a_fence_adds_the_run_or_lock_it_is_keyed_by() -> None:
+    by_lock = E.PutEffect("fx", "{}", fence=Fence(3, lock_key="lk"))
+    assert placement.shard_keys(by_lock) == ("fx", "lk")
+    by_run = L.RecordCheckpoint(RUN, "w", 1, "k", 1, fence=Fence(2, run_id="other"))
+    assert placement.shard_keys(by_run) == (RUN, "other")
+
+
+def test_a_transaction_is_the_union_of_its_commands_and_fence() -> None:
+    tx = L.Transaction((E.AppendStep(RUN, "s"), E.KvSet("a", "k", "v")),
+                       fence=Fence(1, run_id="fencing-run"))
+    assert placement.shard_keys(tx) == (RUN, f"a{SEPARATOR}k", "fencing-run")
+    assert placement.shards_of(tx, 4096) == frozenset(
+        shard_of(k, 4096) for k in (RUN, f"a{SEPARATOR}k", "fencing-run"))
+    assert placement.shards_of(tx, 1) == frozenset({0})
+    # one member naming no run: the whole transaction has no shard of its own
+    assert placement.shard_keys(L.Transaction((E.AppendStep(RUN, "s"),
+                                               E.DeleteArtifact("art")))) is None
+
+
+def test_shards_follow_the_shard_rule() -> None:
+    for n in (1, 7, 64, 4096):
+        assert placement.shards_of(L.Acquire(RUN, "w"), n) == frozenset({shard_of(RUN, n)})
+
+
+def test_a_command_type_without_a_rule_has_no_shard() -> None:
+    class Bump:  # a test's own executor seam (tests/unit/test_writer.py)
+        request_id = ""
+
+    assert placement.shard_keys(Bump()) is None
