@@ -98,6 +98,10 @@ def test_a_database_of_the_previous_schema_gets_the_default_count(new_db: str) -
             srv.start()
     finally:
         srv.close()
+    with raw(new_db) as conn:  # refused before any change: still the previous schema
+        assert conn.rows("SELECT value FROM meta WHERE key = 'shards'") == []
+        assert conn.rows("SELECT version FROM fencepost_schema" if is_pg
+                         else "PRAGMA user_version") == [(previous,)]
     assert started_shards(new_db) == 64
     assert stored_shards(new_db) == 64
 

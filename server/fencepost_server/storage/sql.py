@@ -173,13 +173,23 @@ def settle_shards(db: Any, where: str, requested: int | None, *, fresh: bool = F
         raise RuntimeError(f"{where}: the stored shard count is missing (the fencepost "
                            "schema is damaged); refusing to start")
     stored = int(row[0])
+    refuse_another_count(where, stored, requested)
+    return stored
+
+
+# The count of every database created before shards were stored.
+COUNT_BEFORE_SHARDS = 64
+
+
+def refuse_another_count(where: str, stored: int, requested: int | None) -> None:
+    """RuntimeError (the server does not start) when ``requested`` is given
+    and is not the database's ``stored`` count."""
     if requested is not None and requested != stored:
         raise RuntimeError(
             f"{where} has {stored} shards, fixed when it was created; --shards {requested} "
             f"cannot change that. Start without --shards (the stored {stored} is used) or "
             f"with --shards {stored}; refusing to start"
         )
-    return stored
 
 
 class SqlStorage:

@@ -31,6 +31,7 @@ from typing import Any
 from ..core.errors import Code, LedgerError
 from .sql import (  # noqa: F401  (re-exported: the writer, tests and benchmarks use them)
     COLD_STATUSES,
+    COUNT_BEFORE_SHARDS,
     HOT_STATUSES,
     KIND_DELETE,
     KIND_PUT,
@@ -38,12 +39,15 @@ from .sql import (  # noqa: F401  (re-exported: the writer, tests and benchmarks
     Batch,
     LoadedState,
     SqlStorage,
+    refuse_another_count,
     settle_shards,
 )
 
 log = logging.getLogger("fencepost.storage")
 
 SCHEMA_VERSION = 8
+# The first schema that stores the shard count (meta.shards).
+SHARDS_STORED_SINCE = 8
 
 # Each entry migrates user_version i -> i + 1. Append; never edit a shipped one.
 MIGRATIONS: list[list[str]] = [
@@ -431,6 +435,8 @@ class SqliteStorage(SqlStorage):
                 raise RuntimeError(
                     f"{self.path} holds tables but no fencepost schema; refusing to start"
                 )
+        if version and version < SHARDS_STORED_SINCE:  # refused before any step commits
+            refuse_another_count(self.path, COUNT_BEFORE_SHARDS, self.requested_shards)
         for target in range(version + 1, SCHEMA_VERSION + 1):
             db.execute("BEGIN IMMEDIATE")
             try:
