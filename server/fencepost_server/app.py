@@ -168,6 +168,13 @@ class App:
             await asyncio.to_thread(postgres.prepare, storage)
         else:
             await self.writer.start()
+            if s.test_hooks and s.test_shard_map:  # TEST-ONLY: leads only the shards mapped here
+                try:
+                    writer.lead_only(hooks.static_ownership(
+                        s.test_shard_map, storage.shards, s.advertise or s.listen))
+                except RuntimeError:
+                    await writer.close()
+                    raise
         # the engine store: its executors into the writer, its reads on reader threads
         writer.attach_engine(WriterHooks())
         self._engine_reader = EngineReader(storage.reader)

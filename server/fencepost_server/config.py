@@ -106,6 +106,8 @@ class Settings:
     test_hooks: bool = False
     test_clock_offset_ms: int = 0  # with test_hooks: start the clock this far ahead
     fault: str = ""  # with test_hooks: a deliberately broken build (FAULTS)
+    # with test_hooks: "ADDR=0-31;ADDR=32-63", who leads which shard (hooks.static_ownership)
+    test_shard_map: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -127,6 +129,7 @@ class Settings:
             "FENCEPOST_TEST_HOOKS": ("test_hooks", _flag),
             "FENCEPOST_TEST_CLOCK_OFFSET_MS": ("test_clock_offset_ms", int),
             "FENCEPOST_FAULT": ("fault", str),
+            "FENCEPOST_TEST_SHARD_MAP": ("test_shard_map", str),
             "FENCEPOST_TLS_CERT": ("tls_cert", str),
             "FENCEPOST_TLS_KEY": ("tls_key", str),
             "FENCEPOST_CLIENT_CA": ("client_ca", str),

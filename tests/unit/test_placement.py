@@ -102,3 +102,25 @@ def test_a_command_type_without_a_rule_has_no_shard() -> None:
         request_id = ""
 
     assert placement.shard_keys(Bump()) is None
+
+
+def test_ownership_refuses_naming_the_first_shard_led_elsewhere() -> None:
+    n = 4096
+    keys = ("a-run", "b-run", "c-run")
+    shards = sorted({shard_of(k, n) for k in keys})
+    assert len(shards) == 3
+    own = placement.Ownership(n, [shards[0]], {shards[1]: ("10.0.0.2:1", 7),
+                                              shards[2]: ("10.0.0.3:1", 9)})
+    tx = L.Transaction(tuple(E.AppendStep(k, "s") for k in keys))
+    refused = own.refusal(tx)
+    assert refused is not None and refused.code.value == "NOT_OWNER"
+    assert refused.metadata == {"shard": str(shards[1]), "owner": "10.0.0.2:1", "epoch": "7"}
+    by_key = {shard_of(k, n): k for k in keys}
+    assert own.refusal(E.AppendStep(by_key[shards[0]], "s")) is None
+    assert own.refusal(E.DeleteArtifact("art")) is None  # no shard of its own
+    elsewhere = own.refusal_for_key(by_key[shards[2]])
+    assert elsewhere is not None and elsewhere.metadata == {
+        "shard": str(shards[2]), "owner": "10.0.0.3:1", "epoch": "9"}
+    unknown = placement.Ownership(n, [], {}).refusal_for_key("x")
+    assert unknown is not None and unknown.metadata is not None
+    assert unknown.metadata["owner"] == "" and "not known" in unknown.message

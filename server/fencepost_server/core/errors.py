@@ -41,6 +41,9 @@ class Code(StrEnum):
     # This coordinator does not lead (a standby, or deposed): nothing was
     # done; metadata "leader" is the leader's advertised address ("" unknown).
     NOT_LEADER = "NOT_LEADER"
+    # Another coordinator leads the shard the call is keyed in: nothing was
+    # done; metadata "shard", and "owner" (its address, "" unknown), "epoch".
+    NOT_OWNER = "NOT_OWNER"
 
 
 class LedgerError(Exception):
@@ -82,6 +85,16 @@ def owner_not_permitted(principal: str, owner: str, field: str) -> LedgerError:
         f"owners starting with {principal + '/'!r}, not {owner!r}",
         field=field,
         metadata={"owner": owner, "principal": principal},
+    )
+
+
+def not_owner(shard: int, owner: str, epoch: int) -> LedgerError:
+    """The refusal of a call keyed in a shard another coordinator leads."""
+    where = f"the coordinator at {owner}" if owner else "another coordinator (not known yet)"
+    return LedgerError(
+        Code.NOT_OWNER,
+        f"shard {shard} is led by {where}: nothing was done; send it there",
+        metadata={"shard": str(shard), "owner": owner, "epoch": str(epoch)},
     )
 
 

@@ -10,11 +10,12 @@ deleted by id, a chunk staged or discarded by upload id).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import engine as E
 from . import ledger as L
+from .errors import LedgerError, not_owner
 from .fence import Fence
 from .shards import compound_key, shard_of
 
@@ -90,3 +91,35 @@ def shards_of(cmd: Any, shards: int) -> frozenset[int] | None:
 def command_types() -> frozenset[type]:
     """Every command type with a rule (Transaction included)."""
     return frozenset((*_KEYS, L.Transaction))
+
+
+class Ownership:
+    """Which shards this coordinator leads, and who leads each of the others
+    (address, epoch): a command keyed in a shard it does not lead is refused
+    with NOT_OWNER naming that shard's owner. Immutable: a change of
+    ownership replaces the whole object."""
+
+    __slots__ = ("led", "owners", "shards")
+
+    def __init__(self, shards: int, led: Iterable[int],
+                 owners: Mapping[int, tuple[str, int]]) -> None:
+        self.shards = shards
+        self.led = frozenset(led)
+        self.owners = dict(owners)
+
+    def refusal(self, cmd: Any) -> LedgerError | None:
+        """NOT_OWNER for the first shard ``cmd`` touches that is not led here
+        (None: every one is, or the command has no shard of its own)."""
+        got = shards_of(cmd, self.shards)
+        if got is None or got <= self.led:
+            return None
+        return self._not_owner(min(got - self.led))
+
+    def refusal_for_key(self, key: str) -> LedgerError | None:
+        """NOT_OWNER when the item with shard key ``key`` is not led here."""
+        shard = shard_of(key, self.shards)
+        return None if shard in self.led else self._not_owner(shard)
+
+    def _not_owner(self, shard: int) -> LedgerError:
+        owner, epoch = self.owners.get(shard, ("", 0))
+        return not_owner(shard, owner, epoch)

@@ -34,6 +34,7 @@ from fencepost.v1 import engine_store_pb2_grpc
 
 from ..core import engine as E
 from ..core.errors import Code, LedgerError, validation
+from ..core.shards import compound_key
 from ..writer import Writer
 from . import engine_convert as EC
 from .commands import KINDS
@@ -112,7 +113,9 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def GetRun(
         self, request: pb.EngineGetRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineGetRunResponse:
-        run = await self.reader.get_run(E.ident("id", request.id))
+        run_id = E.ident("id", request.id)
+        self.writer.check_led(run_id)
+        run = await self.reader.get_run(run_id)
         if run is None:
             return pb.EngineGetRunResponse(found=False)
         return pb.EngineGetRunResponse(found=True, run=EC.run_to_pb(run))
@@ -161,6 +164,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         self, request: pb.EngineListStepsRequest, context: grpc.aio.ServicerContext
     ) -> None:
         run_id = E.ident("run_id", request.run_id)
+        self.writer.check_led(run_id)
         await self._stream(context, self.reader.list_steps(EC.steps_page, run_id))
 
     @handler
@@ -173,7 +177,9 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def LatestCheckpoint(
         self, request: pb.EngineLatestCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineLatestCheckpointResponse:
-        cp = await self.reader.latest_checkpoint(E.ident("run_id", request.run_id))
+        run_id = E.ident("run_id", request.run_id)
+        self.writer.check_led(run_id)
+        cp = await self.reader.latest_checkpoint(run_id)
         if cp is None:
             return pb.EngineLatestCheckpointResponse(found=False)
         return pb.EngineLatestCheckpointResponse(found=True, checkpoint=EC.checkpoint_to_pb(cp))
@@ -204,7 +210,9 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def GetEffect(
         self, request: pb.EngineGetEffectRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineGetEffectResponse:
-        row = await self.reader.get_effect(E.ident("key", request.key, E.MAX_KEY_BYTES))
+        key = E.ident("key", request.key, E.MAX_KEY_BYTES)
+        self.writer.check_led(key)
+        row = await self.reader.get_effect(key)
         if row is None:
             return pb.EngineGetEffectResponse(found=False)
         return pb.EngineGetEffectResponse(
@@ -221,10 +229,10 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     async def KvGet(
         self, request: pb.EngineKvGetRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineKvGetResponse:
-        row = await self.reader.kv_get(
-            E.ident("agent", request.agent, E.MAX_NAME_BYTES),
-            E.ident("key", request.key, E.MAX_KEY_BYTES),
-        )
+        agent = E.ident("agent", request.agent, E.MAX_NAME_BYTES)
+        key = E.ident("key", request.key, E.MAX_KEY_BYTES)
+        self.writer.check_led(compound_key(agent, key))
+        row = await self.reader.kv_get(agent, key)
         if row is None:
             return pb.EngineKvGetResponse(found=False)
         return pb.EngineKvGetResponse(
@@ -243,6 +251,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
     ) -> None:
         agent = E.ident("agent", request.agent, E.MAX_NAME_BYTES)
         collection = E.ident("collection", request.collection, E.MAX_NAME_BYTES)
+        self.writer.check_led(compound_key(agent, collection))
         where = E.parse_where(request.where.json if request.HasField("where") else None)
         limit = EC.limit_from_pb(request)
         pages = self.reader.doc_list(EC.docs_page, agent=agent, collection=collection,
@@ -430,6 +439,7 @@ class EngineStoreService(engine_store_pb2_grpc.EngineStoreServicer):
         self, request: pb.EngineListArtifactsRequest, context: grpc.aio.ServicerContext
     ) -> None:
         run_id = E.ident("run_id", request.run_id)
+        self.writer.check_led(run_id)
         await self._stream(context, self.reader.list_artifacts(EC.artifacts_page, run_id))
 
     @handler

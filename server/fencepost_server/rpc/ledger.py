@@ -180,6 +180,7 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         self, request: pb.GetRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetRunResponse:
         validate.run_id(request.run_id)
+        self.writer.check_led(request.run_id)
         st = self.writer.state
         revision = st.revision
         rec = await self.reads.read_run(request.run_id)
@@ -225,6 +226,7 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
     ) -> pb.ValidateFenceResponse:
         validate.run_id(request.run_id)
         validate.fencing_token(request.fencing_token)
+        self.writer.check_led(request.run_id)
         st = self.writer.state
         revision = st.revision
         rec = await self.reads.read_run(request.run_id)
@@ -248,10 +250,13 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         n = self.writer.storage.shards
         owner, address, epoch = self.shard_owner()
         counts = await self.reads.shard_counts(n, self.writer.clock.now_ms())
-        return pb.ShardsResponse(
-            shard_count=n,
-            revision=counts.revision,
-            shards=[pb.ShardInfo(index=i, owner=owner, address=address, epoch=epoch,
-                                 runs=counts.runs[i], leases=counts.leases[i])
-                    for i in range(n)],
-        )
+        owned = self.writer.ownership
+        infos = []
+        for i in range(n):
+            info = pb.ShardInfo(index=i, owner=owner, address=address, epoch=epoch,
+                                runs=counts.runs[i], leases=counts.leases[i])
+            if owned is not None and i not in owned.led:  # led elsewhere: its owner's
+                info.owner, (info.address, info.epoch) = "", owned.owners.get(i, ("", 0))
+                info.runs = info.leases = 0
+            infos.append(info)
+        return pb.ShardsResponse(shard_count=n, revision=counts.revision, shards=infos)

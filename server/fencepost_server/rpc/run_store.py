@@ -45,6 +45,7 @@ class RunStoreService(run_store_pb2_grpc.RunStoreServicer):
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:
         validate.run_id(request.run_id)
+        self.writer.check_led(request.run_id)
         revision = self.writer.state.revision
         rec = await self.reads.read_run(request.run_id)
         if rec is None:

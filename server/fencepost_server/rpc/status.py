@@ -45,6 +45,7 @@ GRPC_CODE: dict[Code, grpc.StatusCode] = {
     Code.OWNER_NOT_PERMITTED: grpc.StatusCode.PERMISSION_DENIED,
     Code.STREAM_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.NOT_LEADER: grpc.StatusCode.UNAVAILABLE,
+    Code.NOT_OWNER: grpc.StatusCode.UNAVAILABLE,
 }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import ledger
+from ..core.placement import Ownership
 
 FAULTS = ("ack-before-commit", "fence-ignores-owner", "no-epoch-check")
 ACK_DELAY_S = 0.2  # ack-before-commit: how long an answered batch stays uncommitted
@@ -47,6 +48,29 @@ def ack_before_commit(answer_now: Callable[[], None]) -> None:
     so a SIGKILL in between loses acknowledged writes. Writer thread."""
     answer_now()
     time.sleep(ACK_DELAY_S)
+
+
+def static_ownership(spec: str, shards: int, address: str) -> Ownership:
+    """``--test-hooks`` with FENCEPOST_TEST_SHARD_MAP "ADDR=0-31;ADDR=32-63":
+    servers that each lead the shards mapped to their own address, so the
+    clients' routing (NOT_OWNER, the map) meets real servers before several
+    coordinators share one database. Every shard must be named exactly once."""
+    owners: dict[int, tuple[str, int]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        addr, _, ranges = part.rpartition("=")
+        for piece in ranges.split(","):
+            first, _, last = piece.partition("-")
+            if not (first.isdigit() and (last or first).isdigit()):
+                raise RuntimeError(f"FENCEPOST_TEST_SHARD_MAP: {piece!r} is not N or N-M")
+            for shard in range(int(first), int(last or first) + 1):
+                if shard in owners or not 0 <= shard < shards:
+                    raise RuntimeError(f"FENCEPOST_TEST_SHARD_MAP: shard {shard} is named "
+                                       f"twice or is not one of the {shards}")
+                owners[shard] = (addr, 1)
+    if len(owners) != shards or address not in {a for a, _ in owners.values()}:
+        raise RuntimeError(f"FENCEPOST_TEST_SHARD_MAP must name each of the {shards} shards "
+                           f"once, some of them led at this server's address {address}")
+    return Ownership(shards, (s for s, (a, _) in owners.items() if a == address), owners)
 
 
 def writer_faults(fault: str) -> dict[str, Any]:

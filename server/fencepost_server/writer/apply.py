@@ -16,6 +16,7 @@ from ..core import codec
 from ..core import fence as F
 from ..core import ledger as L
 from ..core.errors import Code, LedgerError, in_transaction, validation
+from ..core.placement import Ownership
 from ..core.records import TERMINAL, Record
 from ..storage.sql import KIND_DELETE, KIND_PUT, Batch, SqlStorage
 from .state import ChangeEvent, LedgerState, ShardTally
@@ -189,6 +190,8 @@ class Apply:
         self.pending: dict[str, tuple[int, int]] = {}
         self.materialized = 0
         self.shard_tally = ShardTally()  # commands decided, per shard (writer thread)
+        # None: this coordinator leads every shard (Writer.ownership)
+        self.ownership: Ownership | None = None
         self._last_prune = 0
         self._pruned_at = 0  # the revision the last prune was planned at
         self._prune_more = False
@@ -217,8 +220,12 @@ class Apply:
         with self.storage.transaction():
             rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
             stored_answers = self.storage.lookup_requests(rids) if rids else {}
+            owned = self.ownership
             for item in batch:
                 cmd = item.cmd
+                if owned is not None and (refused := owned.refusal(cmd)) is not None:
+                    answers.append(refused)  # not remembered: the owner answers the retry
+                    continue
                 rid = cmd.request_id
                 fp = ""
                 if rid:

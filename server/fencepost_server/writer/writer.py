@@ -28,6 +28,7 @@ from typing import Any
 from ..clock import Clock
 from ..core import ledger as L
 from ..core.errors import Code, LedgerError
+from ..core.placement import Ownership
 from ..core.records import TERMINAL, Record
 from ..scope import REQUEST_SCOPE
 from ..storage.sql import (
@@ -361,6 +362,25 @@ class Writer:
         while not (self._queue.empty() and not self._busy):
             self._idle.clear()
             await self._idle.wait()
+
+    @property
+    def ownership(self) -> Ownership | None:
+        """The shards this coordinator leads (None: every one); the writer
+        refuses a command keyed in another with NOT_OWNER, before deciding it."""
+        return self._apply.ownership
+
+    def lead_only(self, ownership: Ownership | None) -> None:
+        """From the next batch on, lead only ``ownership``'s shards (None: all)."""
+        self._apply.ownership = ownership
+
+    def check_led(self, *keys: str) -> None:
+        """Raise NOT_OWNER unless this coordinator leads the shard of every
+        key (a read keyed in another shard)."""
+        owned = self._apply.ownership
+        if owned is not None:
+            for key in keys:
+                if (refused := owned.refusal_for_key(key)) is not None:
+                    raise refused
 
     def shard_commands(self) -> list[int]:
         """Commands per shard since the start: those the writer decided and

@@ -942,7 +942,9 @@ class ShardInfo(_message.Message):
     which has no epoch, 0.
     """
     runs: _builtins.int
-    """Ledger runs in the shard, of every status, as of `revision`."""
+    """Ledger runs in the shard, of every status, as of `revision`; 0 from a
+    coordinator that does not lead the shard (ask its owner).
+    """
     leases: _builtins.int
     """Of them, the ones under a lease that was live when the count began: at
     most a second before the answer (callers within a second share a count).

@@ -929,7 +929,8 @@ export type ShardInfo = Message<"fencepost.v1.ShardInfo"> & {
   epoch: bigint;
 
   /**
-   * Ledger runs in the shard, of every status, as of `revision`.
+   * Ledger runs in the shard, of every status, as of `revision`; 0 from a
+   * coordinator that does not lead the shard (ask its owner).
    *
    * @generated from field: int64 runs = 5;
    */
