@@ -197,7 +197,7 @@ class App:
                 self.writer, self.hub, self._history, reads=reads,
                 max_tracked_per_stream=s.max_tracked_per_stream,
                 max_inflight_per_stream=s.max_inflight_per_stream,
-                shard_owner=self._shard_owner,
+                shard_owner=self.shard_owner,
             ),
             RunStoreService(self.writer, reads, backend=storage.backend),
             self.engine_store,
@@ -258,7 +258,7 @@ class App:
             self.hub.shutdown()  # streams end with UNAVAILABLE: clients go to the new leader
         self._tasks.create_task(self.health.set(False))
 
-    def _shard_owner(self) -> tuple[str, str, int]:
+    def shard_owner(self) -> tuple[str, str, int]:
         """Who leads every shard: (identity, advertised address, epoch)."""
         ld = self.leadership
         if ld is None:

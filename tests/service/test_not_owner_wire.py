@@ -6,6 +6,8 @@ with it: the same request id then succeeds at the owner."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,6 +124,10 @@ def test_the_map_names_each_shards_owner(pair: tuple[ServerThread, ServerThread]
     for srv in pair:
         got = _stub(srv).Shards(ledger_pb2.ShardsRequest())
         assert [s.address for s in got.shards] == [sa.address] * 2 + [sb.address] * 2
+    with urllib.request.urlopen(sb.http_url + "/api/shards", timeout=10) as resp:
+        rows = json.loads(resp.read())["shards"]
+    assert [(r["owner"] != "", r["address"]) for r in rows] == \
+        [(False, sa.address)] * 2 + [(True, sb.address)] * 2  # the dashboard's view
 
 
 def test_a_map_that_misses_a_shard_or_this_server_is_refused(tmp_path: Path) -> None:
