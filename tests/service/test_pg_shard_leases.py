@@ -8,6 +8,8 @@ shard, and refusing to lead with a clock that is off."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -18,7 +20,7 @@ import pytest
 
 from fencepost_devtools.pgcluster import Cluster
 from fencepost_server.core import shards as shards_core
-from fencepost_server.ha.leadership import Takeover, writer_name
+from fencepost_server.ha.leadership import Takeover, process_proof, writer_name
 from fencepost_server.ha.shards import Owner, Round, ShardLeases
 from fencepost_server.storage import postgres
 from fencepost_server.testing.clock import ManualClock
@@ -374,3 +376,49 @@ async def test_run_reports_takes_and_losses_on_the_loop(url: str) -> None:
     finally:
         await a.close()
         await asyncio.wait_for(runner, 10)
+
+
+def _killed_holder(url: str, shards: int) -> None:
+    """A coordinator at me:1, in its own process, takes every shard under a
+    minute's lease and is killed (-9) and reaped."""
+    _migrate(url, shards)
+    old = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import time\n"
+            "from fencepost_server.clock import SystemClock\n"
+            "from fencepost_server.ha.shards import ShardLeases\n"
+            f"sl = ShardLeases({url!r}, SystemClock(), address='me:1', identity='old', "
+            f"shards={shards}, lease_ms=60000, renew_ms=1000, max_skew_ms=0)\n"
+            "print(len(sl.tick().taken), flush=True)\n"
+            "time.sleep(60)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert old.stdout is not None and old.stdout.readline().strip() == str(shards)
+    finally:
+        old.kill()
+        old.wait()
+        if old.stdout is not None:
+            old.stdout.close()
+
+
+@pytest.mark.skipif(not process_proof(), reason="needs Linux /proc")
+async def test_a_restart_in_place_takes_its_killed_predecessors_shards_at_once(
+    url: str
+) -> None:
+    """The predecessor at this coordinator's address holds every shard under
+    a minute's lease and is killed (-9): a coordinator at another address
+    waits for the lease; the restart at the same address takes them now."""
+    _killed_holder(url, 4)
+    other = _member(url, "other", 4, lease_ms=60_000)
+    try:
+        assert (await _tick(other)).taken == {}  # it cannot prove the holder gone
+        await other.resign()
+    finally:
+        await other.close()
+    new = _member(url, "new", 4, lease_ms=60_000, address="me:1")
+    try:
+        got = await _tick(new)
+        assert got.taken == {s: Takeover(2, "old", got.taken[s].gap_ms) for s in range(4)}
+        assert all(new.leads(s) for s in range(4))
+    finally:
+        await new.close()
