@@ -340,7 +340,8 @@ class ShardLeases(RowLeases):
         """Run a round every ``renew_ms`` until ``close``, calling ``on_taken``
         and ``on_lost`` (on the event loop) with what each round took and lost.
         A held shard whose renewal does not come back within the lease is
-        reported lost without waiting for the round."""
+        reported lost without waiting for the round. Raises RuntimeError when
+        the database's shard rows are not the ``shards`` it was given."""
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         while not self._closed:
