@@ -6,17 +6,23 @@ write or read to the owner of its shard."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 import fencepost
 from fencepost._errors import from_rpc_error
-from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
+from fencepost._placement import shard_keys
+from fencepost.v1 import engine_store_pb2 as epb
+from fencepost.v1 import ledger_pb2, ledger_pb2_grpc, record_pb2
 from fencepost_devtools.ports import free_port
+from fencepost_server.core import placement
 from fencepost_server.core.shards import shard_of
+from fencepost_server.rpc.commands import KINDS
 from fencepost_server.testing.server import ServerThread
 
 pytestmark = [pytest.mark.sqlite_only, pytest.mark.timeout(60)]
@@ -61,3 +67,171 @@ def test_a_refusal_maps_to_not_owner_error_naming_the_owner(
     assert isinstance(err, fencepost.UnavailableError)
     assert (err.shard, err.owner, err.epoch) == (shard_of(run, SHARDS), sa.address, 1)
     assert err.code == "NOT_OWNER"
+
+
+class UnaryCalls(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Records the method of every unary call a client makes."""
+
+    def __init__(self) -> None:
+        self.methods: list[str] = []
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method
+        self.methods.append(method.decode() if isinstance(method, bytes) else str(method))
+        return await continuation(details, request)
+
+    def count(self, name: str) -> int:
+        return sum(m.endswith(f"/{name}") for m in self.methods)
+
+
+def _run_at(srv: ServerThread, run_id: str) -> ledger_pb2.GetRunResponse | None:
+    """The run as ``srv`` has it (None: not there), asked directly."""
+    stub = ledger_pb2_grpc.LedgerStub(grpc.insecure_channel(srv.address))
+    try:
+        return stub.GetRun(ledger_pb2.GetRunRequest(run_id=run_id))
+    except grpc.RpcError as err:
+        if err.code() is grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+
+
+def _runs_in_every_shard(prefix: str) -> dict[int, str]:
+    return {shard: _key_in({shard}, prefix) for shard in range(SHARDS)}
+
+
+def _owner(pair: tuple[ServerThread, ServerThread], shard: int) -> ServerThread:
+    return pair[0] if shard in A_LEADS else pair[1]
+
+
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+async def test_calls_land_on_their_shards_owner(
+    pair: tuple[ServerThread, ServerThread], transport: str
+) -> None:
+    """Given only B, the client acquires, renews, checkpoints and finishes a
+    run in every shard; each is done at its shard's owner, and the other
+    server never has it."""
+    runs = _runs_in_every_shard(f"calls-{transport}")
+    async with fencepost.Client(pair[1].address, owner="w", renewal="off",
+                                transport=transport) as client:  # type: ignore[arg-type]
+        for run in runs.values():
+            lease = await client.acquire(run, ttl_ms=30_000)
+            await lease.renew()
+            await lease.record_checkpoint("cp", 1)
+            assert (await client.validate_fence(run, lease.fencing_token)).current
+            ref = (await client.get(run)).checkpoint_ref
+            assert ref is not None and ref.key == "cp"
+            await lease.finish()
+            assert (await client.get(run)).status is fencepost.RunStatus.COMPLETED
+        if transport == "stream":  # one Execute stream per coordinator, carrying most
+            stats = client.statistics()
+            assert stats.execute_streams_opened == 2
+            assert stats.execute_commands_sent >= 3 * len(runs)
+    for shard, run in runs.items():
+        owner = _owner(pair, shard)
+        other = pair[1] if owner is pair[0] else pair[0]
+        got = _run_at(owner, run)
+        assert got is not None and got.run.status == record_pb2.RUN_STATUS_COMPLETED
+        assert got.run.checkpoint_ref.key == "cp"
+        with pytest.raises(grpc.RpcError) as refused:
+            _run_at(other, run)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE  # NOT_OWNER: not there
+
+
+async def test_a_client_of_one_coordinator_never_asks_for_the_map(
+    pair: tuple[ServerThread, ServerThread]
+) -> None:
+    calls = UnaryCalls()
+    async with fencepost.Client(pair[1].address, owner="w", renewal="off",
+                                interceptors=[calls]) as client:
+        for i in range(3):
+            lease = await client.acquire(_key_in(B_LEADS, f"own-{i}"), ttl_ms=30_000)
+            await lease.finish()
+        assert calls.count("Shards") == 0
+        # the first call keyed in A's shards switches routing on: one map
+        lease = await client.acquire(_key_in(A_LEADS, "other"), ttl_ms=30_000)
+        await lease.finish()
+        assert calls.count("Shards") == 1
+
+
+@pytest.fixture
+def crossed(tmp_path: Path) -> Iterator[tuple[ServerThread, ServerThread]]:
+    """An inconsistent map: A says B leads shard 0, B says A does."""
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    sa, sb = _pair(tmp_path, f"{b}=0;{a}=1-3", f"{a}=0;{b}=1-3", a, b)
+    with sa, sb:
+        yield sa, sb
+
+
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+async def test_owners_naming_each_other_end_in_not_owner_error(
+    crossed: tuple[ServerThread, ServerThread], transport: str
+) -> None:
+    sa, sb = crossed
+    run = _key_in({0})
+    calls = UnaryCalls()
+    async with fencepost.Client(sb.address, owner="w", renewal="off", transport=transport,
+                                interceptors=[calls]) as client:  # type: ignore[arg-type]
+        with pytest.raises(fencepost.NotOwnerError) as refused:
+            await asyncio.wait_for(client.acquire(run, ttl_ms=30_000), 5)
+        assert refused.value.shard == 0
+        assert refused.value.owner in {sa.address, sb.address}
+        assert sa.address in str(refused.value) and sb.address in str(refused.value)
+        with pytest.raises(fencepost.NotOwnerError):
+            await client.get(run)
+        # a few hops, not the retry policy's 10 s of retries
+        assert 2 <= calls.count("GetRun") <= 4
+    assert sa.writer.state.revision == 0 and sb.writer.state.revision == 0  # nothing done
+
+
+def _samples() -> dict[str, Any]:
+    """A valid request of each command kind, fenced where it may be."""
+    fence = epb.Fence(run_id="fr", fencing_token=1)
+    lock_fence = epb.Fence(lock_key="l", fencing_token=1)
+    one = epb.JsonValue(json="1")
+    held = {"run_id": "r1", "owner": "o", "fencing_token": 1}
+    samples: dict[str, Any] = {
+        "acquire": ledger_pb2.AcquireRequest(run_id="r1", owner="o", lease_ttl_ms=30000),
+        "renew": ledger_pb2.RenewRequest(**held, lease_ttl_ms=30000),
+        "record_checkpoint": ledger_pb2.RecordCheckpointRequest(**held, key="k",
+                                                                snapshot_version=1),
+        "suspend": ledger_pb2.SuspendRequest(**held),
+        "finish": ledger_pb2.FinishRequest(**held, status=record_pb2.RUN_STATUS_COMPLETED),
+        "release": ledger_pb2.ReleaseRequest(**held),
+        "cancel": ledger_pb2.CancelRequest(run_id="r1"),
+        "request_resume": ledger_pb2.RequestResumeRequest(run_id="r1"),
+        "delete_run": ledger_pb2.DeleteRunRequest(run_id="r1"),
+        "create_run": epb.EngineCreateRunRequest(
+            run=epb.EngineRun(id="r1", agent="a", status="queued"), fence=fence),
+        "update_run": epb.EngineUpdateRunRequest(id="r1", fence=fence),
+        "claim_run": epb.EngineClaimRunRequest(id="r1", owner="o", ttl_ms=1000),
+        "renew_claim": epb.EngineRenewClaimRequest(id="r1", owner="o", ttl_ms=1000, fence=fence),
+        "append_step": epb.EngineAppendStepRequest(step=epb.EngineStep(run_id="r1", name="s"),
+                                                   fence=fence),
+        "save_checkpoint": epb.EngineSaveCheckpointRequest(
+            checkpoint=epb.EngineCheckpoint(run_id="r1", step_index=1, state=one)),
+        "claim_key": epb.EngineClaimKeyRequest(scope="s", key="k", run_id="r1", ttl_ms=1000),
+        "acquire_lock": epb.EngineAcquireLockRequest(key="k", owner="o", ttl_ms=1000,
+                                                     fence=lock_fence),
+        "release_lock": epb.EngineReleaseLockRequest(key="k", owner="o"),
+        "put_effect": epb.EnginePutEffectRequest(key="k", result=one),
+        "kv_set": epb.EngineKvSetRequest(agent="a", key="k", value=one, fence=fence),
+        "doc_upsert": epb.EngineDocUpsertRequest(agent="a", collection="c", id="d",
+                                                 doc=epb.JsonValue(json="{}")),
+        "doc_delete": epb.EngineDocDeleteRequest(agent="a", collection="c", id="d"),
+    }
+    samples["transaction"] = ledger_pb2.TransactionRequest(
+        fence=lock_fence, commands=[
+            ledger_pb2.Command(id=1, kv_set=epb.EngineKvSetRequest(agent="a", key="k", value=one)),
+            ledger_pb2.Command(id=2, append_step=epb.EngineAppendStepRequest(
+                step=epb.EngineStep(run_id="r2", name="s"), fence=fence)),
+        ])
+    return samples
+
+
+def test_the_client_places_every_command_as_the_server_does() -> None:
+    samples = _samples()
+    assert set(samples) == {k for k in KINDS if not k.startswith("raw_")}
+    for kind, request in samples.items():
+        assert shard_keys(request) == placement.shard_keys(KINDS[kind].to_command(request)), kind
+    assert shard_keys(ledger_pb2.ListRunsRequest()) is None
+    assert shard_keys(epb.EngineDeleteArtifactRequest(id="x")) is None
