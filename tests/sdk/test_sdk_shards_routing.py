@@ -235,3 +235,61 @@ def test_the_client_places_every_command_as_the_server_does() -> None:
         assert shard_keys(request) == placement.shard_keys(KINDS[kind].to_command(request)), kind
     assert shard_keys(ledger_pb2.ListRunsRequest()) is None
     assert shard_keys(epb.EngineDeleteArtifactRequest(id="x")) is None
+
+
+async def _renewed_past(lease: fencepost.Lease, until: float, limit_s: float = 10) -> None:
+    """Wait until an answered renewal puts ``lease``'s safe-until past ``until``."""
+    async with asyncio.timeout(limit_s):
+        while lease.safe_until <= until:
+            assert not lease.is_lost and lease.is_active
+            await asyncio.sleep(0.02)
+
+
+async def test_leases_are_renewed_on_their_owners_keepalive_stream(
+    pair: tuple[ServerThread, ServerThread]
+) -> None:
+    """Given only B, a lease in each shard is kept alive over KeepAlive: those
+    in A's shards on a stream to A, the others on B's; each outlives its ttl
+    several times over and then finishes at its owner."""
+    ttl = 900
+    runs = _runs_in_every_shard("kept")
+    async with fencepost.Client(pair[1].address, owner="w") as client:
+        leases = {shard: await client.acquire(run, ttl_ms=ttl) for shard, run in runs.items()}
+        for lease in leases.values():
+            await _renewed_past(lease, lease.safe_until + 2 * ttl / 1000)
+        stats = client.statistics()
+        assert stats.keepalive_streams_opened == 2 and stats.leases_kept == len(runs)
+        assert not any(lease.at_risk for lease in leases.values())
+        for lease in leases.values():
+            await lease.finish()
+    for shard, run in runs.items():
+        got = _run_at(_owner(pair, shard), run)
+        assert got is not None and got.run.status == record_pb2.RUN_STATUS_COMPLETED
+
+
+async def test_a_renewal_refused_not_owner_moves_the_lease_to_the_owner(
+    pair: tuple[ServerThread, ServerThread]
+) -> None:
+    """A lease whose renewals go to a coordinator that does not lead its
+    shard (the client's map was stale: the shard moved) is refused there
+    NOT_OWNER, and is renewed at the owner named from then on: not lost."""
+    sa, sb = pair
+    ttl = 900
+    run = _key_in(A_LEADS, "moved")
+    async with fencepost.Client(sb.address, owner="w") as client:
+        lease = await client.acquire(run, ttl_ms=ttl)  # routed: renewed on A's stream
+        router = client._connection.router
+        assert router is not None
+        shard = shard_of(run, SHARDS)
+        router.owners[shard] = sb.address  # the stale map: B led the shard once
+        kept = fencepost._client.hooks_of(lease)
+        await client._renewer.stop(kept)
+        client._renewer.start(kept)  # onto B's stream, where it is refused
+        before = client.statistics().keepalive_messages_sent
+        await _renewed_past(lease, lease.safe_until + 2 * ttl / 1000)
+        assert client.statistics().keepalive_messages_sent > before
+        assert router.owners[shard] == sa.address  # learnt from the refusal
+        assert not lease.is_lost
+        await lease.finish()
+    got = _run_at(sa, run)
+    assert got is not None and got.run.status == record_pb2.RUN_STATUS_COMPLETED
