@@ -7,6 +7,7 @@ write or read to the owner of its shard."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,10 @@ import fencepost
 from fencepost._errors import from_rpc_error
 from fencepost._placement import shard_keys
 from fencepost.v1 import engine_store_pb2 as epb
-from fencepost.v1 import ledger_pb2, ledger_pb2_grpc, record_pb2
+from fencepost.v1 import engine_store_pb2_grpc, ledger_pb2, ledger_pb2_grpc, record_pb2
 from fencepost_devtools.ports import free_port
 from fencepost_server.core import placement
-from fencepost_server.core.shards import shard_of
+from fencepost_server.core.shards import compound_key, shard_of
 from fencepost_server.rpc.commands import KINDS
 from fencepost_server.testing.server import ServerThread
 
@@ -293,3 +294,72 @@ async def test_a_renewal_refused_not_owner_moves_the_lease_to_the_owner(
         await lease.finish()
     got = _run_at(sa, run)
     assert got is not None and got.run.status == record_pb2.RUN_STATUS_COMPLETED
+
+
+def _agent_in(shards: set[int], key: str) -> str:
+    """An agent whose (agent, key) state entry is in one of ``shards``."""
+    return next(f"ag{i}" for i in range(1000)
+                if shard_of(compound_key(f"ag{i}", key), SHARDS) in shards)
+
+
+async def _use_the_store(store: fencepost.AsyncStore, tag: str) -> dict[int, str]:
+    """Writes and keyed reads in every shard; the run id used per shard."""
+    runs = _runs_in_every_shard(f"eng-{tag}")
+    for shard, run in runs.items():
+        assert (await store.create_run(run, agent="a", input={"n": shard})).created
+        await store.append_step(run, "s1", output={"ok": True})
+        assert await store.save_checkpoint(run, 1, {"at": 1})
+        assert (await store.get_run(run)) is not None
+        assert [s.name for s in await store.list_steps(run)] == ["s1"]
+        cp = await store.latest_checkpoint(run)
+        assert cp is not None and cp.state == {"at": 1}
+        agent = _agent_in({shard}, "k")
+        await store.kv_set(agent, "k", shard)
+        got = await store.kv_get(agent, "k")
+        assert got.found and got.value == shard
+        async with store.transaction() as tx:
+            await tx.kv_set(agent, "k", shard + 10)
+            await tx.append_step(run, "s2")
+        assert (await store.kv_get(agent, "k")).value == shard + 10
+    return runs
+
+
+def _engine_run_at(srv: ServerThread, run_id: str) -> bool:
+    stub = engine_store_pb2_grpc.EngineStoreStub(grpc.insecure_channel(srv.address))
+    return bool(stub.GetRun(epb.EngineGetRunRequest(id=run_id)).found)
+
+
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+async def test_the_engine_store_writes_and_reads_at_each_owner(
+    pair: tuple[ServerThread, ServerThread], transport: str
+) -> None:
+    async with fencepost.Client(pair[1].address,
+                                transport=transport) as client:  # type: ignore[arg-type]
+        runs = await _use_the_store(client.store, transport)
+    async with fencepost.AsyncStore.connect(pair[1].address) as store:
+        runs_of_own = await _use_the_store(store, f"own-{transport}")
+    for shard, run in (*runs.items(), *runs_of_own.items()):
+        assert _engine_run_at(_owner(pair, shard), run)
+
+
+def test_a_sync_client_routes_too(pair: tuple[ServerThread, ServerThread]) -> None:
+    runs = _runs_in_every_shard("sync")
+    ttl = 900
+    with fencepost.SyncClient(pair[1].address, owner="w") as client:
+        leases = [client.acquire(run, ttl_ms=ttl) for run in runs.values()]
+        for lease in leases:
+            lease.record_checkpoint("cp", 1)
+        deadline = time.monotonic() + 10
+        first = [lease.safe_until for lease in leases]
+        while any(lease.safe_until <= was + 2 * ttl / 1000
+                  for lease, was in zip(leases, first, strict=True)):
+            assert time.monotonic() < deadline and not any(lease.is_lost for lease in leases)
+            time.sleep(0.02)
+        for lease in leases:
+            lease.finish()
+        agent = _agent_in(A_LEADS, "k")
+        client.store.kv_set(agent, "k", 1)
+        assert client.store.kv_get(agent, "k").value == 1
+    for shard, run in runs.items():
+        got = _run_at(_owner(pair, shard), run)
+        assert got is not None and got.run.status == record_pb2.RUN_STATUS_COMPLETED
