@@ -786,6 +786,11 @@ class Client:
     then raises ``UnavailableError`` naming the endpoints tried and the last
     leader hint (docs/SDK.md).
 
+    Coordinators that lead different shards: the first ``NOT_OWNER`` makes
+    the client fetch the shard map and send each call to its shard's owner
+    from then on, over a channel, an Execute stream and a KeepAlive stream
+    per coordinator (docs/SDK.md, "Shards"); until then it costs nothing.
+
     ``renewal="stream"`` (default) keeps every lease of the client alive over
     one KeepAlive stream (renewals at a third of each ttl; ``lost`` and
     ``expiring`` pushed by the server; reconnects with jittered backoff and
