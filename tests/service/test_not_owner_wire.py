@@ -140,3 +140,29 @@ def test_a_map_that_misses_a_shard_or_this_server_is_refused(tmp_path: Path) -> 
                 srv.start()
         finally:
             srv.close()
+
+
+def test_keepalive_refuses_renewals_and_tracks_in_another_shard(
+    pair: tuple[ServerThread, ServerThread]
+) -> None:
+    """Answered from memory or not, a renewal (or a track) of a run in
+    another shard is refused NOT_OWNER naming the owner, not taken for a
+    lease lost: the client renews it at the owner."""
+    sa, sb = pair
+    run = _run_in({0, 1})
+    msgs = [ledger_pb2.KeepAliveRequest(hello=ledger_pb2.KeepAliveHello(owner="w")),
+            ledger_pb2.KeepAliveRequest(renew=ledger_pb2.KeepAliveRenew(
+                run_id=run, fencing_token=1, lease_ttl_ms=30_000)),
+            ledger_pb2.KeepAliveRequest(track=ledger_pb2.KeepAliveTrack(
+                run_id=run, fencing_token=1))]
+    errors = []
+    call = _stub(sb).KeepAlive(iter(msgs))
+    for resp in call:
+        for one in resp.batch or (resp,):
+            assert one.WhichOneof("kind") == "error", one
+            errors.append(one.error)
+        if len(errors) == 2:
+            break
+    call.cancel()
+    assert [(e.run_id, e.code, e.metadata["owner"]) for e in errors] == [
+        (run, "NOT_OWNER", sa.address)] * 2
