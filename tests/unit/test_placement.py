@@ -150,6 +150,16 @@ def test_the_server_places_every_vector(vector: dict) -> None:
     assert (None if got is None else sorted(got)) == vector["shards_of_64"]
 
 
+@pytest.mark.parametrize("vector", PLACEMENT_VECTORS,
+                         ids=lambda v: next(iter(v["command"])))
+def test_the_python_sdk_places_every_vector(vector: dict) -> None:
+    from fencepost._placement import shard_keys as sdk_shard_keys
+
+    command = json_format.ParseDict(vector["command"], pb.Command())
+    keys = sdk_shard_keys(getattr(command, str(command.WhichOneof("kind"))))
+    assert (None if keys is None else list(keys)) == vector["shard_keys"]
+
+
 def test_the_placement_vectors_cover_every_command_kind() -> None:
     kinds = {next(iter(v["command"])) for v in PLACEMENT_VECTORS}
     assert kinds == {f.name for f in pb.Command.DESCRIPTOR.oneofs_by_name["kind"].fields}
