@@ -24,6 +24,7 @@ from fencepost_devtools.ports import free_port
 from fencepost_server.core import placement
 from fencepost_server.core.shards import compound_key, shard_of
 from fencepost_server.rpc.commands import KINDS
+from fencepost_server.testing.clock import ManualClock
 from fencepost_server.testing.server import ServerThread
 
 pytestmark = [pytest.mark.sqlite_only, pytest.mark.timeout(60)]
@@ -363,3 +364,27 @@ def test_a_sync_client_routes_too(pair: tuple[ServerThread, ServerThread]) -> No
     for shard, run in runs.items():
         got = _run_at(_owner(pair, shard), run)
         assert got is not None and got.run.status == record_pb2.RUN_STATUS_COMPLETED
+
+
+async def test_the_map_gathers_each_shards_counts_from_its_owner(tmp_path: Path) -> None:
+    """Asked of B alone, the map names every shard's owner and has the runs
+    and live leases of A's shards too, which only A can count."""
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    spec = f"{a}=0-1;{b}=2,3"
+    servers = [ServerThread(str(tmp_path / f"{name}.db"), listen=addr, shards=SHARDS,
+                            test_hooks=True, test_shard_map=spec, clock=ManualClock())
+               for name, addr in (("a", a), ("b", b))]
+    runs = _runs_in_every_shard("map")
+    with servers[0], servers[1]:
+        async with fencepost.Client(b, owner="w", renewal="off") as client:
+            for run in runs.values():
+                await client.acquire(run, ttl_ms=60_000)
+            for srv in servers:  # past the second in which a count is answered again
+                srv.clock.advance(1_500)
+            got = await client.shards()
+        assert got.shard_count == SHARDS
+        for shard in range(SHARDS):
+            info, owner = got.shards[shard], servers[0 if shard in A_LEADS else 1]
+            assert owner.app is not None
+            assert (info.owner, info.address) == (owner.app.identity, owner.address)
+            assert (info.runs, info.leases) == (1, 1), shard

@@ -1158,8 +1158,16 @@ class Client:
     async def shards(self) -> ShardMap:
         """The shard map (docs/SPEC.md §13): the database's shard count and,
         per shard, the coordinator that leads it, its epoch, and its runs and
-        live leases. The count is kept for ``shard_of``."""
+        live leases. A coordinator answers only for the shards it leads: the
+        others' rows are asked of their owners. The count is kept for
+        ``shard_of``."""
         resp = await self._call("Shards", ledger_pb2.ShardsRequest(), mutation=False)
+        for address in sorted({s.address for s in resp.shards if not s.owner and s.address}):
+            theirs = await self._connection.ask_at(address, _ledger_rpc("Shards"),
+                                                   ledger_pb2.ShardsRequest())
+            for info in theirs.shards if theirs is not None else ():
+                if info.owner and info.address == address and 0 <= info.index < len(resp.shards):
+                    resp.shards[info.index].CopyFrom(info)
         shard_map = shard_map_from_pb(resp)
         self._shard_count = shard_map.shard_count
         return shard_map

@@ -254,6 +254,16 @@ class Connection:
                                      endpoints=line.endpoints,
                                      reroute=None if self._open_line is None else reroute)
 
+    async def ask_at(self, address: str, rpc_of: Callable[[Endpoint], Callable[..., Any]],
+                     request: Any) -> Any | None:
+        """A read at the coordinator at ``address`` (retried there), or None
+        when this client may not go there."""
+        line = self.line_to(address)
+        if line is None:
+            return None
+        return await call_with_retry(attempt_of(None, rpc_of, request, mutation=False),
+                                     self.retry, mutation=False, endpoints=line.endpoints)
+
     # -- routing -------------------------------------------------------------------------
 
     def on_routing(self, callback: Callable[[], None]) -> None:
