@@ -388,3 +388,45 @@ async def test_the_map_gathers_each_shards_counts_from_its_owner(tmp_path: Path)
             assert owner.app is not None
             assert (info.owner, info.address) == (owner.app.identity, owner.address)
             assert (info.runs, info.leases) == (1, 1), shard
+
+
+async def test_a_coordinator_that_goes_away_is_followed_by_its_shards(tmp_path: Path) -> None:
+    """A stops; its database is served at another address and B's map says
+    so. The client, given only B, renews its lease in A's shard at the new
+    address by itself (never lost), and a call that got no answer from A
+    goes there too."""
+    a, a2, b = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    before, after = f"{a}=0-1;{b}=2,3", f"{a2}=0-1;{b}=2,3"
+
+    def serve(name: str, addr: str, spec: str) -> ServerThread:
+        return ServerThread(str(tmp_path / f"{name}.db"), listen=addr, shards=SHARDS,
+                            test_hooks=True, test_shard_map=spec)
+
+    leased, read = _key_in({0}, "gone"), _key_in({1}, "gone-read")
+    first = [serve("a", a, before), serve("b", b, before)]
+    running = list(first)
+    for srv in first:
+        srv.start()
+    try:
+        async with fencepost.Client(b, owner="w") as client:
+            lease = await client.acquire(leased, ttl_ms=9_000)
+            await (await client.acquire(read)).finish()
+            for srv in first:
+                running.remove(srv)
+                srv.close()
+            later = [serve("a", a2, after), serve("b", b, after)]
+            running += later
+            for srv in later:
+                srv.start()
+            moved = time.monotonic()
+            await _renewed_past(lease, moved + 9.0 * 0.5, limit_s=20)
+            assert lease.is_active and not lease.is_lost
+            got = await client.get(read)
+            assert got.status is fencepost.RunStatus.COMPLETED
+            await lease.finish()
+        with grpc.insecure_channel(a2) as ch:  # it was renewed and finished at A's new address
+            run = ledger_pb2_grpc.LedgerStub(ch).GetRun(ledger_pb2.GetRunRequest(run_id=leased))
+            assert run.run.status == record_pb2.RUN_STATUS_COMPLETED
+    finally:
+        for srv in running:
+            srv.close()

@@ -218,11 +218,15 @@ class Connection:
         """``attempt`` on the endpoint believed to lead (of the owner of
         ``key``'s shard, once routing), retried and mapped
         (``call_with_retry``)."""
-        line = self.line if self.router is None else self.line_for(key)
+        line = took = self.line if self.router is None else self.line_for(key)
 
-        async def reroute(exc: NotOwnerError) -> tuple[Endpoints, Attempt[T]] | None:
-            to = await self._rerouted(exc, key)
-            return None if to is None else (to.endpoints, attempt)
+        async def reroute(exc: FencepostError) -> tuple[Endpoints, Attempt[T]] | None:
+            nonlocal took
+            to = await self._rerouted(exc, key, took)
+            if to is None:
+                return None
+            took = to
+            return to.endpoints, attempt
 
         return await call_with_retry(attempt, policy or self.retry, mutation=mutation,
                                      endpoints=line.endpoints,
@@ -241,13 +245,15 @@ class Connection:
         stream while it is up (unary else); only UNAVAILABLE is retried."""
         if mutation and not request.request_id:
             request.request_id = new_request_id()
-        line = self.line if self.router is None else self.line_for(first_key(request))
+        line = took = self.line if self.router is None else self.line_for(first_key(request))
         attempt = attempt_of(line.dispatcher, rpc_of, request, mutation=mutation)
 
-        async def reroute(exc: NotOwnerError) -> tuple[Endpoints, Attempt[Any]] | None:
-            to = await self._rerouted(exc, first_key(request))
+        async def reroute(exc: FencepostError) -> tuple[Endpoints, Attempt[Any]] | None:
+            nonlocal took
+            to = await self._rerouted(exc, first_key(request), took)
             if to is None:
                 return None
+            took = to
             return to.endpoints, attempt_of(to.dispatcher, rpc_of, request, mutation=mutation)
 
         return await call_with_retry(attempt, policy or self.retry, mutation=mutation,
@@ -296,9 +302,14 @@ class Connection:
                 return None
         return line
 
-    async def _rerouted(self, exc: NotOwnerError, key: str | None) -> Line | None:
+    async def _rerouted(self, exc: FencepostError, key: str | None,
+                        took: Line | None = None) -> Line | None:
         """Where a call refused with ``exc`` goes next: the owner it names,
-        else the owner the map knows (the map fetched when due)."""
+        else the owner the map knows (the map fetched when due). A call a
+        coordinator did not answer, once routing, goes where a fresh map
+        says its shard is led now (None: where it went)."""
+        if not isinstance(exc, NotOwnerError):
+            return await self._refollowed(key, took)
         router = self.router
         if router is None:
             router = self.router = Router()
@@ -312,6 +323,29 @@ class Connection:
         if exc.owner:
             return self.line_to(exc.owner)
         return self.line_for(key)
+
+    async def _refollowed(self, key: str | None, took: Line | None) -> Line | None:
+        """The line to ``key``'s owner by a map fetched from the endpoints
+        given (at most every MAP_REFRESH_S), when that is another line than
+        the one the call ``took``; None otherwise, or while not routing."""
+        router = self.router
+        if router is None or key is None:
+            return None
+        loop = asyncio.get_running_loop()
+        if loop.time() - router.fetched_at >= MAP_REFRESH_S:
+            await self._fetch_map(router, "")
+        now = self.line_for(key)
+        return now if now is not took else None
+
+    async def refollow(self) -> None:
+        """A coordinator stopped answering (a KeepAlive stream to it broke):
+        fetch the map again from the endpoints given, when due, so what it
+        led follows its new owner."""
+        router = self.router
+        if router is None:
+            return
+        if asyncio.get_running_loop().time() - router.fetched_at >= MAP_REFRESH_S:
+            await self._fetch_map(router, "")
 
     async def learn(self, exc: NotOwnerError) -> None:
         """A refusal met outside a call (a renewal): route, and know of it."""

@@ -286,10 +286,12 @@ class StreamRenewer:
         retry: RetryPolicy,
         *,
         on_moved: Callable[[KeptLease, NotOwnerError], None] | None = None,
+        on_down: Callable[[StreamRenewer], None] | None = None,
     ) -> None:
         self._route = connection.endpoints
         # told of a lease whose renewal was refused NOT_OWNER (taken off here)
         self._on_moved = on_moved
+        self._on_down = on_down  # told each time this renewer's stream fails
         self._owner = owner
         self._retry = retry
         self._entries: dict[Key, _Entry] = {}
@@ -402,6 +404,17 @@ class StreamRenewer:
         if not self._entries:
             self._has_entries.clear()
 
+    def hand_over(self, elsewhere: Callable[[str], bool]) -> list[KeptLease]:
+        """Take off this stream the leases of the runs ``elsewhere`` names
+        (still held: they are renewed by another stream from now on)."""
+        moved = []
+        for key in [k for k in self._entries if elsewhere(k[0])]:
+            self._pending.pop(key, None)
+            entry = self._drop(key)
+            if entry is not None:
+                moved.append(entry.lease)
+        return moved
+
     def _drop(self, key: Key) -> _Entry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
@@ -462,6 +475,8 @@ class StreamRenewer:
                 log.info("KeepAlive stream failed (%r); reconnecting", exc)
             except Exception:
                 log.exception("KeepAlive stream crashed; reconnecting")
+            if failure is not None and self._on_down is not None:
+                self._on_down(self)
             # a standby, or an endpoint gone: the next stream goes elsewhere
             at_once = failure is not None and self._route.after_failure(endpoint, failure)
             if at_once and hops < len(self._route):
@@ -721,7 +736,8 @@ class RoutedRenewer:
         self._connection = connection
         self._owner = owner
         self._retry = retry
-        self._default = StreamRenewer(connection.line, owner, retry, on_moved=self._moved)
+        self._default = StreamRenewer(connection.line, owner, retry, on_moved=self._moved,
+                                      on_down=self._down)
         self._others: dict[Any, StreamRenewer] = {}  # by line, once routing
         self._where: dict[KeptLease, StreamRenewer] = {}  # leases started once routing
         self._moving: dict[KeptLease, StreamRenewer] = {}  # refused NOT_OWNER, on the way
@@ -735,7 +751,7 @@ class RoutedRenewer:
         renewer = self._others.get(line)
         if renewer is None:
             renewer = self._others[line] = StreamRenewer(line, self._owner, self._retry,
-                                                         on_moved=self._moved)
+                                                         on_moved=self._moved, on_down=self._down)
         return renewer
 
     def stream_name(self, run_id: str = "") -> str:
@@ -789,6 +805,30 @@ class RoutedRenewer:
             return  # stopped meanwhile (finished, released, the client closed)
         self._where[lease] = renewer
         renewer.start(lease)
+
+    def _down(self, renewer: StreamRenewer) -> None:
+        """``renewer``'s coordinator did not answer: with a fresh map, its
+        leases whose shard another coordinator leads now go to that one."""
+        if self._closed or self._connection.router is None:
+            return
+        task = asyncio.create_task(self._rehome(renewer), name="fencepost-keepalive-rehome")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _rehome(self, renewer: StreamRenewer) -> None:
+        try:
+            await self._connection.refollow()
+        except Exception:
+            log.exception("could not fetch the shard map")
+        if self._closed:
+            return
+        moving = renewer.hand_over(lambda run_id: self._renewer_for(run_id) is not renewer)
+        for lease in moving:
+            if lease.is_active:
+                to = self._renewer_for(lease.run_id)
+                log.info("renewing %r at its shard's owner now", lease.run_id)
+                self._where[lease] = to
+                to.start(lease)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -35,7 +35,9 @@ T = TypeVar("T")
 Attempt = Callable[["Endpoint", float | None], Awaitable[T]]
 # Where a call refused with NOT_OWNER goes next: the owner's endpoints and
 # the attempt for them, or None (no routing here: the refusal is raised).
-Reroute = Callable[[NotOwnerError], Awaitable["tuple[Endpoints, Attempt[T]] | None"]]
+# Where a call goes after a NOT_OWNER, or after no answer while routing
+# (None: nowhere else).
+Reroute = Callable[[FencepostError], Awaitable["tuple[Endpoints, Attempt[T]] | None"]]
 
 # A call refused NOT_OWNER this many times in a row (owners naming each
 # other: a map in flux) raises NotOwnerError.
@@ -125,6 +127,8 @@ async def call_with_retry(
     same request id, neither counted nor delayed by the policy, at most
     ``MAX_OWNER_HOPS`` times in a row; with no owner named, after the
     policy's backoff. Without ``reroute``, or past the bound, it is raised.
+    An attempt with no answer goes to ``reroute`` too: the next attempt,
+    after the backoff, goes where it says (the shard's owner now).
 
     For a mutation, once any attempt ended without an answer the outcome is
     unknown, and the final error is ``OutcomeUnknownError`` even when the last
@@ -175,6 +179,13 @@ async def call_with_retry(
                     owner_hops += 1
                     attempts -= 1
                     continue
+                rerouted = True
+        elif (reroute is not None and exc.grpc_code is grpc.StatusCode.UNAVAILABLE
+              and not isinstance(exc, NotLeaderError)):
+            # no answer: with routing on, the shard may be led elsewhere now
+            routed = await reroute(exc)
+            if routed is not None:
+                endpoints, attempt = routed
                 rerouted = True
         if isinstance(exc, NotLeaderError):
             hint = exc.leader
