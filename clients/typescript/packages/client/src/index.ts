@@ -18,7 +18,7 @@ export {
   InvalidTransitionError, LeaseAtRiskError, LockLostError, LeaseHeldError, LeaseLostError, OutcomeUnknownError,
   RevisionCompactedError, RpcError, RunNotFoundError, RunSuspendedError, ShuttingDownError, StorageFullError,
   StorageUnavailableError, StreamTooSlowError, UnavailableError, ValidationError, errorFor, fromCallError, fromStatus,
-  NotLeaderError, OwnerNotPermittedError, PermissionDeniedError, UnauthenticatedError,
+  NotLeaderError, NotOwnerError, OwnerNotPermittedError, PermissionDeniedError, UnauthenticatedError,
 } from "./errors.js";
 export { TERMINAL_STATUSES, recordFromPb, recordToPb, statusFromPb, statusToPb } from "./records.js";
 export type { CheckpointRef, LeaseInfo, LostReason, Outcome, RunRecord, RunStatus, Suspension } from "./records.js";

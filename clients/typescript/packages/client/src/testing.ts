@@ -65,6 +65,10 @@ export interface StartOptions {
   args?: string[];
   /** How the readiness check connects (a server with --tls-cert needs tls). */
   connect?: ClientOptions;
+  /** The port to listen on (default a free one): servers that must name each other pick theirs first. */
+  port?: number;
+  /** Extra environment variables for the server process. */
+  env?: Record<string, string>;
 }
 
 export function findFencepostBin(): string {
@@ -118,13 +122,13 @@ export async function startServer(options: StartOptions = {}): Promise<TestServe
   const bin = options.bin ?? findFencepostBin();
   const dir = mkdtempSync(join(tmpdir(), "fencepost-ts-"));
   const db = join(dir, "fencepost.db");
-  const port = await freePort();
+  const port = options.port ?? await freePort();
   const address = `127.0.0.1:${port}`;
   let child: ChildProcess;
   let output = "";
   const launch = async () => {
     const args = ["serve", "--listen", address, "--db", db, ...(options.testHooks === false ? [] : ["--test-hooks"]), ...(options.args ?? [])];
-    child = spawn(bin, args, { stdio: ["ignore", "pipe", "pipe"] });
+    child = spawn(bin, args, { stdio: ["ignore", "pipe", "pipe"], ...(options.env ? { env: { ...process.env, ...options.env } } : {}) });
     child.stdout?.on("data", (d) => { output = (output + d).slice(-20_000); });
     child.stderr?.on("data", (d) => { output = (output + d).slice(-20_000); });
     await waitReady(address, child, () => output, options.connect);
