@@ -258,5 +258,6 @@ export function fromStatus(status: Status): FencepostError {
 
 /** Whether a failed attempt may be retried with the same request id. */
 export function isRetryable(err: FencepostError): boolean {
-  return err.grpcCode === Code.Unavailable;
+  // a NotOwnerError reaching a retry is one routing gave up on (or a call that is not routed)
+  return err.grpcCode === Code.Unavailable && !(err instanceof NotOwnerError);
 }

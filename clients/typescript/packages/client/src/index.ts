@@ -28,3 +28,5 @@ export { parseEndpoints } from "./endpoints.js";
 export type { ConnectionOptions, KeepalivePingOptions, Pem, TlsOptions } from "./endpoints.js";
 export type { CommandKind, Transport } from "./execute.js";
 export { MAX_SHARDS, SHARD_KEY_SEPARATOR, shardOf } from "./shards.js";
+export { MAX_HOPS } from "./routing.js";
+export type { Stubs } from "./routing.js";

@@ -18,7 +18,7 @@ import {
   type Ledger,
 } from "./gen/fencepost/v1/ledger_pb.js";
 import { AsyncQueue } from "./queue.js";
-import { fromCallError, PermissionDeniedError, UnauthenticatedError } from "./errors.js";
+import { errorFor, fromCallError, NotOwnerError, PermissionDeniedError, UnauthenticatedError } from "./errors.js";
 import { lostReasonFromPb, recordFromPb, type LostReason, type RunRecord } from "./records.js";
 import { backoffDelays, retryPolicy, sleep } from "./retry.js";
 
@@ -34,8 +34,19 @@ export interface FenceListener {
   error?(code: string, message: string): void;
 }
 
+/** A lease or watch whose coordinator no longer leads its shard, to be tracked at the owner. */
+export interface MovedLease {
+  token: bigint;
+  renewTtlMs: number | undefined;
+  listeners: Set<FenceListener>;
+  /** How many times in a row it was moved without an answered renewal. */
+  moves: number;
+}
+
 interface Entry {
   token: bigint;
+  /** Moves to another coordinator since its last answered renewal. */
+  moves: number;
   /** ttl for renewals; undefined: track only (never renew). */
   renewTtlMs: number | undefined;
   dueAt: number;
@@ -62,7 +73,36 @@ export class KeepAliveSession {
   private readonly namePrefix = randomBytes(12).toString("hex");
   private name = "";
 
+  /** Called (routing) when a renewal is refused with NOT_OWNER: the entry has left this stream. */
+  onNotOwner: ((runId: string, moved: MovedLease, err: NotOwnerError) => void) | undefined;
+
   constructor(private readonly ledger: Client<typeof Ledger>, readonly owner: string) {}
+
+  /** Whether this stream renews or watches `runId`. */
+  holds(runId: string): boolean { return this.entries.has(runId); }
+
+  /**
+   * Take over a lease or watch refused elsewhere: track it here and renew it
+   * after `delayMs` (the refused renewal renewed nothing).
+   */
+  adopt(runId: string, moved: MovedLease, delayMs = 0): void {
+    if (this.closed) return;
+    const known = this.entries.get(runId);
+    let e = known;
+    if (!e || e.token !== moved.token) {
+      e = { token: moved.token, moves: 0, renewTtlMs: undefined, dueAt: Number.POSITIVE_INFINITY, sent: [], listeners: new Set() };
+      this.entries.set(runId, e);
+    }
+    for (const l of moved.listeners) e.listeners.add(l);
+    e.moves = moved.moves + 1;
+    if (moved.renewTtlMs !== undefined) {
+      e.renewTtlMs = moved.renewTtlMs;
+      e.dueAt = performance.now() + delayMs;
+    }
+    this.ensureRunning();
+    this.trackIfNew(runId, moved.token, known, "");
+    this.schedule();
+  }
 
   /** The open stream's name, for AcquireRequest.track_on ("" while none is open). */
   get streamName(): string { return this.name; }
@@ -132,7 +172,7 @@ export class KeepAliveSession {
     let e = this.entries.get(runId);
     if (!e || e.token !== token) {
       // A new token replaces the old watch: the server tracks one token per run and stream.
-      e = { token, renewTtlMs: undefined, dueAt: Number.POSITIVE_INFINITY, sent: [], listeners: new Set() };
+      e = { token, moves: 0, renewTtlMs: undefined, dueAt: Number.POSITIVE_INFINITY, sent: [], listeners: new Set() };
       this.entries.set(runId, e);
     }
     e.listeners.add(listener);
@@ -264,6 +304,7 @@ export class KeepAliveSession {
         if (!e || e.token !== k.value.fencingToken) return;
         const sentAt = e.sent.shift();
         if (sentAt === undefined) return;
+        e.moves = 0;
         const expiresAt = new Date(k.value.expiresAt ? timestampMs(k.value.expiresAt) : 0);
         for (const l of e.listeners) l.renewed?.(sentAt, Number(k.value.ttlRemainingMs), expiresAt);
         return;
@@ -287,6 +328,14 @@ export class KeepAliveSession {
         const e = this.entries.get(k.value.runId);
         if (!e) return;
         e.sent.shift();
+        if (k.value.code === NotOwnerError.code && this.onNotOwner) {
+          // another coordinator leads its shard: it leaves this stream for the owner's
+          this.entries.delete(k.value.runId);
+          this.send({ kind: { case: "untrack", value: create(KeepAliveUntrackSchema, { runId: k.value.runId }) } });
+          const err = errorFor(k.value.code, k.value.message, { metadata: { ...k.value.metadata } }) as NotOwnerError;
+          this.onNotOwner(k.value.runId, { token: e.token, renewTtlMs: e.renewTtlMs, listeners: e.listeners, moves: e.moves }, err);
+          return;
+        }
         for (const l of e.listeners) l.error?.(k.value.code, k.value.message);
         return;
       }

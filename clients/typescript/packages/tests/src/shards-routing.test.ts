@@ -4,8 +4,9 @@
 // other half is refused with NOT_OWNER naming its owner; the client routes.
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
-import { FencepostClient, NotOwnerError, fromCallError, shardOf } from "@fencepost/client";
-import { freePort, startServer, type TestServer } from "@fencepost/client/testing";
+import type { Interceptor } from "@connectrpc/connect";
+import { FencepostClient, NotOwnerError, fromCallError, shardOf, type RunRecord } from "@fencepost/client";
+import { diagnostics, freePort, startServer, type TestServer } from "@fencepost/client/testing";
 
 const SHARDS = 4;
 
@@ -47,6 +48,163 @@ describe("NOT_OWNER", () => {
       assert.equal(err.epoch, 1);
     } finally {
       await raw.close();
+    }
+  });
+});
+
+/** The run as the server at `address` has it (a raw stub: no routing), or the NotOwnerError it answers. */
+async function at(address: string, runId: string): Promise<RunRecord | NotOwnerError> {
+  const raw = new FencepostClient(address, { owner: "ts-raw", retry: { maxAttempts: 1 } });
+  try {
+    const { run } = await raw.stubs.ledger.getRun({ runId });
+    const { recordFromPb } = await import("@fencepost/client");
+    return recordFromPb(run!);
+  } catch (e) {
+    const err = fromCallError(e);
+    if (err instanceof NotOwnerError) return err;
+    throw err;
+  } finally {
+    await raw.close();
+  }
+}
+
+/** Counts the Shards calls a client makes (an interceptor sees every call, on every connection). */
+function countShards(): { interceptors: Interceptor[]; count: () => number } {
+  let n = 0;
+  return {
+    interceptors: [(next) => (req) => { if (req.method.name === "Shards") n++; return next(req); }],
+    count: () => n,
+  };
+}
+
+/** Poll `ok` every 25 ms until it holds (at most `ms`). */
+async function until(ok: () => boolean | Promise<boolean>, ms: number, what: string): Promise<void> {
+  const deadline = Date.now() + ms;
+  while (!(await ok())) {
+    if (Date.now() > deadline) throw new Error(`not within ${ms} ms: ${what}`);
+    await new Promise((r) => setTimeout(r, 25));
+  }
+}
+
+describe("routing by shard", () => {
+  let pair: Pair;
+  before(async () => { pair = await startPair(); });
+  after(async () => { await pair.stop(); });
+
+  for (const transport of ["stream", "unary"] as const) {
+    it(`runs every shard's runs on its owner, given only one coordinator (${transport})`, async () => {
+      const client = new FencepostClient(pair.b.address, { owner: `ts-route-${transport}`, transport });
+      try {
+        const runs = [0, 1, 2, 3].map((s) => keysIn(s, `ts-life-${transport}`)[0]!);
+        for (const runId of runs) {
+          const lease = await client.acquire(runId, { ttlMs: 30_000 });
+          await lease.renew();
+          await lease.recordCheckpoint(`cp/${runId}`, 1);
+          const done = await lease.finish("completed");
+          assert.equal(done.status, "completed");
+          assert.equal(done.checkpointRef?.key, `cp/${runId}`);
+          assert.equal((await client.get(runId)).status, "completed");
+        }
+        for (const [i, runId] of runs.entries()) {
+          const [owner, other] = i < 2 ? [pair.a, pair.b] : [pair.b, pair.a];
+          const there = await at(owner.address, runId);
+          assert.ok(!(there instanceof NotOwnerError), `${runId} (shard ${i}) is at ${owner.address}`);
+          assert.equal(there.status, "completed");
+          const elsewhere = await at(other.address, runId);
+          assert.ok(elsewhere instanceof NotOwnerError && elsewhere.owner === owner.address);
+        }
+        assert.deepEqual(diagnostics(client).coordinators.sort(), [pair.a.address, pair.b.address].sort());
+      } finally {
+        await client.close();
+      }
+    });
+  }
+
+  it("renews a lease in the other coordinator's shard on that coordinator's KeepAlive stream", async () => {
+    const client = new FencepostClient(pair.b.address, { owner: "ts-route-renew" });
+    try {
+      const [runId] = keysIn(0, "ts-renew");
+      const lease = await client.acquire(runId!, { ttlMs: 1500 });
+      const first = lease.record.lease!.expiresAt.getTime();
+      // renewed every 500 ms: A's record moves on, and the lease stays safe throughout
+      await until(async () => {
+        const r = await at(pair.a.address, runId!);
+        return !(r instanceof NotOwnerError) && r.lease!.expiresAt.getTime() >= first + 1500;
+      }, 10_000, "A's record shows renewals");
+      assert.ok(!lease.atRisk && lease.isActive, "the lease is safe");
+      assert.equal((await lease.finish()).status, "completed");
+    } finally {
+      await client.close();
+    }
+  });
+
+  it("routes the engine store's writes, reads and transactions to each key's owner", async () => {
+    const client = new FencepostClient(pair.b.address, { owner: "ts-route-store" });
+    try {
+      const store = client.store;
+      const agents = [0, 1, 2, 3].map((s) => {
+        for (let i = 0; ; i++) if (shardOf(`ts-ag${i}\x1fk`, SHARDS) === s) return `ts-ag${i}`;
+      });
+      for (const agent of agents) {
+        await store.kvSet(agent, "k", { agent });
+        assert.deepEqual((await store.kvGet(agent, "k")).value, { agent });
+      }
+      for (const s of [0, 1, 2, 3]) {
+        const [id] = keysIn(s, "ts-erun");
+        assert.ok((await store.createRun({ id: id!, agent: "ts", status: "queued" })).created);
+        await store.appendStep({ runId: id!, name: "one" });
+        await store.transaction((tx) => {
+          tx.appendStep({ runId: id!, name: "two" });
+          tx.saveCheckpoint({ runId: id!, stepIndex: 2, state: { s } });
+        });
+        assert.deepEqual((await store.listSteps(id!)).map((x) => x.name), ["one", "two"]);
+        assert.deepEqual((await store.latestCheckpoint(id!))?.state, { s });
+        await store.putArtifact({ id: `${id}-blob`, runId: id! }, new Uint8Array([s]));
+        assert.deepEqual((await store.listArtifacts(id!)).map((a) => a.id), [`${id}-blob`]);
+        const owner = s < 2 ? pair.a : pair.b;
+        const raw = new FencepostClient(owner.address, { owner: "ts-raw" });
+        try {
+          assert.equal((await raw.stubs.engineStore.getRun({ id: id! })).found, true, `${id} is at its owner`);
+        } finally {
+          await raw.close();
+        }
+      }
+    } finally {
+      await client.close();
+    }
+  });
+
+  it("sends no Shards call until a call is refused with NOT_OWNER, then fetches the map once", async () => {
+    const shards = countShards();
+    const client = new FencepostClient(pair.b.address, { owner: "ts-route-quiet", interceptors: shards.interceptors });
+    try {
+      for (const runId of keysIn(2, "ts-quiet", 3).concat(keysIn(3, "ts-quiet", 3))) await (await client.acquire(runId)).finish();
+      assert.equal(shards.count(), 0, "one coordinator's shards: no map asked for");
+      assert.deepEqual(diagnostics(client).coordinators, [pair.b.address]);
+      for (const runId of keysIn(0, "ts-loud", 3)) await (await client.acquire(runId)).finish();
+      assert.equal(shards.count(), 1, "the first NOT_OWNER fetched the map, and it served the rest");
+    } finally {
+      await client.close();
+    }
+  });
+});
+
+describe("two coordinators naming each other", () => {
+  let pair: Pair;
+  // A says shards 2 and 3 are B's; B says they are A's
+  before(async () => { pair = await startPair((a, b) => [`${a}=0-1;${b}=2,3`, `${b}=0-1;${a}=2,3`]); });
+  after(async () => { await pair.stop(); });
+
+  it("ends in NotOwnerError after a bounded number of hops", async () => {
+    const client = new FencepostClient(pair.b.address, { owner: "ts-route-loop" });
+    try {
+      const [runId] = keysIn(2, "ts-loop");
+      const err = await client.acquire(runId!).then(() => undefined, (e: unknown) => e);
+      assert.ok(err instanceof NotOwnerError, `got ${String(err)}`);
+      assert.equal(err.shard, 2);
+      assert.match(err.message, /hops/);
+    } finally {
+      await client.close();
     }
   });
 });
