@@ -73,6 +73,11 @@ export class KeepAliveSession {
   private readonly namePrefix = randomBytes(12).toString("hex");
   private name = "";
 
+  /**
+   * Renew every lease when the stream reopens, not only those due (routing):
+   * the coordinator may no longer lead a lease's shard, which a renewal learns.
+   */
+  renewAllOnReconnect = false;
   /** Called (routing) when a renewal is refused with NOT_OWNER: the entry has left this stream. */
   onNotOwner: ((runId: string, moved: MovedLease, err: NotOwnerError) => void) | undefined;
 
@@ -246,7 +251,7 @@ export class KeepAliveSession {
         // (which do we still hold?); the rest is tracked and renews on time.
         const unanswered = e.sent.length > 0;
         e.sent = [];
-        if (e.renewTtlMs !== undefined && (unanswered || e.dueAt <= now + 50)) {
+        if (e.renewTtlMs !== undefined && (unanswered || this.renewAllOnReconnect || e.dueAt <= now + 50)) {
           renews.push(create(KeepAliveRenewSchema, { runId, fencingToken: e.token, leaseTtlMs: BigInt(e.renewTtlMs) }));
           e.sent.push(now);
           e.dueAt = now + e.renewTtlMs / 3;

@@ -144,7 +144,10 @@ export class Router {
    * refresh the map (at most every MAP_REFRESH_MS), and say where to go next.
    */
   private async refused(err: NotOwnerError, from: Coordinator, hop: number): Promise<Coordinator> {
-    this.on = true;
+    if (!this.on) {
+      this.on = true;
+      for (const c of this.coordinators) c.keepAlive.renewAllOnReconnect = true;
+    }
     const shard = err.shard;
     if (err.owner) {
       void this.refresh().catch(() => undefined);
@@ -212,6 +215,7 @@ export class Router {
 
   private watchMoves(c: Coordinator): void {
     c.keepAlive.onNotOwner = (runId, moved, err) => { void this.moveLease(c, runId, moved, err); };
+    c.keepAlive.renewAllOnReconnect = this.on;
   }
 
   /** A renewal refused with NOT_OWNER at `from`: track and renew the lease at the owner instead. */

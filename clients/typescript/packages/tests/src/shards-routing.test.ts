@@ -3,6 +3,9 @@
 // it leads half of 4 shards, each over its own database. A call keyed in the
 // other half is refused with NOT_OWNER naming its owner; the client routes.
 import assert from "node:assert/strict";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { after, before, describe, it } from "node:test";
 import type { Interceptor } from "@connectrpc/connect";
 import { FencepostClient, NotOwnerError, fromCallError, shardOf, type RunRecord } from "@fencepost/client";
@@ -205,6 +208,41 @@ describe("two coordinators naming each other", () => {
       assert.match(err.message, /hops/);
     } finally {
       await client.close();
+    }
+  });
+});
+
+describe("a shard that moves under a lease", () => {
+  it("re-tracks the lease at the new owner when a renewal is refused with NOT_OWNER, and never loses it", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "fencepost-ts-move-"));
+    const [pa, pa2, pb] = [await freePort(), await freePort(), await freePort()];
+    const [a, a2, b] = [`127.0.0.1:${pa}`, `127.0.0.1:${pa2}`, `127.0.0.1:${pb}`];
+    const serve = (port: number, map: string, db?: string) =>
+      startServer({ port, args: ["--shards", String(SHARDS)], env: { FENCEPOST_TEST_SHARD_MAP: map }, ...(db ? { db } : {}) });
+    const before = `${a}=0-1;${b}=2,3`;
+    const servers: TestServer[] = [];
+    const client = new FencepostClient(b, { owner: "ts-route-move" });
+    try {
+      const dbA = join(dir, "a.db");
+      const [sa, sb] = await Promise.all([serve(pa, before, dbA), serve(pb, before)]);
+      servers.push(sb);
+      const [runId] = keysIn(0, "ts-move");
+      const lease = await client.acquire(runId!, { ttlMs: 9000 });
+      // shard 0 (and A's database) moves to a coordinator at another address; A's address now leads shard 1 only
+      await sa.stop();
+      const after = `${a2}=0;${a}=1;${b}=2,3`;
+      servers.push(await serve(pa2, after, dbA), await serve(pa, after));
+      const moved = performance.now();
+      await until(() => diagnostics(client).coordinators.includes(a2) && lease.safeUntil > moved + 9000, 20_000,
+        "a renewal answered at the new owner");
+      assert.ok(lease.isActive && !lease.atRisk, "the lease was never lost nor at risk");
+      const there = await at(a2, runId!);
+      assert.ok(!(there instanceof NotOwnerError) && there.lease!.owner === "ts-route-move");
+      assert.equal((await lease.finish()).status, "completed");
+    } finally {
+      await client.close();
+      await Promise.all(servers.map((s) => s.stop()));
+      rmSync(dir, { recursive: true, force: true });
     }
   });
 });
