@@ -10,6 +10,8 @@ import { after, before, describe, it } from "node:test";
 import type { Interceptor } from "@connectrpc/connect";
 import { FencepostClient, NotOwnerError, fromCallError, shardOf, type RunRecord } from "@fencepost/client";
 import { diagnostics, freePort, startServer, type TestServer } from "@fencepost/client/testing";
+import { FencepostRunStore } from "@fencepost/oma";
+import { FencepostStore } from "@fencepost/chamvi";
 
 const SHARDS = 4;
 
@@ -174,6 +176,41 @@ describe("routing by shard", () => {
       }
     } finally {
       await client.close();
+    }
+  });
+
+  it("routes the oma and chamvi adapters' calls to each run's owner", async () => {
+    const oma = await FencepostRunStore.connect(pair.b.address);
+    const chamvi = await FencepostStore.connect(pair.b.address);
+    const t0 = "2030-01-01T00:00:00.000Z";
+    try {
+      for (const s of [0, 1, 2, 3]) {
+        const owner = s < 2 ? pair.a : pair.b;
+        const [runId, engineId] = [keysIn(s, "ts-oma")[0]!, keysIn(s, "ts-chamvi")[0]!];
+        const rec = { schema: 1 as const, runId, version: 1, status: "queued" as const, attempt: 1, fencingToken: 1, createdAt: t0, updatedAt: t0 };
+        assert.ok(await oma.create(rec));
+        assert.ok(await oma.compareAndSet(runId, 1, { ...rec, version: 2, status: "running" }));
+        assert.equal((await oma.get(runId))?.status, "running");
+        const there = await at(owner.address, runId);
+        assert.ok(!(there instanceof NotOwnerError), `${runId} is at ${owner.address}`);
+        await oma.delete!(runId);
+        assert.equal(await oma.get(runId), null);
+
+        assert.ok(await chamvi.createRun({ id: engineId, agent: "ts", status: "queued" }));
+        assert.ok(await chamvi.claimRun(engineId, "w", 30_000));
+        await chamvi.appendStep({ runId: engineId, name: "one" });
+        assert.deepEqual((await chamvi.listSteps(engineId)).map((x) => x.name), ["one"]);
+        assert.equal((await chamvi.getRun(engineId))?.claim?.owner, "w");
+        const raw = new FencepostClient(owner.address, { owner: "ts-raw" });
+        try {
+          assert.equal((await raw.stubs.engineStore.getRun({ id: engineId })).found, true, `${engineId} is at its owner`);
+        } finally {
+          await raw.close();
+        }
+      }
+    } finally {
+      await oma.close();
+      await chamvi.close();
     }
   });
 
