@@ -271,7 +271,8 @@ export class FencepostClient {
 
   /** The map as routing needs it: each shard's owner address, by index. */
   private async owners(): Promise<OwnerMap> {
-    const resp = await this.read((o) => this.stubs.ledger.shards({}, o));
+    // straight to the home coordinator: routing waits for this very fetch
+    const resp = await withRetry(this.retry, false, (o) => this.stubs.ledger.shards({}, o), {}, this.endpoints);
     const owners = new Array<string>(resp.shardCount).fill("");
     for (const s of resp.shards) if (s.index >= 0 && s.index < resp.shardCount) owners[s.index] = s.address;
     return { shardCount: resp.shardCount, owners };

@@ -80,6 +80,20 @@ export class KeepAliveSession {
   renewAllOnReconnect = false;
   /** Called (routing) when a renewal is refused with NOT_OWNER: the entry has left this stream. */
   onNotOwner: ((runId: string, moved: MovedLease, err: NotOwnerError) => void) | undefined;
+  /** Called (routing) when the stream failed: its coordinator may be gone, its shards led elsewhere. */
+  onDown: (() => void) | undefined;
+
+  /** The runs this stream renews or watches. */
+  runIds(): string[] { return [...this.entries.keys()]; }
+
+  /** Take `runId` off this stream (to be adopted by another). */
+  take(runId: string): MovedLease | undefined {
+    const e = this.entries.get(runId);
+    if (!e) return undefined;
+    this.entries.delete(runId);
+    this.send({ kind: { case: "untrack", value: create(KeepAliveUntrackSchema, { runId }) } });
+    return { token: e.token, renewTtlMs: e.renewTtlMs, listeners: e.listeners, moves: e.moves };
+  }
 
   constructor(private readonly ledger: Client<typeof Ledger>, readonly owner: string) {}
 
@@ -275,6 +289,7 @@ export class KeepAliveSession {
         // dropped: reconnect below unless closing
         if (process.env["FENCEPOST_DEBUG"]) console.error("KeepAlive stream ended:", e);
         const err = fromCallError(e);
+        if (!this.closed) this.onDown?.();
         if (!this.closed && (err instanceof PermissionDeniedError || err instanceof UnauthenticatedError)) {
           // refused for this owner or these credentials: every reconnect would be too
           const refused = [...this.entries.values()];

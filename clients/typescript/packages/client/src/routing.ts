@@ -8,7 +8,7 @@
 // few hops at most, then NotOwnerError); a later refusal refreshes the map,
 // at most once every MAP_REFRESH_MS. A lease whose renewal is refused with
 // NOT_OWNER is tracked and renewed at the new owner by itself.
-import type { Client } from "@connectrpc/connect";
+import { Code, type Client } from "@connectrpc/connect";
 import type { EngineStore } from "./gen/fencepost/v1/engine_store_pb.js";
 import type { Ledger } from "./gen/fencepost/v1/ledger_pb.js";
 import type { RunStore } from "./gen/fencepost/v1/run_store_pb.js";
@@ -124,7 +124,11 @@ export class Router {
     let c = from;
     for (let hop = hops; ; hop++) {
       const refused = fromCallError(err);
-      if (!(refused instanceof NotOwnerError)) throw err;
+      if (!(refused instanceof NotOwnerError)) {
+        // no answer from a coordinator: it may be gone, its shards led elsewhere now
+        if (this.on && refused.grpcCode === Code.Unavailable) void this.refresh().catch(() => undefined);
+        throw err;
+      }
       if (hop >= MAX_HOPS) {
         throw new NotOwnerError(`${refused.message} (still refused after ${MAX_HOPS} hops between coordinators)`, {
           metadata: { ...refused.metadata }, cause: refused, ...(refused.grpcCode !== undefined ? { grpcCode: refused.grpcCode } : {}),
@@ -170,11 +174,12 @@ export class Router {
     const done = this.fetchMap().then((m) => {
       this.count = m.shardCount;
       this.owners = m.owners;
-    }).finally(() => {
-      this.fetchedAt = performance.now();
-      if (this.fetching === done) this.fetching = undefined;
     });
-    this.fetching = done.catch(() => undefined);
+    const settled: Promise<void> = done.catch(() => undefined).finally(() => {
+      this.fetchedAt = performance.now();
+      if (this.fetching === settled) this.fetching = undefined;
+    });
+    this.fetching = settled;
     return done;
   }
 
@@ -216,6 +221,25 @@ export class Router {
   private watchMoves(c: Coordinator): void {
     c.keepAlive.onNotOwner = (runId, moved, err) => { void this.moveLease(c, runId, moved, err); };
     c.keepAlive.renewAllOnReconnect = this.on;
+    c.keepAlive.onDown = () => { if (this.on) void this.rehome(c); };
+  }
+
+  /**
+   * `from`'s KeepAlive stream failed: with a fresh map, move the leases and
+   * watches whose shard another coordinator leads now to that one's stream.
+   */
+  private async rehome(from: Coordinator): Promise<void> {
+    await this.refresh().catch(() => undefined);
+    if (this.closed) return;
+    for (const runId of from.keepAlive.runIds()) {
+      const to = this.target([runId]);
+      if (to === from) continue;
+      const moved = from.keepAlive.take(runId);
+      if (!moved) continue;
+      if (to !== this.home) this.where.set(runId, to);
+      else this.where.delete(runId);
+      to.keepAlive.adopt(runId, { ...moved, moves: moved.moves - 1 });
+    }
   }
 
   /** A renewal refused with NOT_OWNER at `from`: track and renew the lease at the owner instead. */

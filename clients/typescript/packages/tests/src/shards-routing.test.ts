@@ -283,3 +283,40 @@ describe("a shard that moves under a lease", () => {
     }
   });
 });
+
+describe("a coordinator that goes away", () => {
+  it("follows its shards, leases and calls, to the coordinator the map names now", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "fencepost-ts-gone-"));
+    const [pa, pa2, pb] = [await freePort(), await freePort(), await freePort()];
+    const [a, a2, b] = [`127.0.0.1:${pa}`, `127.0.0.1:${pa2}`, `127.0.0.1:${pb}`];
+    const [dbA, dbB] = [join(dir, "a.db"), join(dir, "b.db")];
+    const serve = (port: number, map: string, db: string) =>
+      startServer({ port, args: ["--shards", String(SHARDS)], env: { FENCEPOST_TEST_SHARD_MAP: map }, db });
+    const servers: TestServer[] = [];
+    const worker = new FencepostClient(b, { owner: "ts-route-gone" });
+    const reader = new FencepostClient(b, { owner: "ts-route-gone-reader" });
+    try {
+      const before = `${a}=0-1;${b}=2,3`;
+      const [sa, sb] = await Promise.all([serve(pa, before, dbA), serve(pb, before, dbB)]);
+      const [leased, read] = [keysIn(0, "ts-gone")[0]!, keysIn(1, "ts-gone")[0]!];
+      const lease = await worker.acquire(leased, { ttlMs: 9000 });
+      await (await worker.acquire(read)).finish();
+      assert.equal((await reader.get(read)).status, "completed"); // the reader routes to A too
+      // A is gone; its database is served at another address, and B's map says so
+      await Promise.all([sa.stop(), sb.stop()]);
+      const after = `${a2}=0-1;${b}=2,3`;
+      servers.push(...await Promise.all([serve(pa2, after, dbA), serve(pb, after, dbB)]));
+      const moved = performance.now();
+      await until(() => diagnostics(worker).coordinators.includes(a2) && lease.safeUntil > moved + 9000, 20_000,
+        "the lease renewed at the coordinator now leading its shard");
+      assert.ok(lease.isActive && !lease.atRisk, "the lease was never lost nor at risk");
+      assert.equal((await reader.get(read, { timeoutMs: 8000 })).status, "completed");
+      assert.ok(diagnostics(reader).coordinators.includes(a2));
+      assert.equal((await lease.finish()).status, "completed");
+    } finally {
+      await Promise.all([worker.close(), reader.close()]);
+      await Promise.all(servers.map((s) => s.stop()));
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
