@@ -1,5 +1,6 @@
 // FencepostClient: the ledger (acquire, leases, operator commands, reads,
-// watchRuns), the raw RunStore and the EngineStore on one gRPC connection.
+// watchRuns), the raw RunStore and the EngineStore, over one gRPC connection
+// per coordinator (routing.ts: by shard, once a coordinator says NOT_OWNER).
 import { hostname } from "node:os";
 import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";

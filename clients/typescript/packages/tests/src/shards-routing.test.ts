@@ -214,6 +214,56 @@ describe("routing by shard", () => {
     }
   });
 
+  it("places every store call by the server's shard keys: once the map is known, none is refused", async () => {
+    const calls: string[] = [];
+    const seen: Interceptor = (next) => (req) => { calls.push(req.method.name); return next(req); };
+    const client = new FencepostClient(pair.b.address, { owner: "ts-route-place", transport: "unary", interceptors: [seen] });
+    const store = client.store;
+    // each part of a compound key alone is in B's shards, the whole in A's: a wrong key shows
+    const bs = (k: string) => shardOf(k, SHARDS) >= 2;
+    const first = (prefix: string, whole: (x: string) => string): string => {
+      for (let i = 0; ; i++) if (bs(`${prefix}${i}`) && shardOf(whole(`${prefix}${i}`), SHARDS) === 0) return `${prefix}${i}`;
+    };
+    const sep = "\x1f";
+    const k = keysIn(2, "k")[0]!;
+    try {
+      await client.get(keysIn(0, "ts-warm")[0]!).catch(() => undefined); // the first refusal: the map is fetched
+      const id = keysIn(0, "ts-place")[0]!;
+      const lock = keysIn(0, "ts-lock")[0]!;
+      const [scope, agent] = [first("sc", (x) => `${x}${sep}${k}`), first("ag", (x) => `${x}${sep}${k}`)];
+      const coll = first("co", (x) => `${agent}${sep}${x}`);
+      const token = (await store.acquireLock(lock, "w", 30_000)).fencingToken;
+      const steps: [string, () => Promise<unknown>][] = [
+        ["CreateRun", () => store.createRun({ id, agent: "ts", status: "queued" })],
+        ["UpdateRun", () => store.updateRun(id, { status: "running" })],
+        ["ClaimRun", () => store.claimRun(id, "w", 30_000)],
+        ["RenewClaim", () => store.renewClaim(id, "w", 30_000)],
+        ["AppendStep", () => store.appendStep({ runId: id, name: "s" })],
+        ["SaveCheckpoint", () => store.saveCheckpoint({ runId: id, stepIndex: 1, state: 1 })],
+        ["ClaimKey", () => store.claimKey(scope, k, id, 30_000)],
+        ["PutEffect", () => store.putEffect(lock, 1, { fence: { lockKey: lock, fencingToken: token } })],
+        ["KvSet", () => store.kvSet(agent, k, 1)],
+        ["DocUpsert", () => store.docUpsert(agent, coll, "d", { a: 1 })],
+        ["GetRun", () => store.getRun(id)],
+        ["ListSteps", () => store.listSteps(id)],
+        ["LatestCheckpoint", () => store.latestCheckpoint(id)],
+        ["GetEffect", () => store.getEffect(lock)],
+        ["KvGet", () => store.kvGet(agent, k)],
+        ["DocList", () => store.docList(agent, coll)],
+        ["ListArtifacts", () => store.listArtifacts(id)],
+        ["DocDelete", () => store.docDelete(agent, coll, "d")],
+        ["ReleaseLock", () => store.releaseLock(lock, "w")],
+      ];
+      for (const [method, call] of steps) {
+        calls.length = 0;
+        await call();
+        assert.deepEqual(calls, [method], `${method} went straight to its owner`);
+      }
+    } finally {
+      await client.close();
+    }
+  });
+
   it("sends no Shards call until a call is refused with NOT_OWNER, then fetches the map once", async () => {
     const shards = countShards();
     const client = new FencepostClient(pair.b.address, { owner: "ts-route-quiet", interceptors: shards.interceptors });
