@@ -111,6 +111,7 @@ class App:
             try:
                 await self._build(tasks)
             except Exception as exc:  # to start(), as raised: not in an ExceptionGroup
+                await self._undo_build()
                 started.set_exception(exc)
                 return
             except BaseException:
@@ -169,12 +170,8 @@ class App:
         else:
             await self.writer.start()
             if s.test_hooks and s.test_shard_map:  # TEST-ONLY: leads only the shards mapped here
-                try:
-                    writer.lead_only(hooks.static_ownership(
-                        s.test_shard_map, storage.shards, s.advertise or s.listen))
-                except RuntimeError:
-                    await writer.close()
-                    raise
+                writer.lead_only(hooks.static_ownership(
+                    s.test_shard_map, storage.shards, s.advertise or s.listen))
         # the engine store: its executors into the writer, its reads on reader threads
         writer.attach_engine(WriterHooks())
         self._engine_reader = EngineReader(storage.reader)
@@ -197,7 +194,7 @@ class App:
                 self.writer, self.hub, self._history, reads=reads,
                 max_tracked_per_stream=s.max_tracked_per_stream,
                 max_inflight_per_stream=s.max_inflight_per_stream,
-                shard_owner=self._shard_owner,
+                shard_owner=self.shard_owner,
             ),
             RunStoreService(self.writer, reads, backend=storage.backend),
             self.engine_store,
@@ -258,7 +255,7 @@ class App:
             self.hub.shutdown()  # streams end with UNAVAILABLE: clients go to the new leader
         self._tasks.create_task(self.health.set(False))
 
-    def _shard_owner(self) -> tuple[str, str, int]:
+    def shard_owner(self) -> tuple[str, str, int]:
         """Who leads every shard: (identity, advertised address, epoch)."""
         ld = self.leadership
         if ld is None:
@@ -330,6 +327,16 @@ class App:
         if not self._stopping.done():
             self._stopping.set_result(self.settings.shutdown_grace_s if grace is None else grace)
         await self._run
+
+    async def _undo_build(self) -> None:
+        """A start that failed part way closes what it opened (the database
+        file's lock, the port, the writer's tasks), so the same process may
+        start again; what cannot be closed is logged, never raised over the
+        start's own error."""
+        try:
+            await self._shutdown(0)
+        except Exception:
+            log.exception("closing what a failed start opened")
 
     async def _shutdown(self, grace: float) -> None:
         """The shutdown order; the group's tasks end here, before it exits."""

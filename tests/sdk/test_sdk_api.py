@@ -41,7 +41,7 @@ PUBLIC_API = {
     "Stubs", "Suspension", "SyncClient", "SyncLease", "SyncStubs", "UnauthenticatedError",
     "UnavailableError", "ValidationError", "WatchEvent",
     "__version__", "can_transition", "is_terminal",
-    "LockLostError", "StoreTransaction", "SyncStoreTransaction", "NotLeaderError",
+    "LockLostError", "StoreTransaction", "SyncStoreTransaction", "NotLeaderError", "NotOwnerError",
     # the middle layers of the error tree, and misuse (fencepost._errors)
     "InvalidInputError", "RefusedError", "UsageError", "ClientClosedError", "EventLoopError",
     "ClientStatistics",

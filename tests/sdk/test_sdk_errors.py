@@ -52,6 +52,7 @@ EXPECTED_CLASS = {
     "PERMISSION_DENIED": fencepost.PermissionDeniedError,
     "OWNER_NOT_PERMITTED": fencepost.OwnerNotPermittedError,
     "NOT_LEADER": fencepost.NotLeaderError,
+    "NOT_OWNER": fencepost.NotOwnerError,
 }
 
 
@@ -102,7 +103,7 @@ def test_the_middle_layers_say_what_a_caller_can_do() -> None:
     for cls in (fencepost.LeaseHeldError, fencepost.LeaseLostError, fencepost.LockLostError,
                 fencepost.RunNotFoundError, fencepost.OwnerNotPermittedError):
         assert issubclass(cls, fencepost.RefusedError), cls
-    for cls in (fencepost.NotLeaderError, fencepost.ShuttingDownError,
+    for cls in (fencepost.NotLeaderError, fencepost.NotOwnerError, fencepost.ShuttingDownError,
                 fencepost.OutcomeUnknownError):
         assert issubclass(cls, fencepost.UnavailableError), cls
     # at risk is beside lost: a handler for a loss does not swallow a doubt

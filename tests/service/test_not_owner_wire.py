@@ -6,6 +6,8 @@ with it: the same request id then succeeds at the owner."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,16 +124,45 @@ def test_the_map_names_each_shards_owner(pair: tuple[ServerThread, ServerThread]
     for srv in pair:
         got = _stub(srv).Shards(ledger_pb2.ShardsRequest())
         assert [s.address for s in got.shards] == [sa.address] * 2 + [sb.address] * 2
+    with urllib.request.urlopen(sb.http_url + "/api/shards", timeout=10) as resp:
+        rows = json.loads(resp.read())["shards"]
+    assert [(r["owner"] != "", r["address"]) for r in rows] == \
+        [(False, sa.address)] * 2 + [(True, sb.address)] * 2  # the dashboard's view
 
 
 def test_a_map_that_misses_a_shard_or_this_server_is_refused(tmp_path: Path) -> None:
     addr = f"127.0.0.1:{free_port()}"
-    specs = (f"{addr}=0-2", "127.0.0.1:1=0-3", f"{addr}=0-1;{addr}=1-3", f"{addr}=0-x")
-    for i, spec in enumerate(specs):
-        srv = ServerThread(str(tmp_path / f"{i}.db"), listen=addr, shards=SHARDS, test_hooks=True,
+    for spec in (f"{addr}=0-2", "127.0.0.1:1=0-3", f"{addr}=0-1;{addr}=1-3", f"{addr}=0-x"):
+        srv = ServerThread(str(tmp_path / "c.db"), listen=addr, shards=SHARDS, test_hooks=True,
                            test_shard_map=spec)
         try:
             with pytest.raises(RuntimeError, match="FENCEPOST_TEST_SHARD_MAP"):
                 srv.start()
         finally:
             srv.close()
+
+
+def test_keepalive_refuses_renewals_and_tracks_in_another_shard(
+    pair: tuple[ServerThread, ServerThread]
+) -> None:
+    """Answered from memory or not, a renewal (or a track) of a run in
+    another shard is refused NOT_OWNER naming the owner, not taken for a
+    lease lost: the client renews it at the owner."""
+    sa, sb = pair
+    run = _run_in({0, 1})
+    msgs = [ledger_pb2.KeepAliveRequest(hello=ledger_pb2.KeepAliveHello(owner="w")),
+            ledger_pb2.KeepAliveRequest(renew=ledger_pb2.KeepAliveRenew(
+                run_id=run, fencing_token=1, lease_ttl_ms=30_000)),
+            ledger_pb2.KeepAliveRequest(track=ledger_pb2.KeepAliveTrack(
+                run_id=run, fencing_token=1))]
+    errors = []
+    call = _stub(sb).KeepAlive(iter(msgs))
+    for resp in call:
+        for one in resp.batch or (resp,):
+            assert one.WhichOneof("kind") == "error", one
+            errors.append(one.error)
+        if len(errors) == 2:
+            break
+    call.cancel()
+    assert [(e.run_id, e.code, e.metadata["owner"]) for e in errors] == [
+        (run, "NOT_OWNER", sa.address)] * 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sqlite3
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from fencepost.v1 import ledger_pb2 as pb
+from fencepost.v1 import ledger_pb2_grpc
 from fencepost_server.storage.sqlite import SqliteStorage
 from fencepost_server.testing.server import ServerThread
 
@@ -131,3 +133,22 @@ def test_refuses_an_unreadable_stored_record(tmp_path: Path) -> None:
         st.load()
     st.close()
     assert path.read_bytes() == before
+
+
+def test_a_start_refused_after_the_database_opened_closes_it(tmp_path: Path) -> None:
+    """Its port taken, a start fails after it opened the file: the file's
+    lock and the writer go with it, so the same process can start on it."""
+    db = str(tmp_path / "reused.db")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        srv = ServerThread(db, listen=f"127.0.0.1:{taken.getsockname()[1]}")
+        try:
+            with pytest.raises(RuntimeError):
+                srv.start()
+        finally:
+            srv.close()
+    with ServerThread(db) as again, grpc.insecure_channel(again.address) as ch:
+        got = ledger_pb2_grpc.LedgerStub(ch).Acquire(
+            pb.AcquireRequest(run_id="after-a-failed-start", owner="w"))
+    assert got.run.fencing_token == 1

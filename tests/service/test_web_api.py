@@ -111,6 +111,21 @@ def test_bad_input_names_the_field_and_changes_nothing(seeded: ServerThread) -> 
     assert e.value.code in (404, 405)
 
 
+def test_shards_name_each_shards_leader_and_its_counts(seeded: ServerThread) -> None:
+    doc = get(seeded, "/api/shards")
+    n = doc["shard_count"]
+    assert n == 64 and [s["index"] for s in doc["shards"]] == list(range(n))
+    assert seeded.app is not None  # every shard is this coordinator's, under its epoch
+    assert {(s["owner"], s["address"], s["epoch"]) for s in doc["shards"]} == {
+        seeded.app.shard_owner()}
+    assert seeded.app.shard_owner()[:2] == (seeded.app.identity, seeded.address)
+    assert sum(s["runs"] for s in doc["shards"]) == 31  # every run of the seed, in its shard
+    home = doc["shards"][fencepost.shard_of("other-1", n)]
+    assert home["leases"] >= 1 and home["commands"] >= 1
+    assert sum(s["leases"] for s in doc["shards"]) == 11  # other-1 and the ten still running
+    assert doc["revision"] == seeded.writer.state.revision
+
+
 def test_cancel_and_resume(seeded: ServerThread) -> None:
     doc = post(seeded, "/api/cancel", {"run_id": "r-02", "message": "ops"})
     assert doc["run"]["status"] == "cancelled" and doc["run"]["outcome"]["message"] == "ops"

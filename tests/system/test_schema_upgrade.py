@@ -23,11 +23,14 @@ PREVIOUS = {
     "sqlite": (sqlite.SCHEMA_VERSION - 1, ["DELETE FROM meta WHERE key = 'shards'",
                                            f"PRAGMA user_version={sqlite.SCHEMA_VERSION - 1}"]),
     "postgres": (postgres.SCHEMA_VERSION - 1, [
-        "DELETE FROM meta WHERE key = 'shards'",
+        "DROP TABLE fencepost_shards, fencepost_members",
         f"UPDATE fencepost_schema SET version = {postgres.SCHEMA_VERSION - 1}"]),
 }
 LAST_STEP = {"sqlite": ["INSERT INTO meta (key, value) VALUES ('shards', 64)"],
-             "postgres": ["INSERT INTO meta (key, value) VALUES ('shards', 64)"]}
+             "postgres": ["CREATE TABLE fencepost_shards"]}
+# the first start's flags, and the shard count the upgraded database then has
+# (PostgreSQL: a count other than the default, which its new shard rows follow)
+START = {"sqlite": ((), 64), "postgres": (("--shards", "8"), 8)}
 
 
 def _schema(location: str, store: str) -> int:
@@ -71,7 +74,8 @@ def test_a_database_of_the_previous_schema_is_migrated_and_keeps_its_runs(
         cluster: pgcluster.Cluster = request.getfixturevalue("pg_cluster")
         location = cluster.create_database(f"upgrade_{uuid.uuid4().hex[:10]}")
         assert postgres.MIGRATIONS[-1][0].startswith(LAST_STEP[store][0])
-    server = ServerProc(location, tmp_path / "server.log", args=("--http-listen", "off"))
+    flags, shards = START[store]
+    server = ServerProc(location, tmp_path / "server.log", args=("--http-listen", "off", *flags))
     server.start(timeout=60)
     try:
         runs = asyncio.run(_write(server.address))
@@ -85,8 +89,11 @@ def test_a_database_of_the_previous_schema_is_migrated_and_keeps_its_runs(
     server.start(timeout=60)
     try:
         assert _schema(location, store) == previous + 1
-        with raw(location) as conn:  # the shard count of every database before shards
-            assert conn.rows("SELECT value FROM meta WHERE key = 'shards'") == [(64,)]
+        with raw(location) as conn:
+            assert conn.rows("SELECT value FROM meta WHERE key = 'shards'") == [(shards,)]
+            if store == "postgres":  # one shard row per stored shard, none held yet
+                assert conn.rows("SELECT shard, epoch, holder FROM fencepost_shards "
+                                 "ORDER BY shard") == [(i, 0, "") for i in range(shards)]
         asyncio.run(_read(server.address, runs))
     finally:
         assert server.stop() == 0, server.log_tail()

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
+from pathlib import Path
 
 import pytest
+from google.protobuf import json_format
 
+from fencepost.v1 import ledger_pb2 as pb
 from fencepost_server.core import engine as E
 from fencepost_server.core import ledger as L
 from fencepost_server.core import placement
 from fencepost_server.core.fence import Fence
 from fencepost_server.core.records import Record, Status
 from fencepost_server.core.shards import SEPARATOR, shard_of
+from fencepost_server.rpc.commands import KINDS
 
 
 def _command_types() -> set[type]:
@@ -124,3 +129,37 @@ def test_ownership_refuses_naming_the_first_shard_led_elsewhere() -> None:
     unknown = placement.Ownership(n, [], {}).refusal_for_key("x")
     assert unknown is not None and unknown.metadata is not None
     assert unknown.metadata["owner"] == "" and "not known" in unknown.message
+
+
+PLACEMENT_VECTORS = json.loads(
+    (Path(__file__).resolve().parents[1] / "vectors" / "placement.json").read_text("utf-8")
+)["vectors"]
+
+
+@pytest.mark.parametrize("vector", PLACEMENT_VECTORS,
+                         ids=lambda v: next(iter(v["command"])))
+def test_the_server_places_every_vector(vector: dict) -> None:
+    """tests/vectors/placement.json: what a client must compute for each
+    Command it routes (the SDKs check the same file)."""
+    command = json_format.ParseDict(vector["command"], pb.Command())
+    kind = command.WhichOneof("kind")
+    cmd = KINDS[kind].to_command(getattr(command, kind))
+    keys = placement.shard_keys(cmd)
+    assert (None if keys is None else list(keys)) == vector["shard_keys"]
+    got = placement.shards_of(cmd, 64)
+    assert (None if got is None else sorted(got)) == vector["shards_of_64"]
+
+
+@pytest.mark.parametrize("vector", PLACEMENT_VECTORS,
+                         ids=lambda v: next(iter(v["command"])))
+def test_the_python_sdk_places_every_vector(vector: dict) -> None:
+    from fencepost._placement import shard_keys as sdk_shard_keys
+
+    command = json_format.ParseDict(vector["command"], pb.Command())
+    keys = sdk_shard_keys(getattr(command, str(command.WhichOneof("kind"))))
+    assert (None if keys is None else list(keys)) == vector["shard_keys"]
+
+
+def test_the_placement_vectors_cover_every_command_kind() -> None:
+    kinds = {next(iter(v["command"])) for v in PLACEMENT_VECTORS}
+    assert kinds == {f.name for f in pb.Command.DESCRIPTOR.oneofs_by_name["kind"].fields}

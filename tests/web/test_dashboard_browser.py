@@ -318,3 +318,24 @@ def test_the_token_typed_in_the_header_is_sent_with_every_request(
         with SyncClient(srv.address, token="s3cret") as c:
             assert c.get("guarded").status is fencepost.RunStatus.CANCELLED
         browser.execute_script("sessionStorage.clear()")
+
+
+def test_the_shards_view_lists_who_leads_each_shard(
+    browser: Any, web_server: WebServer
+) -> None:
+    with SyncClient(web_server.address, owner="w-shards") as c:
+        c.acquire("shard-view-run", ttl_ms=600_000)
+        shard_count = c.shards().shard_count
+    home = fencepost.shard_of("shard-view-run", shard_count)
+    browser.get(web_server.url + "/?view=shards")
+    assert "active" in browser.find_element(By.ID, "nav-shards").get_attribute("class")
+
+    def shard_rows() -> list[Any]:
+        return browser.find_elements(By.CSS_SELECTOR, "#shards tbody tr")
+
+    wait_for(lambda: len(shard_rows()) == shard_count, what="a row per shard")
+    cells = [td.text for td in browser.find_element(
+        By.CSS_SELECTOR, f'#shards tbody tr[data-shard="{home}"]').find_elements(By.TAG_NAME, "td")]
+    assert cells[0] == str(home) and cells[2] == web_server.address
+    assert int(cells[4]) >= 1 and cells[5] == "1" and int(cells[6]) >= 1  # runs, leases, commands
+    assert "led by this coordinator" in browser.find_element(By.ID, "s-summary").text

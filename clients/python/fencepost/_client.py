@@ -65,7 +65,7 @@ from ._records import (
     status_to_pb,
     watch_event_from_pb,
 )
-from ._renewal import NoRenewer, Renewer, StreamRenewer, UnaryRenewer
+from ._renewal import NoRenewer, Renewer, RoutedRenewer, UnaryRenewer
 from ._retry import RetryPolicy
 from ._security import TLS, channel_credentials
 from ._shards import ShardMap, shard_map_from_pb, shard_of
@@ -786,6 +786,11 @@ class Client:
     then raises ``UnavailableError`` naming the endpoints tried and the last
     leader hint (docs/SDK.md).
 
+    Coordinators that lead different shards: the first ``NOT_OWNER`` makes
+    the client fetch the shard map and send each call to its shard's owner
+    from then on, over a channel, an Execute stream and a KeepAlive stream
+    per coordinator (docs/SDK.md, "Shards"); until then it costs nothing.
+
     ``renewal="stream"`` (default) keeps every lease of the client alive over
     one KeepAlive stream (renewals at a third of each ttl; ``lost`` and
     ``expiring`` pushed by the server; reconnects with jittered backoff and
@@ -859,7 +864,7 @@ class Client:
         )
         self._renewer: Renewer
         if renewal == "stream":
-            self._renewer = StreamRenewer(self._connection, self._owner, retry)
+            self._renewer = RoutedRenewer(self._connection, self._owner, retry)
         elif renewal == "unary":
             self._renewer = UnaryRenewer(retry)
         else:
@@ -1153,8 +1158,16 @@ class Client:
     async def shards(self) -> ShardMap:
         """The shard map (docs/SPEC.md §13): the database's shard count and,
         per shard, the coordinator that leads it, its epoch, and its runs and
-        live leases. The count is kept for ``shard_of``."""
+        live leases. A coordinator answers only for the shards it leads: the
+        others' rows are asked of their owners. The count is kept for
+        ``shard_of``."""
         resp = await self._call("Shards", ledger_pb2.ShardsRequest(), mutation=False)
+        for address in sorted({s.address for s in resp.shards if not s.owner and s.address}):
+            theirs = await self._connection.ask_at(address, _ledger_rpc("Shards"),
+                                                   ledger_pb2.ShardsRequest())
+            for info in theirs.shards if theirs is not None else ():
+                if info.owner and info.address == address and 0 <= info.index < len(resp.shards):
+                    resp.shards[info.index].CopyFrom(info)
         shard_map = shard_map_from_pb(resp)
         self._shard_count = shard_map.shard_count
         return shard_map
@@ -1175,7 +1188,7 @@ class Client:
         # acquire's commit, which saves the `track` message after the answer.
         req = ledger_pb2.AcquireRequest(run_id=run_id, owner=self._owner, lease_ttl_ms=ttl,
                                         lock_delay_ms=lock_delay_ms,
-                                        track_on=self._renewer.stream_name())
+                                        track_on=self._renewer.stream_name(run_id))
         sent_at = time.monotonic()  # before the first attempt: a retry only makes it safer
         resp = await self._call("Acquire", req, mutation=True)
         lease = Lease(self, record_from_pb(resp.run), ttl, sent_at=sent_at)

@@ -7,24 +7,116 @@ retry policy. ``Client`` makes one and hands the same object to its engine
 store (``AsyncStore``) and to its renewer (``_renewal``); a store made on its
 own makes one of its own. Each of them reaches the coordinators only through
 what it is handed: nobody sets another's attributes.
+
+Shards (docs/SPEC.md "Shards"). Every call goes to the endpoints given
+until a coordinator refuses one with NOT_OWNER: it leads only some shards.
+From then on the connection routes (``Router``): it keeps the map
+(``Ledger.Shards``, fetched from the owner the refusal named or the
+endpoints given; fetched again on a later NOT_OWNER at most every
+``MAP_REFRESH_S``, and whenever the named owner is not in it) and sends each
+call to the owner of its first shard key (``_placement``), over a ``Line``
+of that coordinator's own: its channel and Execute dispatcher (the renewer
+keeps a KeepAlive stream per line). A call refused with NOT_OWNER goes to the
+owner it names at once, with its request id (``call_with_retry``); a call
+with no shard of its own goes to the endpoints given. A client that never
+meets NOT_OWNER keeps exactly one line and never asks for the map.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 import grpc
 
 from ._endpoints import Endpoint, Endpoints
-from ._execute import ExecuteDispatcher, SharedDispatcher, attempt_of, open_execute, share_key
+from ._errors import FencepostError, NotOwnerError
+from ._execute import (
+    ExecuteDispatcher,
+    SharedDispatcher,
+    attempt_of,
+    open_execute,
+    share_key,
+)
 from ._ids import new_request_id
-from ._retry import RetryPolicy, call_with_retry
+from ._placement import first_key
+from ._retry import Attempt, RetryPolicy, call_with_retry
 from ._security import TLS, aio_channel, channel_credentials
+from ._shards import shard_of
+from .v1 import ledger_pb2, ledger_pb2_grpc
+
+log = logging.getLogger("fencepost")
 
 T = TypeVar("T")
 
 Transport = Literal["stream", "unary"]
+
+# A NOT_OWNER fetches the map again at most this often (seconds), unless it
+# names an owner the map does not know.
+MAP_REFRESH_S = 0.1
+# How long one fetch of the map may take, per coordinator asked.
+_MAP_TIMEOUT_S = 5.0
+
+
+class Line:
+    """The way to one coordinator (or to the endpoints given, following
+    their leader): its endpoints and the Execute dispatcher of its
+    mutations (None: every call unary)."""
+
+    __slots__ = ("dispatcher", "endpoints")
+
+    def __init__(self, endpoints: Endpoints,
+                 dispatcher: ExecuteDispatcher | SharedDispatcher | None) -> None:
+        self.endpoints = endpoints
+        self.dispatcher = dispatcher
+
+
+class Router:
+    """The shard map as this client knows it: the count, and each shard's
+    owner address and epoch (from ``Ledger.Shards`` and from each NOT_OWNER,
+    whichever names the later epoch)."""
+
+    def __init__(self) -> None:
+        self.count = 0  # 0 until a map was fetched
+        self.owners: list[str] = []
+        self.epochs: list[int] = []
+        self.fetched_at = -math.inf
+        self.fetches = 0  # maps fetched (diagnostics, tests)
+        self._fetching: asyncio.Future[None] | None = None
+
+    def owner_of(self, key: str) -> str:
+        """The address of the owner of ``key``'s shard ("" unknown)."""
+        if not self.count:
+            return ""
+        return self.owners[shard_of(key, self.count)]
+
+    def load(self, resp: Any) -> None:
+        count = int(resp.shard_count)
+        owners, epochs = [""] * count, [0] * count
+        for info in resp.shards:
+            if 0 <= info.index < count:
+                owners[info.index], epochs[info.index] = info.address, int(info.epoch)
+        if count == self.count:  # keep a later epoch a refusal told of
+            for i in range(count):
+                if self.epochs[i] > epochs[i]:
+                    owners[i], epochs[i] = self.owners[i], self.epochs[i]
+        self.count, self.owners, self.epochs = count, owners, epochs
+        self.fetches += 1
+
+    def note(self, exc: NotOwnerError) -> None:
+        """What a refusal says of its shard's owner."""
+        shard = exc.shard
+        if 0 <= shard < self.count and exc.owner and exc.epoch >= self.epochs[shard]:
+            self.owners[shard], self.epochs[shard] = exc.owner, exc.epoch
+
+    def stale(self, exc: NotOwnerError, now: float) -> bool:
+        """Whether this refusal calls for the map again."""
+        if not self.count or now - self.fetched_at >= MAP_REFRESH_S:
+            return True
+        return bool(exc.owner) and exc.owner not in self.owners
 
 
 class Connection:
@@ -37,11 +129,19 @@ class Connection:
         retry: RetryPolicy,
         dispatcher: ExecuteDispatcher | SharedDispatcher | None = None,
         owned: bool = True,
+        open_line: Callable[[str], Line] | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.retry = retry
         self.dispatcher = dispatcher
         self._owned = owned  # aclose closes the channels (not a caller's own)
+        self.line = Line(endpoints, dispatcher)  # the endpoints given
+        # a line to one coordinator's address (None: cannot route, a
+        # caller's own channel), and those opened, by address
+        self._open_line = open_line
+        self._lines: dict[str, Line] = {}
+        self.router: Router | None = None  # set at the first NOT_OWNER
+        self._on_routing: list[Callable[[], None]] = []
 
     @classmethod
     def open(
@@ -71,8 +171,10 @@ class Connection:
             return aio_channel(address, tls=tls, token=token, options=options,
                                interceptors=chosen or None)
 
-        endpoints = Endpoints(addresses, open_channel,
-                              check=lambda one: channel_credentials(one, tls, token))
+        def check(one: str) -> None:
+            channel_credentials(one, tls, token)
+
+        endpoints = Endpoints(addresses, open_channel, check=check)
         dispatcher: ExecuteDispatcher | SharedDispatcher | None = None
         if transport == "stream":
             key = share_key(addresses, tls=tls, token=token, options=options,
@@ -81,7 +183,14 @@ class Connection:
                 ExecuteDispatcher(open_execute, endpoints, window_s=window_s, retry=retry)
                 if key is None else SharedDispatcher(key)
             )
-        return cls(endpoints, retry=retry, dispatcher=dispatcher)
+
+        def open_line(address: str) -> Line:
+            check(address)  # ValueError: this client may not go there
+            one = Endpoints((address,), open_channel, check=check)
+            return Line(one, None if transport != "stream" else ExecuteDispatcher(
+                open_execute, one, window_s=window_s, retry=retry))
+
+        return cls(endpoints, retry=retry, dispatcher=dispatcher, open_line=open_line)
 
     @classmethod
     def of_channel(
@@ -104,11 +213,20 @@ class Connection:
         *,
         mutation: bool,
         policy: RetryPolicy | None = None,
+        key: str | None = None,
     ) -> T:
-        """``attempt`` on the endpoint believed to lead, retried and mapped
+        """``attempt`` on the endpoint believed to lead (of the owner of
+        ``key``'s shard, once routing), retried and mapped
         (``call_with_retry``)."""
+        line = self.line if self.router is None else self.line_for(key)
+
+        async def reroute(exc: NotOwnerError) -> tuple[Endpoints, Attempt[T]] | None:
+            to = await self._rerouted(exc, key)
+            return None if to is None else (to.endpoints, attempt)
+
         return await call_with_retry(attempt, policy or self.retry, mutation=mutation,
-                                     endpoints=self.endpoints)
+                                     endpoints=line.endpoints,
+                                     reroute=None if self._open_line is None else reroute)
 
     async def call(
         self,
@@ -123,20 +241,138 @@ class Connection:
         stream while it is up (unary else); only UNAVAILABLE is retried."""
         if mutation and not request.request_id:
             request.request_id = new_request_id()
-        attempt = attempt_of(self.dispatcher, rpc_of, request, mutation=mutation)
-        return await self.retried(attempt, mutation=mutation, policy=policy)
+        line = self.line if self.router is None else self.line_for(first_key(request))
+        attempt = attempt_of(line.dispatcher, rpc_of, request, mutation=mutation)
+
+        async def reroute(exc: NotOwnerError) -> tuple[Endpoints, Attempt[Any]] | None:
+            to = await self._rerouted(exc, first_key(request))
+            if to is None:
+                return None
+            return to.endpoints, attempt_of(to.dispatcher, rpc_of, request, mutation=mutation)
+
+        return await call_with_retry(attempt, policy or self.retry, mutation=mutation,
+                                     endpoints=line.endpoints,
+                                     reroute=None if self._open_line is None else reroute)
+
+    async def ask_at(self, address: str, rpc_of: Callable[[Endpoint], Callable[..., Any]],
+                     request: Any) -> Any | None:
+        """A read at the coordinator at ``address`` (retried there), or None
+        when this client may not go there."""
+        line = self.line_to(address)
+        if line is None:
+            return None
+        return await call_with_retry(attempt_of(None, rpc_of, request, mutation=False),
+                                     self.retry, mutation=False, endpoints=line.endpoints)
+
+    # -- routing -------------------------------------------------------------------------
+
+    def on_routing(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, when routing starts (the first NOT_OWNER)."""
+        self._on_routing.append(callback)
+
+    def line_for(self, key: str | None) -> Line:
+        """The line to the owner of ``key``'s shard (the endpoints given for
+        None, or while its owner is not known)."""
+        router = self.router
+        if key is None or router is None:
+            return self.line
+        owner = router.owner_of(key)
+        return self.line if not owner else (self.line_to(owner) or self.line)
+
+    def line_to(self, address: str) -> Line | None:
+        """The line to the coordinator at ``address`` (opened on first use;
+        the given endpoint's own when it is that one alone), or None when
+        this client may not go there."""
+        if self.endpoints.alone and self.endpoints.listed[0] == address:
+            return self.line
+        line = self._lines.get(address)
+        if line is None:
+            if self._open_line is None:
+                return None
+            try:
+                line = self._lines[address] = self._open_line(address)
+            except ValueError as why:
+                log.warning("not routing to %s: %s", address, why)
+                return None
+        return line
+
+    async def _rerouted(self, exc: NotOwnerError, key: str | None) -> Line | None:
+        """Where a call refused with ``exc`` goes next: the owner it names,
+        else the owner the map knows (the map fetched when due)."""
+        router = self.router
+        if router is None:
+            router = self.router = Router()
+            log.info("%s; routing each call to its shard's owner", exc.message)
+            for callback in self._on_routing:
+                callback()
+        loop = asyncio.get_running_loop()
+        if router.stale(exc, loop.time()):
+            await self._fetch_map(router, exc.owner)
+        router.note(exc)
+        if exc.owner:
+            return self.line_to(exc.owner)
+        return self.line_for(key)
+
+    async def learn(self, exc: NotOwnerError) -> None:
+        """A refusal met outside a call (a renewal): route, and know of it."""
+        await self._rerouted(exc, None)
+
+    async def _fetch_map(self, router: Router, hint: str) -> None:
+        """``Ledger.Shards`` from ``hint`` (the owner a refusal named) or the
+        endpoints given; one fetch at a time (the others wait for it). A
+        coordinator that does not answer leaves the map as it was."""
+        fetching = router._fetching
+        if fetching is not None:
+            await asyncio.shield(fetching)
+            return
+        loop = asyncio.get_running_loop()
+        fetching = router._fetching = loop.create_future()
+        try:
+            policy = RetryPolicy.no_retry(attempt_timeout_s=_MAP_TIMEOUT_S)
+            lines = [self.line_to(hint) if hint else None, self.line]
+            for line in lines:
+                if line is None:
+                    continue
+                try:
+                    resp = await call_with_retry(_ask_map, policy, mutation=False,
+                                                 endpoints=line.endpoints)
+                except FencepostError as failed:
+                    log.info("could not fetch the shard map (%s)", failed)
+                    continue
+                router.load(resp)
+                break
+            router.fetched_at = loop.time()
+        finally:
+            router._fetching = None
+            fetching.set_result(None)
 
     def statistics(self) -> tuple[bool, int, int, int]:
-        """The Execute stream's (open now, streams opened, messages sent,
-        commands sent); all zero when every call is unary."""
+        """The Execute streams' (the given endpoints' open now, streams
+        opened, messages sent, commands sent, over every line); all zero
+        when every call is unary."""
         if self.dispatcher is None:
             return False, 0, 0, 0
-        return self.dispatcher.statistics()
+        is_open, opened, sent, commands = self.dispatcher.statistics()
+        for line in self._lines.values():
+            if line.dispatcher is not None:
+                _, o, s, c = line.dispatcher.statistics()
+                opened, sent, commands = opened + o, sent + s, commands + c
+        return is_open, opened, sent, commands
 
     async def aclose(self) -> None:
-        """Close the Execute stream (every command answered, or failed after a
-        bounded wait), then the channels opened here."""
-        if self.dispatcher is not None:
-            await self.dispatcher.aclose()
+        """Close the Execute streams (every command answered, or failed after
+        a bounded wait), then the channels opened here."""
+        lines, self._lines = list(self._lines.values()), {}
+        dispatchers = [d for d in (self.dispatcher, *(line.dispatcher for line in lines))
+                       if d is not None]
+        if dispatchers:
+            await asyncio.gather(*(d.aclose() for d in dispatchers))
+        for line in lines:
+            await line.endpoints.aclose()
         if self._owned:
             await self.endpoints.aclose()
+
+
+async def _ask_map(endpoint: Endpoint, deadline_s: float | None) -> Any:
+    stub = endpoint.stub(ledger_pb2_grpc.LedgerStub)
+    return await stub.Shards(ledger_pb2.ShardsRequest(), timeout=deadline_s)

@@ -42,7 +42,13 @@ from typing import Any, TypeVar
 import grpc
 
 from ._connect import until_connected
-from ._errors import FencepostError, NotLeaderError, OutcomeUnknownError, UnavailableError
+from ._errors import (
+    FencepostError,
+    NotLeaderError,
+    NotOwnerError,
+    OutcomeUnknownError,
+    UnavailableError,
+)
 
 log = logging.getLogger("fencepost")
 
@@ -117,8 +123,8 @@ def moves_on(exc: FencepostError) -> bool:
     connection, and moves when it is gone."""
     if isinstance(exc, NotLeaderError):
         return True
-    if not isinstance(exc, UnavailableError):
-        return False
+    if not isinstance(exc, UnavailableError) or isinstance(exc, NotOwnerError):
+        return False  # NOT_OWNER: it leads, other shards (the call is rerouted)
     if exc.grpc_code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return True
     return exc.grpc_code is grpc.StatusCode.UNAVAILABLE and not isinstance(

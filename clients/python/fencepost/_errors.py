@@ -66,6 +66,11 @@ catch the layer, or a leaf for one case)::
         │                           named, or ""); the SDK follows it by itself and
         │                           raises it only when every endpoint kept refusing
         │                           until the retry policy gave up
+        ├── NotOwnerError           NOT_OWNER: the coordinator leads other shards than
+        │                           the call's and did nothing with it (.shard, .owner:
+        │                           the owner's address or "", .epoch); the SDK sends
+        │                           the call to that owner by itself and raises it only
+        │                           when the owners it was sent to kept naming others
         └── OutcomeUnknownError     outcome unknown: a mutation got no answer, it may
                                     or may not have been applied. Retrying it with a
                                     fresh call is safe for the converging commands
@@ -348,6 +353,39 @@ class NotLeaderError(UnavailableError):
         return self.metadata.get("leader", "")
 
 
+class NotOwnerError(UnavailableError):
+    """A coordinator that leads only some shards refused a call keyed in
+    another (it did nothing with it, and did not remember its request id):
+    shard ``.shard`` is led at ``.owner`` (its address, "" while none is
+    known) under ``.epoch``. The client sends the call there by itself
+    (docs/SDK.md); this is raised only when the owners it was sent to kept
+    naming others, or none."""
+
+    code = "NOT_OWNER"
+
+    @property
+    def shard(self) -> int:
+        """The shard the call is keyed in (-1 when the server named none)."""
+        return _int(self.metadata.get("shard"), -1)
+
+    @property
+    def owner(self) -> str:
+        """The address of the coordinator that leads ``shard``, or ""."""
+        return self.metadata.get("owner", "")
+
+    @property
+    def epoch(self) -> int:
+        """The epoch ``owner`` leads ``shard`` under (0 when not known)."""
+        return _int(self.metadata.get("epoch"), 0)
+
+
+def _int(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text else default
+    except ValueError:
+        return default
+
+
 class OutcomeUnknownError(UnavailableError):
     """A mutation got no answer, so it may or may not have been applied."""
 
@@ -389,6 +427,7 @@ _BY_REASON: dict[str, type[FencepostError]] = {
         StreamTooSlowError,
         ShuttingDownError,
         NotLeaderError,
+        NotOwnerError,
         UnauthenticatedError,
         PermissionDeniedError,
         OwnerNotPermittedError,

@@ -20,6 +20,12 @@ and how to follow the leader). Three implementations:
   for a third of their ttl (a coordinator frozen, or cut off without its
   connection closing); the leader a takeover made has kept (extended) every
   live lease, and the renewals sent on reconnect say so.
+- ``RoutedRenewer`` (what a ``Client`` uses for "stream"): the
+  ``StreamRenewer`` of the client's endpoints, and once the connection
+  routes (a coordinator answered NOT_OWNER: it leads only some shards), one
+  more per shard owner, each lease on the stream of its shard's owner. A
+  renewal refused with NOT_OWNER (its shard moved) takes the lease off that
+  stream and onto the owner named; the lease is not lost.
 - ``UnaryRenewer``: one task per lease calling the unary ``Renew`` every ttl/3
   (etcd's habit). Loss is learned from a refused renewal.
 - ``NoRenewer`` (``Client(renewal="off")``): renews nothing; the caller
@@ -48,6 +54,7 @@ import grpc
 from ._errors import (
     FencepostError,
     LeaseLostError,
+    NotOwnerError,
     StorageUnavailableError,
     UnavailableError,
     from_rpc_error,
@@ -58,6 +65,9 @@ from .v1 import ledger_pb2 as pb
 from .v1 import ledger_pb2_grpc
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._connection import Connection
     from ._endpoints import Endpoint
 
 log = logging.getLogger("fencepost.renewal")
@@ -127,9 +137,9 @@ class Renewer(Protocol):
         """Begin keeping ``lease`` alive (idempotent). ``tracked_on``: the
         server already tracks it on the KeepAlive stream of that name."""
 
-    def stream_name(self) -> str:
-        """The name of the open KeepAlive stream, for AcquireRequest.track_on
-        (empty: none is open)."""
+    def stream_name(self, run_id: str = "") -> str:
+        """The name of the open KeepAlive stream ``run_id``'s lease would be
+        renewed on, for AcquireRequest.track_on (empty: none is open)."""
 
     async def stop(self, lease: KeptLease, *, untrack: bool = True) -> None:
         """Stop renewing ``lease`` and wait until no renewal is in flight.
@@ -147,7 +157,7 @@ class Renewer(Protocol):
 class NoRenewer:
     """``renewal="off"``: keeps nothing alive; the caller renews by itself."""
 
-    def stream_name(self) -> str:
+    def stream_name(self, run_id: str = "") -> str:
         return ""
 
     def start(self, lease: KeptLease, *, tracked_on: str = "") -> None:
@@ -178,7 +188,7 @@ class UnaryRenewer:
         self._tasks: dict[KeptLease, asyncio.Task[None]] = {}
         self._closed = False
 
-    def stream_name(self) -> str:
+    def stream_name(self, run_id: str = "") -> str:
         return ""  # no KeepAlive stream: nothing to track on
 
     def statistics(self) -> tuple[int, int, int, int]:
@@ -269,8 +279,17 @@ class StreamRenewer:
     in a heap).
     """
 
-    def __init__(self, connection: Line, owner: str, retry: RetryPolicy) -> None:
+    def __init__(
+        self,
+        connection: Line,
+        owner: str,
+        retry: RetryPolicy,
+        *,
+        on_moved: Callable[[KeptLease, NotOwnerError], None] | None = None,
+    ) -> None:
         self._route = connection.endpoints
+        # told of a lease whose renewal was refused NOT_OWNER (taken off here)
+        self._on_moved = on_moved
         self._owner = owner
         self._retry = retry
         self._entries: dict[Key, _Entry] = {}
@@ -305,7 +324,7 @@ class StreamRenewer:
 
     # -- the Renewer seam ---------------------------------------------------------------
 
-    def stream_name(self) -> str:
+    def stream_name(self, run_id: str = "") -> str:
         return self._name
 
     def statistics(self) -> tuple[int, int, int, int]:
@@ -633,6 +652,19 @@ class StreamRenewer:
             del self._pending[key]
         return sent_at
 
+    def _moved_off(self, e: pb.KeepAliveError) -> None:
+        """A renewal or track refused NOT_OWNER: the run's shard is led
+        elsewhere. Its leases leave this stream (still held) for the owner."""
+        assert self._on_moved is not None
+        for key in [k for k in self._entries if k[0] == e.run_id]:
+            self._pending.pop(key, None)  # those renewals are all refused here
+            entry = self._drop(key)
+            if entry is None:
+                continue
+            log.info("renewal of %r: %s; renewing it there", e.run_id, e.message)
+            self._on_moved(entry.lease, NotOwnerError(
+                e.message, metadata=dict(e.metadata), grpc_code=grpc.StatusCode.UNAVAILABLE))
+
     def _dispatch(self, resp: pb.KeepAliveResponse) -> None:
         kind = resp.WhichOneof("kind")
         if kind == "renewed":
@@ -657,6 +689,9 @@ class StreamRenewer:
                 entry.lease.expiring(time_from_pb(x.expires_at))
         elif kind == "error":
             e = resp.error
+            if e.code == NotOwnerError.code and self._on_moved is not None:
+                self._moved_off(e)
+                return
             for key in [k for k in self._pending if k[0] == e.run_id]:
                 self._answered_renewal(key)  # that renewal was refused
                 entry = self._entries.get(key)
@@ -674,3 +709,94 @@ class StreamRenewer:
                 break
             else:
                 log.warning("KeepAlive error for %r: %s: %s", e.run_id, e.code, e.message)
+
+
+class RoutedRenewer:
+    """Leases over one KeepAlive stream per coordinator (module docs): the
+    client's endpoints' ``StreamRenewer`` alone until the connection routes,
+    then each lease on the ``StreamRenewer`` of its shard owner's line
+    (made on first use, each with its own stream and task)."""
+
+    def __init__(self, connection: Connection, owner: str, retry: RetryPolicy) -> None:
+        self._connection = connection
+        self._owner = owner
+        self._retry = retry
+        self._default = StreamRenewer(connection.line, owner, retry, on_moved=self._moved)
+        self._others: dict[Any, StreamRenewer] = {}  # by line, once routing
+        self._where: dict[KeptLease, StreamRenewer] = {}  # leases started once routing
+        self._moving: dict[KeptLease, StreamRenewer] = {}  # refused NOT_OWNER, on the way
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def _renewer_for(self, run_id: str) -> StreamRenewer:
+        line = self._connection.line_for(run_id)
+        if line is self._connection.line:
+            return self._default
+        renewer = self._others.get(line)
+        if renewer is None:
+            renewer = self._others[line] = StreamRenewer(line, self._owner, self._retry,
+                                                         on_moved=self._moved)
+        return renewer
+
+    def stream_name(self, run_id: str = "") -> str:
+        if self._connection.router is None:
+            return self._default.stream_name()
+        return self._renewer_for(run_id).stream_name()
+
+    def statistics(self) -> tuple[int, int, int, int]:
+        totals = list(self._default.statistics())
+        for renewer in self._others.values():
+            totals = [a + b for a, b in zip(totals, renewer.statistics(), strict=True)]
+        return totals[0], totals[1], totals[2], totals[3]
+
+    def start(self, lease: KeptLease, *, tracked_on: str = "") -> None:
+        if self._closed:
+            return
+        if self._connection.router is None:
+            self._default.start(lease, tracked_on=tracked_on)
+            return
+        renewer = self._where.get(lease) or self._renewer_for(lease.run_id)
+        self._where[lease] = renewer
+        renewer.start(lease, tracked_on=tracked_on)
+
+    async def stop(self, lease: KeptLease, *, untrack: bool = True) -> None:
+        self._moving.pop(lease, None)
+        renewer = self._where.pop(lease, None) or self._default
+        await renewer.stop(lease, untrack=untrack)
+
+    def _moved(self, lease: KeptLease, refusal: NotOwnerError) -> None:
+        """A renewal of ``lease`` was refused NOT_OWNER (its renewer has let
+        it go): learn the owner, and renew it there."""
+        if self._closed:
+            return
+        was = self._where.pop(lease, None) or self._default
+        self._moving[lease] = was
+        task = asyncio.create_task(self._follow(lease, refusal, was),
+                                   name=f"fencepost-keepalive-move:{lease.run_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _follow(self, lease: KeptLease, refusal: NotOwnerError,
+                      was: StreamRenewer) -> None:
+        try:
+            await self._connection.learn(refusal)
+        except Exception:
+            log.exception("could not learn where %r is led", lease.run_id)
+        renewer = self._renewer_for(lease.run_id)
+        if renewer is was:  # nobody knows better yet: not again at once
+            await asyncio.sleep(min(max(lease.ttl_ms / 12_000, _MIN_RECONNECT_S), 1.0))
+        if self._moving.pop(lease, None) is None or self._closed or not lease.is_active:
+            return  # stopped meanwhile (finished, released, the client closed)
+        self._where[lease] = renewer
+        renewer.start(lease)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        tasks, self._tasks = list(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        await self._default.aclose()
+        for renewer in self._others.values():
+            await renewer.aclose()

@@ -3,7 +3,9 @@ backoff, bounded in total time. A mutation carries one request id for all its
 attempts (docs/SPEC.md §5.5), so a retry after a lost answer gets the original answer
 instead of applying the command twice. With several endpoints, the attempts
 follow the leader (``_endpoints``): a standby's NOT_LEADER is an UNAVAILABLE
-like any other, retried on the endpoint it names.
+like any other, retried on the endpoint it names. A coordinator's NOT_OWNER
+(it leads other shards than the call's) is not retried there: the call is
+rerouted to the owner it names at once (``Connection``), a few hops at most.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import grpc
 from ._errors import (
     FencepostError,
     NotLeaderError,
+    NotOwnerError,
     OutcomeUnknownError,
     UnavailableError,
     from_rpc_error,
@@ -28,6 +31,15 @@ if TYPE_CHECKING:
     from ._endpoints import Endpoint, Endpoints
 
 T = TypeVar("T")
+
+Attempt = Callable[["Endpoint", float | None], Awaitable[T]]
+# Where a call refused with NOT_OWNER goes next: the owner's endpoints and
+# the attempt for them, or None (no routing here: the refusal is raised).
+Reroute = Callable[[NotOwnerError], Awaitable["tuple[Endpoints, Attempt[T]] | None"]]
+
+# A call refused NOT_OWNER this many times in a row (owners naming each
+# other: a map in flux) raises NotOwnerError.
+MAX_OWNER_HOPS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +100,7 @@ async def call_with_retry(
     *,
     mutation: bool,
     endpoints: Endpoints,
+    reroute: Reroute[T] | None = None,
 ) -> T:
     """Run ``attempt(endpoint, timeout)`` until it succeeds, fails with a status
     other than UNAVAILABLE, or the policy is exhausted; raise the mapped error.
@@ -107,6 +120,12 @@ async def call_with_retry(
     standby) whose message names the endpoints tried and the last leader
     hint.
 
+    A ``NotOwnerError`` (the coordinator leads other shards) goes to
+    ``reroute``: the next attempt goes to the owner it names at once, with the
+    same request id, neither counted nor delayed by the policy, at most
+    ``MAX_OWNER_HOPS`` times in a row; with no owner named, after the
+    policy's backoff. Without ``reroute``, or past the bound, it is raised.
+
     For a mutation, once any attempt ended without an answer the outcome is
     unknown, and the final error is ``OutcomeUnknownError`` even when the last
     attempt was refused with STORAGE_UNAVAILABLE or NOT_LEADER (an earlier
@@ -117,6 +136,7 @@ async def call_with_retry(
     backoff: _Backoff | None = None  # made at the first failure: most calls have none
     attempts = 0
     hops = 0  # attempts sent straight to a named leader, in a row
+    owner_hops = 0  # attempts sent straight to a named shard owner, in a row
     tried: dict[str, str] = {}  # endpoint -> how its last attempt failed
     hint: str | None = None  # the leader the last NOT_LEADER named ("" none)
     unknown: FencepostError | None = None
@@ -138,29 +158,44 @@ async def call_with_retry(
         else:
             endpoints.answered(endpoint)
             return result
-        if exc.grpc_code not in _NO_ANSWER:
+        if exc.grpc_code not in _NO_ANSWER or isinstance(exc, NotOwnerError):
             endpoints.answered(endpoint)  # refused it for a reason of its own: it leads
         if isinstance(exc, OutcomeUnknownError):
             unknown = exc
         tried[endpoint.address] = _failure(exc)
+        rerouted = final = False
+        if isinstance(exc, NotOwnerError):
+            routed = (None if reroute is None or owner_hops >= MAX_OWNER_HOPS
+                      else await reroute(exc))
+            if routed is None:
+                final = True  # the same coordinator would refuse it again
+            else:
+                endpoints, attempt = routed
+                if exc.owner:  # at once, as a redirection rather than a retry
+                    owner_hops += 1
+                    attempts -= 1
+                    continue
+                rerouted = True
         if isinstance(exc, NotLeaderError):
             hint = exc.leader
-        at_once = endpoints.after_failure(endpoint, exc) and hops < len(endpoints)
+        at_once = (not rerouted and endpoints.after_failure(endpoint, exc)
+                   and hops < len(endpoints))
         hops = hops + 1 if at_once else 0
         code = exc.grpc_code
         if backoff is None:
             backoff = policy.backoffs()
         delay = 0.0 if at_once else backoff.next()
         exhausted = (
-            code is not grpc.StatusCode.UNAVAILABLE
+            final
+            or code is not grpc.StatusCode.UNAVAILABLE
             or (policy.max_attempts is not None and attempts >= policy.max_attempts)
             or loop.time() + delay > deadline
         )
         if not exhausted:
             await asyncio.sleep(delay)
             continue
-        if code is grpc.StatusCode.UNAVAILABLE and (len(endpoints) > 1
-                                                    or isinstance(exc, NotLeaderError)):
+        if code is grpc.StatusCode.UNAVAILABLE and (
+                len(endpoints) > 1 or isinstance(exc, NotLeaderError | NotOwnerError)):
             exc.message += _tried(tried, hint)
         if (
             unknown is not None
@@ -185,6 +220,8 @@ _NO_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 def _failure(exc: FencepostError) -> str:
     if isinstance(exc, NotLeaderError):
         return f"standby, leader {exc.leader}" if exc.leader else "standby, no leader known"
+    if isinstance(exc, NotOwnerError):
+        return f"shard {exc.shard} led at {exc.owner or 'no address known'}"
     if isinstance(exc, OutcomeUnknownError):
         return "no answer"
     if isinstance(exc, UnavailableError):

@@ -68,6 +68,7 @@ from ._errors import (
     from_rpc_error,
 )
 from ._ids import new_request_id
+from ._placement import first_key
 from ._retry import RetryPolicy
 from ._security import TLS, channel_credentials
 from .v1 import engine_store_pb2 as pb
@@ -506,10 +507,11 @@ class AsyncStore:
 
     async def _retried(
         self, attempt: Callable[[Endpoint, float | None], Awaitable[T]], *, mutation: bool,
-        policy: RetryPolicy | None = None,
+        policy: RetryPolicy | None = None, key: str | None = None,
     ) -> T:
+        """``attempt`` retried, on the owner of ``key``'s shard (``Connection``)."""
         return await self._connection.retried(attempt, mutation=mutation,
-                                              policy=policy or self._retry)
+                                              policy=policy or self._retry, key=key)
 
     async def _unary(self, method: str, request: Any, *, mutation: bool) -> Any:
         """One logical call of a unary RPC: a mutation gets one request id for
@@ -524,10 +526,12 @@ class AsyncStore:
             self._connection.call(rpc_of, request, mutation=mutation, policy=self._retry))
 
     async def _fenced_call(
-        self, attempt: Any, *, mutation: bool, policy: RetryPolicy | None = None
+        self, attempt: Any, *, mutation: bool, policy: RetryPolicy | None = None,
+        key: str | None = None,
     ) -> Any:
         """``call_with_retry``; a refused fence is also reported to the view's owner."""
-        return await self._reported(self._retried(attempt, mutation=mutation, policy=policy))
+        return await self._reported(self._retried(attempt, mutation=mutation, policy=policy,
+                                                  key=key))
 
     async def _reported(self, call: Awaitable[T]) -> T:
         """``call``'s answer; a refused fence is also told to the view's owner."""
@@ -597,7 +601,7 @@ class AsyncStore:
         async def attempt(endpoint: Endpoint, deadline_s: float | None) -> builtins.list[Any]:
             return [msg async for msg in getattr(_engine_stub(endpoint), method)(request)]
 
-        return await self._retried(attempt, mutation=False)
+        return await self._retried(attempt, mutation=False, key=first_key(request))
 
     # -- runs ---------------------------------------------------------------------------
 
@@ -872,7 +876,7 @@ class AsyncStore:
             await until_connected(endpoint.channel, deadline_s)  # else: nothing was sent
             return await stub.PutArtifact(messages())
 
-        resp = await self._fenced_call(attempt, mutation=True, policy=policy)
+        resp = await self._fenced_call(attempt, mutation=True, policy=policy, key=run_id)
         return PutArtifactResult(resp.created, _artifact(resp.artifact))
 
     async def get_artifact(self, id: str) -> EngineArtifact | None:

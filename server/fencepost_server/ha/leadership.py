@@ -61,7 +61,8 @@ from ..storage.postgres import (
 
 log = logging.getLogger("fencepost.leadership")
 
-_DB_NOW = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+# the database's clock, in ms: every time in a lease row
+DB_NOW = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 
 class LeadershipLost(Exception):
@@ -138,7 +139,17 @@ def process_gone(proof: str) -> bool:
     return stat is None or stat[1] != start or stat[0] in ("Z", "X")
 
 
-class Leadership:
+class RowLeases:
+    """What a coordinator needs to hold lease rows in PostgreSQL, shared by
+    ``Leadership`` (one row) and ``ShardLeases`` (ha/shards.py, a row per
+    shard): its own thread and connection, the clock-skew check, the proof
+    that a predecessor's process is gone, and ending the writer sessions of
+    an expired holder that keeps a row locked."""
+
+    ROLE = "fencepost-leadership"  # the thread's and the connection's name
+    WHAT = "leader"  # in messages: the leader lease, the shard lease
+    _log = log
+
     def __init__(
         self,
         url: str,
@@ -151,7 +162,8 @@ class Leadership:
         max_skew_ms: int = 500,
     ) -> None:
         if not 0 < renew_ms < lease_ms:
-            raise ValueError("the leader renewal interval must be shorter than the leader lease")
+            raise ValueError(f"the {self.WHAT} renewal interval must be shorter than the "
+                             f"{self.WHAT} lease")
         self.url = url
         self.clock = clock
         self.address = address
@@ -159,14 +171,92 @@ class Leadership:
         self.lease_ms = lease_ms
         self.renew_ms = renew_ms
         self.max_skew_ms = max_skew_ms
-        # a leader serves until this monotonic time unless it renews again
+        # a holder serves until this monotonic time unless it renews again
         self.margin_s = min(lease_ms * 0.2, 1000) / 1000
-        self.epoch: int | None = None
         self.valid_until = 0.0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=self.ROLE)
+        self._db: PgConnection | None = None
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._thread, self._drop)
+        self._thread.shutdown(wait=False)
+
+    # -- helpers (this object's thread) ------------------------------------------
+
+    def _conn(self) -> PgConnection:
+        if self._db is None or self._db.broken:
+            self._drop()
+            self._db = connect(self.url, f"{self.ROLE} {self.identity}")
+            # a takeover waits this long for a batch holding the row
+            self._db.execute(f"SET lock_timeout = {max(100, self.renew_ms)}")
+        return self._db
+
+    def _drop(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _unblock_row(self, db: PgConnection, where: str, params: tuple[Any, ...],
+                     what: str) -> int:
+        """The row (``FROM {where}``) is locked by a batch of its holder that
+        has not finished within ``lock_timeout``: if the row has expired
+        meanwhile, that holder was paused or cut off mid-batch while holding
+        the lock, and waiting for it would wait for as long as its connection
+        lives, so end its sessions (the open batch rolls back: it was never
+        acknowledged). Returns the ms to wait before trying again."""
+        holder, expires_at, now, address, process = db.execute(
+            f"SELECT holder, expires_at, {DB_NOW}, address, process FROM {where}", params
+        ).fetchone() or ("", 0, 0, "", "")
+        if expires_at > now and not self._replaces(address, process):
+            return min(self.renew_ms, expires_at - now + 50)
+        ended = db.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = ?",
+            (writer_name(holder),),
+        ).fetchone()
+        self._log.warning("the %s %s (expired, or no longer running) held %s mid-batch: "
+                          "ended %s of its sessions", self.WHAT, holder, what,
+                          ended[0] if ended else 0)
+        return 50
+
+    def _replaces(self, address: str, process: str) -> bool:
+        """May take over before the row expires: this coordinator is the
+        holder's own restart (its address) and the holder's process is gone."""
+        return bool(address) and address == self.address and process_gone(process)
+
+    def _skew(self, db: PgConnection) -> str | None:
+        """None while this coordinator's clock is within the bound of the
+        database's, else why not (the round trip is the uncertainty)."""
+        if not self.max_skew_ms:
+            return None
+        before = self.clock.now_ms()
+        row: Any = db.execute(f"SELECT {DB_NOW}").fetchone()
+        after = self.clock.now_ms()
+        offset = row[0] - (before + after) / 2
+        if abs(offset) - (after - before) / 2 > self.max_skew_ms:
+            return (f"this coordinator's clock differs from the database's by {offset:+.0f} ms, "
+                    f"more than --max-clock-skew {self.max_skew_ms} ms")
+        return None
+
+
+class Leadership(RowLeases):
+    def __init__(
+        self,
+        url: str,
+        clock: Clock,
+        *,
+        address: str,
+        identity: str | None = None,
+        lease_ms: int = 5000,
+        renew_ms: int = 1000,
+        max_skew_ms: int = 500,
+    ) -> None:
+        super().__init__(url, clock, address=address, identity=identity, lease_ms=lease_ms,
+                         renew_ms=renew_ms, max_skew_ms=max_skew_ms)
+        self.epoch: int | None = None
         self.leader_address = ""  # the leader's advertised address, as last read
         self.lost: str | None = None  # why this coordinator stopped leading
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fencepost-leadership")
-        self._db: PgConnection | None = None
 
     # -- state -------------------------------------------------------------------
 
@@ -200,7 +290,7 @@ class Leadership:
         try:
             try:
                 row = db.execute(
-                    f"SELECT epoch, holder, address, renewed_at, expires_at, {_DB_NOW}, "
+                    f"SELECT epoch, holder, address, renewed_at, expires_at, {DB_NOW}, "
                     "process FROM fencepost_leader WHERE id = 1 FOR UPDATE"
                 ).fetchone()
             except LockNotAvailable:
@@ -224,7 +314,7 @@ class Leadership:
             sent = time.monotonic()
             db.execute(
                 "UPDATE fencepost_leader SET epoch = ?, holder = ?, address = ?, "
-                f"renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} + ?, process = ? WHERE id = 1",
+                f"renewed_at = {DB_NOW}, expires_at = {DB_NOW} + ?, process = ? WHERE id = 1",
                 (epoch + 1, self.identity, self.address, self.lease_ms, process_proof()),
             )
             db.execute("COMMIT")
@@ -273,8 +363,8 @@ class Leadership:
         if skew is not None:
             return skew
         row = db.execute(
-            f"UPDATE fencepost_leader SET renewed_at = {_DB_NOW}, "
-            f"expires_at = {_DB_NOW} + ? WHERE id = 1 AND epoch = ? AND holder = ? "
+            f"UPDATE fencepost_leader SET renewed_at = {DB_NOW}, "
+            f"expires_at = {DB_NOW} + ? WHERE id = 1 AND epoch = ? AND holder = ? "
             "RETURNING epoch",
             (self.lease_ms, self.epoch, self.identity),
         ).fetchone()
@@ -314,71 +404,15 @@ class Leadership:
 
     def _resign(self) -> None:
         self._conn().execute(  # renewed_at: when it stopped (the next leader's gap)
-            f"UPDATE fencepost_leader SET renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} - 1 "
+            f"UPDATE fencepost_leader SET renewed_at = {DB_NOW}, expires_at = {DB_NOW} - 1 "
             "WHERE id = 1 AND epoch = ? AND holder = ?",
             (self.epoch, self.identity),
         )
 
-    async def close(self) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._thread, self._drop)
-        self._thread.shutdown(wait=False)
-
-    # -- helpers (leadership thread) --------------------------------------------
-
-    def _conn(self) -> PgConnection:
-        if self._db is None or self._db.broken:
-            self._drop()
-            self._db = connect(self.url, f"fencepost-leadership {self.identity}")
-            # a takeover waits this long for a batch holding the leader row
-            self._db.execute(f"SET lock_timeout = {max(100, self.renew_ms)}")
-        return self._db
-
-    def _drop(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+    # -- helpers (leadership thread) ---------------------------------------------
 
     def _unblock(self, db: PgConnection) -> int:
-        """The row is locked by a batch of the leader that has not finished
-        within ``lock_timeout``: if the row has expired meanwhile, that
-        leader was paused or cut off mid-batch while holding the lock, and
-        waiting for it would wait for as long as its connection lives, so
-        end its sessions (the open batch rolls back: it was never
-        acknowledged). Returns the ms to wait before trying again."""
-        holder, expires_at, now, address, process = db.execute(
-            f"SELECT holder, expires_at, {_DB_NOW}, address, process FROM fencepost_leader "
-            "WHERE id = 1"
-        ).fetchone() or ("", 0, 0, "", "")
-        if expires_at > now and not self._replaces(address, process):
-            return min(self.renew_ms, expires_at - now + 50)
-        ended = db.execute(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND application_name = ?",
-            (writer_name(holder),),
-        ).fetchone()
-        log.warning("the leader %s (expired, or no longer running) held the leader row "
-                    "mid-batch: ended %s of its sessions", holder, ended[0] if ended else 0)
-        return 50
-
-    def _replaces(self, address: str, process: str) -> bool:
-        """May take over before the row expires: this coordinator is the
-        leader's own restart (its address) and the leader's process is gone."""
-        return bool(address) and address == self.address and process_gone(process)
-
-    def _skew(self, db: PgConnection) -> str | None:
-        """None while this coordinator's clock is within the bound of the
-        database's, else why not (the round trip is the uncertainty)."""
-        if not self.max_skew_ms:
-            return None
-        before = self.clock.now_ms()
-        row: Any = db.execute(f"SELECT {_DB_NOW}").fetchone()
-        after = self.clock.now_ms()
-        offset = row[0] - (before + after) / 2
-        if abs(offset) - (after - before) / 2 > self.max_skew_ms:
-            return (f"this coordinator's clock differs from the database's by {offset:+.0f} ms, "
-                    f"more than --max-clock-skew {self.max_skew_ms} ms")
-        return None
+        return self._unblock_row(db, "fencepost_leader WHERE id = 1", (), "the leader row")
 
 
 def writer_name(identity: str) -> str:

@@ -167,6 +167,7 @@ class KeepAliveHandler:
                     run_id = msg.track.run_id
                     validate.run_id(run_id, "track.run_id")
                     token = validate.fencing_token(msg.track.fencing_token, "track.fencing_token")
+                    self.writer.check_led(run_id)  # NOT_OWNER: its owner tracks it
                     self._check_room(session, run_id)
                     self.hub.track(session, run_id, token)
                 elif kind == "untrack":

@@ -247,16 +247,10 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
     async def Shards(
         self, request: pb.ShardsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ShardsResponse:
-        n = self.writer.storage.shards
-        owner, address, epoch = self.shard_owner()
-        counts = await self.reads.shard_counts(n, self.writer.clock.now_ms())
-        owned = self.writer.ownership
-        infos = []
-        for i in range(n):
-            info = pb.ShardInfo(index=i, owner=owner, address=address, epoch=epoch,
-                                runs=counts.runs[i], leases=counts.leases[i])
-            if owned is not None and i not in owned.led:  # led elsewhere: its owner's
-                info.owner, (info.address, info.epoch) = "", owned.owners.get(i, ("", 0))
-                info.runs = info.leases = 0
-            infos.append(info)
-        return pb.ShardsResponse(shard_count=n, revision=counts.revision, shards=infos)
+        w = self.writer
+        n = w.storage.shards
+        revision, rows = await self.reads.shard_map(
+            n, w.clock.now_ms(), self.shard_owner(), w.ownership, w.shard_commands())
+        return pb.ShardsResponse(shard_count=n, revision=revision, shards=[
+            pb.ShardInfo(index=r.index, owner=r.owner, address=r.address, epoch=r.epoch,
+                         runs=r.runs, leases=r.leases) for r in rows])

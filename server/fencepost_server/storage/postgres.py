@@ -45,7 +45,7 @@ log = logging.getLogger("fencepost.storage")
 
 RESOLVE_COMMIT_S = 60.0  # how long a COMMIT lost with its connection is asked about
 SCHEMA = "fencepost"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 _MIGRATE_LOCK = 0x66656E63  # pg_advisory_xact_lock key: "fenc"
 
 _TEXT = 'TEXT COLLATE "C"'  # byte order, as SQLite and the in-memory index sort
@@ -250,6 +250,28 @@ MIGRATIONS: list[list[str]] = [
     # 64, the default then; a new one stores --shards in the same transaction.
     [
         "INSERT INTO meta (key, value) VALUES ('shards', 64)",
+    ],
+    # 6 -> 7: who leads each shard (ha/shards.py): a row per shard, with its
+    # own epoch, and the coordinators taking part. A new database's rows
+    # follow the --shards it stores (``migrate``, ``_shard_rows``).
+    [
+        """CREATE TABLE fencepost_shards (
+               shard      INTEGER PRIMARY KEY,
+               epoch      BIGINT NOT NULL,
+               holder     TEXT NOT NULL,
+               address    TEXT NOT NULL,
+               renewed_at BIGINT NOT NULL,
+               expires_at BIGINT NOT NULL,
+               process    TEXT NOT NULL
+           )""",
+        """CREATE TABLE fencepost_members (
+               identity   TEXT PRIMARY KEY,
+               address    TEXT NOT NULL,
+               renewed_at BIGINT NOT NULL,
+               expires_at BIGINT NOT NULL
+           )""",
+        "INSERT INTO fencepost_shards SELECT generate_series(0, value - 1), 0, '', '', 0, 0, '' "
+        "FROM meta WHERE key = 'shards'",
     ],
 ]
 
@@ -577,6 +599,8 @@ def migrate(db: PgConnection, where: str, shards: int | None = None) -> int:
             db.execute("UPDATE fencepost_schema SET version = ?", (target,))
             log.info("%s: schema migrated to version %d", where, target)
         stored = settle_shards(db, where, shards, fresh=version == 0)
+        if version < 7:
+            _shard_rows(db, stored)
         db.execute("COMMIT")
         return stored
     except BaseException:
@@ -585,6 +609,13 @@ def migrate(db: PgConnection, where: str, shards: int | None = None) -> int:
         raise
 
 
+def _shard_rows(db: PgConnection, shards: int) -> None:
+    """One row per shard 0 .. shards - 1, in the transaction that created
+    the table: a new database stored its --shards after the migration
+    wrote rows for the default count."""
+    db.execute("DELETE FROM fencepost_shards WHERE shard >= ?", (shards,))
+    db.execute("INSERT INTO fencepost_shards SELECT generate_series(0, ?::integer - 1), 0, '', "
+               "'', 0, 0, '' ON CONFLICT (shard) DO NOTHING", (shards,))
 
 
 def _one(cur: psycopg.Cursor[Any]) -> Any:

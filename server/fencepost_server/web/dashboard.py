@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -97,6 +98,7 @@ ROUTE_RPC = {
     "engine_runs": "/fencepost.v1.EngineStore/ListRuns",
     "cancel": "/fencepost.v1.Ledger/Cancel",
     "resume": "/fencepost.v1.Ledger/RequestResume",
+    "shards": "/fencepost.v1.Ledger/Shards",
 }
 _DIGITS = re.compile(r"[0-9]{1,19}")
 PRINCIPAL = web.RequestKey("principal", Principal)  # who made an API request (_guard)
@@ -190,6 +192,8 @@ class Source(Protocol):
     @property
     def serving(self) -> bool: ...
 
+    def shard_owner(self) -> tuple[str, str, int]: ...
+
     async def run_history(self, run_id: str, limit: int) -> list[Any]: ...
 
     async def engine_runs(self, *, agent: str | None, statuses: list[str], limit: int,
@@ -234,6 +238,7 @@ class Dashboard:
                 web.post("/api/resume", self.resume, name="resume"),
                 web.get("/api/engine/runs", self.engine_runs, name="engine_runs"),
                 web.get("/api/events", self.events, name="events"),
+                web.get("/api/shards", self.shards, name="shards"),
             ]
         application.add_routes(routes)
         return application
@@ -501,6 +506,17 @@ class Dashboard:
             "truncated": len(changes) >= HISTORY_LIMIT,
             "now": self.source.clock.now_ms(),
         })
+
+    async def shards(self, request: web.Request) -> web.Response:
+        """Every shard: who leads it and, for those led here, runs, live
+        leases and commands taken (the Shards call's map, plus commands)."""
+        writer, reads = self.source.writer, self.source.reads
+        assert writer is not None and reads is not None
+        n, now = writer.storage.shards, self.source.clock.now_ms()
+        revision, rows = await reads.shard_map(n, now, self.source.shard_owner(),
+                                               writer.ownership, writer.shard_commands())
+        return _json({"shard_count": n, "revision": revision, "now": now,
+                      "shards": [dataclasses.asdict(r) for r in rows]})
 
     async def cancel(self, request: web.Request) -> web.Response:
         body = await self._body(request)

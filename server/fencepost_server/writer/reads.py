@@ -11,8 +11,10 @@ import contextlib
 import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..core.placement import Ownership
 from ..core.records import Record, Status
 from ..core.shards import tally
 from ..storage.history import HistoryReader
@@ -41,6 +43,21 @@ class ShardCounts:
     def __init__(self, began: int, revision: int, runs: list[int], leases: list[int]) -> None:
         self.began, self.revision, self.runs, self.leases = began, revision, runs, leases
         self.shards = len(runs)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRow:
+    """One shard of the map (Ledger.Shards, the dashboard): who leads it,
+    and, where this coordinator leads it, its runs, live leases and the
+    commands taken since the start (0 for a shard led elsewhere)."""
+
+    index: int
+    owner: str
+    address: str
+    epoch: int
+    runs: int
+    leases: int
+    commands: int
 
 
 class Reads:
@@ -177,6 +194,22 @@ class Reads:
             if got.shards != shards:  # another count's scan was in flight
                 got = await self._count(shards, now)
         return got
+
+    async def shard_map(
+        self, shards: int, now: int, me: tuple[str, str, int], ownership: Ownership | None,
+        commands: list[int],
+    ) -> tuple[int, list[ShardRow]]:
+        """(the revision the counts reflect, every shard's row): ``me`` (identity,
+        address, epoch) leads the shards ``ownership`` gives it (every one when
+        None); ``commands`` are the writer's per-shard command counts."""
+        counts = await self.shard_counts(shards, now)
+        rows = []
+        for i in range(shards):
+            if ownership is None or i in ownership.led:
+                rows.append(ShardRow(i, *me, counts.runs[i], counts.leases[i], commands[i]))
+            else:  # led elsewhere: its owner knows what is in it
+                rows.append(ShardRow(i, "", *ownership.owners.get(i, ("", 0)), 0, 0, 0))
+        return counts.revision, rows
 
     async def _count(self, shards: int, now: int) -> ShardCounts:
         st = self.state

@@ -234,7 +234,7 @@ class Writer:
         if self._closing:
             raise WriterClosed()
         if type(cmd) is L.Renew:
-            got = self.renewals.from_memory(cmd, self.state.runs)
+            got = self._from_memory(cmd)
             if isinstance(got, LedgerError):
                 raise got
             if got is not None:
@@ -303,13 +303,21 @@ class Writer:
 
     def _renewed(self, item: Item) -> bool:
         """Answer a renewal from memory; False: queue it instead."""
-        got = self.renewals.from_memory(item.cmd, self.state.runs)  # type: ignore[arg-type]
+        got = self._from_memory(item.cmd)
         if got is None:
             return False
         if not isinstance(got, LedgerError):
             self._memory_tally.add(item.cmd)
         item.deliver(got)
         return True
+
+    def _from_memory(self, cmd: Any) -> Any:
+        """``Renewals.from_memory``, after the check every command meets
+        first: NOT_OWNER for a run in a shard led elsewhere."""
+        owned = self._apply.ownership
+        if owned is not None and (refused := owned.refusal(cmd)) is not None:
+            return refused
+        return self.renewals.from_memory(cmd, self.state.runs)
 
     def _name(self, item: Item) -> Item:
         self.renewals.name(item.cmd)

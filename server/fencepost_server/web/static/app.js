@@ -211,6 +211,7 @@ const runsPage = {
   init() {
     const q = new URLSearchParams(location.search);
     if (q.get("view") === "engine") return enginePage.init();
+    if (q.get("view") === "shards") return shardsPage.init();
     document.getElementById("nav-runs").classList.add("active");
     this.filters.status = q.get("status") || "";
     this.filters.owner = q.get("owner") || "";
@@ -419,6 +420,36 @@ const enginePage = {
     document.getElementById("e-next").disabled = this.offset + doc.runs.length >= doc.total;
     document.getElementById("e-page-info").textContent = doc.total
       ? `${this.offset + 1}–${this.offset + doc.runs.length}` : "";
+  },
+};
+
+// -- shards: who leads each, and what is in those led here ------------------------------
+
+const shardsPage = {
+  init() {
+    document.getElementById("nav-shards").classList.add("active");
+    document.getElementById("ledger-view").hidden = true;
+    document.getElementById("shards-view").hidden = false;
+    document.getElementById("live").textContent = "refreshing every 2s";
+    this.load();
+    setInterval(() => this.load(), 2000);
+  },
+  async load() {
+    let doc;
+    try { doc = await getJSON("/api/shards"); } catch (err) { toast(String(err.message), true); return; }
+    const here = doc.shards.filter((s) => s.owner !== "");
+    const sum = (key) => here.reduce((n, s) => n + s[key], 0);
+    document.querySelector("#shards tbody").replaceChildren(...doc.shards.map((s) => {
+      const num = (v) => el("td", { class: "num" }, s.owner ? v.toLocaleString() : "–");
+      return el("tr", { class: s.owner ? "" : "elsewhere", "data-shard": String(s.index) },
+        el("td", { class: "num" }, String(s.index)),
+        el("td", {}, s.owner || "another coordinator"), el("td", {}, s.address || "unknown"),
+        el("td", { class: "num" }, String(s.epoch)), num(s.runs), num(s.leases), num(s.commands));
+    }));
+    document.getElementById("s-summary").textContent =
+      `${doc.shard_count} shards, ${here.length} led by this coordinator: ` +
+      `${sum("runs").toLocaleString()} runs, ${sum("leases").toLocaleString()} live leases, ` +
+      `${sum("commands").toLocaleString()} commands since it started`;
   },
 };
 
