@@ -29,4 +29,5 @@ export type { ConnectionOptions, KeepalivePingOptions, Pem, TlsOptions } from ".
 export type { CommandKind, Transport } from "./execute.js";
 export { MAX_SHARDS, SHARD_KEY_SEPARATOR, shardOf } from "./shards.js";
 export { MAX_HOPS } from "./routing.js";
+export { shardKeys } from "./placement.js";
 export type { Stubs } from "./routing.js";
