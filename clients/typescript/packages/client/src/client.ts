@@ -425,10 +425,21 @@ export class FencepostClient {
   /**
    * The shard map (docs/SPEC.md §13): the database's shard count and, per
    * shard, the coordinator that leads it, its epoch, and its runs and live
-   * leases. `shardOf(key, map.shardCount)` places a key.
+   * leases (the rows of shards another coordinator leads are asked of it).
+   * `shardOf(key, map.shardCount)` places a key.
    */
   async shards(options: CallOptions = {}): Promise<ShardMap> {
     const resp = await this.read((o) => this.stubs.ledger.shards({}, o), options);
+    // a coordinator answers only for the shards it leads: the others' rows are asked of their owners
+    const others = [...new Set(resp.shards.filter((s) => !s.owner && s.address).map((s) => s.address))].sort();
+    for (const address of others) {
+      const there = this.router.coordinator(address);
+      if (!there || there === this.router.home) continue;
+      const theirs = await withRetry(this.retry, false, (o) => there.stubs.ledger.shards({}, o), options, there.endpoints);
+      for (const s of theirs.shards) {
+        if (s.owner && s.address === address && s.index >= 0 && s.index < resp.shards.length) resp.shards[s.index] = s;
+      }
+    }
     return {
       shardCount: resp.shardCount,
       shards: resp.shards.map((s) => ({

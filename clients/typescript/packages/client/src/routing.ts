@@ -78,7 +78,9 @@ export class Router {
     this.peers.clear();
   }
 
-  /** The coordinator at `address`, connected on first use. */
+  /** The coordinator at `address`, connected on first use (undefined: this client cannot go there). */
+  coordinator(address: string): Coordinator | undefined { return this.at(address); }
+
   private at(address: string): Coordinator | undefined {
     if (!address || address === this.home.address) return this.home;
     let c = this.peers.get(address);

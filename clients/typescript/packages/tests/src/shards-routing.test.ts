@@ -264,6 +264,25 @@ describe("routing by shard", () => {
     }
   });
 
+  it("gathers the map's counts from each shard's owner", async () => {
+    const client = new FencepostClient(pair.b.address, { owner: "ts-route-map" });
+    try {
+      const runs = [0, 1, 2, 3].flatMap((s) => keysIn(s, "ts-map", s + 1));
+      const leases = await Promise.all(runs.map((id) => client.acquire(id, { ttlMs: 60_000 })));
+      // every count is its owner's own: the runs this test made, plus any earlier test's in that shard
+      // (a coordinator may answer a count begun under a second ago: asked again until it is newer)
+      let map = await client.shards();
+      const counted = () => [0, 1, 2, 3].every((s) => map.shards[s]!.runs >= s + 1 && map.shards[s]!.leases >= s + 1);
+      await until(async () => counted() || (map = await client.shards(), counted()), 10_000,
+        `each owner counts its runs: ${JSON.stringify(map.shards)}`);
+      assert.deepEqual(map.shards.map((s) => s.address), [pair.a.address, pair.a.address, pair.b.address, pair.b.address]);
+      assert.ok(map.shards.every((s) => s.owner !== ""), "every row names its owner");
+      await Promise.all(leases.map((l) => l.release()));
+    } finally {
+      await client.close();
+    }
+  });
+
   it("sends no Shards call until a call is refused with NOT_OWNER, then fetches the map once", async () => {
     const shards = countShards();
     const client = new FencepostClient(pair.b.address, { owner: "ts-route-quiet", interceptors: shards.interceptors });
