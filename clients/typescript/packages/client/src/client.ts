@@ -1,5 +1,6 @@
 // FencepostClient: the ledger (acquire, leases, operator commands, reads,
-// watchRuns), the raw RunStore and the EngineStore on one gRPC connection.
+// watchRuns), the raw RunStore and the EngineStore, over one gRPC connection
+// per coordinator (routing.ts: by shard, once a coordinator says NOT_OWNER).
 import { hostname } from "node:os";
 import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
@@ -14,6 +15,8 @@ import { TestHooks } from "./gen/fencepost/v1/testing_pb.js";
 import { fromCallError, RevisionCompactedError, StreamTooSlowError, type FencepostError } from "./errors.js";
 import { Endpoints, parseEndpoints, type ConnectionOptions } from "./endpoints.js";
 import { acquireShared, releaseShared, shareKey } from "./shared.js";
+import { shardKeys } from "./placement.js";
+import { Router, type Coordinator, type OwnerMap, type Stubs } from "./routing.js";
 import { KeepAliveSession, type FenceListener } from "./keepalive.js";
 import { Lease, type LeaseHost } from "./lease.js";
 import { recordFromPb, statusFromPb, statusToPb, toBigInt, toNumber, type RunRecord, type RunStatus } from "./records.js";
@@ -129,6 +132,7 @@ export interface ClientInternals {
   executeCommands(): number;
   keepAliveConnects(): number;
   keepAliveMessages(): number;
+  coordinators(): string[];
 }
 
 export class FencepostClient {
@@ -154,6 +158,9 @@ export class FencepostClient {
   private _closed = false;
   /** @internal */
   readonly [internals]: ClientInternals;
+  private readonly router: Router;
+  private readonly connection: ClientOptions;
+  private readonly transportKind: CommandTransport;
 
   /**
    * `address`: one coordinator (`"host:port"`), or several (an array, or one
@@ -182,8 +189,18 @@ export class FencepostClient {
     this.sharedChannel = sharing !== undefined && transportKind === "stream";
     this.channel = this.sharedChannel ? sharing!.channel()
       : new CommandChannel(this.stubs.ledger, this.stubs.engineStore, transportKind);
-    this.store = new EngineStoreClient(this.stubs.engineStore, this.retry, (kind, req, o) => this.command(kind, req as never, o) as never);
+    this.connection = options;
+    this.transportKind = transportKind;
+    const endpoints = this.endpoints;
+    const home: Coordinator = {
+      get address() { return endpoints.address; },
+      endpoints, stubs: this.stubs, channel: this.channel, keepAlive: this.keepAlive, close: async () => undefined,
+    };
+    this.router = new Router(home, (a) => (options.connectTransport ? undefined : this.openCoordinator(a)), () => this.owners());
+    this.store = new EngineStoreClient(this.stubs.engineStore, this.retry, (kind, req, o) => this.command(kind, req as never, o) as never,
+      {}, (key, call) => this.router.send(() => (key === undefined ? undefined : [key]), (c) => call(c.stubs.engineStore)));
     this[internals] = {
+      coordinators: () => this.router.coordinators.map((c) => c.address),
       testHooks,
       executeConnects: () => this.channel.connects,
       executeCommands: () => this.channel.commandsSent,
@@ -207,6 +224,7 @@ export class FencepostClient {
   async close(): Promise<void> {
     if (this._closed) return;
     this._closed = true;
+    await this.router.close();
     if (!this.sharedChannel) await this.channel.close();
     await this.keepAlive.close();
     if (this.shareKey !== undefined) await releaseShared(this.shareKey);
@@ -215,10 +233,15 @@ export class FencepostClient {
 
   async [Symbol.asyncDispose](): Promise<void> { await this.close(); }
 
-  /** A mutation on a generated stub: one request id for every attempt. */
-  async mutate<T>(call: (requestId: string, opts: AttemptOptions) => Promise<T>, options: CallOptions = {}): Promise<T> {
+  /**
+   * A mutation on a generated stub: one request id for every attempt. With
+   * `shardKey` (the key of what it writes, docs/SPEC.md "Shards"), `call` is
+   * given the stubs of the coordinator that leads its shard.
+   */
+  async mutate<T>(call: (requestId: string, opts: AttemptOptions, stubs: Stubs) => Promise<T>, options: CallOptions = {}, shardKey?: string): Promise<T> {
     const requestId = newRequestId();
-    return withRetry(this.retry, true, (o) => call(requestId, o), options, this.endpoints);
+    return withRetry(this.retry, true,
+      (o) => this.router.send(() => (shardKey === undefined ? undefined : [shardKey]), (c) => call(requestId, o, c.stubs)), options, this.endpoints);
   }
 
   /**
@@ -226,14 +249,62 @@ export class FencepostClient {
    * id) over the client's transport: one request id for every attempt.
    */
   async command<K extends CommandKind>(kind: K, request: CommandRequest<K>, options: CallOptions = {}): Promise<CommandResponse<K>> {
-    const requestId = newRequestId();
-    return withRetry(this.retry, true,
-      (o) => this.channel.run<CommandResponse<K>>(kind, { ...request, requestId }, o), options, this.endpoints);
+    return this.send(kind, request, options);
   }
 
-  /** A read on a generated stub, retried while the server is unavailable. */
-  async read<T>(call: (opts: AttemptOptions) => Promise<T>, options: CallOptions = {}): Promise<T> {
-    return withRetry(this.retry, false, call, options, this.endpoints);
+  /** `command`, with `perTarget` adding fields for the coordinator each attempt goes to. */
+  private send<K extends CommandKind>(kind: K, request: CommandRequest<K>, options: CallOptions,
+    perTarget?: (c: Coordinator) => Mutable): Promise<CommandResponse<K>> {
+    const req: Mutable = { ...request, requestId: newRequestId() };
+    return withRetry(this.retry, true, (o) => this.router.send(() => shardKeys(kind, req),
+      (c) => c.channel.run<CommandResponse<K>>(kind, perTarget ? { ...req, ...perTarget(c) } : req, o)), options, this.endpoints);
+  }
+
+  /**
+   * A read on a generated stub, retried while the server is unavailable.
+   * With `shardKey` (the key of what it reads), `call` is given the stubs of
+   * the coordinator that leads its shard.
+   */
+  async read<T>(call: (opts: AttemptOptions, stubs: Stubs) => Promise<T>, options: CallOptions = {}, shardKey?: string): Promise<T> {
+    return withRetry(this.retry, false,
+      (o) => this.router.send(() => (shardKey === undefined ? undefined : [shardKey]), (c) => call(o, c.stubs)), options, this.endpoints);
+  }
+
+  /** The map as routing needs it: each shard's owner address, by index. */
+  private async owners(): Promise<OwnerMap> {
+    // straight to the home coordinator: routing waits for this very fetch
+    const resp = await withRetry(this.retry, false, (o) => this.stubs.ledger.shards({}, o), {}, this.endpoints);
+    const owners = new Array<string>(resp.shardCount).fill("");
+    for (const s of resp.shards) if (s.index >= 0 && s.index < resp.shardCount) owners[s.index] = s.address;
+    return { shardCount: resp.shardCount, owners };
+  }
+
+  /** A connection, Execute stream and KeepAlive stream to another coordinator (shared as the home one is). */
+  private openCoordinator(address: string): Coordinator | undefined {
+    try {
+      const key = this.shareKey !== undefined ? shareKey([address], this.connection) : undefined;
+      const sharing = key !== undefined ? acquireShared(key, [address], this.connection) : undefined;
+      const endpoints = sharing?.endpoints ?? new Endpoints([address], this.connection);
+      const stubs: Stubs = {
+        ledger: createClient(Ledger, endpoints), runStore: createClient(RunStore, endpoints), engineStore: createClient(EngineStore, endpoints),
+      };
+      const sharedChannel = sharing !== undefined && this.transportKind === "stream";
+      const channel = sharedChannel ? sharing!.channel() : new CommandChannel(stubs.ledger, stubs.engineStore, this.transportKind);
+      const keepAlive = new KeepAliveSession(stubs.ledger, this.owner);
+      return {
+        address, endpoints, stubs, channel, keepAlive,
+        close: async () => {
+          if (!sharedChannel) await channel.close();
+          await keepAlive.close();
+          if (key !== undefined) await releaseShared(key);
+          else endpoints.close();
+        },
+      };
+    } catch (why) {
+      // an address this client may not connect to (a token in plaintext to another machine, say)
+      if (process.env["FENCEPOST_DEBUG"]) console.error(`not routing to ${address}:`, why);
+      return undefined;
+    }
   }
 
   /**
@@ -247,26 +318,35 @@ export class FencepostClient {
     const sentAt = performance.now();
     // The server tracks the lease on our KeepAlive stream at the acquire's
     // commit when we name it: no `track` message after the answer.
-    const trackOn = this.keepAlive.streamName;
-    const resp = await this.command("acquire", {
+    let trackOn = "";
+    let landed: Coordinator | undefined;
+    const resp = await this.send("acquire", {
       runId, owner: this.owner, leaseTtlMs: toBigInt(ttlMs, "ttl_ms"),
-      lockDelayMs: toBigInt(options.lockDelayMs ?? 0, "lock_delay_ms"), trackOn,
-    }, options);
+      lockDelayMs: toBigInt(options.lockDelayMs ?? 0, "lock_delay_ms"),
+    }, options, (c) => {
+      // each attempt names the KeepAlive stream of the coordinator it goes to
+      landed = c;
+      trackOn = c.keepAlive.streamName;
+      return { trackOn };
+    });
     const record = recordFromPb(resp.run!);
     const renew = options.renew ?? true;
-    return new Lease(this.leaseHost(renew, resp.tracked ? trackOn : ""), record, ttlMs, sentAt);
+    return new Lease(this.leaseHost(renew, resp.tracked ? trackOn : "", landed), record, ttlMs, sentAt);
   }
 
-  private leaseHost(renew: boolean, trackedOn = ""): LeaseHost {
+  private leaseHost(renew: boolean, trackedOn = "", landed?: Coordinator): LeaseHost {
+    let at = landed; // the first renewal goes where the acquire was granted; later ones where the lease is
     return {
       fenced: (kind, lease, extra, options) => this.fenced(kind, lease, extra, options),
       fencedStore: (lease) => this.store.withView({ fence: fencePb(lease.fence), onRefused: (e) => lease.fenceRefused(e) }),
       startRenewing: (lease, listener) => {
         const token = BigInt(lease.fencingToken);
-        if (renew) this.keepAlive.renew(lease.runId, token, lease.ttlMs, listener, trackedOn);
-        else this.keepAlive.track(lease.runId, token, listener, trackedOn);
+        const where = at;
+        at = undefined;
+        if (renew) this.router.renew(lease.runId, token, lease.ttlMs, listener, trackedOn, where);
+        else this.router.track(lease.runId, token, listener, trackedOn, where);
       },
-      stopRenewing: (lease, listener, untrack) => this.keepAlive.stopRenewing(lease.runId, listener, untrack),
+      stopRenewing: (lease, listener, untrack) => this.router.stopRenewing(lease.runId, listener, untrack),
     };
   }
 
@@ -284,7 +364,7 @@ export class FencepostClient {
 
   /** Read one run. Throws RunNotFoundError. */
   async get(runId: string, options: CallOptions = {}): Promise<RunRecord> {
-    const resp = await this.read((o) => this.stubs.ledger.getRun({ runId }, o), options);
+    const resp = await this.read((o, stubs) => stubs.ledger.getRun({ runId }, o), options, runId);
     return recordFromPb(resp.run!);
   }
 
@@ -334,8 +414,8 @@ export class FencepostClient {
 
   /** Whether `fencingToken` is still the run's current one (for downstream resources). */
   async validateFence(runId: string, fencingToken: number, options: CallOptions = {}): Promise<FenceStatus> {
-    const resp = await this.read((o) =>
-      this.stubs.ledger.validateFence({ runId, fencingToken: toBigInt(fencingToken, "fencing_token") }, o), options);
+    const resp = await this.read((o, stubs) =>
+      stubs.ledger.validateFence({ runId, fencingToken: toBigInt(fencingToken, "fencing_token") }, o), options, runId);
     return {
       current: resp.current, found: resp.found, fencingToken: toNumber(resp.fencingToken),
       status: resp.found ? statusFromPb(resp.status) : undefined, revision: toNumber(resp.revision),
@@ -345,10 +425,21 @@ export class FencepostClient {
   /**
    * The shard map (docs/SPEC.md §13): the database's shard count and, per
    * shard, the coordinator that leads it, its epoch, and its runs and live
-   * leases. `shardOf(key, map.shardCount)` places a key.
+   * leases (the rows of shards another coordinator leads are asked of it).
+   * `shardOf(key, map.shardCount)` places a key.
    */
   async shards(options: CallOptions = {}): Promise<ShardMap> {
     const resp = await this.read((o) => this.stubs.ledger.shards({}, o), options);
+    // a coordinator answers only for the shards it leads: the others' rows are asked of their owners
+    const others = [...new Set(resp.shards.filter((s) => !s.owner && s.address).map((s) => s.address))].sort();
+    for (const address of others) {
+      const there = this.router.coordinator(address);
+      if (!there || there === this.router.home) continue;
+      const theirs = await withRetry(this.retry, false, (o) => there.stubs.ledger.shards({}, o), options, there.endpoints);
+      for (const s of theirs.shards) {
+        if (s.owner && s.address === address && s.index >= 0 && s.index < resp.shards.length) resp.shards[s.index] = s;
+      }
+    }
     return {
       shardCount: resp.shardCount,
       shards: resp.shards.map((s) => ({
@@ -365,8 +456,8 @@ export class FencepostClient {
    * of the commit that moved it. Returns a function that stops watching.
    */
   watchFence(runId: string, fencingToken: number | bigint, listener: FenceListener): () => void {
-    this.keepAlive.track(runId, typeof fencingToken === "bigint" ? fencingToken : toBigInt(fencingToken, "fencing_token"), listener);
-    return () => this.keepAlive.forget(runId, listener);
+    this.router.track(runId, typeof fencingToken === "bigint" ? fencingToken : toBigInt(fencingToken, "fencing_token"), listener);
+    return () => this.router.forget(runId, listener);
   }
 
   /**

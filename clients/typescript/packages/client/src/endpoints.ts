@@ -16,7 +16,7 @@ import { isIP } from "node:net";
 import type { DescMessage, DescMethodStreaming, DescMethodUnary, MessageInitShape } from "@bufbuild/protobuf";
 import { Code, ConnectError, type ContextValues, type Interceptor, type StreamResponse, type Transport, type UnaryResponse } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
-import { fromCallError, NotLeaderError, OutcomeUnknownError, UnavailableError, type FencepostError } from "./errors.js";
+import { fromCallError, NotLeaderError, NotOwnerError, OutcomeUnknownError, UnavailableError, type FencepostError } from "./errors.js";
 import type { RetryContext } from "./retry.js";
 
 type HeaderInit = Parameters<Transport["unary"]>[3];
@@ -143,7 +143,8 @@ function openEndpoint(address: string, options: ConnectionOptions): Endpoint {
 /** Whether a failure says its endpoint is not (or no longer) the one to send to. */
 function movesOn(err: FencepostError): boolean {
   if (err instanceof NotLeaderError) return true;
-  if (!(err instanceof UnavailableError) || err instanceof OutcomeUnknownError) return false;
+  // a coordinator that leads other shards answers: it is the right one for those
+  if (!(err instanceof UnavailableError) || err instanceof OutcomeUnknownError || err instanceof NotOwnerError) return false;
   return err.grpcCode === Code.Unavailable || err.grpcCode === Code.DeadlineExceeded;
 }
 
@@ -155,7 +156,7 @@ const unreachable = (address: string, why: string) =>
 
 /** Whether a failed attempt certainly did nothing: a standby's refusal, or no connection at all. */
 export function notSent(err: FencepostError): boolean {
-  if (err instanceof NotLeaderError || err.cause instanceof Unreachable) return true;
+  if (err instanceof NotLeaderError || err instanceof NotOwnerError || err.cause instanceof Unreachable) return true;
   if (!(err.cause instanceof ConnectError)) return false;
   // an Execute stream's command failed with its stream: refused by a standby, or never connected
   return (err.cause.cause as { code?: unknown } | undefined)?.code === "ECONNREFUSED" || fromCallError(err.cause) instanceof NotLeaderError;

@@ -146,6 +146,22 @@ export class NotLeaderError extends UnavailableError {
   }
   get leader(): string { return this.metadata["leader"] ?? ""; }
 }
+/**
+ * The coordinator leads only some shards and not the one this call is keyed
+ * in (docs/SPEC.md "Shards"); it did nothing with the call, nor remembered
+ * its request id. `shard`, `owner` (the address of the coordinator that leads
+ * it, "" while none is known) and `epoch` name it. The client sends the call
+ * there by itself; this surfaces only when that did not settle within a few hops.
+ */
+export class NotOwnerError extends UnavailableError {
+  static readonly code = "NOT_OWNER";
+  constructor(message: string, options: ErrorOptions = {}) {
+    super(message, options, "NOT_OWNER");
+  }
+  get shard(): number { return Number(this.metadata["shard"] ?? -1); }
+  get owner(): string { return this.metadata["owner"] ?? ""; }
+  get epoch(): number { return Number(this.metadata["epoch"] ?? 0); }
+}
 /** No credentials, a token the server does not know, or a certificate without the identity it needs. Never retried. */
 export class UnauthenticatedError extends reason("UNAUTHENTICATED") {}
 /**
@@ -186,6 +202,7 @@ const BY_REASON: Record<string, Ctor> = {
   RUN_REVISION_COMPACTED: RevisionCompactedError,
   STREAM_TOO_SLOW: StreamTooSlowError,
   NOT_LEADER: NotLeaderError,
+  NOT_OWNER: NotOwnerError,
   UNAUTHENTICATED: UnauthenticatedError,
   PERMISSION_DENIED: PermissionDeniedError,
   OWNER_NOT_PERMITTED: OwnerNotPermittedError,
@@ -241,5 +258,6 @@ export function fromStatus(status: Status): FencepostError {
 
 /** Whether a failed attempt may be retried with the same request id. */
 export function isRetryable(err: FencepostError): boolean {
-  return err.grpcCode === Code.Unavailable;
+  // a NotOwnerError reaching a retry is one routing gave up on (or a call that is not routed)
+  return err.grpcCode === Code.Unavailable && !(err instanceof NotOwnerError);
 }

@@ -18,7 +18,7 @@ export {
   InvalidTransitionError, LeaseAtRiskError, LockLostError, LeaseHeldError, LeaseLostError, OutcomeUnknownError,
   RevisionCompactedError, RpcError, RunNotFoundError, RunSuspendedError, ShuttingDownError, StorageFullError,
   StorageUnavailableError, StreamTooSlowError, UnavailableError, ValidationError, errorFor, fromCallError, fromStatus,
-  NotLeaderError, OwnerNotPermittedError, PermissionDeniedError, UnauthenticatedError,
+  NotLeaderError, NotOwnerError, OwnerNotPermittedError, PermissionDeniedError, UnauthenticatedError,
 } from "./errors.js";
 export { TERMINAL_STATUSES, recordFromPb, recordToPb, statusFromPb, statusToPb } from "./records.js";
 export type { CheckpointRef, LeaseInfo, LostReason, Outcome, RunRecord, RunStatus, Suspension } from "./records.js";
@@ -28,3 +28,6 @@ export { parseEndpoints } from "./endpoints.js";
 export type { ConnectionOptions, KeepalivePingOptions, Pem, TlsOptions } from "./endpoints.js";
 export type { CommandKind, Transport } from "./execute.js";
 export { MAX_SHARDS, SHARD_KEY_SEPARATOR, shardOf } from "./shards.js";
+export { MAX_HOPS } from "./routing.js";
+export { shardKeys } from "./placement.js";
+export type { Stubs } from "./routing.js";

@@ -18,7 +18,7 @@ import {
   type Ledger,
 } from "./gen/fencepost/v1/ledger_pb.js";
 import { AsyncQueue } from "./queue.js";
-import { fromCallError, PermissionDeniedError, UnauthenticatedError } from "./errors.js";
+import { errorFor, fromCallError, NotOwnerError, PermissionDeniedError, UnauthenticatedError } from "./errors.js";
 import { lostReasonFromPb, recordFromPb, type LostReason, type RunRecord } from "./records.js";
 import { backoffDelays, retryPolicy, sleep } from "./retry.js";
 
@@ -34,8 +34,19 @@ export interface FenceListener {
   error?(code: string, message: string): void;
 }
 
+/** A lease or watch whose coordinator no longer leads its shard, to be tracked at the owner. */
+export interface MovedLease {
+  token: bigint;
+  renewTtlMs: number | undefined;
+  listeners: Set<FenceListener>;
+  /** How many times in a row it was moved without an answered renewal. */
+  moves: number;
+}
+
 interface Entry {
   token: bigint;
+  /** Moves to another coordinator since its last answered renewal. */
+  moves: number;
   /** ttl for renewals; undefined: track only (never renew). */
   renewTtlMs: number | undefined;
   dueAt: number;
@@ -62,7 +73,55 @@ export class KeepAliveSession {
   private readonly namePrefix = randomBytes(12).toString("hex");
   private name = "";
 
+  /**
+   * Renew every lease when the stream reopens, not only those due (routing):
+   * the coordinator may no longer lead a lease's shard, which a renewal learns.
+   */
+  renewAllOnReconnect = false;
+  /** Called (routing) when a renewal is refused with NOT_OWNER: the entry has left this stream. */
+  onNotOwner: ((runId: string, moved: MovedLease, err: NotOwnerError) => void) | undefined;
+  /** Called (routing) when the stream failed: its coordinator may be gone, its shards led elsewhere. */
+  onDown: (() => void) | undefined;
+
+  /** The runs this stream renews or watches. */
+  runIds(): string[] { return [...this.entries.keys()]; }
+
+  /** Take `runId` off this stream (to be adopted by another). */
+  take(runId: string): MovedLease | undefined {
+    const e = this.entries.get(runId);
+    if (!e) return undefined;
+    this.entries.delete(runId);
+    this.send({ kind: { case: "untrack", value: create(KeepAliveUntrackSchema, { runId }) } });
+    return { token: e.token, renewTtlMs: e.renewTtlMs, listeners: e.listeners, moves: e.moves };
+  }
+
   constructor(private readonly ledger: Client<typeof Ledger>, readonly owner: string) {}
+
+  /** Whether this stream renews or watches `runId`. */
+  holds(runId: string): boolean { return this.entries.has(runId); }
+
+  /**
+   * Take over a lease or watch refused elsewhere: track it here and renew it
+   * after `delayMs` (the refused renewal renewed nothing).
+   */
+  adopt(runId: string, moved: MovedLease, delayMs = 0): void {
+    if (this.closed) return;
+    const known = this.entries.get(runId);
+    let e = known;
+    if (!e || e.token !== moved.token) {
+      e = { token: moved.token, moves: 0, renewTtlMs: undefined, dueAt: Number.POSITIVE_INFINITY, sent: [], listeners: new Set() };
+      this.entries.set(runId, e);
+    }
+    for (const l of moved.listeners) e.listeners.add(l);
+    e.moves = moved.moves + 1;
+    if (moved.renewTtlMs !== undefined) {
+      e.renewTtlMs = moved.renewTtlMs;
+      e.dueAt = performance.now() + delayMs;
+    }
+    this.ensureRunning();
+    this.trackIfNew(runId, moved.token, known, "");
+    this.schedule();
+  }
 
   /** The open stream's name, for AcquireRequest.track_on ("" while none is open). */
   get streamName(): string { return this.name; }
@@ -132,7 +191,7 @@ export class KeepAliveSession {
     let e = this.entries.get(runId);
     if (!e || e.token !== token) {
       // A new token replaces the old watch: the server tracks one token per run and stream.
-      e = { token, renewTtlMs: undefined, dueAt: Number.POSITIVE_INFINITY, sent: [], listeners: new Set() };
+      e = { token, moves: 0, renewTtlMs: undefined, dueAt: Number.POSITIVE_INFINITY, sent: [], listeners: new Set() };
       this.entries.set(runId, e);
     }
     e.listeners.add(listener);
@@ -206,7 +265,7 @@ export class KeepAliveSession {
         // (which do we still hold?); the rest is tracked and renews on time.
         const unanswered = e.sent.length > 0;
         e.sent = [];
-        if (e.renewTtlMs !== undefined && (unanswered || e.dueAt <= now + 50)) {
+        if (e.renewTtlMs !== undefined && (unanswered || this.renewAllOnReconnect || e.dueAt <= now + 50)) {
           renews.push(create(KeepAliveRenewSchema, { runId, fencingToken: e.token, leaseTtlMs: BigInt(e.renewTtlMs) }));
           e.sent.push(now);
           e.dueAt = now + e.renewTtlMs / 3;
@@ -230,6 +289,7 @@ export class KeepAliveSession {
         // dropped: reconnect below unless closing
         if (process.env["FENCEPOST_DEBUG"]) console.error("KeepAlive stream ended:", e);
         const err = fromCallError(e);
+        if (!this.closed) this.onDown?.();
         if (!this.closed && (err instanceof PermissionDeniedError || err instanceof UnauthenticatedError)) {
           // refused for this owner or these credentials: every reconnect would be too
           const refused = [...this.entries.values()];
@@ -264,6 +324,7 @@ export class KeepAliveSession {
         if (!e || e.token !== k.value.fencingToken) return;
         const sentAt = e.sent.shift();
         if (sentAt === undefined) return;
+        e.moves = 0;
         const expiresAt = new Date(k.value.expiresAt ? timestampMs(k.value.expiresAt) : 0);
         for (const l of e.listeners) l.renewed?.(sentAt, Number(k.value.ttlRemainingMs), expiresAt);
         return;
@@ -287,6 +348,14 @@ export class KeepAliveSession {
         const e = this.entries.get(k.value.runId);
         if (!e) return;
         e.sent.shift();
+        if (k.value.code === NotOwnerError.code && this.onNotOwner) {
+          // another coordinator leads its shard: it leaves this stream for the owner's
+          this.entries.delete(k.value.runId);
+          this.send({ kind: { case: "untrack", value: create(KeepAliveUntrackSchema, { runId: k.value.runId }) } });
+          const err = errorFor(k.value.code, k.value.message, { metadata: { ...k.value.metadata } }) as NotOwnerError;
+          this.onNotOwner(k.value.runId, { token: e.token, renewTtlMs: e.renewTtlMs, listeners: e.listeners, moves: e.moves }, err);
+          return;
+        }
         for (const l of e.listeners) l.error?.(k.value.code, k.value.message);
         return;
       }

@@ -31,6 +31,7 @@ import { newRequestId, withRetry, type AttemptOptions, type CallOptions, type Fu
 import type { CommandKind, WriteKind } from "./execute.js";
 import type { TransactionResponse } from "./gen/fencepost/v1/ledger_pb.js";
 import { StoreTransaction, type Answered } from "./transaction.js";
+import { SHARD_KEY_SEPARATOR } from "./shards.js";
 
 export interface EngineClaim { owner: string; expiresAt: Date }
 
@@ -239,6 +240,14 @@ export interface StoreView {
   queue?: WriteQueue;
 }
 
+/**
+ * @internal Sends a read or upload keyed by `key` (undefined: none) to the
+ * stub of the coordinator that leads its shard.
+ */
+export type StoreRoute = <T>(key: string | undefined, call: (stub: Client<typeof EngineStore>) => Promise<T>) => Promise<T>;
+
+const compound = (a: string, b: string) => `${a}${SHARD_KEY_SEPARATOR}${b}`;
+
 type Resp<K extends keyof Client<typeof EngineStore>> = Client<typeof EngineStore>[K] extends (...a: never[]) => Promise<infer R> ? R : never;
 
 export class EngineStoreClient {
@@ -247,6 +256,7 @@ export class EngineStoreClient {
     private readonly retry: FullRetryPolicy,
     private readonly command: CommandRunner,
     private readonly view: StoreView = {},
+    private readonly route: StoreRoute = (_key, call) => call(stub),
   ) {}
 
   /**
@@ -290,7 +300,7 @@ export class EngineStoreClient {
 
   /** @internal The same store with `view` (and none of this one's). */
   withView(view: StoreView): EngineStoreClient {
-    return new EngineStoreClient(this.stub, this.retry, this.command, view);
+    return new EngineStoreClient(this.stub, this.retry, this.command, view, this.route);
   }
 
   /** @internal One Ledger.Transact (the request as an init object, without request id). */
@@ -298,8 +308,9 @@ export class EngineStoreClient {
     return this.refusals(this.command<TransactionResponse>("transaction", request));
   }
 
-  private read<T>(call: (o: AttemptOptions) => Promise<T>, options: CallOptions = {}): Promise<T> {
-    return withRetry(this.retry, false, (o) => call(o), options);
+  /** A read of what shard key `key` places (undefined: no one shard), on the stub of its coordinator. */
+  private read<T>(key: string | undefined, call: (o: AttemptOptions, stub: Client<typeof EngineStore>) => Promise<T>, options: CallOptions = {}): Promise<T> {
+    return withRetry(this.retry, false, (o) => this.route(key, (stub) => call(o, stub)), options);
   }
 
   /**
@@ -345,7 +356,7 @@ export class EngineStoreClient {
   }
 
   async getRun(id: string, options: CallOptions = {}): Promise<EngineRun | undefined> {
-    const r = await this.read((o) => this.stub.getRun({ id }, o), options);
+    const r = await this.read(id, (o, stub) => stub.getRun({ id }, o), options);
     return r.found && r.run ? engineRunFromPb(r.run) : undefined;
   }
 
@@ -370,10 +381,10 @@ export class EngineStoreClient {
       ...opt("limit", q.limit === undefined ? undefined : toBigInt(q.limit, "limit")),
       offset: toBigInt(q.offset ?? 0, "offset"),
     });
-    return this.read(async (o) => {
+    return this.read(undefined, async (o, stub) => {
       const runs: EngineRun[] = [];
       let total = 0;
-      for await (const page of this.stub.listRuns(req, o)) {
+      for await (const page of stub.listRuns(req, o)) {
         total = toNumber(page.total);
         for (const r of page.runs) runs.push(engineRunFromPb(r));
       }
@@ -402,9 +413,9 @@ export class EngineStoreClient {
   }
 
   async listSteps(runId: string, options: CallOptions = {}): Promise<EngineStep[]> {
-    return this.read(async (o) => {
+    return this.read(runId, async (o, stub) => {
       const out: EngineStep[] = [];
-      for await (const page of this.stub.listSteps({ runId }, o)) for (const s of page.steps) out.push(stepFromPb(s));
+      for await (const page of stub.listSteps({ runId }, o)) for (const s of page.steps) out.push(stepFromPb(s));
       return out;
     }, options);
   }
@@ -421,7 +432,7 @@ export class EngineStoreClient {
   }
 
   async latestCheckpoint(runId: string, options: CallOptions = {}): Promise<EngineCheckpoint | undefined> {
-    const r = await this.read((o) => this.stub.latestCheckpoint({ runId }, o), options);
+    const r = await this.read(runId, (o, stub) => stub.latestCheckpoint({ runId }, o), options);
     return r.found && r.checkpoint ? checkpointFromPb(r.checkpoint) : undefined;
   }
 
@@ -441,7 +452,7 @@ export class EngineStoreClient {
   }
 
   async getEffect(key: string, options: CallOptions = {}): Promise<Lookup<unknown>> {
-    const r = await this.read((o) => this.stub.getEffect({ key }, o), options);
+    const r = await this.read(key, (o, stub) => stub.getEffect({ key }, o), options);
     return { found: r.found, value: r.found ? jsonOut(r.result) : undefined, at: r.recordedAt ? date(r.recordedAt) : undefined };
   }
 
@@ -452,7 +463,7 @@ export class EngineStoreClient {
   }
 
   async kvGet(agent: string, key: string, options: CallOptions = {}): Promise<Lookup<unknown>> {
-    const r = await this.read((o) => this.stub.kvGet({ agent, key }, o), options);
+    const r = await this.read(compound(agent, key), (o, stub) => stub.kvGet({ agent, key }, o), options);
     return { found: r.found, value: r.found ? jsonOut(r.value) : undefined, at: r.updatedAt ? date(r.updatedAt) : undefined };
   }
 
@@ -466,9 +477,9 @@ export class EngineStoreClient {
   async docList(agent: string, collection: string, q: { where?: Record<string, unknown>; limit?: number } = {}, options: CallOptions = {}): Promise<EngineDoc[]> {
     const where = jsonIn(q.where, "where");
     const limit = q.limit === undefined ? undefined : toBigInt(q.limit, "limit");
-    return this.read(async (o) => {
+    return this.read(compound(agent, collection), async (o, stub) => {
       const out: EngineDoc[] = [];
-      for await (const page of this.stub.docList({ agent, collection, ...opt("where", where), ...opt("limit", limit) }, o)) {
+      for await (const page of stub.docList({ agent, collection, ...opt("where", where), ...opt("limit", limit) }, o)) {
         for (const d of page.docs) out.push(docFromPb(d));
       }
       return out;
@@ -522,12 +533,12 @@ export class EngineStoreClient {
     const limits: CallOptions = {};
     if (opts.signal) limits.signal = opts.signal;
     if (opts.timeoutMs !== undefined) limits.timeoutMs = opts.timeoutMs;
-    const r = await this.refusals(withRetry(policy, true, (o) => this.stub.putArtifact(messages(), o), limits));
+    const r = await this.refusals(withRetry(policy, true, (o) => this.route(header.runId, (stub) => stub.putArtifact(messages(), o)), limits));
     return { created: r.created, artifact: artifactFromPb(r.artifact!) };
   }
 
   async getArtifact(id: string, options: CallOptions = {}): Promise<EngineArtifact | undefined> {
-    const r = await this.read((o) => this.stub.getArtifact({ id }, o), options);
+    const r = await this.read(undefined, (o, stub) => stub.getArtifact({ id }, o), options);
     return r.found && r.artifact ? artifactFromPb(r.artifact) : undefined;
   }
 
@@ -544,10 +555,10 @@ export class EngineStoreClient {
 
   /** The whole artifact as one plain Uint8Array. Throws RunNotFoundError for an unknown id. */
   async readArtifact(id: string, options: CallOptions = {}): Promise<Uint8Array> {
-    return this.read(async (o) => {
+    return this.read(undefined, async (o, stub) => {
       const parts: Uint8Array[] = [];
       let n = 0;
-      for await (const m of this.stub.readArtifact({ id }, o)) {
+      for await (const m of stub.readArtifact({ id }, o)) {
         if (m.chunk.byteLength) { parts.push(m.chunk); n += m.chunk.byteLength; }
       }
       const out = new Uint8Array(n);
@@ -558,9 +569,9 @@ export class EngineStoreClient {
   }
 
   async listArtifacts(runId: string, options: CallOptions = {}): Promise<EngineArtifact[]> {
-    return this.read(async (o) => {
+    return this.read(runId, async (o, stub) => {
       const out: EngineArtifact[] = [];
-      for await (const page of this.stub.listArtifacts({ runId }, o)) for (const a of page.artifacts) out.push(artifactFromPb(a));
+      for await (const page of stub.listArtifacts({ runId }, o)) for (const a of page.artifacts) out.push(artifactFromPb(a));
       return out;
     }, options);
   }
@@ -572,7 +583,7 @@ export class EngineStoreClient {
    */
   async deleteArtifact(id: string, opts: WriteOptions = {}): Promise<boolean> {
     const request = { id, requestId: newRequestId(), ...(opts.fence ? fenceIn(opts.fence) : opt("fence", this.view.fence)) };
-    const r = await this.refusals(withRetry(this.retry, true, (o) => this.stub.deleteArtifact(request, o)));
+    const r = await this.refusals(withRetry(this.retry, true, (o) => this.route(undefined, (stub) => stub.deleteArtifact(request, o))));
     return r.deleted;
   }
 }

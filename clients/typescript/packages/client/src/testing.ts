@@ -38,12 +38,14 @@ export interface Diagnostics {
   keepAliveConnects: number;
   /** How many messages the KeepAlive stream has written (hello, renewals, track, untrack). */
   keepAliveMessages: number;
+  /** The coordinators the client has a connection to: its own endpoint, then those it routed calls to. */
+  coordinators: string[];
 }
 
 /** A client's stream counters, read now. */
 export function diagnostics(client: FencepostClient): Diagnostics {
   const i = client[internals];
-  return { executeConnects: i.executeConnects(), executeCommands: i.executeCommands(), keepAliveConnects: i.keepAliveConnects(), keepAliveMessages: i.keepAliveMessages() };
+  return { executeConnects: i.executeConnects(), executeCommands: i.executeCommands(), keepAliveConnects: i.keepAliveConnects(), keepAliveMessages: i.keepAliveMessages(), coordinators: i.coordinators() };
 }
 
 export interface TestServer {
@@ -65,6 +67,12 @@ export interface StartOptions {
   args?: string[];
   /** How the readiness check connects (a server with --tls-cert needs tls). */
   connect?: ClientOptions;
+  /** The port to listen on (default a free one): servers that must name each other pick theirs first. */
+  port?: number;
+  /** Extra environment variables for the server process. */
+  env?: Record<string, string>;
+  /** Serve this database file (kept on stop) instead of a fresh one. */
+  db?: string;
 }
 
 export function findFencepostBin(): string {
@@ -116,15 +124,15 @@ export async function waitReady(address: string, child: ChildProcess, log: () =>
 
 export async function startServer(options: StartOptions = {}): Promise<TestServer> {
   const bin = options.bin ?? findFencepostBin();
-  const dir = mkdtempSync(join(tmpdir(), "fencepost-ts-"));
-  const db = join(dir, "fencepost.db");
-  const port = await freePort();
+  const dir = options.db === undefined ? mkdtempSync(join(tmpdir(), "fencepost-ts-")) : undefined;
+  const db = options.db ?? join(dir!, "fencepost.db");
+  const port = options.port ?? await freePort();
   const address = `127.0.0.1:${port}`;
   let child: ChildProcess;
   let output = "";
   const launch = async () => {
     const args = ["serve", "--listen", address, "--db", db, ...(options.testHooks === false ? [] : ["--test-hooks"]), ...(options.args ?? [])];
-    child = spawn(bin, args, { stdio: ["ignore", "pipe", "pipe"] });
+    child = spawn(bin, args, { stdio: ["ignore", "pipe", "pipe"], ...(options.env ? { env: { ...process.env, ...options.env } } : {}) });
     child.stdout?.on("data", (d) => { output = (output + d).slice(-20_000); });
     child.stderr?.on("data", (d) => { output = (output + d).slice(-20_000); });
     await waitReady(address, child, () => output, options.connect);
@@ -142,7 +150,7 @@ export async function startServer(options: StartOptions = {}): Promise<TestServe
     address,
     db,
     get pid() { return child.pid ?? -1; },
-    async stop() { await kill(); rmSync(dir, { recursive: true, force: true }); },
+    async stop() { await kill(); if (dir !== undefined) rmSync(dir, { recursive: true, force: true }); },
     async restart() { await kill(); await launch(); },
   };
 }

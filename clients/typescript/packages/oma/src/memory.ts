@@ -369,7 +369,7 @@ export class FencepostMemoryStore implements MemoryStore {
    */
   private async fenceFor(runId: string, token: number): Promise<FenceSpec | Guard> {
     // the ledger's GetRun, not the raw seam's Get: a worker's role may call it
-    const r = await this.client.read((o) => this.client.stubs.ledger.getRun({ runId }, o)).catch((e: unknown) => {
+    const r = await this.client.read((o, stubs) => stubs.ledger.getRun({ runId }, o), {}, runId).catch((e: unknown) => {
       if (e instanceof RunNotFoundError) return undefined;
       throw e;
     });

@@ -217,7 +217,7 @@ export class FencepostRunStore implements RunStore {
 
   async get(runId: string): Promise<RunRecord | null> {
     try {
-      const r = await this.client.read((o) => this.client.stubs.runStore.get({ runId }, o));
+      const r = await this.client.read((o, stubs) => stubs.runStore.get({ runId }, o), {}, runId);
       if (!r.found || !r.run) return null;
       this.remember(runId, r.run.fencingToken);
       return fromServerRecord(r.run);
@@ -232,7 +232,7 @@ export class FencepostRunStore implements RunStore {
     for (let attempt = 0; attempt < 64; attempt++) {
       try {
         const run = toServerRecord(record, epoch);
-        const r = await this.client.mutate((requestId, o) => this.client.stubs.runStore.create({ run, requestId }, o));
+        const r = await this.client.mutate((requestId, o, stubs) => stubs.runStore.create({ run, requestId }, o), {}, record.runId);
         if (r.run) this.remember(record.runId, r.run.fencingToken);
         return r.created;
       } catch (e) {
@@ -259,8 +259,8 @@ export class FencepostRunStore implements RunStore {
     for (let refreshed = false; ; refreshed = true) {
       const nextPb = toServerRecord(next, epoch, "next");
       try {
-        const r = await this.client.mutate((requestId, o) =>
-          this.client.stubs.runStore.compareAndSet({ runId, expectedVersion: BigInt(expectedVersion), next: nextPb, requestId }, o));
+        const r = await this.client.mutate((requestId, o, stubs) =>
+          stubs.runStore.compareAndSet({ runId, expectedVersion: BigInt(expectedVersion), next: nextPb, requestId }, o), {}, runId);
         if (r.run) this.remember(runId, r.run.fencingToken);
         else this.epochs.delete(runId);
         return r.swapped;
@@ -281,7 +281,7 @@ export class FencepostRunStore implements RunStore {
 
   async delete(runId: string): Promise<void> {
     try {
-      await this.client.mutate((requestId, o) => this.client.stubs.runStore.delete({ runId, requestId }, o));
+      await this.client.mutate((requestId, o, stubs) => stubs.runStore.delete({ runId, requestId }, o), {}, runId);
       this.epochs.delete(runId);
     } catch (e) {
       throw toStoreError(e);
@@ -339,7 +339,7 @@ export class FencepostRunStore implements RunStore {
 
   private async fetch(runId: string): Promise<PbRun | undefined> {
     try {
-      const r = await this.client.read((o) => this.client.stubs.runStore.get({ runId }, o));
+      const r = await this.client.read((o, stubs) => stubs.runStore.get({ runId }, o), {}, runId);
       if (r.found && r.run) this.remember(runId, r.run.fencingToken);
       return r.found ? r.run : undefined;
     } catch (e) {

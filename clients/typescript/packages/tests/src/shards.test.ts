@@ -5,7 +5,9 @@ import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { after, before, describe, it } from "node:test";
-import { FencepostClient, MAX_SHARDS, SHARD_KEY_SEPARATOR, shardOf } from "@fencepost/client";
+import { fromJson, type JsonValue } from "@bufbuild/protobuf";
+import { FencepostClient, MAX_SHARDS, SHARD_KEY_SEPARATOR, shardKeys, shardOf } from "@fencepost/client";
+import { CommandSchema } from "@fencepost/client/gen/fencepost/v1/ledger_pb";
 import { startServer, type TestServer } from "@fencepost/client/testing";
 
 const here = fileURLToPath(new URL(".", import.meta.url));
@@ -21,6 +23,24 @@ describe("shardOf", () => {
 
   it("refuses a count out of bounds", () => {
     for (const n of [0, -1, MAX_SHARDS + 1, 1.5, Number.NaN]) assert.throws(() => shardOf("a", n), RangeError);
+  });
+});
+
+describe("shardKeys", () => {
+  const placed = join(here, "..", "..", "..", "..", "..", "tests", "vectors", "placement.json");
+  const commands = (JSON.parse(readFileSync(placed, "utf8")) as {
+    vectors: { command: JsonValue; shard_keys: string[] | null; shards_of_64: number[] | null }[];
+  }).vectors;
+
+  it("gives every shared command vector's shard keys, as the server computes them", () => {
+    assert.ok(commands.length >= 20 && commands.some((v) => "transaction" in (v.command as object)), "the vectors were read");
+    for (const v of commands) {
+      const cmd = fromJson(CommandSchema, v.command);
+      const keys = shardKeys(cmd.kind.case!, cmd.kind.value as never);
+      assert.deepEqual(keys ?? null, v.shard_keys, JSON.stringify(v.command));
+      const shards = keys === undefined ? null : [...new Set(keys.map((k) => shardOf(k, 64)))].sort((a, b) => a - b);
+      assert.deepEqual(shards, v.shards_of_64);
+    }
   });
 });
 
