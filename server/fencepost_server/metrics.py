@@ -451,14 +451,6 @@ class _StateCollector(Collector):
             "fencepost_leader_epoch", "The epoch this coordinator leads in (0: SQLite, or none)",
             value=epoch,
         )
-        shards = CounterMetricFamily(
-            "fencepost_shard_commands",
-            "Commands per shard: decided by the writer, or renewals answered from memory",
-            labels=["shard"],
-        )
-        for shard, n in enumerate(w.shard_commands()):
-            shards.add_metric([str(shard)], n)
-        yield shards
         yield GaugeMetricFamily("fencepost_revision", "Server revision", value=w.state.revision)
         yield GaugeMetricFamily("fencepost_runs", "Runs stored", value=len(w.state.index))
         leases = GaugeMetricFamily(

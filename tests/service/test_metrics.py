@@ -153,37 +153,6 @@ def fencepost_version() -> str:
     return version("fencepost")
 
 
-def test_commands_are_counted_in_the_shards_they_touch(
-    server: ServerThread, channel: grpc.Channel
-) -> None:
-    from fencepost.v1 import engine_store_pb2 as epb
-    from fencepost.v1 import engine_store_pb2_grpc
-
-    n = 64  # the test server's database: the default count
-    run = "shard-run"
-    stub = ledger_pb2_grpc.LedgerStub(channel)
-    before = scrape(server)
-    token = stub.Acquire(pb.AcquireRequest(run_id=run, owner="a",
-                                           lease_ttl_ms=60_000)).run.fencing_token
-    stub.Renew(pb.RenewRequest(run_id=run, owner="a", fencing_token=token))  # from memory
-    stub.GetRun(pb.GetRunRequest(run_id=run))  # a read: not a command
-    engine_store_pb2_grpc.EngineStoreStub(channel).PutEffect(epb.EnginePutEffectRequest(
-        key="fx", result=epb.JsonValue(json="1"),
-        fence=epb.Fence(run_id=run, fencing_token=token)))
-    after = scrape(server)
-
-    def moved(shard: int) -> float:
-        return value(after, "fencepost_shard_commands_total", shard=str(shard)) - \
-            value(before, "fencepost_shard_commands_total", shard=str(shard))
-
-    home, fx = fencepost.shard_of(run, n), fencepost.shard_of("fx", n)
-    assert home != fx  # the fenced effect touches two shards
-    assert moved(home) == 3  # acquire, renewal, the effect's fence
-    assert moved(fx) == 1
-    assert sum(moved(s) for s in range(n)) == 4
-    assert "fx" not in after  # never a key as a label
-
-
 async def test_revocations_by_reason_and_open_streams(server: ServerThread) -> None:
     async with fencepost.Client(server.address, owner="w") as client:
         lease = await client.acquire("m-cancel")  # over Execute

@@ -121,7 +121,7 @@ def test_shards_name_each_shards_leader_and_its_counts(seeded: ServerThread) -> 
     assert seeded.app.shard_owner()[:2] == (seeded.app.identity, seeded.address)
     assert sum(s["runs"] for s in doc["shards"]) == 31  # every run of the seed, in its shard
     home = doc["shards"][fencepost.shard_of("other-1", n)]
-    assert home["leases"] >= 1 and home["commands"] >= 1
+    assert home["leases"] >= 1
     assert sum(s["leases"] for s in doc["shards"]) == 11  # other-1 and the ten still running
     assert doc["revision"] == seeded.writer.state.revision
 

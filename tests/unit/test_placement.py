@@ -163,20 +163,3 @@ def test_the_python_sdk_places_every_vector(vector: dict) -> None:
 def test_the_placement_vectors_cover_every_command_kind() -> None:
     kinds = {next(iter(v["command"])) for v in PLACEMENT_VECTORS}
     assert kinds == {f.name for f in pb.Command.DESCRIPTOR.oneofs_by_name["kind"].fields}
-
-
-def test_a_tally_counts_right_while_it_forgets_what_it_hashed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from fencepost_server.writer import state
-
-    monkeypatch.setattr(state, "TALLY_REMEMBERS", 3)  # forgets every few keys
-    tally, expected = state.ShardTally(16), [0] * 16
-    for _ in range(3):
-        for i in range(10):
-            run = f"tally-{i}"
-            tally.add(L.Renew(run, "w", 1))
-            expected[shard_of(run, 16)] += 1
-        tally.add(L.Transaction((E.AppendStep("tally-0", "s"), E.AppendStep("tally-0", "t"))))
-        expected[shard_of("tally-0", 16)] += 1  # one shard touched twice counts once
-    assert tally.counts == expected and len(tally._known) <= 3

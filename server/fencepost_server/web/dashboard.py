@@ -508,13 +508,13 @@ class Dashboard:
         })
 
     async def shards(self, request: web.Request) -> web.Response:
-        """Every shard: who leads it and, for those led here, runs, live
-        leases and commands taken (the Shards call's map, plus commands)."""
+        """Every shard: who leads it and, for those led here, runs and live
+        leases (the Shards call's map)."""
         writer, reads = self.source.writer, self.source.reads
         assert writer is not None and reads is not None
         n, now = writer.storage.shards, self.source.clock.now_ms()
         revision, rows = await reads.shard_map(n, now, self.source.shard_owner(),
-                                               writer.ownership, writer.shard_commands())
+                                               writer.ownership)
         return _json({"shard_count": n, "revision": revision, "now": now,
                       "shards": [dataclasses.asdict(r) for r in rows]})
 

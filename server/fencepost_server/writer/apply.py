@@ -19,7 +19,7 @@ from ..core.errors import Code, LedgerError, in_transaction, validation
 from ..core.placement import Ownership
 from ..core.records import TERMINAL, Record
 from ..storage.sql import KIND_DELETE, KIND_PUT, Batch, SqlStorage
-from .state import ChangeEvent, LedgerState, ShardTally
+from .state import ChangeEvent, LedgerState
 
 log = logging.getLogger("fencepost.writer")
 
@@ -189,7 +189,6 @@ class Apply:
         # run_id -> (its first change not yet in the runs table, when), oldest first
         self.pending: dict[str, tuple[int, int]] = {}
         self.materialized = 0
-        self.shard_tally = ShardTally()  # commands decided, per shard (writer thread)
         # None: this coordinator leads every shard (Writer.ownership)
         self.ownership: Ownership | None = None
         self._last_prune = 0
@@ -245,7 +244,6 @@ class Apply:
                             )
                         )
                         continue
-                self.shard_tally.add(cmd)
                 answer = self._dispatch(cmd, st, now)
                 if rid:
                     answered[rid] = (fp, answer)

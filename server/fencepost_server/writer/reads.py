@@ -48,8 +48,8 @@ class ShardCounts:
 @dataclass(frozen=True, slots=True)
 class ShardRow:
     """One shard of the map (Ledger.Shards, the dashboard): who leads it,
-    and, where this coordinator leads it, its runs, live leases and the
-    commands taken since the start (0 for a shard led elsewhere)."""
+    and, where this coordinator leads it, its runs and live leases (0 for a
+    shard led elsewhere)."""
 
     index: int
     owner: str
@@ -57,7 +57,6 @@ class ShardRow:
     epoch: int
     runs: int
     leases: int
-    commands: int
 
 
 class Reads:
@@ -197,18 +196,17 @@ class Reads:
 
     async def shard_map(
         self, shards: int, now: int, me: tuple[str, str, int], ownership: Ownership | None,
-        commands: list[int],
     ) -> tuple[int, list[ShardRow]]:
         """(the revision the counts reflect, every shard's row): ``me`` (identity,
         address, epoch) leads the shards ``ownership`` gives it (every one when
-        None); ``commands`` are the writer's per-shard command counts."""
+        None)."""
         counts = await self.shard_counts(shards, now)
         rows = []
         for i in range(shards):
             if ownership is None or i in ownership.led:
-                rows.append(ShardRow(i, *me, counts.runs[i], counts.leases[i], commands[i]))
+                rows.append(ShardRow(i, *me, counts.runs[i], counts.leases[i]))
             else:  # led elsewhere: its owner knows what is in it
-                rows.append(ShardRow(i, "", *ownership.owners.get(i, ("", 0)), 0, 0, 0))
+                rows.append(ShardRow(i, "", *ownership.owners.get(i, ("", 0)), 0, 0))
         return counts.revision, rows
 
     async def _count(self, shards: int, now: int) -> ShardCounts:

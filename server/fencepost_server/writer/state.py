@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.placement import shard_keys
 from ..core.records import Record
-from ..core.shards import shard_of
 from .index import RunIndex
 
 
@@ -55,42 +53,3 @@ class WriterStats:
     @property
     def mean_batch(self) -> float:
         return self.commands / self.batches if self.batches else 0.0
-
-
-# Keys whose shard a tally remembers, at most: a run's commands (acquire,
-# renewals, checkpoints, finish) then hash its id once, not each time.
-TALLY_REMEMBERS = 65_536
-
-
-class ShardTally:
-    """Commands per shard (each shard a command writes or checks counts it
-    once; a command with no shard of its own counts nowhere). One tally per
-    thread that adds to it: the writer thread's and the event loop's."""
-
-    __slots__ = ("_known", "counts")
-
-    def __init__(self, shards: int = 0) -> None:
-        self.counts = [0] * shards
-        self._known: dict[str, int] = {}
-
-    def add(self, cmd: object) -> None:
-        counts = self.counts
-        if not counts:
-            return
-        keys = shard_keys(cmd)
-        if not keys:
-            return
-        if len(keys) == 1:
-            counts[self._shard(keys[0])] += 1
-        else:
-            for s in {self._shard(k) for k in keys}:
-                counts[s] += 1
-
-    def _shard(self, key: str) -> int:
-        known = self._known
-        shard = known.get(key)
-        if shard is None:
-            if len(known) >= TALLY_REMEMBERS:
-                known.clear()
-            shard = known[key] = shard_of(key, len(self.counts))
-        return shard

@@ -43,7 +43,7 @@ from .apply import Answer, Applied, Apply, Decide, EngineHooks, Executor, Item
 from .commit_delay import CommitDelay
 from .index import RunIndex
 from .renewals import FLUSH_TICK_S, Renewals, RenewRule
-from .state import ChangeEvent, LedgerState, ShardTally, WriterStats
+from .state import ChangeEvent, LedgerState, WriterStats
 
 log = logging.getLogger("fencepost.writer")
 
@@ -117,7 +117,6 @@ class Writer:
         self._on_failed_commit = on_failed_commit
         self._flush_timer: asyncio.Task[None] | None = None
         self._saved_at = -1  # the revision of the saved index entries load() used
-        self._memory_tally = ShardTally()  # renewals answered from memory, per shard (loop)
         self.state = LedgerState()
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-writer")
@@ -154,8 +153,6 @@ class Writer:
             state.cold = []  # no longer needed: the index holds the ids
 
         loaded = self.storage.load(index)
-        self._apply.shard_tally = ShardTally(self.storage.shards)
-        self._memory_tally = ShardTally(self.storage.shards)
         self._apply.materialized = loaded.revision  # load() wrote every replayed change
         # the saved index entries still match as long as nothing is written
         self._saved_at = loaded.revision if loaded.saved else -1
@@ -238,7 +235,6 @@ class Writer:
             if isinstance(got, LedgerError):
                 raise got
             if got is not None:
-                self._memory_tally.add(cmd)
                 return got  # type: ignore[no-any-return]
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._idle.clear()
@@ -306,8 +302,6 @@ class Writer:
         got = self._from_memory(item.cmd)
         if got is None:
             return False
-        if not isinstance(got, LedgerError):
-            self._memory_tally.add(item.cmd)
         item.deliver(got)
         return True
 
@@ -389,12 +383,6 @@ class Writer:
             for key in keys:
                 if (refused := owned.refusal_for_key(key)) is not None:
                     raise refused
-
-    def shard_commands(self) -> list[int]:
-        """Commands per shard since the start: those the writer decided and
-        the renewals answered from memory."""
-        return [a + b for a, b in zip(self._apply.shard_tally.counts, self._memory_tally.counts,
-                                      strict=True)]
 
     @property
     def queue_depth(self) -> int:

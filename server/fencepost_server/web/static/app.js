@@ -444,12 +444,11 @@ const shardsPage = {
       return el("tr", { class: s.owner ? "" : "elsewhere", "data-shard": String(s.index) },
         el("td", { class: "num" }, String(s.index)),
         el("td", {}, s.owner || "another coordinator"), el("td", {}, s.address || "unknown"),
-        el("td", { class: "num" }, String(s.epoch)), num(s.runs), num(s.leases), num(s.commands));
+        el("td", { class: "num" }, String(s.epoch)), num(s.runs), num(s.leases));
     }));
     document.getElementById("s-summary").textContent =
       `${doc.shard_count} shards, ${here.length} led by this coordinator: ` +
-      `${sum("runs").toLocaleString()} runs, ${sum("leases").toLocaleString()} live leases, ` +
-      `${sum("commands").toLocaleString()} commands since it started`;
+      `${sum("runs").toLocaleString()} runs, ${sum("leases").toLocaleString()} live leases`;
   },
 };
 
