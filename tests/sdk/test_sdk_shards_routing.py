@@ -430,3 +430,24 @@ async def test_a_coordinator_that_goes_away_is_followed_by_its_shards(tmp_path: 
     finally:
         for srv in running:
             srv.close()
+
+
+async def test_listings_gather_every_owners_runs_in_run_id_order(
+    pair: tuple[ServerThread, ServerThread]
+) -> None:
+    """Given only B, which lists only its own shards' runs: a listing asks
+    each owner and merges, in run id order and with the filters, for a
+    client that has routed already and for one that never has."""
+    runs = sorted({_key_in({s}, f"ls{i}") for s in range(SHARDS) for i in range(3)})
+    async with fencepost.Client(pair[1].address, owner="w", renewal="off") as writer:
+        for i, run in enumerate(runs):
+            lease = await writer.acquire(run, ttl_ms=60_000)
+            if i % 2:
+                await lease.finish()
+        listed = [r.run_id async for r in writer.list(page_size=2)]
+        assert listed == runs
+    done = runs[1::2]
+    async with fencepost.Client(pair[1].address, owner="r") as fresh:  # never routed
+        got = await fresh.list_all(statuses=["completed"], page_size=2)
+        assert [r.run_id for r in got.runs] == done
+        assert [r.run_id async for r in fresh.list(statuses=["running"])] == runs[0::2]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import heapq
 import inspect
 import logging
 import math
@@ -1027,8 +1028,14 @@ class Client:
         page_size: int = 100,
     ) -> AsyncGenerator[RunRecord, None]:
         """Every run (ordered by run_id) matching the filters, fetching pages of
-        ``page_size`` as the iteration proceeds."""
+        ``page_size`` as the iteration proceeds. Where coordinators lead
+        different shards, each owner's runs are read and merged in that order."""
         wanted = tuple(parse_status(s) for s in statuses)
+        owners = await self._connection.owners()
+        if owners is not None:
+            async for rec in self._gathered(owners, wanted, owner, page_size):
+                yield rec
+            return
         token = ""
         while True:
             records, token, _ = await self._list_page(wanted, owner, page_size, token)
@@ -1046,8 +1053,15 @@ class Client:
     ) -> RunListing:
         """Every matching run, read to the end, with the revision the listing
         began at: the start of "list, then ``watch(from_revision=revision +
-        1)``" (see ``RunListing``)."""
+        1)``" (see ``RunListing``). Where coordinators lead different shards,
+        every owner's runs are read (in run id order) and the revision is the
+        given endpoint's."""
         wanted = tuple(parse_status(s) for s in statuses)
+        if await self._connection.owners() is not None:
+            revision = await self._current_revision()
+            gathered = [rec async for rec in self.list(statuses=wanted, owner=owner,
+                                                       page_size=page_size)]
+            return RunListing(tuple(gathered), revision)
         runs: builtins.list[RunRecord] = []
         records, token, revision = await self._list_page(wanted, owner, page_size, "")
         runs.extend(records)
@@ -1218,6 +1232,38 @@ class Client:
         self._cleanups.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("on_lost callback failed", exc_info=task.exception())
+
+    async def _gathered(
+        self, addresses: builtins.list[str], statuses: tuple[RunStatus, ...],
+        owner: str | None, page_size: int,
+    ) -> AsyncGenerator[RunRecord, None]:
+        """Each owner's listing, paged at that owner, merged by run id."""
+
+        async def pages(address: str) -> AsyncGenerator[RunRecord, None]:
+            token = ""
+            while True:
+                req = ledger_pb2.ListRunsRequest(
+                    statuses=[status_to_pb(s) for s in statuses],  # type: ignore[misc]
+                    owner=owner or "", page_size=page_size, page_token=token)
+                resp = await self._connection.ask_at(address, _ledger_rpc("ListRuns"), req)
+                if resp is None:
+                    return
+                for r in resp.runs:
+                    yield record_from_pb(r)
+                token = resp.next_page_token
+                if not token:
+                    return
+
+        streams = [pages(a) for a in addresses]
+        heads: builtins.list[tuple[str, int, RunRecord]] = []
+        for i, stream in enumerate(streams):
+            if (rec := await anext(stream, None)) is not None:
+                heapq.heappush(heads, (rec.run_id, i, rec))
+        while heads:  # run ids compare as the servers sort them (code points: UTF-8 bytes)
+            _, i, rec = heapq.heappop(heads)
+            yield rec
+            if (nxt := await anext(streams[i], None)) is not None:
+                heapq.heappush(heads, (nxt.run_id, i, nxt))
 
     async def _list_page(
         self,

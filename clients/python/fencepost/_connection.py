@@ -142,6 +142,7 @@ class Connection:
         self._lines: dict[str, Line] = {}
         self.router: Router | None = None  # set at the first NOT_OWNER
         self._on_routing: list[Callable[[], None]] = []
+        self._leads_all = False  # the endpoints given said they lead every shard
 
     @classmethod
     def open(
@@ -310,12 +311,7 @@ class Connection:
         says its shard is led now (None: where it went)."""
         if not isinstance(exc, NotOwnerError):
             return await self._refollowed(key, took)
-        router = self.router
-        if router is None:
-            router = self.router = Router()
-            log.info("%s; routing each call to its shard's owner", exc.message)
-            for callback in self._on_routing:
-                callback()
+        router = self._start_routing(exc.message)
         loop = asyncio.get_running_loop()
         if router.stale(exc, loop.time()):
             await self._fetch_map(router, exc.owner)
@@ -323,6 +319,33 @@ class Connection:
         if exc.owner:
             return self.line_to(exc.owner)
         return self.line_for(key)
+
+    def _start_routing(self, why: str) -> Router:
+        router = self.router
+        if router is None:
+            router = self.router = Router()
+            log.info("%s; routing each call to its shard's owner", why)
+            for callback in self._on_routing:
+                callback()
+        return router
+
+    async def owners(self) -> list[str] | None:
+        """Every coordinator leading shards, for a read across shards; None
+        while the endpoints given lead every shard (asked once: their map
+        names none led elsewhere) or this client cannot go elsewhere."""
+        router = self.router
+        if self._open_line is None or (router is None and self._leads_all):
+            return None
+        if router is None:
+            resp = await call_with_retry(_ask_map, self.retry, mutation=False,
+                                         endpoints=self.line.endpoints)
+            if all(info.owner for info in resp.shards):
+                self._leads_all = True
+                return None
+            router = self._start_routing("the shard map names shards led elsewhere")
+            router.load(resp)
+            router.fetched_at = asyncio.get_running_loop().time()
+        return sorted({address for address in router.owners if address})
 
     async def _refollowed(self, key: str | None, took: Line | None) -> Line | None:
         """The line to ``key``'s owner by a map fetched from the endpoints
