@@ -451,3 +451,17 @@ async def test_listings_gather_every_owners_runs_in_run_id_order(
         got = await fresh.list_all(statuses=["completed"], page_size=2)
         assert [r.run_id for r in got.runs] == done
         assert [r.run_id async for r in fresh.list(statuses=["running"])] == runs[0::2]
+
+
+async def test_routing_asks_the_map_without_making_a_server_count(
+    pair: tuple[ServerThread, ServerThread]
+) -> None:
+    """The map a client routes by names owners only: neither server makes
+    its pass over the runs (a second a million runs) for it."""
+    async with fencepost.Client(pair[1].address, owner="w", renewal="off") as client:
+        for run in _runs_in_every_shard("no-count").values():
+            await (await client.acquire(run, ttl_ms=60_000)).finish()
+        assert [r async for r in client.list()]
+    for srv in pair:
+        assert srv.app is not None and srv.app.reads is not None
+        assert srv.app.reads._shard_counts is None

@@ -259,3 +259,18 @@ async def test_the_async_client_fetches_the_count_once_for_shard_of(server: Serv
             got = await client.shards()
             assert got.shards[got.shard_of("async-run")].leases == 1
             await lease.finish("completed")
+
+
+def test_owners_only_names_each_leader_without_counting(
+    server: ServerThread, channel: grpc.Channel
+) -> None:
+    """What clients route by: who leads each shard, with no pass over the
+    runs (that costs a second a million runs), counts 0."""
+    ledger_pb2_grpc.LedgerStub(channel).Acquire(ledger_pb2.AcquireRequest(run_id="oo", owner="w"))
+    got = ledger_pb2_grpc.LedgerStub(channel).Shards(ledger_pb2.ShardsRequest(owners_only=True))
+    assert server.app is not None and server.app.reads is not None
+    assert server.app.reads._shard_counts is None  # nothing was counted
+    assert len(got.shards) == got.shard_count
+    assert {(s.owner, s.address, s.epoch) for s in got.shards} == {server.app.shard_owner()}
+    assert {(s.runs, s.leases) for s in got.shards} == {(0, 0)}
+    assert got.revision == server.writer.state.revision

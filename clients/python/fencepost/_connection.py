@@ -432,4 +432,4 @@ class Connection:
 
 async def _ask_map(endpoint: Endpoint, deadline_s: float | None) -> Any:
     stub = endpoint.stub(ledger_pb2_grpc.LedgerStub)
-    return await stub.Shards(ledger_pb2.ShardsRequest(), timeout=deadline_s)
+    return await stub.Shards(ledger_pb2.ShardsRequest(owners_only=True), timeout=deadline_s)

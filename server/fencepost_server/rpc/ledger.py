@@ -250,7 +250,7 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         w = self.writer
         n = w.storage.shards
         revision, rows = await self.reads.shard_map(
-            n, w.clock.now_ms(), self.shard_owner(), w.ownership)
+            n, w.clock.now_ms(), self.shard_owner(), w.ownership, count=not request.owners_only)
         return pb.ShardsResponse(shard_count=n, revision=revision, shards=[
             pb.ShardInfo(index=r.index, owner=r.owner, address=r.address, epoch=r.epoch,
                          runs=r.runs, leases=r.leases) for r in rows])

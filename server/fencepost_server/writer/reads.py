@@ -196,11 +196,15 @@ class Reads:
 
     async def shard_map(
         self, shards: int, now: int, me: tuple[str, str, int], ownership: Ownership | None,
+        *, count: bool = True,
     ) -> tuple[int, list[ShardRow]]:
         """(the revision the counts reflect, every shard's row): ``me`` (identity,
         address, epoch) leads the shards ``ownership`` gives it (every one when
-        None)."""
-        counts = await self.shard_counts(shards, now)
+        None). Without ``count``, only who leads each (no pass over the runs)."""
+        if count:
+            counts = await self.shard_counts(shards, now)
+        else:
+            counts = ShardCounts(now, self.state.revision, [0] * shards, [0] * shards)
         rows = []
         for i in range(shards):
             if ownership is None or i in ownership.led:

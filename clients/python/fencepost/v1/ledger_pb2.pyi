@@ -877,12 +877,20 @@ Global___ValidateFenceResponse: _TypeAlias = ValidateFenceResponse  # noqa: Y015
 class ShardsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    OWNERS_ONLY_FIELD_NUMBER: _builtins.int
+    owners_only: _builtins.bool
+    """Only who leads each shard (owner, address, epoch): no runs or leases are
+    counted (both 0), so the answer costs the server nothing. What a client
+    asks to route calls by shard.
+    """
     def __init__(
         self,
+        *,
+        owners_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owners_only", b"owners_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
