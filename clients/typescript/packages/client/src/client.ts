@@ -6,13 +6,13 @@ import { randomBytes } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { Code, createClient, type Client, type Transport } from "@connectrpc/connect";
 import {
-  ChangeKind, Ledger, ListRunsRequestSchema, type Command, type CommandResult,
+  ChangeKind, Ledger, ListRunsRequestSchema, type Command, type ListRunsRequest, type ShardsResponse, type CommandResult,
 } from "./gen/fencepost/v1/ledger_pb.js";
 import { OutcomeSchema } from "./gen/fencepost/v1/record_pb.js";
 import { RunStore } from "./gen/fencepost/v1/run_store_pb.js";
 import { EngineStore } from "./gen/fencepost/v1/engine_store_pb.js";
 import { TestHooks } from "./gen/fencepost/v1/testing_pb.js";
-import { fromCallError, RevisionCompactedError, StreamTooSlowError, type FencepostError } from "./errors.js";
+import { fromCallError, RevisionCompactedError, StreamTooSlowError, ValidationError, type FencepostError } from "./errors.js";
 import { Endpoints, parseEndpoints, type ConnectionOptions } from "./endpoints.js";
 import { acquireShared, releaseShared, shareKey } from "./shared.js";
 import { shardKeys } from "./placement.js";
@@ -114,6 +114,48 @@ export interface WatchOptions {
   signal?: AbortSignal;
 }
 
+/** The map as routing needs it: each shard's owner address, by index. */
+function ownerMap(resp: ShardsResponse): OwnerMap {
+  const owners = new Array<string>(resp.shardCount).fill("");
+  for (const s of resp.shards) if (s.index >= 0 && s.index < resp.shardCount) owners[s.index] = s.address;
+  return { shardCount: resp.shardCount, owners };
+}
+
+/** The order the server lists run ids in: their UTF-8 bytes (JavaScript's `<` compares UTF-16 units). */
+function byteOrder(a: string, b: string): number {
+  // UTF-8 byte order is code point order
+  for (let i = 0; i < a.length && i < b.length; i++) {
+    const [x, y] = [a.codePointAt(i)!, b.codePointAt(i)!];
+    if (x !== y) return x - y;
+    if (x > 0xffff) i++;
+  }
+  return a.length - b.length;
+}
+
+/**
+ * A merged listing's page token: per owner not read to its end, its address
+ * ("" for the given coordinator), its own page token and the last run id given.
+ */
+const MERGED_TOKEN = "fpm1.";
+interface MergedCursor { a: string; t: string; l?: string | undefined }
+interface ListCursor { c: Coordinator; address: string; token: string; next: string | undefined; buf: RunRecord[]; last?: string }
+
+function parseMergedToken(token: string): MergedCursor[] {
+  const bad = () => new ValidationError("page_token: not a next_page_token this client's list returned", { field: "page_token" });
+  if (!token.startsWith(MERGED_TOKEN)) throw bad();
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(Buffer.from(token.slice(MERGED_TOKEN.length), "base64url").toString("utf8"));
+  } catch {
+    throw bad();
+  }
+  const ok = (m: unknown): m is MergedCursor => typeof m === "object" && m !== null
+    && typeof (m as MergedCursor).a === "string" && typeof (m as MergedCursor).t === "string"
+    && ["string", "undefined"].includes(typeof (m as MergedCursor).l);
+  if (!Array.isArray(parsed) || !parsed.every(ok)) throw bad();
+  return parsed;
+}
+
 /** `{hostname}-{pid}-{random}`: two live processes never share one. */
 export function defaultOwner(): string {
   return `${hostname()}-${process.pid}-${randomBytes(4).toString("hex")}`;
@@ -161,6 +203,8 @@ export class FencepostClient {
   private readonly router: Router;
   private readonly connection: ClientOptions;
   private readonly transportKind: CommandTransport;
+  /** The given coordinator's map, asked once by a listing while not routing. */
+  private mapChecked: Promise<void> | undefined;
 
   /**
    * `address`: one coordinator (`"host:port"`), or several (an array, or one
@@ -273,10 +317,7 @@ export class FencepostClient {
   /** The map as routing needs it: each shard's owner address, by index. */
   private async owners(): Promise<OwnerMap> {
     // straight to the home coordinator: routing waits for this very fetch
-    const resp = await withRetry(this.retry, false, (o) => this.stubs.ledger.shards({}, o), {}, this.endpoints);
-    const owners = new Array<string>(resp.shardCount).fill("");
-    for (const s of resp.shards) if (s.index >= 0 && s.index < resp.shardCount) owners[s.index] = s.address;
-    return { shardCount: resp.shardCount, owners };
+    return ownerMap(await withRetry(this.retry, false, (o) => this.stubs.ledger.shards({}, o), {}, this.endpoints));
   }
 
   /** A connection, Execute stream and KeepAlive stream to another coordinator (shared as the home one is). */
@@ -368,7 +409,11 @@ export class FencepostClient {
     return recordFromPb(resp.run!);
   }
 
-  /** One page of runs ordered by run id. */
+  /**
+   * One page of runs ordered by run id (byte order of their UTF-8). Where
+   * coordinators each lead some shards, the page merges every owner's runs,
+   * and `nextPageToken` is this client's (pass it back to `list` as it is).
+   */
   async list(options: ListRunsOptions = {}): Promise<RunPage> {
     const req = create(ListRunsRequestSchema, {
       statuses: (options.statuses ?? []).map((s, i) => statusToPb(s, `statuses[${i}]`)),
@@ -376,11 +421,15 @@ export class FencepostClient {
       pageSize: options.pageSize ?? 0,
       pageToken: options.pageToken ?? "",
     });
-    const resp = await this.read((o) => this.stubs.ledger.listRuns(req, o), options);
-    return { runs: resp.runs.map(recordFromPb), nextPageToken: resp.nextPageToken, revision: toNumber(resp.revision) };
+    const owners = await this.listedOwners(options);
+    if (!owners) return this.homePage(req, options);
+    return this.mergedPage(owners, req, options);
   }
 
-  /** Every run (all pages), and the revision to watch from (the first page's + 1). */
+  /**
+   * Every run (all pages, from every shard's owner), and the revision to
+   * watch from: the first page's + 1, as the given coordinator answered it.
+   */
   async listAll(options: Omit<ListRunsOptions, "pageToken"> = {}): Promise<{ runs: RunRecord[]; revision: number }> {
     const runs: RunRecord[] = [];
     let token = "";
@@ -392,6 +441,72 @@ export class FencepostClient {
       token = page.nextPageToken;
     } while (token);
     return { runs, revision };
+  }
+
+  /** One page as the given coordinator answers it (its own shards' runs). */
+  private async homePage(req: ListRunsRequest, options: CallOptions): Promise<RunPage> {
+    const resp = await this.read((o) => this.stubs.ledger.listRuns(req, o), options);
+    return { runs: resp.runs.map(recordFromPb), nextPageToken: resp.nextPageToken, revision: toNumber(resp.revision) };
+  }
+
+  /**
+   * The coordinators a listing must ask, or undefined when the given one
+   * leads every shard. Not routing yet, its map is asked once per client.
+   */
+  private async listedOwners(options: CallOptions): Promise<Coordinator[] | undefined> {
+    if (!this.router.on) {
+      this.mapChecked ??= withRetry(this.retry, false, (o) => this.stubs.ledger.shards({}, o), options, this.endpoints)
+        .then((resp) => { if (resp.shards.some((s) => !s.owner)) this.router.route(ownerMap(resp)); })
+        .catch((e: unknown) => { this.mapChecked = undefined; throw e; });
+      await this.mapChecked;
+      if (!this.router.on) return undefined;
+    }
+    return this.router.owning();
+  }
+
+  /** One page merged from each owner's own pages; the token keeps each owner's token and last run id given. */
+  private async mergedPage(owners: Coordinator[], req: ListRunsRequest, options: CallOptions): Promise<RunPage> {
+    const size = req.pageSize || 100;
+    const home = this.router.home;
+    const cursors = (req.pageToken ? parseMergedToken(req.pageToken) : owners.map((c): MergedCursor => ({ a: c === home ? "" : c.address, t: "" })))
+      .map((m): ListCursor => ({
+        c: this.router.coordinator(m.a) ?? home, address: m.a, token: m.t, next: m.t, buf: [], ...(m.l === undefined ? {} : { last: m.l }),
+      }));
+    let revision: number | undefined;
+    const fetch = async (cur: ListCursor): Promise<void> => {
+      // an owner's page may be asked again: skip what an earlier page gave
+      while (!cur.buf.length && cur.next !== undefined) {
+        cur.token = cur.next;
+        const page = create(ListRunsRequestSchema, { ...req, pageToken: cur.token });
+        const resp = cur.c === home ? await this.read((o) => home.stubs.ledger.listRuns(page, o), options)
+          : await withRetry(this.retry, false, (o) => cur.c.stubs.ledger.listRuns(page, o), options, cur.c.endpoints);
+        if (cur.c === home && revision === undefined) revision = toNumber(resp.revision);
+        cur.buf = resp.runs.map(recordFromPb).filter((r) => cur.last === undefined || byteOrder(r.runId, cur.last) > 0);
+        cur.next = resp.nextPageToken || undefined;
+      }
+    };
+    await Promise.all(cursors.map(fetch)); // a bad filter or page size is refused here, even for an empty page
+    const runs: RunRecord[] = [];
+    while (runs.length < size) {
+      await Promise.all(cursors.map(fetch));
+      let least: ListCursor | undefined;
+      for (const cur of cursors) if (cur.buf.length && (!least || byteOrder(cur.buf[0]!.runId, least.buf[0]!.runId) < 0)) least = cur;
+      if (!least) break;
+      const run = least.buf.shift()!;
+      runs.push(run);
+      // the same run from two addresses of one coordinator is given once
+      for (const cur of cursors) {
+        cur.last = run.runId; // every owner's rest sorts after it
+        if (cur.buf[0]?.runId === run.runId) cur.buf.shift();
+      }
+    }
+    const rest = cursors.flatMap((cur): MergedCursor[] =>
+      cur.buf.length ? [{ a: cur.address, t: cur.token, l: cur.last }]
+        : cur.next !== undefined ? [{ a: cur.address, t: cur.next, l: cur.last }] : []);
+    if (revision === undefined) {
+      revision = (await this.homePage(create(ListRunsRequestSchema, { ...req, pageSize: 1, pageToken: "" }), options)).revision;
+    }
+    return { runs, nextPageToken: rest.length ? MERGED_TOKEN + Buffer.from(JSON.stringify(rest)).toString("base64url") : "", revision };
   }
 
   /** Operator: cancel a run, fencing its worker. */
@@ -470,7 +585,7 @@ export class FencepostClient {
     let next = options.fromRevision;
     if (next === undefined || next === 0) {
       // Pin the start so a reconnect before the first change leaves no gap.
-      const page = await this.list({ pageSize: 1 });
+      const page = await this.homePage(create(ListRunsRequestSchema, { pageSize: 1 }), {});
       next = page.revision + 1;
     }
     const delay = backoffDelays(this.retry);

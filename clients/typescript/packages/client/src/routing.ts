@@ -94,6 +94,32 @@ export class Router {
     return c;
   }
 
+  /** Route from now on by `map` (the given coordinator's, showing shards led elsewhere), as a NOT_OWNER would. */
+  route(map: OwnerMap): void {
+    if (!this.count) {
+      this.count = map.shardCount;
+      this.owners = map.owners;
+      this.fetchedAt = performance.now();
+    }
+    this.start();
+  }
+
+  private start(): void {
+    if (this.on) return;
+    this.on = true;
+    for (const c of this.coordinators) c.keepAlive.renewAllOnReconnect = true;
+  }
+
+  /** Each distinct coordinator that leads a shard by the map (fetched first when none is known yet). */
+  async owning(): Promise<Coordinator[]> {
+    if (this.fetching) await this.fetching;
+    if (!this.count) await this.refresh().catch(() => undefined);
+    const out = new Set<Coordinator>();
+    for (let s = 0; s < this.count; s++) out.add(this.at(this.owners[s] ?? "") ?? this.home);
+    if (!out.size) out.add(this.home);
+    return [...out];
+  }
+
   /** Where a call keyed by `keys` goes now: its first key's owner, else the home coordinator. */
   private target(keys: readonly string[] | undefined): Coordinator {
     const first = keys?.[0];
@@ -150,10 +176,7 @@ export class Router {
    * refresh the map (at most every MAP_REFRESH_MS), and say where to go next.
    */
   private async refused(err: NotOwnerError, from: Coordinator, hop: number): Promise<Coordinator> {
-    if (!this.on) {
-      this.on = true;
-      for (const c of this.coordinators) c.keepAlive.renewAllOnReconnect = true;
-    }
+    this.start();
     const shard = err.shard;
     if (err.owner) {
       void this.refresh().catch(() => undefined);

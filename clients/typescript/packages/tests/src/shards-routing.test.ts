@@ -8,7 +8,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, describe, it } from "node:test";
 import type { Interceptor } from "@connectrpc/connect";
-import { FencepostClient, NotOwnerError, fromCallError, shardOf, type RunRecord } from "@fencepost/client";
+import { FencepostClient, NotOwnerError, ValidationError, fromCallError, shardOf, type RunRecord, type RunStatus } from "@fencepost/client";
 import { diagnostics, freePort, startServer, type TestServer } from "@fencepost/client/testing";
 import { FencepostRunStore } from "@fencepost/oma";
 import { FencepostStore } from "@fencepost/chamvi";
@@ -294,6 +294,82 @@ describe("routing by shard", () => {
       assert.equal(shards.count(), 1, "the first NOT_OWNER fetched the map, and it served the rest");
     } finally {
       await client.close();
+    }
+  });
+});
+
+/** Sorted as the server sorts run ids: by code point (their UTF-8 bytes), not by UTF-16 unit. */
+function byCodePoint(a: string, b: string): number {
+  const [x, y] = [Array.from(a, (c) => c.codePointAt(0)!), Array.from(b, (c) => c.codePointAt(0)!)];
+  for (let i = 0; i < x.length && i < y.length; i++) if (x[i] !== y[i]) return x[i]! - y[i]!;
+  return x.length - y.length;
+}
+
+/** Every run of `client.list` read page by page at `pageSize`. */
+async function listPaged(client: FencepostClient, options: { statuses?: RunStatus[]; pageSize: number }): Promise<string[]> {
+  const ids: string[] = [];
+  let pageToken = "";
+  for (let pages = 0; pages < 1000; pages++) {
+    const page = await client.list({ ...options, pageToken });
+    assert.ok(page.runs.length <= options.pageSize, `a page holds at most ${options.pageSize}`);
+    ids.push(...page.runs.map((r) => r.runId));
+    pageToken = page.nextPageToken;
+    if (!pageToken) return ids;
+  }
+  throw new Error("list never ended");
+}
+
+describe("listing runs led by several coordinators", () => {
+  let pair: Pair;
+  before(async () => { pair = await startPair(); });
+  after(async () => { await pair.stop(); });
+
+  it("gathers every owner's runs, once each, in the server's order, with filters and small pages", async () => {
+    const client = new FencepostClient(pair.b.address, { owner: "ts-list" });
+    const shards = countShards();
+    const fresh = new FencepostClient(pair.b.address, { owner: "ts-list-fresh", interceptors: shards.interceptors });
+    try {
+      // U+FF5E sorts before U+1F600 by code point, after it by UTF-16 unit
+      const ids = [0, 1, 2, 3].flatMap((s) => ["ts-list-a", "ts-list-\uff5e", "ts-list-\u{1f600}"].flatMap((p) => keysIn(s, p, 2)));
+      const failed = new Set(ids.filter((_, i) => i % 3 === 1));
+      for (const runId of ids) await (await client.acquire(runId)).finish(failed.has(runId) ? "failed" : "completed", { code: "t" });
+      const all = [...ids].sort(byCodePoint);
+      const wide = all.filter((id) => id.includes("\uff5e")).pop()!;
+      assert.ok(all.indexOf(wide) < all.findIndex((id) => id.includes("\u{1f600}")), "by code point");
+      const ours = (got: string[]) => got.filter((id) => id.startsWith("ts-list-"));
+      for (const c of [client, fresh]) {
+        const listed = await c.listAll();
+        assert.deepEqual(ours(listed.runs.map((r) => r.runId)), all);
+        assert.deepEqual(listed.runs.map((r) => r.runId), [...listed.runs.map((r) => r.runId)].sort(byCodePoint));
+        assert.deepEqual(ours((await c.listAll({ statuses: ["failed"], pageSize: 2 })).runs.map((r) => r.runId)),
+          all.filter((id) => failed.has(id)));
+        assert.deepEqual(ours(await listPaged(c, { pageSize: 3 })), all);
+        assert.deepEqual(ours(await listPaged(c, { statuses: ["completed"], pageSize: 2 })), all.filter((id) => !failed.has(id)));
+      }
+      const bad = await fresh.list({ pageToken: "not-a-token" }).then(() => undefined, (e: unknown) => e);
+      assert.ok(bad instanceof ValidationError && bad.field === "page_token", `got ${String(bad)}`);
+      const tooBig = await fresh.list({ pageSize: 5000 }).then(() => undefined, (e: unknown) => e);
+      assert.ok(tooBig instanceof ValidationError && tooBig.field === "page_size", `got ${String(tooBig)}`);
+      assert.equal(shards.count(), 1, "the fresh client asked for the map once");
+      assert.deepEqual(diagnostics(fresh).coordinators.sort(), [pair.a.address, pair.b.address].sort());
+    } finally {
+      await Promise.all([client.close(), fresh.close()]);
+    }
+  });
+
+  it("lists one coordinator's runs as before, after asking its map once", async () => {
+    const server = await startServer();
+    const shards = countShards();
+    const client = new FencepostClient(server.address, { owner: "ts-list-one", interceptors: shards.interceptors });
+    try {
+      for (const runId of ["ts-one-b", "ts-one-a"]) await (await client.acquire(runId)).finish();
+      assert.deepEqual((await client.listAll()).runs.map((r) => r.runId), ["ts-one-a", "ts-one-b"]);
+      assert.deepEqual(await listPaged(client, { pageSize: 1 }), ["ts-one-a", "ts-one-b"]);
+      assert.equal(shards.count(), 1, "no routing needed: the map was asked once");
+      assert.deepEqual(diagnostics(client).coordinators, [server.address]);
+    } finally {
+      await client.close();
+      await server.stop();
     }
   });
 });
