@@ -317,7 +317,7 @@ export class FencepostClient {
   /** The map as routing needs it: each shard's owner address, by index. */
   private async owners(): Promise<OwnerMap> {
     // straight to the home coordinator: routing waits for this very fetch
-    return ownerMap(await withRetry(this.retry, false, (o) => this.stubs.ledger.shards({}, o), {}, this.endpoints));
+    return ownerMap(await withRetry(this.retry, false, (o) => this.stubs.ledger.shards({ ownersOnly: true }, o), {}, this.endpoints));
   }
 
   /** A connection, Execute stream and KeepAlive stream to another coordinator (shared as the home one is). */
@@ -455,7 +455,7 @@ export class FencepostClient {
    */
   private async listedOwners(options: CallOptions): Promise<Coordinator[] | undefined> {
     if (!this.router.on) {
-      this.mapChecked ??= withRetry(this.retry, false, (o) => this.stubs.ledger.shards({}, o), options, this.endpoints)
+      this.mapChecked ??= withRetry(this.retry, false, (o) => this.stubs.ledger.shards({ ownersOnly: true }, o), options, this.endpoints)
         .then((resp) => { if (resp.shards.some((s) => !s.owner)) this.router.route(ownerMap(resp)); })
         .catch((e: unknown) => { this.mapChecked = undefined; throw e; });
       await this.mapChecked;
