@@ -465,3 +465,18 @@ async def test_routing_asks_the_map_without_making_a_server_count(
     for srv in pair:
         assert srv.app is not None and srv.app.reads is not None
         assert srv.app.reads._shard_counts is None
+
+
+async def test_a_listing_while_routing_without_a_map_fetches_one(
+    pair: tuple[ServerThread, ServerThread]
+) -> None:
+    """Routing began but its map fetch failed (an owner was unreachable):
+    the listing fetches the map, rather than gathering from no owner."""
+    from fencepost._connection import Router
+
+    runs = sorted(_runs_in_every_shard("nomap").values())
+    async with fencepost.Client(pair[1].address, owner="w", renewal="off") as client:
+        for run in runs:
+            await client.acquire(run, ttl_ms=60_000)
+        client._connection.router = Router()  # routing, with no map
+        assert [r.run_id async for r in client.list()] == runs

@@ -345,7 +345,10 @@ class Connection:
             router = self._start_routing("the shard map names shards led elsewhere")
             router.load(resp)
             router.fetched_at = asyncio.get_running_loop().time()
-        return sorted({address for address in router.owners if address})
+        elif not router.count:  # routing, but no map fetched yet (or it failed)
+            await self._fetch_map(router, "")
+        owners = sorted({address for address in router.owners if address})
+        return owners or None  # no map: the endpoints given, as before routing
 
     async def _refollowed(self, key: str | None, took: Line | None) -> Line | None:
         """The line to ``key``'s owner by a map fetched from the endpoints
