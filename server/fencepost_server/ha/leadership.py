@@ -241,22 +241,10 @@ class RowLeases:
 
 
 class Leadership(RowLeases):
-    def __init__(
-        self,
-        url: str,
-        clock: Clock,
-        *,
-        address: str,
-        identity: str | None = None,
-        lease_ms: int = 5000,
-        renew_ms: int = 1000,
-        max_skew_ms: int = 500,
-    ) -> None:
-        super().__init__(url, clock, address=address, identity=identity, lease_ms=lease_ms,
-                         renew_ms=renew_ms, max_skew_ms=max_skew_ms)
-        self.epoch: int | None = None
-        self.leader_address = ""  # the leader's advertised address, as last read
-        self.lost: str | None = None  # why this coordinator stopped leading
+    # RowLeases' constructor; these start as below and are set per instance
+    epoch: int | None = None
+    leader_address = ""  # the leader's advertised address, as last read
+    lost: str | None = None  # why this coordinator stopped leading
 
     # -- state -------------------------------------------------------------------
 
