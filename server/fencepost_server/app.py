@@ -134,6 +134,11 @@ class App:
         # psycopg and the leadership module load only for PostgreSQL: a server
         # on a SQLite file starts sooner and holds about 11 MiB less
         pg = is_url(s.db_path)
+        if s.lead_shards and not pg:
+            raise RuntimeError("--lead-shards needs a PostgreSQL database (--db postgresql://...): "
+                               "a SQLite file has one coordinator, which leads every shard")
+        if s.lead_shards and retain_ms:
+            raise RuntimeError("--retain-terminal is not available with --lead-shards yet")
         if pg:
             from .ha.leadership import default_identity
             from .storage import postgres
@@ -144,6 +149,8 @@ class App:
                 s.db_path, durable=s.durability is Durability.FULL, name=self.identity,
                 unsafe_skip_epoch_check=s.test_hooks and s.fault == "no-epoch-check",
                 shards=s.shards)
+            if s.lead_shards:
+                storage.lead_shards()
             self._db = str(storage.path)
         else:
             self.identity = f"{socket.gethostname()}/{os.getpid()}"
@@ -218,7 +225,10 @@ class App:
         # the dashboard and /metrics (with /healthz) listen before health says
         # SERVING: a probe of either that follows the gRPC one finds them up
         await self._start_http()
-        if pg:
+        if pg and s.lead_shards:
+            assert isinstance(storage, PostgresStorage)
+            await self._lead_shards(storage)
+        elif pg:
             from .ha.leadership import Leadership
 
             assert isinstance(storage, PostgresStorage)
@@ -239,10 +249,29 @@ class App:
         if self.collections is not None:
             self.collections.start(tasks)
 
+    async def _lead_shards(self, storage: Any) -> None:
+        """--lead-shards: take part in the shard assignment and serve the
+        shards taken (ha/sharded.py)."""
+        from .ha.sharded import ShardedLeading
+        from .ha.shards import ShardLeases
+
+        s = self.settings
+        assert self.writer is not None and self.hub is not None
+        leases = ShardLeases(
+            storage.url, self.clock, address=s.advertise or self.address,
+            identity=self.identity, shards=storage.shards,
+            lease_ms=duration_ms(s.leader_lease), renew_ms=duration_ms(s.leader_renew),
+            max_skew_ms=duration_ms(s.max_clock_skew, "max_clock_skew"))
+        await self.coordinator.lead_shards(
+            ShardedLeading(leases, storage, self.writer, self.hub.moved))
+        log.info("fencepost serving on %s, leading the shards assigned to it (advertised as "
+                 "%s)", self._describe(), leases.address)
+
     async def _prepare(self) -> None:
         """The state is loaded: sweep what a crash left, start retention."""
         assert self.writer is not None and self.reads is not None
-        await sweep_uploads(self.writer)
+        if not self.settings.lead_shards:  # (staged uploads name no shard: not swept)
+            await sweep_uploads(self.writer)
         if self._retain_ms:
             self.retention = Retention(self.writer, self.reads, self.clock, self._retain_ms)
             self.retention.start(self._tasks)

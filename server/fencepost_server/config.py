@@ -99,6 +99,9 @@ class Settings:
     # the address clients reach this one at ("": the listen address), the
     # leader row's lease and renewal interval, and the clock bound ("0": off).
     advertise: str = ""
+    # Lead only the shards assigned to this coordinator, every coordinator of
+    # the database started so (ha/sharded.py, docs/OPERATIONS.md)
+    lead_shards: bool = False
     leader_lease: str = "5s"
     leader_renew: str = "1s"
     max_clock_skew: str = "500ms"
@@ -130,6 +133,7 @@ class Settings:
             "FENCEPOST_TEST_CLOCK_OFFSET_MS": ("test_clock_offset_ms", int),
             "FENCEPOST_FAULT": ("fault", str),
             "FENCEPOST_TEST_SHARD_MAP": ("test_shard_map", str),
+            "FENCEPOST_LEAD_SHARDS": ("lead_shards", _flag),
             "FENCEPOST_TLS_CERT": ("tls_cert", str),
             "FENCEPOST_TLS_KEY": ("tls_key", str),
             "FENCEPOST_CLIENT_CA": ("client_ca", str),

@@ -448,6 +448,18 @@ class FenceHub:
         for run_id in list(session.tracked):
             self.untrack(session, run_id)
 
+    def moved(self, run_ids: list[str]) -> None:
+        """These runs' shard moved to another coordinator: every stream stops
+        tracking them here without a word of loss (the lease moved with its
+        shard; the client's next renewal is answered NOT_OWNER and follows it)."""
+        by_run = self.by_run
+        for run_id in run_ids:
+            sessions = by_run.get(run_id)
+            if sessions is None:
+                continue
+            for session in list(sessions) if isinstance(sessions, set) else (sessions,):
+                self.untrack(session, run_id)
+
     def renewed(self, session: Session, run_id: str, token: int) -> None:
         """A stream renewal's answer: tell the session `renewed`, unless a later
         commit already moved the fence (then `lost`). A lease the session did

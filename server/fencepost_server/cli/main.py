@@ -188,6 +188,11 @@ def _leadership_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise", metavar="ADDR", help="the address clients reach this "
                    "coordinator at, told to them by the standbys (env FENCEPOST_ADVERTISE; "
                    "default the listen address)")
+    g.add_argument("--lead-shards", action="store_true", default=None,
+                   help="lead only the shards assigned to this coordinator, every coordinator "
+                   "of the database started so: they all lead at once (env "
+                   "FENCEPOST_LEAD_SHARDS; PostgreSQL only; the leader lease and renewal "
+                   "below are each shard's)")
     g.add_argument("--leader-lease", metavar="DURATION", help="a leader that has not renewed "
                    "for this long is replaced (env FENCEPOST_LEADER_LEASE; default 5s)")
     g.add_argument("--leader-renew", metavar="DURATION", help="how often the leader renews "
@@ -291,6 +296,7 @@ def _serve_settings(args: argparse.Namespace, settings_cls: type[Settings]) -> S
         authz=args.authz,
         identity_from=args.identity_from,
         allow_insecure=args.allow_insecure,
+        lead_shards=args.lead_shards,
         health_listen=args.health_listen,
         max_concurrent_streams=args.max_concurrent_streams,
         max_tracked_per_stream=args.max_tracked_per_stream,

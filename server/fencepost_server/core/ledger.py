@@ -194,6 +194,23 @@ class ExtendLeases:
 
 
 @dataclass(slots=True)
+class TakeShards:
+    """A coordinator's first command for shards it has just taken from
+    another (storage/shared.py): each lease of ``run_ids`` (the shards' runs)
+    is extended as ``take_lease`` says, with its shard's lease floor and the
+    time the shard went unled (``gaps``); the engine store's claims and keyed
+    locks of those shards by their gap, as ExtendLeases; then the shards'
+    lease floors become this coordinator's (``floor``)."""
+
+    shards: frozenset[int]
+    run_ids: tuple[str, ...]
+    floors: dict[int, int]  # shard -> the floor its row held
+    gaps: dict[int, int]  # shard -> ms nobody led it
+    floor: int
+    request_id: str = ""
+
+
+@dataclass(slots=True)
 class LeasesExtended:
     runs: int  # ledger leases extended
     others: int  # engine-store claims and keyed locks extended
@@ -226,6 +243,7 @@ Command = (
     | RawDelete
     | Transaction
     | ExtendLeases
+    | TakeShards
 )
 HandleCommand = Renew | RecordCheckpoint | Suspend | Finish | Release
 
@@ -502,6 +520,29 @@ def renewed_in_memory(cmd: Renew, cur: Record | None, now: int, floor: int) -> R
         cur.updated_at, _extend(lease, now + ttl), cur.checkpoint_ref, cur.outcome,
         cur.suspension, cur.revision, cur.schema,
     )
+
+
+def take_lease(cur: Record, now: int, rev: int, floor: int | None, gap_ms: int
+               ) -> Record | None:
+    """A lease on a shard just taken from another coordinator, written: a
+    lease stored as live past ``floor`` (None: every expiry was exact) is
+    treated as renewed now (``renewed_at_start``); one live when the shard
+    went unled is extended by ``gap_ms`` (``extend_lease``). None: neither."""
+    lease = cur.lease
+    if lease is None or is_terminal(cur.status):
+        return None
+    if out_of_range(cur) is not None or cur.version >= MAX_SAFE:
+        return None
+    until = lease.expires_at
+    if floor is not None:
+        renewed = renewed_at_start(cur, now, floor)
+        if renewed is not None:
+            until = renewed.lease.expires_at  # type: ignore[union-attr]
+    if until == lease.expires_at and gap_ms > 0 and lease.expires_at > now - gap_ms:
+        until = lease.expires_at + gap_ms
+    if until == lease.expires_at:
+        return None
+    return _write(cur, now, rev, lease=_extend(lease, until))
 
 
 def renewed_at_start(cur: Record, now: int, floor: int) -> Record | None:

@@ -49,7 +49,8 @@ _KEYS: dict[type, Callable[[Any], tuple[str, ...] | None]] = {
     E.DocUpsert: lambda c: (compound_key(c.agent, c.collection),),
     E.DocDelete: lambda c: (compound_key(c.agent, c.collection),),
     **dict.fromkeys(
-        (E.DeleteArtifact, E.StageChunk, E.DiscardUpload, E.SweepUploads, L.ExtendLeases), _none),
+        (E.DeleteArtifact, E.StageChunk, E.DiscardUpload, E.SweepUploads, L.ExtendLeases,
+         L.TakeShards), _none),
 }
 
 

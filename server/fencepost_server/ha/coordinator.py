@@ -20,6 +20,7 @@ from ..writer import Writer
 if TYPE_CHECKING:
     from ..storage.postgres import PostgresStorage
     from .leadership import Leadership
+    from .sharded import ShardedLeading
 
 log = logging.getLogger("fencepost")
 
@@ -38,6 +39,7 @@ class Coordinator:
         once leadership is lost (streams end, NOT_SERVING)."""
         self.clock = clock
         self.leadership: Leadership | None = None  # PostgreSQL: set by ``lead``
+        self.sharded: ShardedLeading | None = None  # --lead-shards: set by ``lead_shards``
         self._prepare = prepare
         self._serving = serving
         self._on_deposed = deposed
@@ -47,6 +49,13 @@ class Coordinator:
 
     async def lead_alone(self) -> None:
         """SQLite: the only coordinator; the writer has loaded the state."""
+        await self._serve()
+
+    async def lead_shards(self, sharded: ShardedLeading) -> None:
+        """--lead-shards: serve at once, leading the shards as they are taken
+        (ha/sharded.py); the others are refused with NOT_OWNER."""
+        self.sharded = sharded
+        await sharded.start()
         await self._serve()
 
     async def _serve(self) -> None:
@@ -111,12 +120,18 @@ class Coordinator:
         self.deposed.set()
 
     def on_failed_commit(self, exc: LedgerError) -> None:
+        moved = exc.metadata.get("moved") if exc.metadata else None
+        if moved and self.sharded is not None:
+            self.sharded.moved_during_batch([int(s) for s in moved.split(",")])
+            return
         if exc.code is Code.NOT_LEADER and self.leadership is not None:
             self.depose("a batch found the epoch moved: another coordinator took over")
 
     def memory_ok(self) -> bool:
         """A renewal is answered from memory only while this coordinator is
         sure it leads (docs/SPEC.md §9.1); else it goes to the epoch check."""
+        if self.sharded is not None:
+            return self.leading and self.sharded.memory_ok()
         return self.leading and self.leadership is not None and self.leadership.leading
 
     def gauge(self) -> tuple[int, int]:
@@ -128,6 +143,10 @@ class Coordinator:
 
     def gate(self) -> LedgerError | None:
         """None while this coordinator leads; else why it refuses (NOT_LEADER)."""
+        if self.sharded is not None and not self.leading:  # not open yet
+            from ..storage.postgres import NotLeader
+
+            return NotLeader("")
         ld = self.leadership
         if ld is None or (self.leading and ld.leading):
             return None
@@ -139,6 +158,9 @@ class Coordinator:
     async def close(self) -> None:
         """After the writer has closed: hand leadership over at once (a
         standby takes over without waiting for the lease), then disconnect."""
+        if self.sharded is not None:
+            self.leading = False
+            await self.sharded.close()
         if self.leadership is not None:
             if self.leading and self.leadership.leading:
                 await self.leadership.resign()

@@ -336,9 +336,11 @@ class ShardLeases(RowLeases):
         self,
         on_taken: Callable[[dict[int, Takeover]], None] | None = None,
         on_lost: Callable[[list[int], str], None] | None = None,
+        on_round: Callable[[], None] | None = None,
     ) -> None:
         """Run a round every ``renew_ms`` until ``close``, calling ``on_taken``
-        and ``on_lost`` (on the event loop) with what each round took and lost.
+        and ``on_lost`` (on the event loop) with what each round took and lost,
+        and ``on_round`` after each round (``surplus``, ``owners`` are new).
         A held shard whose renewal does not come back within the lease is
         reported lost without waiting for the round. Raises RuntimeError when
         the database's shard rows are not the ``shards`` it was given."""
@@ -357,6 +359,8 @@ class ShardLeases(RowLeases):
                 for shards, why in done.lost:
                     if on_lost is not None:
                         on_lost(shards, why)
+                if on_round is not None:
+                    on_round()
             try:
                 async with asyncio.timeout(self.renew_ms / 1000):
                     await self._stop.wait()

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from ..core import engine as E
 from ..core import fence as F
 from ..core.errors import validation
+from ..core.shards import shard_of
 from .sql import answering, broken
 
 T = TypeVar("T")
@@ -370,9 +371,13 @@ def check_lock_fence(db: Any, fence: F.Fence) -> None:
     E.check_lock_fence(fence, _get_lock(db, fence.lock_key))
 
 
-def extend_leases(db: Any, by_ms: int, alive_at: int) -> int:
+def extend_leases(db: Any, by_ms: int, alive_at: int,
+                  shards: tuple[frozenset[int], int] | None = None) -> int:
     """A new leader's extension (core.ledger.ExtendLeases) of every claim and
-    keyed lock still live at ``alive_at``, by ``by_ms``; how many."""
+    keyed lock still live at ``alive_at``, by ``by_ms``; how many. ``shards``
+    (the shards, the count): only the claims and locks keyed in those."""
+    if shards is not None:
+        return _extend_in_shards(db, by_ms, alive_at, *shards)
     claims = db.execute(
         "UPDATE engine_runs SET claim_expires_at = claim_expires_at + ? "
         "WHERE claim_owner IS NOT NULL AND claim_expires_at > ?",
@@ -384,6 +389,23 @@ def extend_leases(db: Any, by_ms: int, alive_at: int) -> int:
         (by_ms, alive_at),
     ).rowcount
     return int(claims) + int(locks)
+
+
+def _extend_in_shards(db: Any, by_ms: int, alive_at: int, shards: frozenset[int],
+                      n: int) -> int:
+    """``extend_leases`` for the claims and locks keyed in ``shards`` alone
+    (a coordinator taking shards: storage/shared.py)."""
+    done = 0
+    for table, key, owner, expiry in (("engine_runs", "id", "claim_owner", "claim_expires_at"),
+                                      ("engine_locks", "key", "owner", "expires_at")):
+        keys = [k for (k,) in db.execute(
+            f"SELECT {key} FROM {table} WHERE {owner} IS NOT NULL AND {expiry} > ?",
+            (alive_at,)) if shard_of(k, n) in shards]
+        if keys:
+            db.executemany(f"UPDATE {table} SET {expiry} = {expiry} + ? WHERE {key} = ?",
+                           [(by_ms, k) for k in keys])
+            done += len(keys)
+    return done
 
 
 class WriterHooks:

@@ -31,6 +31,7 @@ import functools
 import logging
 import re
 import time
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -39,13 +40,15 @@ from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
 from ..core.errors import Code, LedgerError
+from . import shared
+from .shared import Sharing
 from .sql import SqlStorage, settle_shards
 
 log = logging.getLogger("fencepost.storage")
 
 RESOLVE_COMMIT_S = 60.0  # how long a COMMIT lost with its connection is asked about
 SCHEMA = "fencepost"
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 _MIGRATE_LOCK = 0x66656E63  # pg_advisory_xact_lock key: "fenc"
 
 _TEXT = 'TEXT COLLATE "C"'  # byte order, as SQLite and the in-memory index sort
@@ -273,6 +276,14 @@ MIGRATIONS: list[list[str]] = [
         "INSERT INTO fencepost_shards SELECT generate_series(0, value - 1), 0, '', '', 0, 0, '' "
         "FROM meta WHERE key = 'shards'",
     ],
+    # 7 -> 8: coordinators that lead shards apart (storage/shared.py): each
+    # shard's lease floor, revisions in blocks from a sequence, and whether
+    # the database is led that way (set once, by the first such coordinator).
+    [
+        "ALTER TABLE fencepost_shards ADD COLUMN lease_floor BIGINT NOT NULL DEFAULT 0",
+        "CREATE SEQUENCE fencepost_revision_blocks",
+        "INSERT INTO meta (key, value) VALUES ('lead_shards', 0)",
+    ],
 ]
 
 
@@ -429,6 +440,8 @@ class PostgresStorage(SqlStorage):
         # batches skip the epoch check, so a deposed leader can commit
         self.unsafe_skip_epoch_check = unsafe_skip_epoch_check
         self._xid: int | None = None  # the open batch's transaction id
+        # --lead-shards (storage/shared.py): the shards held, the revision block
+        self.sharing_state = Sharing()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -437,11 +450,19 @@ class PostgresStorage(SqlStorage):
         commits only while the leader row still holds it."""
         self.epoch = epoch
 
+    def lead_shards(self) -> None:
+        """Lead only the shards taken (``sharing_state``), with every other
+        coordinator of the database started the same way (storage/shared.py)."""
+        self.sharing = True
+
     def open(self) -> None:
-        """Connect and migrate (the schema only: no leader check here)."""
+        """Connect and migrate (the schema only: no leader check here); a
+        coordinator leading shards makes the database one led that way."""
         try:
             self._db = self._connect_writer()
             self.shards = migrate(self._db, self.path, self.requested_shards)
+            if self.sharing:
+                shared.convert(self)
         except psycopg.Error as exc:
             self.close()
             raise RuntimeError(f"{self.path}: {first_line(exc)}") from exc
@@ -473,7 +494,7 @@ class PostgresStorage(SqlStorage):
 
     def _begin(self, db: PgConnection) -> None:
         db.execute("BEGIN")
-        if self.epoch is None or self.unsafe_skip_epoch_check:
+        if self.epoch is None or self.sharing or self.unsafe_skip_epoch_check:
             got: Any = db.execute("SELECT txid_current()").fetchone()
             self._xid = got[0]
             return
@@ -494,6 +515,8 @@ class PostgresStorage(SqlStorage):
         committed or not: ask the database what became of its transaction
         (``txid_status``) on a new connection, and go on as committed if it
         did, so nobody is told "nothing changed" about a write that is there."""
+        if self.sharing and not self.unsafe_skip_epoch_check:
+            self.sharing_state.check(db)
         try:
             db.execute("COMMIT")
         except psycopg.Error:
@@ -535,6 +558,27 @@ class PostgresStorage(SqlStorage):
     def _storage_error(self, exc: BaseException) -> LedgerError:
         return storage_error(exc)
 
+    # -- leading shards (storage/shared.py) -------------------------------------
+
+    def first_revision(self, current: int) -> int:
+        return self.sharing_state.first_revision(self.db, current) if self.sharing else current
+
+    def load_shards(self, shards: frozenset[int]) -> shared.LoadedShards:
+        self.sharing_state.new_block = True  # the shards' next revisions are above their last
+        return shared.load_shards(self, shards)
+
+    def touch_shards(self, shards: Iterable[int]) -> None:
+        self.sharing_state.touched.update(shards)
+
+    def set_lease_floor(self, value: int, shards: Iterable[int] | None = None) -> None:
+        if not self.sharing:
+            super().set_lease_floor(value)
+            return
+        epochs = self.sharing_state.epochs
+        if shards is not None:
+            epochs = {s: epochs[s] for s in shards if s in epochs}
+        shared.set_floors(self.db, epochs, value)
+
     def finished_before(
         self, db: Any, cutoff_ms: int, limit: int, after: tuple[int, str] | None = None
     ) -> list[tuple[str, int, int]]:
@@ -550,11 +594,14 @@ class PostgresStorage(SqlStorage):
 
 def prepare(storage: PostgresStorage) -> None:
     """Create or upgrade the schema on a short-lived connection; RuntimeError
-    (the server refuses to start) when the database cannot be reached or used."""
+    (the server refuses to start) when the database cannot be reached or used,
+    or is led by shards and this coordinator would lead alone."""
     try:
         db = connect(storage.url, f"fencepost-migrate {storage.name}")
         try:
             storage.shards = migrate(db, storage.path, storage.requested_shards)
+            if not storage.sharing:
+                shared.refuse_single_leader(db, storage.path)
         finally:
             db.close()
     except psycopg.Error as exc:  # unreachable, no such database, no permission...

@@ -230,6 +230,9 @@ class SqlStorage:
     # database's own once it is open (docs/SPEC.md §13)
     requested_shards: int | None = None
     shards = 0
+    # several coordinators lead this database's shards (storage/shared.py):
+    # each batch writes its runs' rows, and no meta row
+    sharing = False
 
     def __init__(self) -> None:
         self.rows = {}
@@ -259,6 +262,18 @@ class SqlStorage:
 
     def _commit(self, db: Any) -> None:
         db.execute("COMMIT")
+
+    def first_revision(self, current: int) -> int:
+        """The revision a batch counts up from (storage/shared.py: a block's)."""
+        return current
+
+    def load_shards(self, shards: frozenset[int]) -> Any:
+        """The runs of shards just taken (storage/shared.py; PostgreSQL only)."""
+        raise NotImplementedError
+
+    def touch_shards(self, shards: Iterable[int]) -> None:
+        """The shards the open batch touched (checked before its COMMIT when
+        several coordinators lead shards apart)."""
 
     @property
     def is_open(self) -> bool:
@@ -563,8 +578,9 @@ class SqlStorage:
         row = self.db.execute("SELECT value FROM meta WHERE key='lease_floor'").fetchone()
         return LEASES_EXACT if row is None else int(row[0])
 
-    def set_lease_floor(self, value: int) -> None:
-        """Store the lease floor; call inside ``transaction()``."""
+    def set_lease_floor(self, value: int, shards: Iterable[int] | None = None) -> None:
+        """Store the lease floor; call inside ``transaction()``. (``shards``:
+        only theirs, when coordinators lead shards apart: storage/shared.py.)"""
         self.db.execute(
             "INSERT INTO meta (key, value) VALUES ('lease_floor', ?) "
             "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -661,6 +677,8 @@ class SqlStorage:
         # for the next start's reading of the saved index: the blocks not yet
         # recorded (renewals of many leases touch the same few hundred blocks
         # in every copy)
+        if self.sharing:  # (no saved index: the coordinators load shards, not the table)
+            return
         changed = {p[0] for p in puts}.union(b for b, _ in gone)
         changed -= self._touching
         if not self._untouch:
@@ -789,7 +807,9 @@ class SqlStorage:
                     for rev, run_id, kind, rec in batch.changes
                 ],
             )
-        if batch.materialized is not None:
+        if self.sharing:
+            self._upsert(db, batch.materialize)
+        elif batch.materialized is not None:
             self._materialize(db, batch.materialize, batch.materialized, batch.revision)
         elif batch.changes:
             db.execute("UPDATE meta SET value = ? WHERE key = 'revision'", (batch.revision,))

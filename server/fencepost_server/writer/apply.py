@@ -16,8 +16,10 @@ from ..core import codec
 from ..core import fence as F
 from ..core import ledger as L
 from ..core.errors import Code, LedgerError, in_transaction, validation
-from ..core.placement import Ownership
+from ..core.placement import Ownership, shards_of
 from ..core.records import TERMINAL, Record
+from ..core.shards import shard_of
+from ..storage.shared import exact
 from ..storage.sql import KIND_DELETE, KIND_PUT, Batch, SqlStorage
 from .state import ChangeEvent, LedgerState
 
@@ -47,7 +49,8 @@ class EngineHooks(Protocol):
 
     def check_lock_fence(self, db: Any, fence: F.Fence) -> None: ...
 
-    def extend_leases(self, db: Any, by_ms: int, alive_at: int) -> int: ...
+    def extend_leases(self, db: Any, by_ms: int, alive_at: int,
+                      shards: tuple[frozenset[int], int] | None = None) -> int: ...
 
 
 def prune_step(history_revisions: int) -> int:
@@ -191,6 +194,9 @@ class Apply:
         self.materialized = 0
         # None: this coordinator leads every shard (Writer.ownership)
         self.ownership: Ownership | None = None
+        # False: another coordinator prunes (leading shards apart, the owner
+        # of shard 0 alone does: two pruning the same rows could deadlock)
+        self.prunes = True
         self._last_prune = 0
         self._pruned_at = 0  # the revision the last prune was planned at
         self._prune_more = False
@@ -216,15 +222,22 @@ class Apply:
         out = Batch(now=now)
         st = _Step(committed, out, committed.revision)
         answers: list[Any] = []
-        with self.storage.transaction():
+        storage = self.storage
+        sharing = storage.sharing
+        with storage.transaction():
+            st.rev = storage.first_revision(st.rev)
             rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
-            stored_answers = self.storage.lookup_requests(rids) if rids else {}
+            stored_answers = storage.lookup_requests(rids) if rids else {}
             owned = self.ownership
             for item in batch:
                 cmd = item.cmd
                 if owned is not None and (refused := owned.refusal(cmd)) is not None:
                     answers.append(refused)  # not remembered: the owner answers the retry
                     continue
+                if sharing:  # checked before COMMIT (storage/shared.py)
+                    storage.touch_shards(
+                        cmd.shards if type(cmd) is L.TakeShards
+                        else shards_of(cmd, storage.shards) or ())
                 rid = cmd.request_id
                 fp = ""
                 if rid:
@@ -252,10 +265,12 @@ class Apply:
             overlay, tombs, events, changed = st.overlay, st.tombs, st.events, st.changed
             rev = st.rev
             out.revision = rev
-            taken, mark = self._plan_materialization(now, rev, changed)
+            taken, mark = ([], rev) if sharing else self._plan_materialization(now, rev, changed)
             leases: list[tuple[str, Record | None]] = []
             expiries: list[tuple[str, Record]] = []
             if flush:  # expiries renewed from memory, into their runs rows
+                if sharing:
+                    storage.touch_shards({shard_of(k, storage.shards) for k in flush})
                 skip = set(taken)
                 pending = self.pending
                 for k in flush:
@@ -267,13 +282,16 @@ class Apply:
                     else:
                         expiries.append((k, rec))  # the row is current but for the expiry
             out.expiries = expiries
-            if taken or mark != self.materialized or leases:
+            if sharing:  # every changed run's row in this batch: nothing lags
+                out.materialize = [(k, overlay[k]) for k in changed] + [
+                    lease for lease in leases if lease[0] not in changed]
+            elif taken or mark != self.materialized or leases:
                 out.materialize = [
                     (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
                 ] + leases
                 out.materialized = mark
             out.lease_floor = floor
-            if (
+            if self.prunes and (
                 self._prune_more
                 or now - self._last_prune >= self.prune_every_ms
                 or rev - self._pruned_at >= prune_step(self.history_revisions)
@@ -293,7 +311,7 @@ class Apply:
         pending = self.pending
         for k in taken:
             del pending[k]
-        for k, first in changed.items():
+        for k, first in () if sharing else changed.items():
             if k not in pending:
                 pending[k] = (first, now)
         self.materialized = mark
@@ -326,6 +344,8 @@ class Apply:
             return self._transaction(cmd, st, now)
         if type(cmd) is L.ExtendLeases:
             return self._extend_leases(cmd, st, now)
+        if type(cmd) is L.TakeShards:
+            return self._take_shards(cmd, st, now)
         if type(cmd) is L.Renew:
             cur = self._current(cmd.run_id, st)
             renewed = self.renew(cmd, cur, now)
@@ -408,6 +428,37 @@ class Apply:
         others = 0
         if self.engine is not None:
             others = self.engine.extend_leases(self.storage.db, cmd.by_ms, cmd.alive_at)
+        return L.LeasesExtended(runs, others)
+
+    def _take_shards(self, cmd: L.TakeShards, st: _Step, now: int) -> L.LeasesExtended:
+        """Shards just taken from another coordinator: their leases extended
+        (``L.take_lease``), their claims and locks by their gaps, their lease
+        floors made this writer's (storage/shared.py)."""
+        n = self.storage.shards
+        runs = 0
+        for run_id in cmd.run_ids:
+            cur = self._current(run_id, st)
+            if cur is None:
+                continue
+            shard = shard_of(run_id, n)
+            floor = cmd.floors.get(shard, 0)
+            rec = L.take_lease(cur, now, st.rev + 1, None if exact(floor) else floor,
+                               cmd.gaps.get(shard, 0))
+            if rec is None:
+                continue
+            rev = st.rev = st.rev + 1
+            if run_id not in st.changed:
+                st.changed[run_id] = rev
+            _put(st, rev, rec, cur, L.TakeShards)
+            runs += 1
+        others = 0
+        if self.engine is not None:
+            for shard in sorted(cmd.shards):
+                gap = cmd.gaps.get(shard, 0)
+                if gap > 0:
+                    others += self.engine.extend_leases(
+                        self.storage.db, gap, now - gap, shards=(frozenset([shard]), n))
+        self.storage.set_lease_floor(cmd.floor, cmd.shards)
         return L.LeasesExtended(runs, others)
 
     def _check_fence(self, fence: F.Fence, st: _Step) -> None:

@@ -108,6 +108,18 @@ class RunIndex:
             out += [(int(st), owner, group) for owner, group in by_owner.items()]
         return out
 
+    def add_cold(self, groups: Iterable[tuple[int, str | None, list[str]]]) -> None:
+        """Index runs known by their index entries alone (``cold``'s groups),
+        none indexed yet."""
+        for st, owner, ids in groups:
+            status = Status(st)
+            for run_id in ids:
+                self.status_of[run_id] = status
+                self._add(self.by_status, status, run_id)
+                if owner is not None:
+                    self.owner_of[run_id] = owner
+                    self._add(self.by_owner, owner, run_id)
+
     def update(self, run_id: str, new: Record | None) -> None:
         """Index the run as ``new`` says (None: deleted). Where it was indexed
         before comes from the index itself, so applying the same move twice

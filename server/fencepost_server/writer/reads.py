@@ -208,7 +208,11 @@ class Reads:
         rows = []
         for i in range(shards):
             if ownership is None or i in ownership.led:
-                rows.append(ShardRow(i, *me, counts.runs[i], counts.leases[i]))
+                identity, address, epoch = me
+                if ownership is not None and i in ownership.owners:  # each its own epoch
+                    epoch = ownership.owners[i][1]
+                rows.append(ShardRow(i, identity, address, epoch, counts.runs[i],
+                                     counts.leases[i]))
             else:  # led elsewhere: its owner knows what is in it
                 rows.append(ShardRow(i, "", *ownership.owners.get(i, ("", 0)), 0, 0))
         return counts.revision, rows

@@ -76,6 +76,7 @@ class Renewals:
         self.flushing: list[str] = []
         self.flush_at = 0
         self.floor = 0
+        self.stored = 0  # the floor as last committed (``floor`` may be a cycle ahead)
         # How many queued or uncommitted commands name each run (ALL: an
         # ExtendLeases): a renewal of such a run is queued behind them, so
         # it never overtakes an earlier write, nor a decision its expiry.
@@ -121,8 +122,15 @@ class Renewals:
             if self.dirty:
                 log.info("%d leases treated as renewed at the start (stored as live past "
                          "the last flush of expiries)", len(self.dirty))
-        self.floor = floor
+        self.floor = self.stored = floor
         self.flush_at = now
+
+    def start_empty(self) -> None:
+        """A writer that holds no run yet (leading shards apart: it takes them
+        later): every lease it will hold is written or exact up to now."""
+        self.dirty.clear()
+        self.flushing.clear()
+        self.floor = self.stored = self.flush_at = self.clock.now_ms()
 
     def from_memory(self, cmd: L.Renew, runs: dict[str, Record]) -> Any:
         """A renewal checked and applied in the committed ``runs``, on the

@@ -30,6 +30,7 @@ from ..core import ledger as L
 from ..core.errors import Code, LedgerError
 from ..core.placement import Ownership
 from ..core.records import TERMINAL, Record
+from ..core.shards import shard_of
 from ..scope import REQUEST_SCOPE
 from ..storage.sql import (
     COLD_STATUSES,
@@ -53,6 +54,13 @@ _FLUSH = object()  # queued by the flush timer: commit a flush chunk even when i
 # TEST-ONLY broken build: called on the writer thread inside a batch's
 # transaction, before its COMMIT, with a function that answers the batch now.
 AckBeforeCommit = Callable[[Callable[[], None]], None]
+
+
+class _Barrier:
+    """Answered once every batch before it has committed and been published
+    (``Writer.drop``); writes nothing."""
+
+    request_id = ""
 
 
 class WriterClosed(LedgerError):
@@ -114,6 +122,7 @@ class Writer:
             evict_finished=self.evict_finished,
             before_commit=None if ack_before_commit is None else self._ack_early,
         )
+        self._apply.register(_Barrier, lambda db, cmd, now: True)
         self._on_failed_commit = on_failed_commit
         self._flush_timer: asyncio.Task[None] | None = None
         self._saved_at = -1  # the revision of the saved index entries load() used
@@ -132,8 +141,11 @@ class Writer:
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
+        """Open the database and load the committed state (leading shards
+        apart: load nothing yet; ``take`` loads each shard taken)."""
         loop = asyncio.get_running_loop()
-        self.state = await loop.run_in_executor(self._executor, self._open_and_load)
+        load = self._open_empty if self.storage.sharing else self._open_and_load
+        self.state = await loop.run_in_executor(self._executor, load)
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="fencepost-writer")
         self._flush_timer = asyncio.create_task(self._flush_ticks(), name="fencepost-flush")
@@ -165,6 +177,60 @@ class Writer:
             index=built[0],
             compacted=loaded.compacted,
         )
+
+    def _open_empty(self) -> LedgerState:
+        """Leading shards apart: open (the first such coordinator converts the
+        database, storage/shared.py), hold no run until a shard is taken."""
+        self.storage.open()
+        db = self.storage.db
+        top = db.execute("SELECT max(block) FROM runs").fetchone()[0]
+        self.storage._block, self.storage._in_block = (0 if top is None else top + 1), 0
+        self.renewals.start_empty()
+        self._apply.prunes = False
+        return LedgerState(index=RunIndex(), compacted=self.storage._compacted(db, 0))
+
+    async def take(self, shards: frozenset[int], gaps: dict[int, int]) -> L.LeasesExtended:
+        """Shards just taken (their epochs already in the storage's check):
+        load their runs, then extend their leases as SPEC §13 says, durably,
+        before any command of theirs is accepted (the caller then widens the
+        ownership). ``gaps``: ms each went unled."""
+        loop = asyncio.get_running_loop()
+        loaded = await loop.run_in_executor(self._executor, self.storage.load_shards, shards)
+        st = self.state
+        for run_id, rec in loaded.runs.items():
+            st.runs[run_id] = rec
+            st.index.update(run_id, rec)
+        st.index.add_cold(loaded.cold)
+        st.tombstones.update(loaded.tombstones)
+        done = await self.submit(L.TakeShards(
+            shards, tuple(loaded.runs), loaded.floors, gaps, self.renewals.stored))
+        assert isinstance(done, L.LeasesExtended)
+        return done
+
+    async def drop(self, shards: frozenset[int]) -> list[str]:
+        """Forget shards no longer led (the ownership already refuses their
+        commands): once every batch before now is answered, their runs leave
+        memory. Returns the run ids dropped."""
+        n = self.storage.shards
+        await self.submit(_Barrier())  # type: ignore[arg-type]
+        st = self.state
+        gone = [run_id for run_id in st.index if shard_of(run_id, n) in shards]
+        for run_id in gone:
+            st.runs.pop(run_id, None)
+            st.index.update(run_id, None)
+        for run_id in [k for k in st.tombstones if shard_of(k, n) in shards]:
+            del st.tombstones[run_id]
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._forget_rows, gone)
+        return gone
+
+    def _forget_rows(self, run_ids: list[str]) -> None:
+        rows = self.storage.rows
+        for run_id in run_ids:
+            rows.pop(run_id, None)
+
+    def leads_shard_zero(self, yes: bool) -> None:
+        """Leading shards apart, only shard 0's owner prunes the shared history."""
+        self._apply.prunes = yes
 
     async def close(self) -> None:
         """Stop accepting, finish everything queued, close the database."""
@@ -198,6 +264,9 @@ class Writer:
             # next start finds them exact
             leases = self.renewals.unwritten(runs, pending)
             with self.storage.transaction():
+                if self.storage.sharing:
+                    n = self.storage.shards
+                    self.storage.touch_shards({shard_of(k, n) for k, _ in leases})
                 out = Batch(revision=revision)
                 out.materialize = [(k, runs.get(k)) for k in pending]
                 out.expiries = leases
@@ -210,7 +279,8 @@ class Writer:
             self.renewals.clear()
             # (an in-memory database has no next start; entries read at the
             # start and still matching need no rewrite)
-            if self.evict_finished and applier.materialized == revision != self._saved_at:
+            if self.evict_finished and applier.materialized == revision != self._saved_at \
+                    and not self.storage.sharing:
                 groups = self.state.index.groups(COLD_STATUSES)
                 with self.storage.transaction():
                     saved = self.storage.save_index(groups, revision)
@@ -464,6 +534,8 @@ class Writer:
                 )
             return
         self.stats.leases_flushed += len(flush or ())
+        if floor is not None:
+            self.renewals.stored = floor
         if batch:
             self.stats.batches += 1
             self.stats.commands += len(batch)

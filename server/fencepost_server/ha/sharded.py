@@ -1,0 +1,172 @@
+"""A coordinator leading the shards assigned to it, with the others of the
+database leading the rest (``fencepost serve --lead-shards``; SPEC §13).
+
+``ShardLeases`` (shards.py) takes, renews and loses shard rows; this object
+turns what each round did into the writer's state, one change at a time:
+
+- **taken**: the shard's epoch joins the batches' check, the writer loads
+  its runs and extends their leases durably (``Writer.take``), and only then
+  does the ownership admit its commands;
+- **lost** (another coordinator bumped its epoch, or the rows were not
+  renewed in time): the ownership refuses its commands at once, every batch
+  already accepted is answered (those that touch it fail the check), then
+  its runs leave memory and its KeepAlive tracks end as moved, not lost;
+- **surplus** (assigned to another coordinator that joined): the same as
+  lost, but every command accepted is committed first, and the row is then
+  released so the new owner takes it on its next round without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..core.placement import Ownership
+
+if TYPE_CHECKING:
+    from ..storage.postgres import PostgresStorage
+    from ..writer import Writer
+    from .leadership import Takeover
+    from .shards import ShardLeases
+
+log = logging.getLogger("fencepost.shards")
+
+
+class ShardedLeading:
+    def __init__(self, leases: ShardLeases, storage: PostgresStorage, writer: Writer,
+                 moved: Callable[[list[str]], None]) -> None:
+        """``moved``: called with the run ids of shards given up (their
+        KeepAlive tracks end: the lease moved with its shard)."""
+        self.leases = leases
+        self.storage = storage
+        self.writer = writer
+        self._moved = moved
+        self._changes: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        self.led: frozenset[int] = frozenset()  # admitted by the ownership
+        self.loaded: frozenset[int] = frozenset()  # held in the writer's memory
+        self._leaving: set[int] = set()  # lost or handed over, not yet given up
+        self.takeovers = 0
+        self.moves = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """The writer opens (converting the database the first time); then
+        the rounds start. Serving from here on: a shard not led is NOT_OWNER."""
+        self.writer.lead_only(Ownership(self.storage.shards, (), {}))
+        await self.writer.start()
+        self._tasks = [
+            asyncio.create_task(self._apply_changes(), name="fencepost-shard-changes"),
+            asyncio.create_task(self.leases.run(self._taken, self._lost, self._round),
+                                name="fencepost-shard-leases"),
+        ]
+
+    # -- from the rounds (loop) ---------------------------------------------------
+
+    def _taken(self, taken: dict[int, Takeover]) -> None:
+        self._changes.put_nowait(("take", taken))
+
+    def _lost(self, shards: list[int], why: str) -> None:
+        self._refuse(shards)
+        self._changes.put_nowait(("lost", frozenset(shards)))
+
+    def _round(self) -> None:
+        surplus = [s for s in self.leases.surplus if s in self.loaded]
+        if surplus:
+            self._refuse(surplus)
+            self._changes.put_nowait(("handover", frozenset(surplus)))
+        else:
+            self._publish()
+
+    def moved_during_batch(self, shards: list[int]) -> None:
+        """A batch found these shards' epochs moved: they are lost."""
+        held = [s for s in shards if s in self.storage.sharing_state.epochs]
+        if held:
+            log.error("lost shards %s: a batch found their epoch moved", held)
+            self._lost(held, "a batch found the epoch moved")
+
+    # -- one change at a time ----------------------------------------------------
+
+    async def _apply_changes(self) -> None:
+        while True:
+            kind, what = await self._changes.get()
+            try:
+                if kind == "take":
+                    await self._take(what)  # type: ignore[arg-type]
+                else:
+                    await self._give_up(what, release=kind == "handover")  # type: ignore[arg-type]
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # the shards stay out of the ownership; their rows run out and
+                # a coordinator takes them (maybe this one, on a later round)
+                log.exception("could not %s shards", kind)
+
+    async def _take(self, taken: dict[int, Takeover]) -> None:
+        shards = frozenset(taken)
+        state = self.storage.sharing_state
+        # checked from the next batch on (none of theirs is admitted yet)
+        state.epochs = {**state.epochs, **{s: t.epoch for s, t in taken.items()}}
+        started = time.perf_counter()
+        gaps = {s: t.gap_ms for s, t in taken.items()}
+        self.loaded = self.loaded | shards
+        done = await self.writer.take(shards, gaps)
+        self.led = self.led | (shards - self._leaving)
+        self.takeovers += len(shards)
+        self._publish()
+        log.info("leading shards %s: %d leases extended (%d claims and locks) in %.3f s",
+                 sorted(shards), done.runs, done.others, time.perf_counter() - started)
+
+    async def _give_up(self, shards: frozenset[int], *, release: bool) -> None:
+        self._leaving -= shards
+        shards = shards & self.loaded
+        if not shards:
+            return
+        self.led = self.led - shards
+        self.loaded = self.loaded - shards
+        gone = await self.writer.drop(shards)
+        state = self.storage.sharing_state
+        state.epochs = {s: e for s, e in state.epochs.items() if s not in shards}
+        self._moved(gone)
+        self.moves += len(shards)
+        if release:
+            await self.leases.release(shards)
+        log.info("%s shards %s (%d runs)", "handed over" if release else "gave up",
+                 sorted(shards), len(gone))
+
+    def _refuse(self, shards: list[int]) -> None:
+        """Refuse the shards' commands from now on."""
+        self._leaving.update(shards)
+        self.led = self.led - frozenset(shards)
+        self._publish()
+
+    def _publish(self) -> None:
+        # a shard held here but not admitted (being taken or given up) names
+        # no owner: the client retries after its backoff, not at once
+        me = self.leases.address
+        owners = {s: ("" if o.address == me and s not in self.led else o.address, o.epoch)
+                  for s, o in self.leases.owners().items()}
+        self.writer.lead_only(Ownership(self.storage.shards, self.led, owners))
+        self.writer.leads_shard_zero(0 in self.led)
+
+    # -- the rest of the coordinator asks ----------------------------------------
+
+    def memory_ok(self) -> bool:
+        """Renewals from memory only while the shard rows are surely held."""
+        return time.monotonic() < self.leases.valid_until
+
+    def epoch_of(self, shard: int) -> int:
+        return self.storage.sharing_state.epochs.get(shard, 0)
+
+    async def close(self) -> None:
+        """After the writer has closed: give every shard up at once (the
+        others take them on their next round) and leave the members."""
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.leases.resign()
+        await self.leases.close()

@@ -1,0 +1,220 @@
+"""Coordinators that lead shards apart (``fencepost serve --lead-shards``) on
+one PostgreSQL database: each leads about its share, the SDK given one of
+them sends every call to its shard's owner, a SIGKILLed coordinator's shards
+are taken by the others with every lease still held, a paused one serves
+nothing of its shards once it wakes (they are taken: it finds its shard
+lease lapsed), and one that joins gets its share handed over with every
+lease kept. The check each batch makes is tested apart
+(tests/service/test_shared_batches.py): a paused process finds its lease
+lapsed before any batch could reach it.
+
+Real ``fencepost serve`` processes over a real PostgreSQL (pgcluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from _proc import ServerProc
+
+import fencepost
+from fencepost_devtools.pgcluster import Cluster
+from fencepost_server.core.shards import shard_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+SHARDS = 8
+LEASE, RENEW = "2s", "300ms"  # each shard's lease: short, so takeovers come quickly
+
+
+@pytest.fixture
+def db_url(pg_cluster: Cluster) -> str:
+    return pg_cluster.create_database(f"ls_{uuid.uuid4().hex[:10]}")
+
+
+class Coordinators:
+    def __init__(self, url: str, tmp: Path, n: int) -> None:
+        self.url, self.tmp = url, tmp
+        self.procs: list[ServerProc] = []
+        for _ in range(n):
+            self.add()
+
+    def add(self) -> ServerProc:
+        p = ServerProc(self.url, self.tmp / f"coordinator-{len(self.procs)}.log", args=(
+            "--lead-shards", "--shards", str(SHARDS), "--leader-lease", LEASE,
+            "--leader-renew", RENEW, "--http-listen", "off"))
+        self.procs.append(p)
+        return p
+
+    def owners(self) -> dict[int, str]:
+        """shard -> holder's advertised address, as the rows say."""
+        with psycopg.connect(self.url, autocommit=True) as db:
+            return dict(db.execute(  # type: ignore[arg-type]
+                "SELECT shard, address FROM fencepost.fencepost_shards WHERE holder <> '' "
+                "AND expires_at > (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+            ).fetchall())
+
+    def wait_balanced(self, alive: list[ServerProc], timeout: float = 20.0) -> dict[int, str]:
+        """Until every shard is held by one of ``alive``, each holding its share,
+        and each of them admits its shards (a routed call there succeeds)."""
+        want = {p.address for p in alive}
+        low, high = SHARDS // len(alive), -(-SHARDS // len(alive))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            owners = self.owners()
+            counts = {a: list(owners.values()).count(a) for a in want}
+            if len(owners) == SHARDS and set(owners.values()) == want \
+                    and all(low <= c <= high for c in counts.values()):
+                return owners
+            time.sleep(0.1)
+        raise AssertionError(f"not balanced: {self.owners()}\n" + "\n".join(
+            p.log_tail(2000) for p in self.procs))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGCONT)
+            p.kill()
+
+
+@pytest.fixture
+def coordinators(db_url: str, tmp_path: Path) -> Iterator[Coordinators]:
+    c = Coordinators(db_url, tmp_path, 2)
+    try:
+        for p in c.procs:
+            p.start()
+        yield c
+    finally:
+        c.close()
+
+
+def _runs(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}-{i}" for i in range(n)]
+
+
+async def _until(check: object, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await check()  # type: ignore[operator]
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+def test_two_coordinators_each_lead_half_and_the_sdk_routes_to_both(
+        coordinators: Coordinators) -> None:
+    owners = coordinators.wait_balanced(coordinators.procs)
+    a, b = coordinators.procs
+    runs = _runs("both", 40)
+
+    async def go() -> None:
+        async with fencepost.Client(a.address, owner="w", renewal="off") as client:
+            leases = [await client.acquire(r, ttl_ms=30_000) for r in runs]
+            for lease in leases:
+                await lease.renew()
+                await lease.record_checkpoint("k", 1)
+            for lease in leases[:20]:
+                await lease.finish()
+            got = await client.shards()
+            assert {s.index: s.address for s in got.shards} == owners
+            assert sum(s.runs for s in got.shards) == 40
+            listed = [r.run_id for r in (await client.list_all()).runs]
+            assert sorted(listed) == sorted(runs)
+
+    asyncio.run(go())
+    # each run's rows were written by its shard's owner, and exactly once
+    with psycopg.connect(coordinators.url, autocommit=True) as db:
+        rows = db.execute("SELECT run_id, count(*) FROM fencepost.runs GROUP BY run_id").fetchall()
+    assert sorted(r for r, _ in rows) == sorted(runs) and {n for _, n in rows} == {1}
+    assert {owners[shard_of(r, SHARDS)] for r in runs} == {a.address, b.address}
+
+
+def test_a_killed_coordinators_shards_are_taken_with_every_lease_held(
+        coordinators: Coordinators) -> None:
+    coordinators.wait_balanced(coordinators.procs)
+    a, b = coordinators.procs
+    runs = _runs("kill", 30)
+
+    async def go() -> None:
+        async with fencepost.Client(a.address, owner="w", renewal="off") as client:
+            leases = {r: await client.acquire(r, ttl_ms=20_000) for r in runs}
+            for lease in leases.values():
+                await lease.renew()  # answered from memory on B's shards
+            b.kill()
+            started = time.monotonic()
+            coordinators.wait_balanced([a], timeout=15)
+            taken_s = time.monotonic() - started
+            assert taken_s < 10, taken_s
+            async with fencepost.Client(a.address, owner="thief", renewal="off") as thief:
+                for r in runs:  # nobody else may take any of them
+                    with pytest.raises(fencepost.LeaseHeldError):
+                        await thief.acquire(r, ttl_ms=5_000)
+            for lease in leases.values():  # the holder keeps each and finishes it
+                await _until(lease.renew, 10)
+                await lease.finish()
+
+    asyncio.run(go())
+
+
+def test_a_paused_coordinator_commits_nothing_once_its_shards_are_taken(
+        coordinators: Coordinators) -> None:
+    owners = coordinators.wait_balanced(coordinators.procs)
+    a, b = coordinators.procs
+    on_b = [r for r in _runs("pause", 60) if owners[shard_of(r, SHARDS)] == b.address][:5]
+
+    async def go() -> None:
+        async with fencepost.Client(b.address, owner="w", renewal="off") as client:
+            leases = [await client.acquire(r, ttl_ms=60_000) for r in on_b]
+        assert b.proc is not None
+        b.proc.send_signal(signal.SIGSTOP)
+        coordinators.wait_balanced([a], timeout=15)
+        # a command sent straight to the paused coordinator before it wakes:
+        # it must not commit under the shard's old epoch
+        import grpc
+
+        from fencepost.v1 import ledger_pb2, ledger_pb2_grpc, record_pb2
+
+        ch = grpc.insecure_channel(b.address)
+        stub = ledger_pb2_grpc.LedgerStub(ch)
+        fut = stub.Finish.future(ledger_pb2.FinishRequest(
+            run_id=on_b[0], owner="w", fencing_token=leases[0].fencing_token,
+            status=record_pb2.RUN_STATUS_COMPLETED), timeout=20)
+        await asyncio.sleep(0.3)
+        b.proc.send_signal(signal.SIGCONT)
+        with pytest.raises(grpc.RpcError):
+            fut.result()
+        ch.close()
+        async with fencepost.Client(a.address, owner="w", renewal="off") as client:
+            rec = await client.get(on_b[0])
+            assert rec.status == fencepost.RunStatus.RUNNING
+
+    asyncio.run(go())
+
+
+def test_a_joining_coordinator_is_handed_its_share_with_every_lease_kept(
+        coordinators: Coordinators) -> None:
+    coordinators.wait_balanced(coordinators.procs)
+    runs = _runs("join", 30)
+
+    async def go() -> None:
+        async with fencepost.Client(coordinators.procs[0].address, owner="w") as client:
+            leases = {r: await client.acquire(r, ttl_ms=3_000) for r in runs}
+            c = coordinators.add()
+            c.start()
+            owners = coordinators.wait_balanced(coordinators.procs)
+            assert c.address in owners.values()
+            await asyncio.sleep(4)  # more than a ttl: kept only by renewals routed to owners
+            for r, lease in leases.items():
+                assert not lease.is_lost, r
+                await lease.finish()
+
+    asyncio.run(go())
