@@ -191,7 +191,8 @@ class App:
                                 max_tracked_per_principal=s.max_tracked_per_principal))
         self.hub.start()
         self.metrics = Metrics(self.writer, self.hub, self.clock, version(),
-                               leadership=self.coordinator.gauge)
+                               leadership=self.coordinator.gauge,
+                               shards=self.coordinator.shard_stats)
         instrument = instrumented(self.metrics)
         self._history = History(storage.reader)
         guarded: dict[str, Any] = {"authn": authn, "max_message_bytes": s.max_message_bytes,

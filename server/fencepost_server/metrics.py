@@ -299,12 +299,15 @@ class LeaseCounts:
 
 class Metrics:
     def __init__(self, writer: Writer, hub: FenceHub, clock: Clock, version: str, *,
-                 leadership: Callable[[], tuple[int, int]] = lambda: (1, 0)) -> None:
+                 leadership: Callable[[], tuple[int, int]] = lambda: (1, 0),
+                 shards: Callable[[], tuple[int, int, int] | None] = lambda: None) -> None:
         self.writer = writer
         self.hub = hub
         self.clock = clock
         # (serving as leader: 1 or 0, the leader epoch; 0 without PostgreSQL)
         self.leadership = leadership
+        # --lead-shards: (shards led, shards taken, shards given up) since the start
+        self.shards = shards
         self.registry = CollectorRegistry()
         r = self.registry
         self.rpc_seconds = Histogram(
@@ -451,6 +454,17 @@ class _StateCollector(Collector):
             "fencepost_leader_epoch", "The epoch this coordinator leads in (0: SQLite, or none)",
             value=epoch,
         )
+        sharded = self.m.shards()
+        if sharded is not None:
+            led, taken, given = sharded
+            yield GaugeMetricFamily(
+                "fencepost_shards_led", "Shards this coordinator leads (--lead-shards)", value=led)
+            yield CounterMetricFamily(
+                "fencepost_shard_takeovers", "Shards this coordinator took (at a join, a "
+                "hand-over or another coordinator's failure)", value=taken)
+            yield CounterMetricFamily(
+                "fencepost_shard_moves", "Shards this coordinator gave up (handed over to a "
+                "joining coordinator, or lost)", value=given)
         yield GaugeMetricFamily("fencepost_revision", "Server revision", value=w.state.revision)
         yield GaugeMetricFamily("fencepost_runs", "Runs stored", value=len(w.state.index))
         leases = GaugeMetricFamily(

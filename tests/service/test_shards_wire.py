@@ -92,6 +92,8 @@ def test_a_database_of_the_previous_schema_gets_the_default_count(new_db: str) -
     with raw(new_db, write=True) as conn:
         if is_pg:
             conn.run("DROP TABLE fencepost_shards, fencepost_members")
+            conn.run("DROP SEQUENCE fencepost_revision_blocks")
+            conn.run("DELETE FROM meta WHERE key = 'lead_shards'")
         conn.run("DELETE FROM meta WHERE key = 'shards'")
         conn.run(f"UPDATE fencepost_schema SET version = {previous}" if is_pg
                  else f"PRAGMA user_version={previous}")

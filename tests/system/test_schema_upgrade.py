@@ -23,11 +23,13 @@ PREVIOUS = {
     "sqlite": (sqlite.SCHEMA_VERSION - 1, ["DELETE FROM meta WHERE key = 'shards'",
                                            f"PRAGMA user_version={sqlite.SCHEMA_VERSION - 1}"]),
     "postgres": (postgres.SCHEMA_VERSION - 1, [
-        "DROP TABLE fencepost_shards, fencepost_members",
+        "ALTER TABLE fencepost_shards DROP COLUMN lease_floor",
+        "DROP SEQUENCE fencepost_revision_blocks",
+        "DELETE FROM meta WHERE key = 'lead_shards'",
         f"UPDATE fencepost_schema SET version = {postgres.SCHEMA_VERSION - 1}"]),
 }
 LAST_STEP = {"sqlite": ["INSERT INTO meta (key, value) VALUES ('shards', 64)"],
-             "postgres": ["CREATE TABLE fencepost_shards"]}
+             "postgres": ["ALTER TABLE fencepost_shards ADD COLUMN lease_floor"]}
 # the first start's flags, and the shard count the upgraded database then has
 # (PostgreSQL: a count other than the default, which its new shard rows follow)
 START = {"sqlite": ((), 64), "postgres": (("--shards", "8"), 8)}
@@ -92,8 +94,10 @@ def test_a_database_of_the_previous_schema_is_migrated_and_keeps_its_runs(
         with raw(location) as conn:
             assert conn.rows("SELECT value FROM meta WHERE key = 'shards'") == [(shards,)]
             if store == "postgres":  # one shard row per stored shard, none held yet
-                assert conn.rows("SELECT shard, epoch, holder FROM fencepost_shards "
-                                 "ORDER BY shard") == [(i, 0, "") for i in range(shards)]
+                assert conn.rows("SELECT shard, epoch, holder, lease_floor FROM "
+                                 "fencepost_shards ORDER BY shard") == [
+                    (i, 0, "", 0) for i in range(shards)]
+                assert conn.rows("SELECT value FROM meta WHERE key = 'lead_shards'") == [(0,)]
         asyncio.run(_read(server.address, runs))
     finally:
         assert server.stop() == 0, server.log_tail()

@@ -116,11 +116,22 @@ def test_ownership_refuses_naming_the_first_shard_led_elsewhere() -> None:
     assert len(shards) == 3
     own = placement.Ownership(n, [shards[0]], {shards[1]: ("10.0.0.2:1", 7),
                                               shards[2]: ("10.0.0.3:1", 9)})
-    tx = L.Transaction(tuple(E.AppendStep(k, "s") for k in keys))
-    refused = own.refusal(tx)
+    by_key = {shard_of(k, n): k for k in keys}
+    away = L.Transaction(tuple(E.AppendStep(by_key[s], "s") for s in shards[1:2]))
+    refused = own.refusal(away)
     assert refused is not None and refused.code.value == "NOT_OWNER"
     assert refused.metadata == {"shard": str(shards[1]), "owner": "10.0.0.2:1", "epoch": "7"}
-    by_key = {shard_of(k, n): k for k in keys}
+    # across coordinators, no one could commit it: refused naming every shard
+    for tx in (L.Transaction(tuple(E.AppendStep(k, "s") for k in keys)),
+               L.Transaction(tuple(E.AppendStep(by_key[s], "s") for s in shards[1:]))):
+        spans = own.refusal(tx)
+        assert spans is not None and spans.code.value == "RUN_VALIDATION_ERROR"
+        assert spans.field == "commands"
+        assert all(str(s) in spans.message for s in shards[1:]), spans.message
+    # an owner not known yet (a shard in transition): routed, not refused
+    moving = placement.Ownership(n, [shards[0]], {shards[1]: ("", 8)})
+    half = L.Transaction(tuple(E.AppendStep(by_key[s], "s") for s in shards[:2]))
+    assert moving.refusal(half).code.value == "NOT_OWNER"  # type: ignore[union-attr]
     assert own.refusal(E.AppendStep(by_key[shards[0]], "s")) is None
     assert own.refusal(E.DeleteArtifact("art")) is None  # no shard of its own
     elsewhere = own.refusal_for_key(by_key[shards[2]])

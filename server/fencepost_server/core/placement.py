@@ -15,7 +15,7 @@ from typing import Any
 
 from . import engine as E
 from . import ledger as L
-from .errors import LedgerError, not_owner
+from .errors import LedgerError, not_owner, validation
 from .fence import Fence
 from .shards import compound_key, shard_of
 
@@ -110,11 +110,24 @@ class Ownership:
 
     def refusal(self, cmd: Any) -> LedgerError | None:
         """NOT_OWNER for the first shard ``cmd`` touches that is not led here
-        (None: every one is, or the command has no shard of its own)."""
+        (None: every one is, or the command has no shard of its own); a
+        validation error naming the shards when they are led by different
+        coordinators, known to be (no coordinator could commit it)."""
         got = shards_of(cmd, self.shards)
         if got is None or got <= self.led:
             return None
-        return self._not_owner(min(got - self.led))
+        away = got - self.led
+        owners = {self.owners.get(s, ("", 0))[0] for s in away}
+        if (away != got or len(owners) > 1) and "" not in owners:
+            led = sorted(got - away)
+            where = "; ".join(
+                [f"shards {', '.join(map(str, led))} here"] * bool(led)
+                + [f"shard {s} at {self.owners[s][0]}" for s in sorted(away)])
+            return validation(
+                "commands" if type(cmd) is L.Transaction else "fence",
+                f"touches shards led by different coordinators ({where}); a write must stay "
+                "within one coordinator's shards (docs/SPEC.md §13): nothing was done")
+        return self._not_owner(min(away))
 
     def refusal_for_key(self, key: str) -> LedgerError | None:
         """NOT_OWNER when the item with shard key ``key`` is not led here."""

@@ -141,6 +141,11 @@ class Coordinator:
             return int(self.leading), 0
         return int(self.leading and ld.leading), ld.epoch or 0
 
+    def shard_stats(self) -> tuple[int, int, int] | None:
+        """--lead-shards: (shards led, taken, given up); None otherwise."""
+        sh = self.sharded
+        return None if sh is None else (len(sh.led), sh.takeovers, sh.moves)
+
     def gate(self) -> LedgerError | None:
         """None while this coordinator leads; else why it refuses (NOT_LEADER)."""
         if self.sharded is not None and not self.leading:  # not open yet
