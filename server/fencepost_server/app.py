@@ -374,6 +374,12 @@ class App:
             await self.collections.stop()
         if self.server is not None:  # built: health can say so
             await self.health.set(False)
+        if self.coordinator.sharded is not None and self.coordinator.leading:
+            try:  # while calls are still answered (NOT_OWNER: clients follow the shards)
+                await self.coordinator.sharded.hand_over_all()
+            except Exception:
+                log.exception("could not hand the shards over; they move when their rows "
+                              "run out")
         if self._lead_task is not None:
             self._lead_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

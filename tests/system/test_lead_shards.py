@@ -218,3 +218,28 @@ def test_a_joining_coordinator_is_handed_its_share_with_every_lease_kept(
                 await lease.finish()
 
     asyncio.run(go())
+
+
+def test_sigterm_hands_every_shard_over_without_waiting_for_the_lease(
+        coordinators: Coordinators) -> None:
+    coordinators.wait_balanced(coordinators.procs)
+    a, b = coordinators.procs
+    runs = _runs("term", 30)
+
+    async def go() -> None:
+        async with fencepost.Client(a.address, owner="w") as client:
+            leases = {r: await client.acquire(r, ttl_ms=3_000) for r in runs}
+            assert b.stop() == 0, b.log_tail()
+            # released, not expired: the survivor leads them before a shard lease could run out
+            with psycopg.connect(coordinators.url, autocommit=True) as db:
+                expiry = db.execute(
+                    "SELECT max(expires_at) - (extract(epoch FROM clock_timestamp()) * 1000)"
+                    "::bigint FROM fencepost.fencepost_shards").fetchone()
+            owners = coordinators.wait_balanced([a], timeout=1.5)
+            assert set(owners.values()) == {a.address}, (owners, expiry)
+            await asyncio.sleep(4)  # more than a ttl: kept only by renewals on the survivor
+            for r, lease in leases.items():
+                assert not lease.is_lost, r
+                await lease.finish()
+    asyncio.run(go())
+    assert "handed over shards" in b.log_tail(20_000)

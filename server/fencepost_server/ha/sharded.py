@@ -120,7 +120,8 @@ class ShardedLeading:
         log.info("leading shards %s: %d leases extended (%d claims and locks) in %.3f s",
                  sorted(shards), done.runs, done.others, time.perf_counter() - started)
 
-    async def _give_up(self, shards: frozenset[int], *, release: bool) -> None:
+    async def _give_up(self, shards: frozenset[int], *, release: bool,
+                       handing: bool = False) -> None:
         self._leaving -= shards
         shards = shards & self.loaded
         if not shards:
@@ -134,7 +135,7 @@ class ShardedLeading:
         self.moves += len(shards)
         if release:
             await self.leases.release(shards)
-        log.info("%s shards %s (%d runs)", "handed over" if release else "gave up",
+        log.info("%s shards %s (%d runs)", "handed over" if release or handing else "gave up",
                  sorted(shards), len(gone))
 
     def _refuse(self, shards: list[int]) -> None:
@@ -161,12 +162,28 @@ class ShardedLeading:
     def epoch_of(self, shard: int) -> int:
         return self.storage.sharing_state.epochs.get(shard, 0)
 
-    async def close(self) -> None:
-        """After the writer has closed: give every shard up at once (the
-        others take them on their next round) and leave the members."""
+    async def hand_over_all(self) -> None:
+        """A clean stop (SIGTERM), while still answering: no more rounds; every
+        shard handed over as to a joining coordinator; the members left, so
+        the others take the shards at once (they are told: NOTIFY)."""
+        await self._stop_tasks()
+        shards = self.loaded
+        self._refuse(list(shards))
+        try:
+            await self._give_up(shards, release=False, handing=True)
+        finally:
+            await self.leases.resign()
+
+    async def _stop_tasks(self) -> None:
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self._tasks = []
+
+    async def close(self) -> None:
+        """After the writer has closed: give every shard still held up at once
+        and leave the members (after ``hand_over_all``: nothing is left)."""
+        await self._stop_tasks()
         await self.leases.resign()
         await self.leases.close()

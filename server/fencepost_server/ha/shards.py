@@ -47,11 +47,16 @@ from ..storage.postgres import (
     LockNotAvailable,
     PgConnection,
     first_line,
+    listener,
     redact,
 )
 from .leadership import DB_NOW, RowLeases, Takeover, process_gone, process_proof
 
 log = logging.getLogger("fencepost.shards")
+
+CHANNEL = "fencepost_shards"  # NOTIFY: a member joined or left, or shards were released
+# what ends a listening connection (RuntimeError: the event loop it wakes has closed)
+_LISTEN_ERRORS: tuple[type[Exception], ...] = (*DRIVER_ERRORS, RuntimeError)
 
 _ROW = "shard, epoch, holder, address, renewed_at, expires_at, process"
 
@@ -84,6 +89,8 @@ class Round:
     taken: dict[int, Takeover] = field(default_factory=dict)
     lost: list[tuple[list[int], str]] = field(default_factory=list)
     surplus: list[int] = field(default_factory=list)
+    # ms until the first row assigned here but held by another runs out (None: none)
+    due_in_ms: int | None = None
 
 
 class ShardLeases(RowLeases):
@@ -119,6 +126,7 @@ class ShardLeases(RowLeases):
         self._lock = threading.Lock()
         self._stop: asyncio.Event | None = None
         self._closed = False
+        self._joined = False  # a round has announced this member (NOTIFY)
 
     # -- state -------------------------------------------------------------------
 
@@ -177,8 +185,13 @@ class ShardLeases(RowLeases):
                 held = {s: e for s, e in held.items() if s in renewed}
         rows, members, now = self._read(db)
         assigned = assign(self._members(members, rows), self.shards)
-        want = [s for s, m in enumerate(assigned)
-                if m == self.identity and s not in held and self._takeable(rows[s], now)]
+        mine = [s for s, m in enumerate(assigned) if m == self.identity and s not in held]
+        want = [s for s in mine if self._takeable(rows[s], now)]
+        waiting = [rows[s].expires_at - now for s in mine if s not in want]
+        out.due_in_ms = min(waiting) if waiting else None
+        if not self._joined:  # the others recompute the assignment now, not next round
+            self._joined = True
+            db.execute(f"NOTIFY {CHANNEL}")
         if want:
             out.taken = self._take(db, want)
             held.update({s: t.epoch for s, t in out.taken.items()})
@@ -308,6 +321,7 @@ class ShardLeases(RowLeases):
             "AND holder = ?",
             (shards, [gone[s] for s in shards], self.identity),
         )
+        self._conn().execute(f"NOTIFY {CHANNEL}")  # their new owners take them now
         log.info("released shards %s", _ranges(shards))
 
     async def resign(self) -> None:
@@ -316,8 +330,9 @@ class ShardLeases(RowLeases):
         await self._call(self._leave)
 
     def _leave(self) -> None:
-        self._conn().execute("DELETE FROM fencepost_members WHERE identity = ?",
-                             (self.identity,))
+        db = self._conn()
+        db.execute("DELETE FROM fencepost_members WHERE identity = ?", (self.identity,))
+        db.execute(f"NOTIFY {CHANNEL}")
 
     async def _call(self, fn: Callable[..., None], *args: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -346,14 +361,20 @@ class ShardLeases(RowLeases):
         the database's shard rows are not the ``shards`` it was given."""
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        listener = threading.Thread(target=self._listen, args=(loop, self._stop),
+                                    name="fencepost-shards-listen", daemon=True)
+        listener.start()
         while not self._closed:
             pending = loop.run_in_executor(self._thread, self.tick)
+            next_in = self.renew_ms / 1000
             try:
                 done = await self._wait(pending, on_lost)
             except DRIVER_ERRORS as exc:
                 log.warning("shard lease round failed: %s", first_line(exc))
                 await loop.run_in_executor(self._thread, self._drop)
             else:
+                if done.due_in_ms is not None:  # take it as soon as its row runs out
+                    next_in = min(next_in, max(done.due_in_ms, 0) / 1000 + 0.005)
                 if done.taken and on_taken is not None:
                     on_taken(done.taken)
                 for shards, why in done.lost:
@@ -362,10 +383,29 @@ class ShardLeases(RowLeases):
                 if on_round is not None:
                     on_round()
             try:
-                async with asyncio.timeout(self.renew_ms / 1000):
+                async with asyncio.timeout(next_in):
                     await self._stop.wait()
             except TimeoutError:
                 pass
+            if not self._closed:
+                self._stop.clear()  # (set by a notification: a round now)
+
+    def _listen(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
+        """Wake the rounds when another coordinator joins, leaves or releases
+        shards (NOTIFY), so a hand-over waits for no renewal interval. Its own
+        thread and connection; reconnects until ``close``."""
+        while not self._closed:
+            try:
+                conn = listener(self.url, CHANNEL, f"{self.ROLE}-listen {self.identity}")
+                try:
+                    while not self._closed:
+                        for _ in conn.notifies(timeout=0.5, stop_after=1):
+                            loop.call_soon_threadsafe(wake.set)
+                finally:
+                    conn.close()
+            except _LISTEN_ERRORS:
+                if not self._closed:
+                    time.sleep(0.5)
 
     async def _wait(self, pending: asyncio.Future[Round],
                     on_lost: Callable[[list[int], str], None] | None) -> Round:

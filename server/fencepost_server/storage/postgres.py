@@ -385,6 +385,14 @@ def connect(url: str, role: str, *, read_only: bool = False, snapshot: bool = Fa
     return PgConnection(conn, snapshot=snapshot)
 
 
+def listener(url: str, channel: str, role: str) -> psycopg.Connection[Any]:
+    """A connection LISTENing on ``channel``: its ``notifies()`` yields each
+    NOTIFY sent there (ha/shards.py wakes on them)."""
+    conn = psycopg.connect(url, autocommit=True, connect_timeout=5, application_name=role[:63])
+    conn.execute(f"LISTEN {channel}")
+    return conn
+
+
 def storage_error(exc: BaseException) -> LedgerError:
     why = f"write not made durable, nothing changed: {first_line(exc)}"
     if isinstance(exc, pg_errors.DiskFull | pg_errors.OutOfMemory):
