@@ -203,6 +203,7 @@ class App:
                 max_tracked_per_stream=s.max_tracked_per_stream,
                 max_inflight_per_stream=s.max_inflight_per_stream,
                 shard_owner=self.shard_owner,
+                move_shard=self._move_shard if s.lead_shards else None,
             ),
             RunStoreService(self.writer, reads, backend=storage.backend),
             self.engine_store,
@@ -284,6 +285,15 @@ class App:
         if self.hub is not None:
             self.hub.shutdown()  # streams end with UNAVAILABLE: clients go to the new leader
         self._tasks.create_task(self.health.set(False))
+
+    async def _move_shard(self, shard: int, to: str) -> tuple[str, str, int]:
+        """MoveShard under --lead-shards: who led the shard (ValueError naming
+        the field when it cannot move there)."""
+        sharded = self.coordinator.sharded
+        if sharded is None:
+            raise ValueError("shard: this coordinator is not serving yet")
+        before = await sharded.leases.move(shard, to)
+        return before.holder, before.address, before.epoch
 
     def shard_owner(self) -> tuple[str, str, int]:
         """Who leads every shard: (identity, advertised address, epoch)."""

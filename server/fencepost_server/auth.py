@@ -63,6 +63,7 @@ RPC_ROLES: dict[str, frozenset[str]] = {
     "/fencepost.v1.Ledger/GetRun": _WO,
     "/fencepost.v1.Ledger/ValidateFence": _WO,
     "/fencepost.v1.Ledger/Shards": _WO,
+    "/fencepost.v1.Ledger/MoveShard": _O,
     "/fencepost.v1.Ledger/ListRuns": _O,
     "/fencepost.v1.Ledger/WatchRuns": _O,
     "/fencepost.v1.Ledger/DeleteRun": _ADMIN_ONLY,

@@ -52,7 +52,7 @@ PD, UA, OK = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED
 WORKER_LEDGER = {"Acquire", "Renew", "RecordCheckpoint", "Suspend", "Finish", "Release",
                  "KeepAlive", "Execute", "Transact", "ValidateFence", "GetRun", "Shards"}
 OPERATOR_LEDGER = {"Cancel", "RequestResume", "GetRun", "ListRuns", "WatchRuns",
-                   "ValidateFence", "Execute", "Transact", "Shards"}
+                   "ValidateFence", "Execute", "Transact", "Shards", "MoveShard"}
 WORKER_COMMANDS = {"acquire", "renew", "record_checkpoint", "suspend", "finish", "release",
                    "create_run", "update_run", "claim_run", "renew_claim", "append_step",
                    "save_checkpoint", "claim_key", "acquire_lock", "release_lock", "put_effect",

@@ -276,3 +276,13 @@ def test_owners_only_names_each_leader_without_counting(
     assert {(s.owner, s.address, s.epoch) for s in got.shards} == {server.app.shard_owner()}
     assert {(s.runs, s.leases) for s in got.shards} == {(0, 0)}
     assert got.revision == server.writer.state.revision
+
+
+@pytest.mark.sqlite_only
+def test_moving_a_shard_where_one_coordinator_leads_all_is_refused(tmp_path: Path) -> None:
+    """(The PostgreSQL leader is the same case; tests/system/test_lead_shards.py
+    moves shards between coordinators that lead them apart.)"""
+    with ServerThread(str(tmp_path / "one.db")) as srv, SyncClient(srv.address) as client:
+        with pytest.raises(fencepost.ValidationError) as err:
+            client.move_shard(0, srv.address)
+        assert err.value.field == "shard" and "--lead-shards" in str(err.value)

@@ -13,7 +13,9 @@ Real ``fencepost serve`` processes over a real PostgreSQL (pgcluster)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from _proc import ServerProc
+from _proc import FENCEPOST, ServerProc
 
 import fencepost
 from fencepost_devtools.pgcluster import Cluster
@@ -243,3 +245,35 @@ def test_sigterm_hands_every_shard_over_without_waiting_for_the_lease(
                 await lease.finish()
     asyncio.run(go())
     assert "handed over shards" in b.log_tail(20_000)
+
+
+def test_an_operator_moves_one_shard_with_its_leases_kept(coordinators: Coordinators) -> None:
+    owners = coordinators.wait_balanced(coordinators.procs)
+    a, b = coordinators.procs
+    shard = next(s for s, addr in owners.items() if addr == a.address)
+    runs = [r for r in _runs("move", 200) if shard_of(r, SHARDS) == shard][:8]
+
+    async def go() -> None:
+        async with fencepost.Client(a.address, owner="w") as client:
+            leases = {r: await client.acquire(r, ttl_ms=3_000) for r in runs}
+            with pytest.raises(fencepost.ValidationError) as bad:
+                await client.move_shard(shard, "127.0.0.1:1")
+            assert bad.value.field == "to"
+            with pytest.raises(fencepost.ValidationError) as bad:
+                await client.move_shard(SHARDS, b.address)
+            assert bad.value.field == "shard"
+            # the CLI an operator uses: it waits until the shard is led there
+            out = subprocess.run(
+                [str(FENCEPOST), "shards", "move", str(shard), "--to", b.address,
+                 "--addr", a.address, "--json"], capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            doc = json.loads(out.stdout)
+            assert doc["from"] == a.address and doc["to"] == b.address, doc
+            assert coordinators.owners()[shard] == b.address
+            await asyncio.sleep(4)  # more than a ttl: kept only by renewals on the new owner
+            for r, lease in leases.items():
+                assert not lease.is_lost, r
+                await lease.finish()
+            # it stays there, pinned, while the assignment would put it back
+            assert (await client.shards()).shards[shard].address == b.address
+    asyncio.run(go())

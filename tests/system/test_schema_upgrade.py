@@ -23,7 +23,7 @@ PREVIOUS = {
     "sqlite": (sqlite.SCHEMA_VERSION - 1, ["DELETE FROM meta WHERE key = 'shards'",
                                            f"PRAGMA user_version={sqlite.SCHEMA_VERSION - 1}"]),
     "postgres": (postgres.SCHEMA_VERSION - 1, [
-        "ALTER TABLE fencepost_shards DROP COLUMN lease_floor",
+        "ALTER TABLE fencepost_shards DROP COLUMN lease_floor, DROP COLUMN pinned",
         "DROP SEQUENCE fencepost_revision_blocks",
         "DELETE FROM meta WHERE key = 'lead_shards'",
         f"UPDATE fencepost_schema SET version = {postgres.SCHEMA_VERSION - 1}"]),

@@ -69,7 +69,7 @@ from ._records import (
 from ._renewal import NoRenewer, Renewer, RoutedRenewer, UnaryRenewer
 from ._retry import RetryPolicy
 from ._security import TLS, channel_credentials
-from ._shards import ShardMap, shard_map_from_pb, shard_of
+from ._shards import ShardInfo, ShardMap, shard_info_from_pb, shard_map_from_pb, shard_of
 from ._store import AsyncStore, fence_of, telling
 from .v1 import ledger_pb2, ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 
@@ -1185,6 +1185,15 @@ class Client:
         shard_map = shard_map_from_pb(resp)
         self._shard_count = shard_map.shard_count
         return shard_map
+
+    async def move_shard(self, shard: int, to: str) -> ShardInfo:
+        """Move ``shard`` to the coordinator advertised at ``to``, where the
+        coordinators lead shards apart (docs/SPEC.md §13): returns who led it
+        when the move was stored; ``shards()`` shows it arrive. Needs the
+        operator role; ``ValidationError`` naming ``shard`` or ``to``."""
+        resp = await self._call("MoveShard", ledger_pb2.MoveShardRequest(shard=shard, to=to),
+                                mutation=False)
+        return shard_info_from_pb(resp.before)
 
     async def shard_of(self, key: str) -> int:
         """The shard ``key`` belongs to, by the database's shard count (asked

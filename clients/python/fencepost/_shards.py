@@ -49,11 +49,15 @@ class ShardMap:
         return shard_of(key, self.shard_count)
 
 
+def shard_info_from_pb(s: Any) -> ShardInfo:
+    return ShardInfo(index=s.index, owner=s.owner, address=s.address, epoch=s.epoch,
+                     runs=s.runs, leases=s.leases)
+
+
 def shard_map_from_pb(resp: Any) -> ShardMap:
     """A ``ShardsResponse`` as a ``ShardMap``."""
     return ShardMap(
         shard_count=int(resp.shard_count),
-        shards=tuple(ShardInfo(index=s.index, owner=s.owner, address=s.address, epoch=s.epoch,
-                               runs=s.runs, leases=s.leases) for s in resp.shards),
+        shards=tuple(shard_info_from_pb(s) for s in resp.shards),
         revision=int(resp.revision),
     )

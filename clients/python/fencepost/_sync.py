@@ -65,7 +65,7 @@ from ._records import (
 )
 from ._retry import RetryPolicy
 from ._security import TLS, sync_channel
-from ._shards import ShardMap
+from ._shards import ShardInfo, ShardMap
 from ._store import (
     ABSENT,
     AsyncStore,
@@ -578,6 +578,9 @@ class SyncClient:
 
     def shards(self) -> ShardMap:
         return self._portal.run(self._client.shards())
+
+    def move_shard(self, shard: int, to: str) -> ShardInfo:
+        return self._portal.run(self._client.move_shard(shard, to))
 
     def shard_of(self, key: str) -> int:
         return self._portal.run(self._client.shard_of(key))

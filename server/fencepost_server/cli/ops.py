@@ -68,6 +68,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any, TextIO
@@ -159,8 +160,13 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
     )
     p.add_argument("--agent", help="with --engine: only this agent's runs")
 
-    sub.add_parser("shards", parents=[common],
-                   help="the shard map: each shard's owner, address, epoch, runs and leases")
+    p = sub.add_parser("shards", parents=[common],
+                       help="the shard map: each shard's owner, address, epoch, runs and "
+                       "leases; `shards move SHARD --to ADDR` moves one (--lead-shards)")
+    p.add_argument("action", nargs="?", choices=["move"], help="move: move SHARD to --to")
+    p.add_argument("shard", nargs="?", type=int, metavar="SHARD")
+    p.add_argument("--to", metavar="ADDR", help="with move: the address of the coordinator "
+                   "to lead SHARD (as `fencepost shards` shows it)")
 
     p = sub.add_parser(
         "health", parents=[common], help="check the server's health (exit 0 when SERVING)"
@@ -415,6 +421,8 @@ def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[A
                 f"revision {res.revision})\n"
             )
             return doc, text
+        case "shards" if args.action == "move":
+            return _move_shard(client, args)
         case "shards":
             shard_map = client.shards()
             doc = {"shard_count": shard_map.shard_count, "revision": shard_map.revision,
@@ -433,6 +441,30 @@ def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[A
                 args.limit,
             )
             return [r.to_dict() for r in records], fmt.table(records)
+
+
+def _move_shard(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[Any, str]:
+    """Pin the shard to ``--to``, then wait until the map shows it led there."""
+    if args.shard is None or not args.to:
+        raise fencepost.ValidationError("shards move: give the shard and --to ADDR",
+                                        field="shard" if args.shard is None else "to")
+    before = client.move_shard(args.shard, args.to)
+    started = time.monotonic()
+    deadline = started + (args.timeout or FAILOVER_TIMEOUT_S)
+    while True:
+        now = client.shards().shards[args.shard]
+        if now.address == args.to and now.owner:
+            break
+        if time.monotonic() > deadline:
+            raise fencepost.UnavailableError(
+                f"shard {args.shard} is not led at {args.to} yet (led at {now.address or '?'}); "
+                "the move stays asked for: see `fencepost shards`")
+        time.sleep(0.05)
+    took = time.monotonic() - started
+    doc = {"shard": args.shard, "from": before.address, "to": args.to,
+           "epoch": now.epoch, "seconds": round(took, 3)}
+    return doc, (f"shard {args.shard} moved from {before.address or 'nobody'} to {args.to} "
+                 f"(epoch {now.epoch}) in {took:.2f} s\n")
 
 
 def _take(records: Iterable[RunRecord], limit: int | None) -> list[RunRecord]:

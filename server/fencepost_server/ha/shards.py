@@ -58,7 +58,7 @@ CHANNEL = "fencepost_shards"  # NOTIFY: a member joined or left, or shards were 
 # what ends a listening connection (RuntimeError: the event loop it wakes has closed)
 _LISTEN_ERRORS: tuple[type[Exception], ...] = (*DRIVER_ERRORS, RuntimeError)
 
-_ROW = "shard, epoch, holder, address, renewed_at, expires_at, process"
+_ROW = "shard, epoch, holder, address, renewed_at, expires_at, process, pinned"
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class _Row:
     renewed_at: int
     expires_at: int
     process: str
+    pinned: str  # the address an operator moved it to ("": none)
 
 
 @dataclass
@@ -184,7 +185,7 @@ class ShardLeases(RowLeases):
                 out.lost.append((gone, "another coordinator took these shards over"))
                 held = {s: e for s, e in held.items() if s in renewed}
         rows, members, now = self._read(db)
-        assigned = assign(self._members(members, rows), self.shards)
+        assigned = self._assign(members, rows)
         mine = [s for s, m in enumerate(assigned) if m == self.identity and s not in held]
         want = [s for s in mine if self._takeable(rows[s], now)]
         waiting = [rows[s].expires_at - now for s in mine if s not in want]
@@ -217,6 +218,36 @@ class ShardLeases(RowLeases):
         ).fetchall()]
         self._owners = {r.shard: Owner(r.holder, r.address, r.epoch) for r in rows}
         return rows, members, now
+
+    def _assign(self, members: list[tuple[str, str]], rows: list[_Row]) -> list[str]:
+        """Each shard's member: ``assign``'s, but for a shard an operator moved
+        to a live member's address, which goes there (``pin``)."""
+        live = self._members(members, rows)
+        assigned = assign(live, self.shards)
+        at = {address: identity for identity, address in members if identity in live}
+        for r in rows:
+            if r.pinned and r.pinned in at:
+                assigned[r.shard] = at[r.pinned]
+        return assigned
+
+    def pin(self, shard: int, to: str) -> Owner:
+        """Move ``shard`` to the live member advertised at ``to`` (blocking:
+        this object's thread); its holder then hands it over. Returns who led
+        it. ValueError naming what is wrong."""
+        if not 0 <= shard < self.shards:
+            raise ValueError(f"shard: {shard} is not a shard (0 .. {self.shards - 1})")
+        db = self._conn()
+        rows, members, _ = self._read(db)
+        if to not in {address for identity, address in members
+                      if identity in self._members(members, rows)}:
+            known = ", ".join(sorted({a for _, a in members})) or "none"
+            raise ValueError(f"to: no coordinator taking part is advertised at {to!r} "
+                             f"(those taking part: {known})")
+        db.execute("UPDATE fencepost_shards SET pinned = ? WHERE shard = ?", (to, shard))
+        db.execute(f"NOTIFY {CHANNEL}")
+        r = rows[shard]
+        log.info("shard %d moved to %s (led by %s)", shard, to, r.address or "nobody")
+        return Owner(r.holder, r.address, r.epoch)
 
     def _members(self, members: list[tuple[str, str]], rows: list[_Row]) -> list[str]:
         """The members the assignment is over: the live ones, but for a
@@ -298,6 +329,11 @@ class ShardLeases(RowLeases):
             self.surplus = [s for s in surplus if s in held]
 
     # -- giving shards up --------------------------------------------------------
+
+    async def move(self, shard: int, to: str) -> Owner:
+        """``pin``, on this object's thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self.pin, shard, to)
 
     async def release(self, shards: Iterable[int]) -> None:
         """Give ``shards`` up at once (the caller has stopped using them): their

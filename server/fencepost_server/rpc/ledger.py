@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -79,11 +79,14 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         max_tracked_per_stream: int = 100_000,
         max_inflight_per_stream: int = 4096,
         shard_owner: Callable[[], tuple[str, str, int]] = lambda: ("", "", 0),
+        move_shard: Callable[[int, str], Awaitable[tuple[str, str, int]]] | None = None,
     ) -> None:
         self.writer = writer
         self.reads = reads
         # (identity, advertised address, epoch) of the coordinator leading every shard
         self.shard_owner = shard_owner
+        # --lead-shards: pin a shard to a coordinator; returns who led it (None: one leads all)
+        self.move_shard = move_shard
         self.keepalive = KeepAliveHandler(
             writer, hub, max_tracked_per_stream=max_tracked_per_stream)
         self.watch = WatchHandler(writer, hub, history)
@@ -254,3 +257,20 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         return pb.ShardsResponse(shard_count=n, revision=revision, shards=[
             pb.ShardInfo(index=r.index, owner=r.owner, address=r.address, epoch=r.epoch,
                          runs=r.runs, leases=r.leases) for r in rows])
+
+    @handler
+    async def MoveShard(
+        self, request: pb.MoveShardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MoveShardResponse:
+        if self.move_shard is None:
+            raise validation("shard", "every shard is led by this one coordinator; moving "
+                             "shards needs coordinators started with --lead-shards")
+        if not request.to:
+            raise validation("to", "required: the address of the coordinator to move it to")
+        try:
+            owner, address, epoch = await self.move_shard(request.shard, request.to)
+        except ValueError as exc:
+            field, _, why = str(exc).partition(": ")
+            raise validation(field, why) from None
+        return pb.MoveShardResponse(before=pb.ShardInfo(
+            index=request.shard, owner=owner, address=address, epoch=epoch))

@@ -281,6 +281,8 @@ MIGRATIONS: list[list[str]] = [
     # the database is led that way (set once, by the first such coordinator).
     [
         "ALTER TABLE fencepost_shards ADD COLUMN lease_floor BIGINT NOT NULL DEFAULT 0",
+        # the coordinator (advertised address) an operator moved the shard to
+        "ALTER TABLE fencepost_shards ADD COLUMN pinned TEXT NOT NULL DEFAULT ''",
         "CREATE SEQUENCE fencepost_revision_blocks",
         "INSERT INTO meta (key, value) VALUES ('lead_shards', 0)",
     ],

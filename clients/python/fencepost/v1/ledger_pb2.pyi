@@ -897,6 +897,53 @@ class ShardsRequest(_message.Message):
 Global___ShardsRequest: _TypeAlias = ShardsRequest  # noqa: Y015
 
 @_typing.final
+class MoveShardRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    TO_FIELD_NUMBER: _builtins.int
+    shard: _builtins.int
+    to: _builtins.str
+    """The advertised address of a coordinator taking part (its --advertise,
+    else its listen address), as Shards names it.
+    """
+    def __init__(
+        self,
+        *,
+        shard: _builtins.int = ...,
+        to: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard", "to", b"to"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveShardRequest: _TypeAlias = MoveShardRequest  # noqa: Y015
+
+@_typing.final
+class MoveShardResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BEFORE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def before(self) -> Global___ShardInfo:
+        """Who led the shard when the pin was stored."""
+
+    def __init__(
+        self,
+        *,
+        before: Global___ShardInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["before", b"before"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["before", b"before"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveShardResponse: _TypeAlias = MoveShardResponse  # noqa: Y015
+
+@_typing.final
 class ShardsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

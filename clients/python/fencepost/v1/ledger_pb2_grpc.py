@@ -119,6 +119,11 @@ class LedgerStub:
                 request_serializer=fencepost_dot_v1_dot_ledger__pb2.ShardsRequest.SerializeToString,
                 response_deserializer=fencepost_dot_v1_dot_ledger__pb2.ShardsResponse.FromString,
                 _registered_method=True)
+        self.MoveShard = channel.unary_unary(
+                '/fencepost.v1.Ledger/MoveShard',
+                request_serializer=fencepost_dot_v1_dot_ledger__pb2.MoveShardRequest.SerializeToString,
+                response_deserializer=fencepost_dot_v1_dot_ledger__pb2.MoveShardResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -309,6 +314,19 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MoveShard(self, request, context):
+        """Move one shard to the coordinator at `to` (docs/SPEC.md §13), when the
+        coordinators lead shards apart (--lead-shards): the shard stays pinned
+        there, its owner hands it over as to a joining coordinator, and every
+        lease on it is kept. Answered once the pin is stored, before the move
+        (follow it with Shards). RUN_VALIDATION_ERROR naming `shard` (out of
+        range, or every shard is led by one coordinator) or `to` (no
+        coordinator taking part has that address). Needs the operator role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -396,6 +414,11 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.Shards,
                     request_deserializer=fencepost_dot_v1_dot_ledger__pb2.ShardsRequest.FromString,
                     response_serializer=fencepost_dot_v1_dot_ledger__pb2.ShardsResponse.SerializeToString,
+            ),
+            'MoveShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveShard,
+                    request_deserializer=fencepost_dot_v1_dot_ledger__pb2.MoveShardRequest.FromString,
+                    response_serializer=fencepost_dot_v1_dot_ledger__pb2.MoveShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -857,6 +880,33 @@ class Ledger:
             '/fencepost.v1.Ledger/Shards',
             fencepost_dot_v1_dot_ledger__pb2.ShardsRequest.SerializeToString,
             fencepost_dot_v1_dot_ledger__pb2.ShardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fencepost.v1.Ledger/MoveShard',
+            fencepost_dot_v1_dot_ledger__pb2.MoveShardRequest.SerializeToString,
+            fencepost_dot_v1_dot_ledger__pb2.MoveShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -188,6 +188,15 @@ class LedgerStub:
     Needs the worker or operator role. A coordinator that does not lead
     answers NOT_LEADER, as for every call.
     """
+    MoveShard: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.MoveShardRequest, _ledger_pb2.MoveShardResponse]
+    """Move one shard to the coordinator at `to` (docs/SPEC.md §13), when the
+    coordinators lead shards apart (--lead-shards): the shard stays pinned
+    there, its owner hands it over as to a joining coordinator, and every
+    lease on it is kept. Answered once the pin is stored, before the move
+    (follow it with Shards). RUN_VALIDATION_ERROR naming `shard` (out of
+    range, or every shard is led by one coordinator) or `to` (no
+    coordinator taking part has that address). Needs the operator role.
+    """
 
 @_typing.type_check_only
 class LedgerAsyncStub(LedgerStub):
@@ -307,6 +316,15 @@ class LedgerAsyncStub(LedgerStub):
     runs and live leases it holds. Today one coordinator leads every shard.
     Needs the worker or operator role. A coordinator that does not lead
     answers NOT_LEADER, as for every call.
+    """
+    MoveShard: _aio.UnaryUnaryMultiCallable[_ledger_pb2.MoveShardRequest, _ledger_pb2.MoveShardResponse]  # type: ignore[assignment]
+    """Move one shard to the coordinator at `to` (docs/SPEC.md §13), when the
+    coordinators lead shards apart (--lead-shards): the shard stays pinned
+    there, its owner hands it over as to a joining coordinator, and every
+    lease on it is kept. Answered once the pin is stored, before the move
+    (follow it with Shards). RUN_VALIDATION_ERROR naming `shard` (out of
+    range, or every shard is led by one coordinator) or `to` (no
+    coordinator taking part has that address). Needs the operator role.
     """
 
 class LedgerServicer(metaclass=_abc_1.ABCMeta):
@@ -526,6 +544,21 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         runs and live leases it holds. Today one coordinator leads every shard.
         Needs the worker or operator role. A coordinator that does not lead
         answers NOT_LEADER, as for every call.
+        """
+
+    @_abc_1.abstractmethod
+    def MoveShard(
+        self,
+        request: _ledger_pb2.MoveShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.MoveShardResponse, _abc.Awaitable[_ledger_pb2.MoveShardResponse]]:
+        """Move one shard to the coordinator at `to` (docs/SPEC.md §13), when the
+        coordinators lead shards apart (--lead-shards): the shard stays pinned
+        there, its owner hands it over as to a joining coordinator, and every
+        lease on it is kept. Answered once the pin is stored, before the move
+        (follow it with Shards). RUN_VALIDATION_ERROR naming `shard` (out of
+        range, or every shard is led by one coordinator) or `to` (no
+        coordinator taking part has that address). Needs the operator role.
         """
 
 def add_LedgerServicer_to_server(servicer: LedgerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -81,6 +81,13 @@ export interface FenceStatus {
 }
 
 /** One shard of the map: the coordinator that leads it, its epoch (0 on SQLite), its ledger runs and live leases. */
+function shardInfo(s: { index: number; owner: string; address: string; epoch: bigint; runs: bigint; leases: bigint }): ShardInfo {
+  return {
+    index: s.index, owner: s.owner, address: s.address, epoch: toNumber(s.epoch),
+    runs: toNumber(s.runs), leases: toNumber(s.leases),
+  };
+}
+
 export interface ShardInfo {
   index: number;
   owner: string;
@@ -557,12 +564,20 @@ export class FencepostClient {
     }
     return {
       shardCount: resp.shardCount,
-      shards: resp.shards.map((s) => ({
-        index: s.index, owner: s.owner, address: s.address, epoch: toNumber(s.epoch),
-        runs: toNumber(s.runs), leases: toNumber(s.leases),
-      })),
+      shards: resp.shards.map(shardInfo),
       revision: toNumber(resp.revision),
     };
+  }
+
+  /**
+   * Move `shard` to the coordinator advertised at `to`, where the
+   * coordinators lead shards apart (`--lead-shards`, docs/SPEC.md §13).
+   * Resolves with who led it when the move was stored; `shards()` shows it
+   * arrive. Needs the operator role; a `ValidationError` names `shard` or `to`.
+   */
+  async moveShard(shard: number, to: string, options: CallOptions = {}): Promise<ShardInfo> {
+    const resp = await this.read((o) => this.stubs.ledger.moveShard({ shard, to }, o), options);
+    return shardInfo(resp.before ?? { index: shard, owner: "", address: "", epoch: 0n, runs: 0n, leases: 0n });
   }
 
   /**
