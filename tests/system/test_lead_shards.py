@@ -263,7 +263,8 @@ def test_an_operator_moves_one_shard_with_its_leases_kept(coordinators: Coordina
                 await client.move_shard(SHARDS, b.address)
             assert bad.value.field == "shard"
             # the CLI an operator uses: it waits until the shard is led there
-            out = subprocess.run(
+            out = await asyncio.to_thread(
+                subprocess.run,
                 [str(FENCEPOST), "shards", "move", str(shard), "--to", b.address,
                  "--addr", a.address, "--json"], capture_output=True, text=True, timeout=30)
             assert out.returncode == 0, out.stderr
