@@ -137,8 +137,6 @@ class App:
         if s.lead_shards and not pg:
             raise RuntimeError("--lead-shards needs a PostgreSQL database (--db postgresql://...): "
                                "a SQLite file has one coordinator, which leads every shard")
-        if s.lead_shards and retain_ms:
-            raise RuntimeError("--retain-terminal is not available with --lead-shards yet")
         if pg:
             from .ha.leadership import default_identity
             from .storage import postgres

@@ -16,13 +16,14 @@ from fencepost_devtools.pgcluster import Cluster
 from fencepost_server.core import ledger as L
 from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.placement import Ownership
-from fencepost_server.core.records import Record
+from fencepost_server.core.records import Record, Status
 from fencepost_server.core.shards import shard_of
 from fencepost_server.storage import postgres
 from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.shared import BLOCK
 from fencepost_server.testing.clock import ManualClock
-from fencepost_server.writer import Writer
+from fencepost_server.upkeep.retention import Retention
+from fencepost_server.writer import Reads, Writer
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -166,3 +167,35 @@ def test_a_database_led_alone_right_now_is_not_converted(url: str) -> None:
     with psycopg.connect(url, autocommit=True) as db:
         assert db.execute("SELECT value FROM fencepost.meta WHERE key = 'lead_shards'"
                           ).fetchone() == (0,)
+
+
+async def test_retention_on_each_coordinator_retires_the_runs_of_its_own_shards(
+        url: str) -> None:
+    clock = ManualClock(1_000_000)
+    first = await _writer(url, clock, {0: _bump(url, 0, "a"), 1: _bump(url, 1, "a")})
+    second = await _writer(url, clock, {2: _bump(url, 2, "b"), 3: _bump(url, 3, "b")})
+    first.lead_only(Ownership(SHARDS, {0, 1}, {2: ("b:1", 1), 3: ("b:1", 1)}))
+    second.lead_only(Ownership(SHARDS, {2, 3}, {0: ("a:1", 1), 1: ("a:1", 1)}))
+    runs = {s: [r for r in (f"ret-{i}" for i in range(400)) if shard_of(r, SHARDS) == s][:3]
+            for s in range(SHARDS)}
+    readers: list[Reads] = []
+    try:
+        for shard, ids in runs.items():
+            w = first if shard < 2 else second
+            for run_id in ids:
+                rec = await w.submit(L.Acquire(run_id, "w", ttl_ms=60_000))
+                assert isinstance(rec, Record)
+                await w.submit(L.Finish(run_id, "w", rec.fencing_token, Status.COMPLETED))
+        clock.advance(10_000)
+        for w in (first, second):
+            reads = Reads(w.storage, lambda w=w: w.state)  # type: ignore[misc]
+            readers.append(reads)
+            retired = await Retention(w, reads, clock, 5_000).run_once()
+            assert retired == 6  # its own shards' runs, never another's (NOT_OWNER)
+        with psycopg.connect(url, autocommit=True) as db:
+            assert db.execute("SELECT count(*) FROM fencepost.runs").fetchone() == (0,)
+    finally:
+        for reads in readers:
+            await reads.close()
+        await first.close()
+        await second.close()

@@ -60,8 +60,11 @@ class Retention:
             if not due:
                 return done
             after = (due[-1][2], due[-1][0])
+            owned = self.writer.ownership  # leading shards apart: each retires its own
+            mine = due if owned is None else [
+                d for d in due if owned.refusal_for_key(d[0]) is None]
             results = await asyncio.gather(
-                *(self.writer.submit(L.Retire(run_id, version)) for run_id, version, _ in due),
+                *(self.writer.submit(L.Retire(run_id, version)) for run_id, version, _ in mine),
                 return_exceptions=True,
             )
             deleted = 0
