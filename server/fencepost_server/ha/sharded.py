@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..core.errors import LedgerError
 from ..core.placement import Ownership
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from .shards import ShardLeases
 
 log = logging.getLogger("fencepost.shards")
+
+TAKE_ATTEMPTS = 3  # loading a taken shard; then it is released for another to take
 
 
 class ShardedLeading:
@@ -113,7 +116,16 @@ class ShardedLeading:
         started = time.perf_counter()
         gaps = {s: t.gap_ms for s, t in taken.items()}
         self.loaded = self.loaded | shards
-        done = await self.writer.take(shards, gaps)
+        for attempt in range(TAKE_ATTEMPTS):
+            try:
+                done = await self.writer.take(shards, gaps)
+                break
+            except LedgerError as exc:  # (the database, or a shard taken again meanwhile)
+                log.warning("could not load shards %s: %s", sorted(shards), exc.message)
+                if attempt == TAKE_ATTEMPTS - 1:  # let another coordinator have them
+                    await self._give_up(shards, release=True)
+                    return
+                await asyncio.sleep(0.2 * (attempt + 1))
         self.led = self.led | (shards - self._leaving)
         self.takeovers += len(shards)
         self._publish()

@@ -195,7 +195,10 @@ class Writer:
         before any command of theirs is accepted (the caller then widens the
         ownership). ``gaps``: ms each went unled."""
         loop = asyncio.get_running_loop()
-        loaded = await loop.run_in_executor(self._executor, self.storage.load_shards, shards)
+        try:
+            loaded = await loop.run_in_executor(self._executor, self.storage.load_shards, shards)
+        except self.storage.ERRORS as exc:  # (the writer's connection: it reconnects next batch)
+            raise self.storage._storage_error(exc) from exc
         st = self.state
         for run_id, rec in loaded.runs.items():
             st.runs[run_id] = rec
@@ -212,7 +215,9 @@ class Writer:
         commands): once every batch before now is answered, their runs leave
         memory. Returns the run ids dropped."""
         n = self.storage.shards
-        await self.submit(_Barrier())  # type: ignore[arg-type]
+        # answered (committed or failed with its batch) after every batch before it
+        with contextlib.suppress(LedgerError):
+            await self.submit(_Barrier())  # type: ignore[arg-type]
         st = self.state
         gone = [run_id for run_id in st.index if shard_of(run_id, n) in shards]
         for run_id in gone:
