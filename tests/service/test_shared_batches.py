@@ -55,11 +55,11 @@ def _bump(url: str, shard: int, holder: str = "other") -> int:
     return int(row[0])
 
 
-async def _writer(url: str, clock: ManualClock, shards: dict[int, int]) -> Writer:
+async def _writer(url: str, clock: ManualClock, shards: dict[int, int], **kw: Any) -> Writer:
     """A writer leading ``shards`` (shard -> epoch) of the database."""
     storage = PostgresStorage(url, name=f"w-{uuid.uuid4().hex[:6]}", shards=SHARDS)
     storage.lead_shards()
-    writer = Writer(storage, clock)
+    writer = Writer(storage, clock, **kw)
     await writer.start()
     storage.sharing_state.epochs = dict(shards)
     writer.lead_only(Ownership(SHARDS, shards, {}))
@@ -199,3 +199,35 @@ async def test_retention_on_each_coordinator_retires_the_runs_of_its_own_shards(
             await reads.close()
         await first.close()
         await second.close()
+
+
+async def test_the_history_is_pruned_oldest_committed_first_whoever_committed_it(
+        url: str) -> None:
+    clock = ManualClock(1_000_000)
+    other = await _writer(url, clock, {1: _bump(url, 1, "a")})
+    pruner = await _writer(url, clock, {0: _bump(url, 0, "b")}, history_revisions=4,
+                           prune_every_ms=3_600_000)
+    pruner.leads_shard_zero(True)
+    try:
+        def changes() -> list[tuple[str, int]]:
+            with psycopg.connect(url, autocommit=True) as db:
+                return db.execute("SELECT run_id, committed_at FROM fencepost.changes "
+                                  "ORDER BY committed_at, revision").fetchall()
+
+        for i in range(3):  # the pruner's block is above the other's: revisions say nothing
+            clock.advance(10)
+            await pruner.submit(L.Acquire(_run_in(0, f"p{i}"), "w"))
+        for i in range(3):
+            clock.advance(10)
+            await other.submit(L.Acquire(_run_in(1, f"o{i}"), "w"))
+        assert len(changes()) == 6
+        clock.advance(10)
+        await pruner.submit(L.Acquire(_run_in(0, "last"), "w"))  # prunes (every 4 revisions)
+        kept = changes()
+        # the newest 4 by commit time: the other's three (lower revisions) and the last;
+        # by revision the pruner would have kept its own three and dropped the other's
+        assert [r for r, _ in kept] == [_run_in(1, "o0"), _run_in(1, "o1"), _run_in(1, "o2"),
+                                        _run_in(0, "last")]
+    finally:
+        await other.close()
+        await pruner.close()

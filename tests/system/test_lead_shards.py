@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from _proc import FENCEPOST, ServerProc
+from _proc import FENCEPOST, ServerProc, reason
 
 import fencepost
 from fencepost_devtools.pgcluster import Cluster
@@ -278,3 +278,26 @@ def test_an_operator_moves_one_shard_with_its_leases_kept(coordinators: Coordina
             # it stays there, pinned, while the assignment would put it back
             assert (await client.shards()).shards[shard].address == b.address
     asyncio.run(go())
+
+
+def test_a_watch_resumed_from_a_revision_is_refused_as_compacted(
+        coordinators: Coordinators) -> None:
+    import grpc
+
+    from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
+
+    coordinators.wait_balanced(coordinators.procs)
+    a = coordinators.procs[0]
+
+    async def write() -> None:
+        async with fencepost.Client(a.address, owner="w", renewal="off") as client:
+            for r in _runs("watch", 6):
+                await client.acquire(r, ttl_ms=30_000)
+    asyncio.run(write())
+    with grpc.insecure_channel(a.address) as ch:
+        stream = ledger_pb2_grpc.LedgerStub(ch).WatchRuns(
+            ledger_pb2.WatchRunsRequest(from_revision=1), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(stream))
+    assert reason(err.value) == "RUN_REVISION_COMPACTED", err.value
+    assert "--lead-shards" in (err.value.details() or "")

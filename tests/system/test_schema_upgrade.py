@@ -25,6 +25,7 @@ PREVIOUS = {
     "postgres": (postgres.SCHEMA_VERSION - 1, [
         "ALTER TABLE fencepost_shards DROP COLUMN lease_floor, DROP COLUMN pinned",
         "DROP SEQUENCE fencepost_revision_blocks",
+        "DROP INDEX changes_by_time",
         "DELETE FROM meta WHERE key = 'lead_shards'",
         f"UPDATE fencepost_schema SET version = {postgres.SCHEMA_VERSION - 1}"]),
 }

@@ -64,6 +64,13 @@ class WatchHandler:
         self.hub.opened(watch)
         upto = self.writer.state.revision  # ... then read the revision: no gap, no dup
         try:
+            if start and start <= upto and self.writer.storage.sharing:
+                raise LedgerError(
+                    Code.RUN_REVISION_COMPACTED,
+                    f"from_revision {start}: a watch resumes from a revision only where one "
+                    "coordinator leads every shard (not with --lead-shards); re-list and watch "
+                    "from the current revision",
+                )
             if start and start <= self.writer.state.compacted:
                 raise LedgerError(
                     Code.RUN_REVISION_COMPACTED,

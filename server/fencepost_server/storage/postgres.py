@@ -283,6 +283,8 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE fencepost_shards ADD COLUMN lease_floor BIGINT NOT NULL DEFAULT 0",
         # the coordinator (advertised address) an operator moved the shard to
         "ALTER TABLE fencepost_shards ADD COLUMN pinned TEXT NOT NULL DEFAULT ''",
+        # pruning by commit time (revisions are not in commit order across coordinators)
+        "CREATE INDEX changes_by_time ON changes (committed_at)",
         "CREATE SEQUENCE fencepost_revision_blocks",
         "INSERT INTO meta (key, value) VALUES ('lead_shards', 0)",
     ],

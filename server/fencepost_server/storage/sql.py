@@ -690,6 +690,29 @@ class SqlStorage:
             )
             self._touching |= changed
 
+    def _prune_by_time(self, db: Any, batch: Batch) -> None:
+        """Pruning where coordinators lead shards apart (storage/shared.py):
+        revisions are not in commit order across coordinators, so the oldest
+        committed changes go first, keeping the newest ``history_revisions``
+        (and none older than the age limit), whoever committed them."""
+        assert batch.prune is not None
+        request_cutoff, keep_from, age_cutoff, _ = batch.prune
+        more = db.execute(
+            "DELETE FROM requests WHERE request_id IN (SELECT request_id FROM requests "
+            "WHERE created_at < ? ORDER BY created_at LIMIT ?)",
+            (request_cutoff, PRUNE_CHUNK),
+        ).rowcount >= PRUNE_CHUNK
+        keep = max(1, batch.revision - keep_from + 1)
+        row = db.execute("SELECT committed_at FROM changes ORDER BY committed_at DESC "
+                         "LIMIT 1 OFFSET ?", (keep,)).fetchone()
+        cutoff = max(row[0] + 1 if row else -1, age_cutoff if age_cutoff is not None else -1)
+        if cutoff >= 0:
+            more = db.execute(
+                "DELETE FROM changes WHERE revision IN (SELECT revision FROM changes "
+                "WHERE committed_at < ? ORDER BY committed_at LIMIT ?)", (cutoff, PRUNE_CHUNK),
+            ).rowcount >= PRUNE_CHUNK or more
+        batch.prune_more = more
+
     @staticmethod
     def _compacted(db: Any, revision: int) -> int:
         """Everything at or below this revision is gone from the history."""
@@ -828,7 +851,9 @@ class SqlStorage:
                     for rid, fp, ans, at in batch.requests
                 ],
             )
-        if batch.prune is not None:
+        if batch.prune is not None and self.sharing:
+            self._prune_by_time(db, batch)
+        elif batch.prune is not None:
             request_cutoff, keep_from, age_cutoff, mark = batch.prune
             more = db.execute(
                 "DELETE FROM requests WHERE request_id IN (SELECT request_id FROM requests "
