@@ -270,8 +270,8 @@ class App:
     async def _prepare(self) -> None:
         """The state is loaded: sweep what a crash left, start retention."""
         assert self.writer is not None and self.reads is not None
-        if not self.settings.lead_shards:  # (staged uploads name no shard: not swept)
-            await sweep_uploads(self.writer)
+        # (leading shards apart, the others' uploads are theirs: only the gone ones')
+        await sweep_uploads(self.writer, abandoned_only=self.settings.lead_shards)
         if self._retain_ms:
             self.retention = Retention(self.writer, self.reads, self.clock, self._retain_ms)
             self.retention.start(self._tasks)

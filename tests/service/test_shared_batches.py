@@ -13,12 +13,14 @@ import psycopg
 import pytest
 
 from fencepost_devtools.pgcluster import Cluster
+from fencepost_server.core import engine as E
 from fencepost_server.core import ledger as L
 from fencepost_server.core.errors import Code, LedgerError
 from fencepost_server.core.placement import Ownership
 from fencepost_server.core.records import Record, Status
 from fencepost_server.core.shards import shard_of
 from fencepost_server.storage import postgres
+from fencepost_server.storage.engine_sql import WriterHooks
 from fencepost_server.storage.postgres import PostgresStorage
 from fencepost_server.storage.shared import BLOCK
 from fencepost_server.testing.clock import ManualClock
@@ -60,6 +62,7 @@ async def _writer(url: str, clock: ManualClock, shards: dict[int, int], **kw: An
     storage = PostgresStorage(url, name=f"w-{uuid.uuid4().hex[:6]}", shards=SHARDS)
     storage.lead_shards()
     writer = Writer(storage, clock, **kw)
+    writer.attach_engine(WriterHooks())
     await writer.start()
     storage.sharing_state.epochs = dict(shards)
     writer.lead_only(Ownership(SHARDS, shards, {}))
@@ -231,3 +234,24 @@ async def test_the_history_is_pruned_oldest_committed_first_whoever_committed_it
     finally:
         await other.close()
         await pruner.close()
+
+
+async def test_only_the_uploads_of_coordinators_gone_are_swept(url: str) -> None:
+    clock = ManualClock(1_000_000)
+    staging = await _writer(url, clock, {0: _bump(url, 0, "a")})
+    sweeping = await _writer(url, clock, {1: _bump(url, 1, "b")})
+    try:
+        await staging.submit(E.StageChunk("live-upload", 0, b"x"))  # type: ignore[arg-type]
+        with psycopg.connect(url, autocommit=True) as db:
+            db.execute("INSERT INTO fencepost.fencepost_members VALUES (%s, 'a:1', 0, %s)",
+                       (staging.storage.name, 1 << 60))  # type: ignore[attr-defined]
+            db.execute("INSERT INTO fencepost.engine_uploads VALUES ('gone-upload', 1, "
+                       "'fencepost-writer gone')")
+        swept = await sweeping.submit(E.SweepUploads(abandoned_only=True))  # type: ignore[arg-type]
+        assert isinstance(swept, E.Done) and swept.at == 1
+        with psycopg.connect(url, autocommit=True) as db:
+            assert db.execute("SELECT upload_id FROM fencepost.engine_uploads").fetchall() == [
+                ("live-upload",)]
+    finally:
+        await staging.close()
+        await sweeping.close()

@@ -26,6 +26,7 @@ PREVIOUS = {
         "ALTER TABLE fencepost_shards DROP COLUMN lease_floor, DROP COLUMN pinned",
         "DROP SEQUENCE fencepost_revision_blocks",
         "DROP INDEX changes_by_time",
+        "ALTER TABLE engine_uploads DROP COLUMN started_by",
         "DELETE FROM meta WHERE key = 'lead_shards'",
         f"UPDATE fencepost_schema SET version = {postgres.SCHEMA_VERSION - 1}"]),
 }

@@ -486,8 +486,11 @@ class DiscardUpload:
 @dataclass(frozen=True, slots=True)
 class SweepUploads:
     """At start-up: delete every staged upload left by a stream that never
-    finished (a crash or a stop mid-upload)."""
+    finished (a crash or a stop mid-upload). ``abandoned_only`` (coordinators
+    leading shards apart share the uploads): only those staged by a
+    coordinator no longer taking part."""
 
+    abandoned_only: bool = False
     request_id: str = ""
 
 

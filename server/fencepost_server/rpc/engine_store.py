@@ -456,8 +456,9 @@ def _consume(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-async def sweep_uploads(writer: Writer) -> None:
-    """Remove the artifact uploads a crash left unfinished (the writer runs)."""
-    swept: Any = await writer.submit(E.SweepUploads())  # type: ignore[arg-type]
+async def sweep_uploads(writer: Writer, *, abandoned_only: bool = False) -> None:
+    """Remove the artifact uploads a crash left unfinished (the writer runs);
+    ``abandoned_only``: those of coordinators no longer taking part."""
+    swept: Any = await writer.submit(E.SweepUploads(abandoned_only))  # type: ignore[arg-type]
     if swept.ok:
         log.info("removed %d unfinished artifact uploads", swept.at)

@@ -338,7 +338,14 @@ def discard_upload(db: Any, cmd: E.DiscardUpload, now: int) -> E.Done:
 
 
 def sweep_uploads(db: Any, cmd: E.SweepUploads, now: int) -> E.Done:
-    ids = [r[0] for r in db.execute("SELECT upload_id FROM engine_uploads")]
+    if cmd.abandoned_only:  # PostgreSQL, --lead-shards: writers of coordinators gone
+        ids = [r[0] for r in db.execute(
+            "SELECT upload_id FROM engine_uploads WHERE started_by <> "
+            "current_setting('application_name') AND started_by NOT IN (SELECT "
+            "left('fencepost-writer ' || identity, 63) FROM fencepost_members WHERE "
+            "expires_at > (extract(epoch FROM clock_timestamp()) * 1000)::bigint)")]
+    else:
+        ids = [r[0] for r in db.execute("SELECT upload_id FROM engine_uploads")]
     for upload_id in ids:
         _drop_upload(db, upload_id)
     return E.Done(bool(ids), len(ids))

@@ -285,6 +285,10 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE fencepost_shards ADD COLUMN pinned TEXT NOT NULL DEFAULT ''",
         # pruning by commit time (revisions are not in commit order across coordinators)
         "CREATE INDEX changes_by_time ON changes (committed_at)",
+        # which coordinator staged an upload (its writer's application_name): with
+        # --lead-shards only a gone coordinator's are swept (engine_sql.sweep_uploads)
+        "ALTER TABLE engine_uploads ADD COLUMN started_by TEXT NOT NULL "
+        "DEFAULT current_setting('application_name')",
         "CREATE SEQUENCE fencepost_revision_blocks",
         "INSERT INTO meta (key, value) VALUES ('lead_shards', 0)",
     ],
