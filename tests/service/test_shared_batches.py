@@ -255,3 +255,28 @@ async def test_only_the_uploads_of_coordinators_gone_are_swept(url: str) -> None
     finally:
         await staging.close()
         await sweeping.close()
+
+
+async def test_renewals_of_a_shard_given_up_never_hold_up_a_later_batch(url: str) -> None:
+    clock = ManualClock(1_000_000)
+    epochs = {0: _bump(url, 0, "me"), 1: _bump(url, 1, "me")}
+    writer = await _writer(url, clock, epochs, lease_flush_ms=1_000)
+    try:
+        moving = _run_in(1, "mv")
+        # a short ttl: its stored expiry falls below the next floor, so the flush copies it
+        rec = await writer.submit(L.Acquire(moving, "w", ttl_ms=2_000))
+        assert isinstance(rec, Record)
+        clock.advance(100)
+        await writer.submit(L.Renew(moving, "w", rec.fencing_token))  # from memory: to flush
+        assert moving in writer.renewals.dirty
+        _bump(url, 1)  # another coordinator took shard 1
+        writer.lead_only(Ownership(SHARDS, {0}, {1: ("other:1", 9)}))
+        await writer.drop(frozenset({1}))
+        writer.storage.sharing_state.epochs = {0: epochs[0]}  # type: ignore[attr-defined]
+        clock.advance(5_000)  # a flush cycle is due: it rides on the next batch
+        for i in range(3):
+            got = await writer.submit(L.Acquire(_run_in(0, f"s{i}"), "w", ttl_ms=60_000))
+            assert isinstance(got, Record)
+        assert writer.stats.failed_commits == 0
+    finally:
+        await writer.close()

@@ -269,14 +269,16 @@ class Apply:
             leases: list[tuple[str, Record | None]] = []
             expiries: list[tuple[str, Record]] = []
             if flush:  # expiries renewed from memory, into their runs rows
-                if sharing:
-                    storage.touch_shards({shard_of(k, storage.shards) for k in flush})
                 skip = set(taken)
                 pending = self.pending
                 for k in flush:
                     rec = overlay[k] if k in overlay else committed.runs.get(k)
                     if rec is None or rec.status in TERMINAL or k in skip:
                         continue
+                    if owned is not None and owned.refusal_for_key(k) is not None:
+                        continue  # a shard given up: its taker extends the lease instead
+                    if sharing:
+                        storage.touch_shards((shard_of(k, storage.shards),))
                     if k in changed or k in pending:
                         leases.append((k, rec))  # the row lags other changes: all of it
                     else:

@@ -239,6 +239,15 @@ class Renewals:
             and rec.status not in TERMINAL
         ]
 
+    def forget(self, run_ids: list[str]) -> None:
+        """Runs no longer held here (their shard moved): nothing of theirs
+        is written from here any more; their new owner extends their leases."""
+        gone = set(run_ids)
+        for run_id in gone:
+            self.dirty.pop(run_id, None)
+        if self.flushing and not gone.isdisjoint(self.flushing):
+            self.flushing = [k for k in self.flushing if k not in gone]
+
     def clear(self) -> None:
         self.dirty.clear()
         self.flushing.clear()

@@ -225,6 +225,7 @@ class Writer:
             st.index.update(run_id, None)
         for run_id in [k for k in st.tombstones if shard_of(k, n) in shards]:
             del st.tombstones[run_id]
+        self.renewals.forget(gone)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._forget_rows, gone)
         return gone
 
