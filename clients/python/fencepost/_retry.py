@@ -42,6 +42,11 @@ Reroute = Callable[[FencepostError], Awaitable["tuple[Endpoints, Attempt[T]] | N
 # A call refused NOT_OWNER this many times in a row (owners naming each
 # other: a map in flux) raises NotOwnerError.
 MAX_OWNER_HOPS = 3
+# Between attempts while a shard moves: refused NOT_OWNER with no owner
+# named (being taken or handed over: done within moments), or no answer
+# from its owner (until another takes it over, after the shard lease).
+IN_TRANSIT_S = 0.025
+REROUTED_MAX_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +201,9 @@ async def call_with_retry(
         if backoff is None:
             backoff = policy.backoffs()
         delay = 0.0 if at_once else backoff.next()
+        if rerouted:  # a shard moving: its new owner serves it within moments
+            delay = min(delay, IN_TRANSIT_S if isinstance(exc, NotOwnerError)
+                        else REROUTED_MAX_S)
         exhausted = (
             final
             or code is not grpc.StatusCode.UNAVAILABLE

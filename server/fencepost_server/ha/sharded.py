@@ -157,10 +157,11 @@ class ShardedLeading:
         self._publish()
 
     def _publish(self) -> None:
-        # a shard held here but not admitted (being taken or given up) names
-        # no owner: the client retries after its backoff, not at once
-        me = self.leases.address
-        owners = {s: ("" if o.address == me and s not in self.led else o.address, o.epoch)
+        # a shard held here but not admitted names the member it is handed to,
+        # or no owner while it is being taken here (the client retries shortly)
+        me, to = self.leases.address, self.leases.assigned_to
+        owners = {s: (o.address if o.address != me or s in self.led
+                      else "" if to.get(s, me) == me else to[s], o.epoch)
                   for s, o in self.leases.owners().items()}
         self.writer.lead_only(Ownership(self.storage.shards, self.led, owners))
         self.writer.leads_shard_zero(0 in self.led)

@@ -120,6 +120,8 @@ class ShardLeases(RowLeases):
         self.held: dict[int, int] = {}  # shard -> epoch; replaced whole, never edited
         self.surplus: list[int] = []
         self._owners: dict[int, Owner] = {}
+        # shard -> the address of the member the last round assigned it to
+        self.assigned_to: dict[int, str] = {}
         self._process = process_proof()
         # shards given up (release, a lapse seen by run) while a round was
         # out: that round must not count them held again
@@ -186,6 +188,8 @@ class ShardLeases(RowLeases):
                 held = {s: e for s, e in held.items() if s in renewed}
         rows, members, now = self._read(db)
         assigned = self._assign(members, rows)
+        at = dict(members)
+        self.assigned_to = {s: at.get(m, "") for s, m in enumerate(assigned)}
         mine = [s for s, m in enumerate(assigned) if m == self.identity and s not in held]
         want = [s for s in mine if self._takeable(rows[s], now)]
         waiting = [rows[s].expires_at - now for s in mine if s not in want]

@@ -23,6 +23,12 @@ import { shardOf } from "./shards.js";
 export const MAX_HOPS = 4;
 /** The shard map is fetched again at most this often (ms). */
 export const MAP_REFRESH_MS = 100;
+/**
+ * A NOT_OWNER naming no owner (the shard is being taken or handed over, done
+ * within moments) is tried again after this long (ms), for up to IN_TRANSIT_LIMIT_MS.
+ */
+export const IN_TRANSIT_MS = 25;
+export const IN_TRANSIT_LIMIT_MS = 10_000;
 
 /** The stubs a call can be made on. */
 export interface Stubs {
@@ -150,19 +156,23 @@ export class Router {
   private async hop<T>(thrown: unknown, from: Coordinator, attempt: (c: Coordinator) => Promise<T>, hops: number): Promise<T> {
     let err = thrown;
     let c = from;
-    for (let hop = hops; ; hop++) {
+    const since = performance.now();
+    for (let hop = hops; ; ) {
       const refused = fromCallError(err);
       if (!(refused instanceof NotOwnerError)) {
         // no answer from a coordinator: it may be gone, its shards led elsewhere now
         if (this.on && refused.grpcCode === Code.Unavailable) void this.refresh().catch(() => undefined);
         throw err;
       }
-      if (hop >= MAX_HOPS) {
-        throw new NotOwnerError(`${refused.message} (still refused after ${MAX_HOPS} hops between coordinators)`, {
+      const transit = !refused.owner; // counted in time, not in hops
+      if (transit ? performance.now() - since > IN_TRANSIT_LIMIT_MS : hop >= MAX_HOPS) {
+        const why = transit ? `for ${IN_TRANSIT_LIMIT_MS} ms` : `after ${MAX_HOPS} hops between coordinators`;
+        throw new NotOwnerError(`${refused.message} (still refused ${why})`, {
           metadata: { ...refused.metadata }, cause: refused, ...(refused.grpcCode !== undefined ? { grpcCode: refused.grpcCode } : {}),
         });
       }
       c = await this.refused(refused, c, hop);
+      if (!transit) hop++;
       try {
         return await attempt(c);
       } catch (e) {
@@ -184,8 +194,8 @@ export class Router {
       const named = this.at(err.owner);
       if (named && named !== from) return named;
     }
-    // no owner named (a takeover under way), or the one that refused: wait for a newer map
-    await sleep(MAP_REFRESH_MS * 2 ** hop);
+    // no owner named (the shard in transit), or the one that refused: wait for a newer map
+    await sleep(err.owner ? MAP_REFRESH_MS * 2 ** hop : IN_TRANSIT_MS);
     await this.refresh().catch(() => undefined);
     const owner = this.count && shard >= 0 && shard < this.count ? this.owners[shard] ?? "" : "";
     return this.at(owner) ?? this.home;
