@@ -20,17 +20,19 @@ by bench/peers/servers.py (``ShardedCoordinators``).
    and routes from then on. Reports ops/s (median of rounds), the ratio to 1
    coordinator, and CPU per command of the coordinators (sum of their process
    trees), PostgreSQL (its whole tree) and the client processes.
-2. **Planned moves**: 2 coordinators under the fleet load; a prober process
-   (one SDK Client given the first coordinator's address) holds, in every
-   shard, one lease it renews every ``--probe-interval-ms`` and ``--held``
-   leases kept only by the SDK's KeepAlive stream (ttl ``--held-ttl-ms``). A
-   3rd coordinator joins (shards are handed to it), then the first one is
-   SIGTERMed (it hands its shards over and exits). Per moved shard, the
+2. **Planned moves**: 2 coordinators under the fleet load (here every client
+   process, and the prober, is given every coordinator's address); a prober
+   process (one SDK Client) holds, in every shard, one lease it renews every
+   ``--probe-interval-ms`` and ``--held`` leases kept only by the SDK's
+   KeepAlive stream (ttl ``--held-ttl-ms``). A 3rd coordinator joins (shards
+   are handed to it), then it is SIGTERMed (it hands its shards back and
+   exits), then the first one is (the prober's first address). Per moved shard, the
    unavailability is the longest gap between two answered renewals around
    the move, less the probe's own pause (so within one probe interval of the
    truth); unmoved shards over the same windows give the noise floor.
 3. **Crash failover**: 3 coordinators under the fleet load, the same prober;
-   ``--kills`` times the oldest coordinator is SIGKILLed, the time until every
+   ``--kills`` times a coordinator is SIGKILLed (in turn the prober's first
+   address and the newest one, reported apart), the time until every
    shard it held answers a renewal sent after the kill is taken (the shard
    rows' lease must run out first: ``--lease``), then a fresh coordinator is
    started and the shards rebalanced before the next kill.
@@ -655,8 +657,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine(),
         "versions": servers.versions(),
         "config": {k: v for k, v in vars(args).items() if k != "json"},
-        "client_addresses": "client process i is given coordinator i mod k's address only; "
-                            "the SDK routes to each shard's owner after its first NOT_OWNER",
+        "client_addresses": "scaling: client process i is given coordinator i mod k's "
+                            "address only, the SDK routes to each shard's owner after its "
+                            "first NOT_OWNER; moves and kills: every client process and "
+                            "the prober are given every coordinator's address",
         "load_before": os.getloadavg(),
     }
     print(f"bench-shards: {args.shards} shards, coordinators {args.counts}, shapes "
