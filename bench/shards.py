@@ -183,10 +183,11 @@ async def _probe_main(spec: ProbeSpec, ready: Any, stop: Any) -> ProbeResult:
         await asyncio.to_thread(stop.wait)
         done.set()
         await asyncio.gather(*tasks)
-        for lease in held:
+
+        async def check(lease: Any) -> None:
             if lease.is_lost:
                 res.held_lost += 1
-                continue
+                return
             try:
                 await lease.renew()  # still ours: the fenced renewal is accepted
                 await lease.release()
@@ -194,6 +195,8 @@ async def _probe_main(spec: ProbeSpec, ready: Any, stop: Any) -> ProbeResult:
                 res.held_refused += 1
                 if len(res.held_samples) < 5:
                     res.held_samples.append(f"{lease.run_id}: {type(exc).__name__}: {exc}"[:300])
+
+        await asyncio.gather(*(check(lease) for lease in held))
         for lease in probes.values():
             try:
                 await lease.release()
