@@ -87,6 +87,10 @@ bench-peers: $(STAMP)  ## fencepost (SQLite and PostgreSQL stores) vs etcd, Post
 	$(BIN)/python -c 'import asyncpg, redis, hiredis' 2>/dev/null || $(BIN)/python -m pip install --quiet asyncpg redis hiredis
 	$(BIN)/python bench/peers --install
 
+.PHONY: bench-shards
+bench-shards: $(STAMP) postgres  ## coordinators leading shards apart on one PostgreSQL: 1-3+ coordinators (SDK), shard moves, crash failover (~10 min)
+	$(BIN)/python bench/shards.py
+
 .PHONY: bench-scale
 bench-scale: $(STAMP)  ## costs as runs pile up: new-run cost, restart, RSS, filtered listing (1M runs; ~10 min)
 	$(BIN)/python bench/scale.py

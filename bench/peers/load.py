@@ -30,7 +30,7 @@ import random
 import time
 from array import array
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.context import SpawnProcess
 from typing import Any
 
@@ -40,7 +40,7 @@ from e2e import _Window as _E2EWindow
 
 from .backends import CONNECT_TIMEOUT_S, RPC_TIMEOUT_S, open_backend
 from .semantics import Refused
-from .servers import Running, cpu_delta, trees_cpu
+from .servers import Running, ShardedCoordinators, cpu_delta, trees_cpu
 
 THROUGHPUT_TTL_MS = 60_000  # fencepost's default; nothing expires during a run
 RACE_GAP_S = 0.3  # between the throughput window and the contention run
@@ -323,6 +323,8 @@ class RunResult:
     load_after: float
     stats: dict[str, float] = field(default_factory=dict)
     writer_mean_batch: float | None = None
+    # the server's parts apart (coordinators, PostgreSQL): CPU us per op
+    parts_us_per_op: dict[str, float] = field(default_factory=dict)
 
 
 def _spawn(specs: list[ClientSpec]) -> tuple[list[SpawnProcess], Any, Any, Any]:
@@ -391,12 +393,24 @@ class RaceConfig:
     seed: int = 1
 
 
+def _scrape(ports: list[int]) -> dict[str, float] | None:
+    """The writer counters summed over every coordinator's metrics."""
+    if not ports:
+        return None
+    total: dict[str, float] = {}
+    for port in ports:
+        for k, v in scrape_counters(port, WRITER_COUNTERS).items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
 def drive(
-    server: Running, round_no: int, *, clients: int, procs: int, warmup_s: float,
-    duration_s: float, options: dict[str, Any], race: RaceConfig | None = None,
+    server: Running | ShardedCoordinators, round_no: int, *, clients: int, procs: int,
+    warmup_s: float, duration_s: float, options: dict[str, Any], race: RaceConfig | None = None,
 ) -> tuple[RunResult, ContentionResult | None]:
     """One throughput run on ``server``, then (with ``race``) a contention run
-    by the same client processes."""
+    by the same client processes. Client process i connects to the server's
+    address i mod its addresses."""
     race_kw: dict[str, Any] = {}
     if race is not None:
         race_kw = {"contention_s": race.duration_s, "runs": race.runs, "ttl_ms": race.ttl_ms,
@@ -405,6 +419,9 @@ def drive(
                       run_prefix=f"{server.backend}-r{round_no}", warmup_s=warmup_s,
                       duration_s=duration_s, options=tuple(sorted(options.items())),
                       **race_kw)
+    addresses = server.addresses
+    specs = [replace(s, address=addresses[s.proc_index % len(addresses)]) for s in specs]
+    parts = server.cpu_parts
     workers, go, start_at, out = _spawn(specs)
     try:
         t0 = time.time() + 0.2
@@ -414,10 +431,12 @@ def drive(
         _sleep_until(begin)
         load0 = os.getloadavg()[0]
         cpu0, snap0 = trees_cpu(server.pids), _CpuSnapshot.take()
-        m0 = scrape_counters(server.metrics_port, WRITER_COUNTERS) if server.metrics_port else None
+        part0 = {k: trees_cpu(v) for k, v in parts.items()}
+        m0 = _scrape(server.metrics_ports)
         _sleep_until(end)
         cpu1, snap1 = trees_cpu(server.pids), _CpuSnapshot.take()
-        m1 = scrape_counters(server.metrics_port, WRITER_COUNTERS) if server.metrics_port else None
+        part1 = {k: trees_cpu(v) for k, v in parts.items()}
+        m1 = _scrape(server.metrics_ports)
         load1 = os.getloadavg()[0]
         wait = RPC_TIMEOUT_S + 30 + (race.duration_s + RACE_GAP_S if race else 0.0)
         results = _collect(workers, out, wait)
@@ -426,6 +445,8 @@ def drive(
     run = _merge(server.backend, round_no, results, clients=clients, procs=procs,
                  duration_s=duration_s, server_cpu_s=cpu_delta(cpu0, cpu1),
                  snaps=(snap0, snap1), loads=(load0, load1), metrics=(m0, m1))
+    if run.ops:
+        run.parts_us_per_op = {k: cpu_delta(part0[k], part1[k]) / run.ops * 1e6 for k in parts}
     if race is None:
         return run, None
     refused: Counter[str] = Counter()

@@ -165,6 +165,23 @@ class Running:
     coordinator_store: bool = False
 
     @property
+    def addresses(self) -> list[str]:
+        """Where client processes connect (one each, in turn)."""
+        return [self.address]
+
+    @property
+    def cpu_parts(self) -> dict[str, list[int]]:
+        """The process trees whose CPU is also reported apart, by name."""
+        if self.coordinator_store:
+            assert self.server is not None and self.cluster is not None
+            return {"coordinators": [self.server.proc.pid], "postgres": [self.cluster.pid or 0]}
+        return {}
+
+    @property
+    def metrics_ports(self) -> list[int]:
+        return [self.metrics_port] if self.metrics_port is not None else []
+
+    @property
     def pids(self) -> list[int]:
         """The roots of the process trees that serve this backend."""
         if self.coordinator_store:
@@ -278,6 +295,118 @@ def start_fencepost_pg(backend: str, workdir: Path, tag: str) -> Running:
         running.stop()
         raise
     return running
+
+
+class ShardedCoordinators:
+    """k coordinators with ``--lead-shards`` on one PostgreSQL database: each
+    leads its share of the database's shards at once. Coordinators join
+    (``add``), leave (``leave``: SIGTERM, a planned hand-over) or crash
+    (``crash``: SIGKILL) while it runs; the cluster is the caller's."""
+
+    def __init__(self, backend: str, cluster: Cluster, dbname: str, workdir: Path, *,
+                 shards: int, lease: str, renew: str) -> None:
+        self.backend = backend
+        self.cluster = cluster
+        self.url = cluster.create_database(dbname)
+        self.workdir, self.dbname = workdir, dbname
+        self.shards, self.lease, self.renew = shards, lease, renew
+        self.live: list[Running] = []
+        self.started = 0
+        # client processes are given one coordinator's address each (False)
+        # or every live one's (True): the SDK routes either way
+        self.give_all = False
+
+    def add(self) -> Running:
+        """Start one more coordinator; returns once it serves (it may lead nothing yet)."""
+        metrics_port = free_port()
+        argv = [*_fencepost_argv(self.url, metrics_port), "--lead-shards",
+                "--shards", str(self.shards), "--leader-lease", self.lease,
+                "--leader-renew", self.renew, "--http-listen", "off"]
+        name = f"{self.backend}-{self.dbname}-c{self.started}"
+        self.started += 1
+        srv = start_server(name, argv, self.workdir / f"{name}.log")
+        one = Running(self.backend, "", srv, metrics_port=metrics_port)
+        try:
+            one.address = srv.wait_ready(r"leading the shards assigned to it "
+                                         r"\(advertised as (\S+)\)")
+        except BaseException:
+            one.stop()
+            raise
+        self.live.append(one)
+        return one
+
+    def leave(self, one: Running, timeout: float = 30.0) -> int | None:
+        """SIGTERM: it hands its shards over, then exits."""
+        self.live.remove(one)
+        return one.stop(timeout)
+
+    def crash(self, one: Running) -> None:
+        """SIGKILL: its shards are taken once their leases run out."""
+        self.live.remove(one)
+        assert one.server is not None
+        one.server.proc.kill()
+        one.server.proc.wait(10)
+        one.stop()
+
+    def owners(self) -> dict[int, str]:
+        """shard -> advertised address of its live holder, as the rows say."""
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True, connect_timeout=10) as db:
+            rows = db.execute(
+                "SELECT shard, address FROM fencepost.fencepost_shards WHERE holder <> '' "
+                "AND expires_at > (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+            ).fetchall()
+        return {int(s): str(a) for s, a in rows}
+
+    def wait_balanced(self, timeout: float = 60.0) -> dict[int, str]:
+        """Until every shard is held by a live coordinator, each holding its share."""
+        want = {c.address for c in self.live}
+        low, high = self.shards // len(want), -(-self.shards // len(want))
+        deadline = time.monotonic() + timeout
+        owners: dict[int, str] = {}
+        while time.monotonic() < deadline:
+            owners = self.owners()
+            held = list(owners.values())
+            if len(owners) == self.shards and set(held) == want \
+                    and all(low <= held.count(a) <= high for a in want):
+                return owners
+            time.sleep(0.05)
+        raise RuntimeError(f"shards not balanced over {sorted(want)} after {timeout}s: "
+                           f"{owners}\n" + "\n".join(c.log_tail() for c in self.live))
+
+    # what drive() (load.py) reads, as of a Running
+
+    @property
+    def address(self) -> str:
+        return self.live[0].address
+
+    @property
+    def addresses(self) -> list[str]:
+        every = [c.address for c in self.live]
+        return [",".join(every)] if self.give_all else every
+
+    @property
+    def cpu_parts(self) -> dict[str, list[int]]:
+        return {"coordinators": [c.pid for c in self.live], "postgres": [self.cluster.pid or 0]}
+
+    @property
+    def pids(self) -> list[int]:
+        return [*(c.pid for c in self.live), self.cluster.pid or 0]
+
+    @property
+    def metrics_ports(self) -> list[int]:
+        return [c.metrics_port for c in self.live if c.metrics_port is not None]
+
+    def stop(self) -> list[int | None]:
+        """Stop every coordinator (SIGTERM) and drop the database."""
+        codes = [c.stop() for c in self.live]
+        self.live = []
+        try:
+            self.cluster.drop_database(self.dbname)
+        except Exception:
+            pass  # the cluster is going away with the workdir anyway
+        return codes
 
 
 def start_etcd(workdir: Path, tag: str) -> Running:
