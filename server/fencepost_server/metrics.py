@@ -465,6 +465,13 @@ class _StateCollector(Collector):
             yield CounterMetricFamily(
                 "fencepost_shard_moves", "Shards this coordinator gave up (handed over to a "
                 "joining coordinator, or lost)", value=given)
+            commands = CounterMetricFamily(
+                "fencepost_shard_commands", "Commands this coordinator committed, per shard "
+                "they touch", labels=["shard"])
+            for shard, n in enumerate(w.shard_commands):
+                if n:
+                    commands.add_metric([str(shard)], n)
+            yield commands
         yield GaugeMetricFamily("fencepost_revision", "Server revision", value=w.state.revision)
         yield GaugeMetricFamily("fencepost_runs", "Runs stored", value=len(w.state.index))
         leases = GaugeMetricFamily(

@@ -17,6 +17,7 @@ import json
 import signal
 import subprocess
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from _proc import FENCEPOST, ServerProc, reason
 
 import fencepost
 from fencepost_devtools.pgcluster import Cluster
+from fencepost_devtools.ports import free_port
 from fencepost_server.core.shards import shard_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -44,15 +46,27 @@ class Coordinators:
     def __init__(self, url: str, tmp: Path, n: int) -> None:
         self.url, self.tmp = url, tmp
         self.procs: list[ServerProc] = []
+        self.metrics: dict[str, int] = {}  # address -> its /metrics port
         for _ in range(n):
             self.add()
 
     def add(self) -> ServerProc:
+        metrics = free_port()
         p = ServerProc(self.url, self.tmp / f"coordinator-{len(self.procs)}.log", args=(
             "--lead-shards", "--shards", str(SHARDS), "--leader-lease", LEASE,
-            "--leader-renew", RENEW, "--http-listen", "off"))
+            "--leader-renew", RENEW, "--http-listen", "off",
+            "--metrics-listen", f"127.0.0.1:{metrics}"))
+        self.metrics[p.address] = metrics
         self.procs.append(p)
         return p
+
+    def scrape(self, p: ServerProc) -> dict[str, float]:
+        """``name{labels}`` -> value of the coordinator's /metrics."""
+        url = f"http://127.0.0.1:{self.metrics[p.address]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        return {k: float(v) for k, _, v in (ln.rpartition(" ") for ln in text.splitlines()
+                                             if ln and not ln.startswith("#"))}
 
     def owners(self) -> dict[int, str]:
         """shard -> holder's advertised address, as the rows say."""
@@ -138,6 +152,20 @@ def test_two_coordinators_each_lead_half_and_the_sdk_routes_to_both(
         rows = db.execute("SELECT run_id, count(*) FROM fencepost.runs GROUP BY run_id").fetchall()
     assert sorted(r for r, _ in rows) == sorted(runs) and {n for _, n in rows} == {1}
     assert {owners[shard_of(r, SHARDS)] for r in runs} == {a.address, b.address}
+    # each coordinator counts the shards it leads and the commands it committed in each
+    # (acquire, checkpoint, finish: 100 written; the renewals were answered from memory)
+    seen = {p.address: coordinators.scrape(p) for p in coordinators.procs}
+    assert sum(m["fencepost_shards_led"] for m in seen.values()) == SHARDS
+    counted: dict[int, float] = {}
+    for address, m in seen.items():
+        for key, v in m.items():
+            if key.startswith("fencepost_shard_commands_total{"):
+                shard = int(key.split('"')[1])
+                assert owners[shard] == address, (shard, address)
+                counted[shard] = counted.get(shard, 0) + v
+    mine = {s: sum(1 for r in runs if shard_of(r, SHARDS) == s) for s in range(SHARDS)}
+    assert counted == {s: 2 * n + sum(1 for r in runs[:20] if shard_of(r, SHARDS) == s)
+                       for s, n in mine.items() if n}, counted
 
 
 def test_a_killed_coordinators_shards_are_taken_with_every_lease_held(

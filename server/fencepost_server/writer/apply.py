@@ -197,6 +197,9 @@ class Apply:
         # False: another coordinator prunes (leading shards apart, the owner
         # of shard 0 alone does: two pruning the same rows could deadlock)
         self.prunes = True
+        # leading shards apart: commands committed per shard (their shards are
+        # computed for the check anyway; one coordinator leading all pays nothing)
+        self.shard_commands: list[int] = []
         self._last_prune = 0
         self._pruned_at = 0  # the revision the last prune was planned at
         self._prune_more = False
@@ -224,6 +227,7 @@ class Apply:
         answers: list[Any] = []
         storage = self.storage
         sharing = storage.sharing
+        counted: list[int] = []  # each command's shards (leading shards apart)
         with storage.transaction():
             st.rev = storage.first_revision(st.rev)
             rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
@@ -234,10 +238,13 @@ class Apply:
                 if owned is not None and (refused := owned.refusal(cmd)) is not None:
                     answers.append(refused)  # not remembered: the owner answers the retry
                     continue
-                if sharing:  # checked before COMMIT (storage/shared.py)
-                    storage.touch_shards(
-                        cmd.shards if type(cmd) is L.TakeShards
-                        else shards_of(cmd, storage.shards) or ())
+                if sharing:  # checked before COMMIT (storage/shared.py), and counted
+                    if type(cmd) is L.TakeShards:
+                        storage.touch_shards(cmd.shards)
+                    else:
+                        keyed = shards_of(cmd, storage.shards) or ()
+                        storage.touch_shards(keyed)
+                        counted.extend(keyed)
                 rid = cmd.request_id
                 fp = ""
                 if rid:
@@ -308,6 +315,11 @@ class Apply:
             self.storage.write(out)
             if self.before_commit is not None:  # TEST-ONLY broken build
                 self.before_commit(batch, answers, overlay, tombs, rev, events)
+        if counted:
+            tally = self.shard_commands or [0] * storage.shards
+            for shard in counted:
+                tally[shard] += 1
+            self.shard_commands = tally
         # committed: move the materialization bookkeeping (a failed commit
         # raised above and moved nothing)
         pending = self.pending

@@ -234,6 +234,11 @@ class Writer:
         for run_id in run_ids:
             rows.pop(run_id, None)
 
+    @property
+    def shard_commands(self) -> list[int]:
+        """Leading shards apart: commands committed here per shard ([]: none yet)."""
+        return self._apply.shard_commands
+
     def leads_shard_zero(self, yes: bool) -> None:
         """Leading shards apart, only shard 0's owner prunes the shared history."""
         self._apply.prunes = yes
