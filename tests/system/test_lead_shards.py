@@ -168,14 +168,18 @@ def test_two_coordinators_each_lead_half_and_the_sdk_routes_to_both(
                        for s, n in mine.items() if n}, counted
 
 
+@pytest.mark.parametrize("given", ["survivor", "killed"])
 def test_a_killed_coordinators_shards_are_taken_with_every_lease_held(
-        coordinators: Coordinators) -> None:
+        coordinators: Coordinators, given: str) -> None:
+    """``killed``: the client was given only the coordinator that dies; it
+    asks the shard map of the other one it has reached."""
     coordinators.wait_balanced(coordinators.procs)
     a, b = coordinators.procs
     runs = _runs("kill", 30)
 
     async def go() -> None:
-        async with fencepost.Client(a.address, owner="w", renewal="off") as client:
+        home = a if given == "survivor" else b
+        async with fencepost.Client(home.address, owner="w", renewal="off") as client:
             leases = {r: await client.acquire(r, ttl_ms=20_000) for r in runs}
             for lease in leases.values():
                 await lease.renew()  # answered from memory on B's shards

@@ -378,9 +378,10 @@ class Connection:
         await self._rerouted(exc, None)
 
     async def _fetch_map(self, router: Router, hint: str) -> None:
-        """``Ledger.Shards`` from ``hint`` (the owner a refusal named) or the
-        endpoints given; one fetch at a time (the others wait for it). A
-        coordinator that does not answer leaves the map as it was."""
+        """``Ledger.Shards`` from ``hint`` (the owner a refusal named), else the
+        endpoints given, else any other coordinator this client has reached
+        (the one given may be the one that went away); one fetch at a time
+        (the others wait for it). None answering leaves the map as it was."""
         fetching = router._fetching
         if fetching is not None:
             await asyncio.shield(fetching)
@@ -389,7 +390,8 @@ class Connection:
         fetching = router._fetching = loop.create_future()
         try:
             policy = RetryPolicy.no_retry(attempt_timeout_s=_MAP_TIMEOUT_S)
-            lines = [self.line_to(hint) if hint else None, self.line]
+            lines = [self.line_to(hint) if hint else None, self.line,
+                     *(line for line in list(self._lines.values()) if line is not self.line)]
             for line in lines:
                 if line is None:
                     continue

@@ -88,6 +88,9 @@ function shardInfo(s: { index: number; owner: string; address: string; epoch: bi
   };
 }
 
+/** How long a coordinator other than the home one is given to answer the shard map (ms). */
+const MAP_ASK_MS = 2_000;
+
 export interface ShardInfo {
   index: number;
   owner: string;
@@ -321,10 +324,25 @@ export class FencepostClient {
       (o) => this.router.send(() => (shardKey === undefined ? undefined : [shardKey]), (c) => call(o, c.stubs)), options, this.endpoints);
   }
 
-  /** The map as routing needs it: each shard's owner address, by index. */
+  /**
+   * The map as routing needs it: each shard's owner address, by index. Asked
+   * of the home coordinator, else of any other this client has reached (the
+   * one given may be the one that went away).
+   */
   private async owners(): Promise<OwnerMap> {
     // straight to the home coordinator: routing waits for this very fetch
-    return ownerMap(await withRetry(this.retry, false, (o) => this.stubs.ledger.shards({ ownersOnly: true }, o), {}, this.endpoints));
+    const others = this.router.coordinators.length > 1;
+    try {
+      return ownerMap(await withRetry(this.retry, false, (o) => this.stubs.ledger.shards({ ownersOnly: true }, o),
+        others ? { timeoutMs: MAP_ASK_MS } : {}, this.endpoints));
+    } catch (e) {
+      for (const c of this.router.coordinators.slice(1)) {
+        try {
+          return ownerMap(await c.stubs.ledger.shards({ ownersOnly: true }, { timeoutMs: MAP_ASK_MS }));
+        } catch { /* the next one */ }
+      }
+      throw e;
+    }
   }
 
   /** A connection, Execute stream and KeepAlive stream to another coordinator (shared as the home one is). */
