@@ -6,7 +6,9 @@ converted once and refused to a coordinator that would lead alone."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -280,3 +282,16 @@ async def test_renewals_of_a_shard_given_up_never_hold_up_a_later_batch(url: str
         assert writer.stats.failed_commits == 0
     finally:
         await writer.close()
+
+
+def test_the_databases_shard_function_follows_the_shard_rule(url: str) -> None:
+    """fencepost_shard (the index a taker reads a shard's runs by) against
+    the shared vectors and core.shards.shard_of."""
+    vectors = json.loads((Path(__file__).resolve().parents[1] / "vectors" / "shards.json")
+                         .read_text("utf-8"))
+    cases = [(v["key"], v["shards"], v["shard"]) for v in vectors["vectors"]]
+    cases += [(f"run-{i}", n, shard_of(f"run-{i}", n)) for i in range(300) for n in (7, 64)]
+    with psycopg.connect(url, autocommit=True) as db:
+        got = [db.execute("SELECT fencepost.fencepost_shard(%s, %s)", (k, n)).fetchone()[0]
+               for k, n, _ in cases]
+    assert got == [want for _, _, want in cases]

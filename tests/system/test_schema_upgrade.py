@@ -27,6 +27,7 @@ PREVIOUS = {
         "DROP SEQUENCE fencepost_revision_blocks",
         "DROP INDEX changes_by_time",
         "ALTER TABLE engine_uploads DROP COLUMN started_by",
+        "DROP FUNCTION fencepost_shard",
         "DELETE FROM meta WHERE key = 'lead_shards'",
         f"UPDATE fencepost_schema SET version = {postgres.SCHEMA_VERSION - 1}"]),
 }

@@ -289,6 +289,12 @@ MIGRATIONS: list[list[str]] = [
         # --lead-shards only a gone coordinator's are swept (engine_sql.sweep_uploads)
         "ALTER TABLE engine_uploads ADD COLUMN started_by TEXT NOT NULL "
         "DEFAULT current_setting('application_name')",
+        # the shard rule (core/shards.py) in SQL, for the index a coordinator
+        # taking shards reads them by (storage/shared.py); the keys are UTF-8
+        """CREATE FUNCTION fencepost_shard(k TEXT, n INTEGER) RETURNS INTEGER
+           LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT
+           (('x' || left(encode(sha256(convert_to(k, 'UTF8')), 'hex'), 8))::bit(32)::bigint
+            % n)::integer $$""",
         "CREATE SEQUENCE fencepost_revision_blocks",
         "INSERT INTO meta (key, value) VALUES ('lead_shards', 0)",
     ],
