@@ -141,6 +141,32 @@ async def test_a_taker_treats_leases_stored_past_the_floor_as_renewed(url: str) 
         await second.close()
 
 
+async def test_a_take_names_the_revisions_of_its_extensions(url: str) -> None:
+    """Writes no client made: the revisions a take extended leases at are
+    reported (the torture harness tells them from the clients' writes by it)."""
+    clock = ManualClock(1_000_000)
+    runs = [_run_in(3, p) for p in ("a", "b")]
+    first = await _writer(url, clock, {3: _bump(url, 3, "a")})
+    for run in runs:
+        await first.submit(L.Acquire(run, "w", ttl_ms=10_000))
+    first.storage.close()  # a crash
+    clock.advance(1_000)
+    second = Writer(PostgresStorage(url, name="taker", shards=SHARDS), clock)
+    second.storage.lead_shards()  # type: ignore[attr-defined]
+    await second.start()
+    try:
+        second.storage.sharing_state.epochs = {3: _bump(url, 3, "b")}  # type: ignore[attr-defined]
+        done = await second.take(frozenset({3}), {3: 500})
+        assert done.runs == 2
+        with psycopg.connect(url, autocommit=True) as db:
+            got = db.execute("SELECT revision FROM fencepost.changes WHERE revision >= %s "
+                             "ORDER BY revision", (done.first_revision,)).fetchall()
+        assert [r[0] for r in got] == [done.first_revision, done.first_revision + 1]
+        assert {second.state.runs[r].revision for r in runs} == {r[0] for r in got}
+    finally:
+        await second.close()
+
+
 def test_a_database_led_by_shards_is_refused_to_a_single_leader(url: str) -> None:
     storage = PostgresStorage(url, shards=SHARDS)
     storage.lead_shards()

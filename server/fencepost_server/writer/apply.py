@@ -436,6 +436,7 @@ class Apply:
         floors made this writer's (storage/shared.py)."""
         n = self.storage.shards
         runs = 0
+        first = st.rev + 1
         for run_id in cmd.run_ids:
             cur = self._current(run_id, st)
             if cur is None:
@@ -459,7 +460,7 @@ class Apply:
                     others += self.engine.extend_leases(
                         self.storage.db, gap, now - gap, shards=(frozenset([shard]), n))
         self.storage.set_lease_floor(cmd.floor, cmd.shards)
-        return L.LeasesExtended(runs, others)
+        return L.LeasesExtended(runs, others, first if runs else 0)
 
     def _check_fence(self, fence: F.Fence, st: _Step) -> None:
         """Raise unless ``fence`` holds right now: a run fence against the
