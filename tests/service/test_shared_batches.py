@@ -167,6 +167,36 @@ async def test_a_take_names_the_revisions_of_its_extensions(url: str) -> None:
         await second.close()
 
 
+async def test_a_shard_given_up_is_not_checked_by_the_next_flushes(url: str) -> None:
+    """Expiries renewed from memory on a shard since given up are not
+    flushed by its old owner: its batches go on committing on the shards it
+    still holds (they had all failed, the epoch of the shard given up moved)."""
+    clock = ManualClock(1_000_000)
+    storage = PostgresStorage(url, name="flusher", shards=SHARDS)
+    storage.lead_shards()
+    writer = Writer(storage, clock, lease_flush_ms=1_000)
+    await writer.start()
+    try:
+        storage.sharing_state.epochs = {0: _bump(url, 0, "me"), 1: _bump(url, 1, "me")}
+        writer.lead_only(Ownership(SHARDS, {0, 1}, {}))
+        await writer.take(frozenset({0, 1}), {})
+        run = _run_in(0)
+        got = await writer.submit(L.Acquire(run, "w", ttl_ms=2_000))
+        assert isinstance(got, Record)
+        clock.advance(500)
+        await writer.submit(L.Renew(run, "w", got.fencing_token))  # from memory
+        writer.lead_only(Ownership(SHARDS, {1}, {}))
+        await writer.drop(frozenset({0}))
+        storage.sharing_state.epochs = {1: storage.sharing_state.epochs[1]}
+        _bump(url, 0, "other")  # taken by another coordinator
+        clock.advance(5_000)  # a flush is due
+        for i in range(3):
+            done = await writer.submit(L.Acquire(_run_in(1, f"s{i}"), "w", ttl_ms=60_000))
+            assert isinstance(done, Record)
+    finally:
+        await writer.close()
+
+
 def test_a_database_led_by_shards_is_refused_to_a_single_leader(url: str) -> None:
     storage = PostgresStorage(url, shards=SHARDS)
     storage.lead_shards()
