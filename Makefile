@@ -109,9 +109,10 @@ TRANSPORT ?= mixed
 SNAPSHOTS ?= fenced
 STORE     ?= sqlite
 COORDINATORS ?= 3
+LEAD_SHARDS ?=
 .PHONY: torture
-torture: $(STAMP) $(if $(filter postgres,$(STORE)),postgres)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed SNAPSHOTS=fenced|unfenced|off STORE=sqlite|postgres COORDINATORS=3 (docs/RELIABILITY.md)
-	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT) --snapshots $(SNAPSHOTS) --store $(STORE) --coordinators $(COORDINATORS)
+torture: $(STAMP) $(if $(filter postgres,$(STORE)),postgres)  ## fault-injection run + checkers: make torture DURATION=60 SEED=1 TRANSPORT=unary|stream|mixed SNAPSHOTS=fenced|unfenced|off STORE=sqlite|postgres COORDINATORS=3 LEAD_SHARDS=1 (docs/RELIABILITY.md)
+	$(BIN)/python -m torture --duration $(DURATION) --seed $(SEED) --transport $(TRANSPORT) --snapshots $(SNAPSHOTS) --store $(STORE) --coordinators $(COORDINATORS) $(if $(LEAD_SHARDS),--lead-shards)
 
 # TypeScript clients (clients/typescript, docs/TYPESCRIPT.md): Node >= 20 and npm,
 # installed from Debian when missing; dependencies exactly as package-lock.json.

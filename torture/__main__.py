@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leader-lease", default="2s", help="with --store postgres (2s)")
     p.add_argument("--leader-renew", default="400ms", help="with --store postgres (400ms)")
     p.add_argument("--max-clock-skew", default="500ms", help="with --store postgres (500ms)")
+    p.add_argument("--lead-shards", action="store_true",
+                   help="with --store postgres: every coordinator leads a share of the shards "
+                   "at once (--lead-shards), the workers follow each call to its shard's owner, "
+                   "the nemesis kills, pauses and stops (SIGTERM) any coordinator")
+    p.add_argument("--shards", type=int, default=8,
+                   help="with --lead-shards: the database's shard count (8: moves are frequent)")
     p.add_argument("--snapshots", choices=("fenced", "unfenced", "off"), default="fenced",
                    help="every checkpoint also writes the run's snapshot, under the handle's "
                    "fence or unfenced (the residual window left open: stale snapshots are "
@@ -58,16 +64,22 @@ def main(argv: list[str] | None = None) -> int:
     pg = a.store == "postgres"
     if pg and not 1 <= a.coordinators <= 5:
         p.error("--coordinators must be 1..5")
+    if a.lead_shards and not pg:
+        p.error("--lead-shards needs --store postgres")
+    if not 1 <= a.shards <= 4096:
+        p.error("--shards must be 1..4096")
     out = a.out or REPO / "build" / "torture" / (
         f"seed-{a.seed}-{a.duration:g}s-{a.transport}"
         + ("" if a.snapshots == "fenced" else f"-{a.snapshots}")
-        + (f"-pg{a.coordinators}" if pg else ""))
+        + (f"-pg{a.coordinators}" if pg else "")
+        + (f"-shards{a.shards}" if a.lead_shards else ""))
     cfg = Config(duration_s=a.duration, seed=a.seed, out=out, workers=a.workers,
                  threads=a.threads, runs=a.runs, profile=a.profile, nemesis=a.nemesis,
                  fault=a.fault, transport=a.transport, tls=a.tls,
                  snapshots="" if a.snapshots == "off" else a.snapshots, store=a.store,
                  coordinators=a.coordinators if pg else 1, leader_lease=a.leader_lease,
-                 leader_renew=a.leader_renew, max_clock_skew=a.max_clock_skew)
+                 leader_renew=a.leader_renew, max_clock_skew=a.max_clock_skew,
+                 lead_shards=a.lead_shards, shards=a.shards)
     try:
         outcome = run(cfg)
     except Exception as exc:

@@ -28,6 +28,14 @@ records ``ep`` (the index of the coordinator address that gave the final
 answer), ``at`` (when that attempt was sent) and ``nl`` (NOT_LEADER
 redirects on the way).
 
+Coordinators leading shards apart (``--lead-shards``): a refusal
+``NOT_OWNER`` (the coordinator asked does not lead the shard: nothing was
+done) is followed the same way, to the ``owner`` its metadata names, or
+after a backoff to the next coordinator when it names none (``nl`` counts
+these too). A ListRuns answer then covers the answering coordinator's
+shards only: its entry says ``partial`` (a run it leaves out is not read
+as absent).
+
 A refusal that promises no effect (STORAGE_UNAVAILABLE: the database could
 not commit) says so of its own attempt only: after an attempt whose outcome
 is unknown, the call is retried (or abandoned) as after a transport failure.
@@ -93,14 +101,18 @@ class Attempt:
     detail: str = ""  # what a protocol anomaly was (the stream answered out of turn...)
 
 
+REDIRECTS = {"NOT_LEADER": "leader", "NOT_OWNER": "owner"}  # reason -> metadata naming where
+
+
 def leader_hint(status: status_pb2.Status | None) -> str:
-    """The ``leader`` metadata of a NOT_LEADER refusal ("" when none is known)."""
+    """Where a NOT_LEADER (``leader``) or NOT_OWNER (``owner``) refusal sends
+    the call ("" when none is known)."""
     for detail in status.details if status is not None else ():
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
-            if info.domain == "fencepost" and info.reason == "NOT_LEADER":
-                return str(info.metadata.get("leader", ""))
+            if info.domain == "fencepost" and info.reason in REDIRECTS:
+                return str(info.metadata.get(REDIRECTS[info.reason], ""))
     return ""
 
 
@@ -161,7 +173,7 @@ class ExecuteStream:
         if isinstance(got, grpc.RpcError):
             self.broken = True
             status = call_status(got)
-            if status_reason(status) == "NOT_LEADER":  # refused at stream start: nothing done
+            if status_reason(status) in REDIRECTS:  # refused at stream start: nothing done
                 assert status is not None
                 return Attempt(refusal=status)
             code = got.code()  # type: ignore[attr-defined]
@@ -222,8 +234,10 @@ class Client:
         snap_out: IO[str] | None = None,
         certs: str | None = None,
         aliases: dict[str, str] | None = None,
+        shards: int = 0,
     ) -> None:
         self.name = name
+        self.shards = shards  # coordinators leading shards apart: the database's count
         self.snap_out = snap_out  # where snapshot operations are recorded
         self.transport = pick_transport(transport, seed)
         self._stream: ExecuteStream | None = None
@@ -270,8 +284,8 @@ class Client:
         self.ep = ep
 
     def follow(self, leader: str) -> bool:
-        """After NOT_LEADER: go to ``leader`` (an address it named), else to the
-        next coordinator. True when a leader was named."""
+        """After NOT_LEADER or NOT_OWNER: go to ``leader`` (the address it
+        named), else to the next coordinator. True when one was named."""
         self.redirects += 1
         addr = self.aliases.get(leader, leader)
         if not addr:
@@ -334,14 +348,14 @@ class Client:
             entry["ep"], entry["at"] = self.ep, time.monotonic_ns()
             got = (self._execute(f, req) if streamed
                    else self._unary(getattr(getattr(self._conn(), service), name), req))
-            if got.refusal is not None and status_reason(got.refusal) == "NOT_LEADER":
-                # nothing was done here: on to the leader, same request id
+            if got.refusal is not None and status_reason(got.refusal) in REDIRECTS:
+                # nothing was done here: on to the leader (owner), same request id
                 entry["nl"] += 1
                 named = self.follow(leader_hint(got.refusal))
                 if time.monotonic_ns() > self.hard_stop_ns:
                     entry["st"] = "unknown" if entry["tf"] else "fail"
                     if not entry["tf"]:
-                        entry["code"] = "NOT_LEADER"
+                        entry["code"] = status_reason(got.refusal)
                     break
                 time.sleep(self.rng.uniform(0, 0.01) if named else self.rng.uniform(0.05, 0.15))
                 continue
@@ -377,6 +391,8 @@ class Client:
                 continue
             entry["st"] = "ok"
             self._result(f, got.resp, entry)
+            if f == "list" and self.shards:
+                entry["x"]["partial"] = True
             break
         entry["cmp"] = None if entry["st"] == "unknown" else time.monotonic_ns()
         entry["tries"] = tries
@@ -529,7 +545,7 @@ class Client:
             req = lpb.TransactionRequest(commands=[
                 lpb.Command(id=1, save_checkpoint=save),
                 lpb.Command(id=2, put_effect=epb.EnginePutEffectRequest(
-                    key=f"snapshot/{sid}", result=epb.JsonValue(json=state))),
+                    key=self._effect_key(run, sid), result=epb.JsonValue(json=state))),
             ])
             if fenced:
                 req.fence.CopyFrom(fence)
@@ -539,6 +555,19 @@ class Client:
             save.fence.CopyFrom(fence)
         return self.call("snapshot", run, "engine.SaveCheckpoint", save, args,
                          may_abandon=True)
+
+    def _effect_key(self, run: str, sid: str) -> str:
+        """The transaction's effect key: in the run's shard when shards are
+        led apart (a transaction across two owners is refused, SPEC §13)."""
+        key = f"snapshot/{sid}"
+        if self.shards:
+            from fencepost_server.core.shards import shard_of
+
+            want, i = shard_of(run, self.shards), 0
+            while shard_of(key, self.shards) != want:
+                i += 1
+                key = f"snapshot/{sid}/{i}"
+        return key
 
     def read_snapshot(self, run: str) -> dict[str, Any]:
         return self.call("read_snapshot", run, "engine.LatestCheckpoint",

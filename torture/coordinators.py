@@ -20,7 +20,16 @@ object a line, times in CLOCK_MONOTONIC ns like the history:
   takeover committed after it), ``before_db`` (the database's clock, ms, as
   that poll ran) and ``seen`` (when the first poll showing it returned).
 
-torture/failover.py reads it back for the checkers.
+Coordinators leading shards apart (``shards``: every one started with
+``--lead-shards --shards N``) log other lines, noted as ``took``,
+``leading-shards`` (the shards a coordinator admits from now on, the
+leases its take extended and the first revision they were written at),
+``handed-over``, ``gave-up`` and ``lost-shards``; and the watcher reads
+every shard row instead of the leader row: ``shard`` entries, one per
+change of a shard's epoch, with its new ``holder`` (the identity, whose
+pid is ``pid``) and the same ``before``/``seen`` times.
+
+torture/failover.py and torture/sharding.py read it back for the checkers.
 """
 
 from __future__ import annotations
@@ -53,6 +62,24 @@ EXTENDED = re.compile(r"epoch (\d+): extended (\d+) leases and (\d+) claims and 
                       r"(\d+) ms")
 LEADING = re.compile(r"leading \(epoch (\d+)\) on (\S+) after ")
 LOST = re.compile(r"lost leadership \(epoch (\S+)\): (.*)")
+TOOK = re.compile(r"took shards (\S+)")
+LEADING_SHARDS = re.compile(r"leading shards \[([\d, ]*)\]: (\d+) leases extended \((\d+) claims "
+                            r"and locks\) in \S+ s, from revision (\d+)")
+GAVE_UP = re.compile(r"(handed over|gave up) shards \[([\d, ]*)\] \((\d+) runs\)")
+LOST_SHARDS = re.compile(r"lost shards (\S+): (.*)")
+HOLDER_PID = re.compile(r"/(\d+)/")
+
+
+def shard_list(text: str) -> list[int]:
+    """The shards of a log line: "[0, 3]" lists or "0-3,7" ranges."""
+    out: list[int] = []
+    for part in text.strip("[]").replace(" ", "").split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            out.append(int(part))
+    return out
 
 
 def _signal_pids(pids: list[int], sig: int) -> None:
@@ -153,6 +180,17 @@ class Coordinator:
                 self.events.write(**base, what="leading", epoch=int(m[1]), address=m[2])
             elif m := LOST.search(line):
                 self.events.write(**base, what="lost", epoch=m[1], why=m[2].strip())
+            elif m := TOOK.search(line):
+                self.events.write(**base, what="took", shards=shard_list(m[1]))
+            elif m := LEADING_SHARDS.search(line):
+                self.events.write(**base, what="leading-shards", shards=shard_list(m[1]),
+                                  leases=int(m[2]), others=int(m[3]), first=int(m[4]))
+            elif m := GAVE_UP.search(line):
+                self.events.write(**base, what=m[1].replace(" ", "-"), shards=shard_list(m[2]),
+                                  runs=int(m[3]))
+            elif m := LOST_SHARDS.search(line):
+                self.events.write(**base, what="lost-shards", shards=shard_list(m[1]),
+                                  why=m[2].strip())
 
     def signal(self, sig: int) -> None:
         if self.running:
@@ -206,7 +244,9 @@ class PgCluster:
     """PostgreSQL, the coordinators, their supervisor and the leader watcher."""
 
     def __init__(self, out: Path, n: int, *, args: tuple[str, ...], env: dict[str, str],
-                 lease: str, renew: str, max_clock_skew: str) -> None:
+                 lease: str, renew: str, max_clock_skew: str, shards: int = 0) -> None:
+        """``shards``: every coordinator leads a share of that many shards
+        (``--lead-shards``); 0: one leads, the others stand by."""
         from fencepost_devtools.pgcluster import Cluster
 
         self.out = out
@@ -215,6 +255,10 @@ class PgCluster:
         self.dbname = "torture"
         self.url = self.pg.create_database(self.dbname)
         self.events.write(kind="postgres", port=self.pg.port, pid=self.pg.pid)
+        self.shards = shards
+        self.owners: dict[int, tuple[int, str]] = {}  # shard -> (epoch, holder), as last read
+        if shards:
+            args = ("--lead-shards", "--shards", str(shards), *args)
         flags = ("--leader-lease", lease, "--leader-renew", renew, "--max-clock-skew",
                  max_clock_skew, "--http-listen", "off", *args)
         self.coordinators = [Coordinator(i, self.url, out, flags, env, self.events)
@@ -274,6 +318,9 @@ class PgCluster:
 
     def _watch(self) -> None:
         """Poll the leader row; record every change of epoch (see the module docstring)."""
+        if self.shards:
+            self._watch_shards()
+            return
         import psycopg
 
         conn: Any = None
@@ -309,6 +356,60 @@ class PgCluster:
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
+
+    def _watch_shards(self) -> None:
+        """Poll the shard rows; record every change of a shard's epoch."""
+        import psycopg
+
+        conn: Any = None
+        last_inv = 0
+        while not self._done.is_set():
+            inv = time.monotonic_ns()
+            try:
+                if conn is None:
+                    conn = psycopg.connect(self.url, autocommit=True, connect_timeout=2,
+                                           application_name=WATCHER_NAME)
+                rows = conn.execute(
+                    "SELECT shard, epoch, holder, address, expires_at - (extract(epoch FROM "
+                    "clock_timestamp()) * 1000)::bigint FROM fencepost.fencepost_shards "
+                    "ORDER BY shard").fetchall()
+            except psycopg.Error:
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+                conn = None
+                self._done.wait(WATCH_EVERY_S)
+                continue
+            cmp = time.monotonic_ns()
+            owners = {}
+            for shard, epoch, holder, address, left in rows:
+                prev = self.owners.get(shard, (0, ""))[0]
+                if epoch != prev:
+                    pid = HOLDER_PID.search(holder)
+                    self.events.write(kind="shard", shard=shard, epoch=epoch, prev=prev,
+                                      holder=holder, pid=int(pid[1]) if pid else 0,
+                                      address=address, before=last_inv, seen=cmp)
+                owners[shard] = (int(epoch), str(holder) if left > 0 else "")
+            self.owners = owners
+            last_inv = inv
+            self._done.wait(WATCH_EVERY_S)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def settled(self, timeout: float) -> bool:
+        """Every shard held (per the watcher's last read) by a coordinator
+        running now and not stopped, within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = {f"/{c.pid}/" for c in self.coordinators if c.running and not c.stopped}
+            owners = self.owners
+            if len(owners) == self.shards and all(
+                    any(p in holder for p in live) for _, holder in owners.values()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     # -- what the nemesis does --------------------------------------------------------
 

@@ -129,6 +129,8 @@ def normalize(ops: list[Op], run: str) -> list[COp]:
         # ok
         if f == "list":
             entry = op.x.get("runs", {}).get(run)
+            if entry is None and op.x.get("partial"):
+                continue  # a coordinator leading some shards lists only theirs
             add(op, READ, val=canon(entry) if entry is not None else None)
         elif f == "get_run":
             add(op, READ, val=canon(rec))

@@ -16,6 +16,15 @@ restart it cleanly, and end a coordinator's database sessions
 (``pg_terminate_backend``: the leader's write connection, its leadership
 connection, all of its sessions, or every coordinator's write connection).
 Worker pauses and client connection cuts stay as they are.
+
+With coordinators leading shards apart (``--lead-shards``) there is no
+leader to aim at: each coordinator fault strikes one coordinator picked by
+the schedule — SIGKILL (its shards are taken once their leases run out; the
+probes read every run once every shard is held by a live coordinator),
+SIGSTOP past the shard lease then SIGCONT (it must find its shards taken),
+and SIGTERM, a planned hand-over (it gives its shards up at once and exits
+0; the supervisor starts it again and the others hand its share back) —
+besides PostgreSQL kills, restarts and session cuts (``SHARD_CUTS``).
 """
 
 from __future__ import annotations
@@ -66,6 +75,16 @@ PG_PROFILES: dict[str, tuple[dict[str, float], float]] = {
 # leader row's holder, i.e. the leader's identity)
 PG_CUTS = ("fencepost-writer {id}", "fencepost-leadership {id}", "fencepost-%{id}",
            "fencepost-writer %")
+# leading shards apart: the shard leases' session instead of the leader's
+SHARD_CUTS = ("fencepost-writer {id}", "fencepost-shards {id}", "fencepost-%{id}",
+              "fencepost-writer %")
+SHARD_KINDS = ("kill", "stop", "term", "pause", "cut", "pg-kill", "pg-restart", "pg-cut")
+SHARD_PROFILES: dict[str, tuple[dict[str, float], float]] = {
+    "default": ({"kill": 0.18, "stop": 0.16, "term": 0.18, "pause": 0.08, "cut": 0.08,
+                 "pg-kill": 0.08, "pg-restart": 0.08, "pg-cut": 0.16}, 3.0),
+    "kills": ({"kill": 0.5, "stop": 0.2, "term": 0.3}, 3.0),
+    "none": ({}, 0.0),
+}
 CLOCK_SLACK_MS = 250  # past the skew bound by this much, a leader must step down
 
 
@@ -107,14 +126,16 @@ def schedule(seed: int, duration_s: float, profile: str, workers: int,
 
 
 def schedule_pg(seed: int, duration_s: float, profile: str, workers: int, max_ttl_ms: int,
-                lease_s: float, skew_ms: int) -> list[Fault]:
+                lease_s: float, skew_ms: int, shards: bool = False) -> list[Fault]:
     """The PostgreSQL mode's schedule, a pure function of the seed like ``schedule``.
     ``param``: kill and pg-kill: downtime s; stop and pg-stall: s (longer
     than the leader lease); pause: s; clock: ms (half of the jumps within the skew bound, half
     past it); ``target``: pause: worker index; pg-cut: which sessions (PG_CUTS);
     stop: odd = while the leader's writer has a transaction open (mid-batch);
-    pg-stall: odd = mid-batch, even = mid-COMMIT."""
-    weights, gap = PG_PROFILES[profile]
+    pg-stall: odd = mid-batch, even = mid-COMMIT. ``shards``: coordinators
+    leading shards apart (SHARD_PROFILES; term: downtime s; kill, stop and
+    term strike the coordinator ``target`` modulo their number)."""
+    weights, gap = (SHARD_PROFILES if shards else PG_PROFILES)[profile]
     if gap <= 0:
         return []
     kinds = list(weights)
@@ -124,7 +145,7 @@ def schedule_pg(seed: int, duration_s: float, profile: str, workers: int, max_tt
     while t < duration_s - 1.0:
         kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
         target = rng.randrange(max(workers, 1))
-        if kind == "kill":
+        if kind in ("kill", "term"):
             param = rng.uniform(0.05, 0.8)
         elif kind == "stop":
             param = lease_s + rng.uniform(0.3, 2.0)
@@ -388,6 +409,9 @@ class Nemesis:
     def inflict_pg(self, fault: Fault, t: int) -> None:
         cl = self.cluster
         kind = fault.kind
+        if cl.shards and kind in ("kill", "stop", "term", "pg-cut"):
+            self.inflict_shards(fault, t)
+            return
         if kind == "cut":
             n = sum(p.cut() for p in self.proxies)
             self.cut_connections += n
@@ -485,6 +509,89 @@ class Nemesis:
                     up=up if new is not None else None, restart=self.restarts,
                     downtime_s=downtime_s, leader=None if new is None else new.slot,
                     dropped=dropped, **({"index": found} if found else {}))
+
+    # -- coordinators leading shards apart ---------------------------------------------
+
+    def inflict_shards(self, fault: Fault, t: int) -> None:
+        cl = self.cluster
+        kind = fault.kind
+        if kind == "pg-cut":
+            c = self._running(fault.at_s)
+            pattern = SHARD_CUTS[fault.target % len(SHARD_CUTS)]
+            like = pattern.format(id=f"%/{c.pid if c is not None else 0}/%")[:63]
+            try:
+                n = cl.cut_database(like)
+            except Exception as exc:  # PostgreSQL is down or restarting: nothing was cut
+                self.skip(fault, t, f"PostgreSQL did not answer: {exc!r}")
+                return
+            self.record(kind="pg-cut", t=t, pattern=like, connections=n)
+            return
+        c = self._running(fault.target)
+        if c is None:
+            self.skip(fault, t, "no coordinator was running")
+            return
+        pid = c.pid
+        if kind == "kill":
+            self.kill_coordinator(c, fault.param, t)
+        elif kind == "stop":
+            identity = next((h for _, h in cl.owners.values() if f"/{pid}/" in h), "")
+            mid = bool(fault.target % 2) and bool(identity)
+            if not (mid and cl.stop_mid_batch(c, identity, 2.0)):
+                mid = False
+                cl.stop(c)
+            self.stopped[c.slot] = (time.monotonic() + fault.param, pid)
+            self.record(kind="stop", t=t, at=time.monotonic_ns(), slot=c.slot, pid=pid,
+                        seconds=fault.param, mid_batch=mid)
+        else:  # term: a planned hand-over; the supervisor starts it again
+            c.down_until = time.monotonic() + fault.param
+            c.signal(signal.SIGTERM)
+            code = None
+            if c.proc is not None:
+                with contextlib.suppress(Exception):
+                    code = c.proc.wait(30)
+            self.record(kind="term", t=t, at=time.monotonic_ns(), slot=c.slot, pid=pid,
+                        exit=code, downtime_s=fault.param)
+
+    def _running(self, pick: float) -> Any:
+        """A coordinator running now and not stopped: the ``pick``-th (modulo), or
+        the next one after it; None when there is none."""
+        cs = self.cluster.coordinators
+        for i in range(len(cs)):
+            c = cs[(int(pick) + i) % len(cs)]
+            if c.running and not c.stopped:
+                return c
+        return None
+
+    def kill_coordinator(self, c: Any, downtime_s: float, t: int) -> None:
+        """SIGKILL one coordinator; once every shard is held by a live one,
+        the probes read every run through them before any worker may
+        reconnect (as ``kill_leader``)."""
+        cl = self.cluster
+        for p in self.proxies:
+            p.held = True
+        dropped = sum(p.cut() for p in self.proxies)
+        try:
+            pid = cl.kill(c, downtime_s)
+            killed = time.monotonic_ns()
+            settled = self._wait_settled(30.0)
+            up = time.monotonic_ns()
+            self.restarts += 1
+            found = self.after_restart(self.restarts, killed) if settled else []
+        finally:
+            for p in self.proxies:
+                p.held = False
+        self.record(kind="kill", t=t, slot=c.slot, pid=pid, killed=killed,
+                    up=up if settled else None, restart=self.restarts,
+                    downtime_s=downtime_s, dropped=dropped, **({"index": found} if found else {}))
+
+    def _wait_settled(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.cluster.settled(0.0):
+            self._resume_due()
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _wait_leader(self, timeout: float) -> Any:
         """The coordinator serving now, waiting up to ``timeout`` s (resuming

@@ -6,6 +6,10 @@ instead of the one server on SQLite (torture/coordinators.py), each behind a
 proxy of its own, a supervisor restarting whichever exits; the workers follow
 the leader, the nemesis aims at the leader and at the database, and the
 checkers see one history across every failover (torture/failover.py).
+``lead_shards``: every coordinator leads a share of ``shards`` shards at
+once; the workers follow each call to its shard's owner, the nemesis
+strikes any coordinator (SIGKILL, SIGSTOP, SIGTERM) and the database, and
+the checkers see one history across every shard move (torture/sharding.py).
 
 Everything runs on loopback, is bounded in time, and every process started is
 stopped on the way out, failure or not.
@@ -33,7 +37,16 @@ from . import REPO
 from .checkers import MAX_PER_CHECK, Checked, Violation, check_all
 from .client import Client
 from .history import LEDGER_WRITES, SUSPENDED, TERMINAL, Op, read_ops
-from .nemesis import CLOCK_SLACK_MS, KINDS, PG_KINDS, Nemesis, Proxy, schedule, schedule_pg
+from .nemesis import (
+    CLOCK_SLACK_MS,
+    KINDS,
+    PG_KINDS,
+    SHARD_KINDS,
+    Nemesis,
+    Proxy,
+    schedule,
+    schedule_pg,
+)
 from .snapshots import check_snapshots
 from .worker import LOCK_DELAY_MS, MAX_TTL_MS
 
@@ -69,6 +82,10 @@ class Config:
     leader_lease: str = "2s"
     leader_renew: str = "400ms"
     max_clock_skew: str = "500ms"
+    # with "postgres": every coordinator leads a share of ``shards`` shards
+    # (--lead-shards), few so that they move often
+    lead_shards: bool = False
+    shards: int = 8
 
 
 @dataclass
@@ -101,6 +118,7 @@ class Outcome:
             f" transport={c.get('transport', 'unary')}"
             + (f" store=postgres coordinators={c['coordinators']}"
                if c.get("store") == "postgres" else "")
+            + (f" lead-shards={c['shards']}" if c.get("lead_shards") else "")
             + (f" FAULT={c['fault']}" if c["fault"] else ""),
             f"  operations: {self.ops} "
             f"({', '.join(f'{k} {sum(v.values())}' for k, v in self.ops_by_function.items())})",
@@ -137,6 +155,16 @@ class Outcome:
 
     def _cluster_line(self) -> str:
         c = self.cluster
+        if "shards_taken" in c:
+            k = c["kill_to_settled_s"]
+            return (f"  shards: {c['shards_taken']} taken, {c['shards_handed_over']} handed "
+                    f"over, {c['shards_given_up']} given up ({c['shards_lost']} lost), "
+                    f"{c['shard_epochs']} epoch moves seen; {c['coordinator_starts']} processes "
+                    f"(exits by code {c['exits_by_code']}); SIGKILL -> every shard held again: "
+                    f"median {k['median']} s, max {k['max']} s over {k['n']}; "
+                    f"{c['leases_extended']} leases extended at takes; "
+                    f"{c['answers_attributed']} answers tied to their coordinator "
+                    f"({c['answers_unattributed']} not)")
         k = c["kill_to_serving_s"]
         return (f"  coordinators: {c['epochs']} epochs, {c['failovers']} failovers, "
                 f"{c['coordinator_starts']} processes (exits by code {c['exits_by_code']}); "
@@ -214,7 +242,8 @@ class _Coordinators:
                             env={"FENCEPOST_HISTORY_REVISIONS": str(10**12),
                                  "FENCEPOST_TEST_CLOCK_OFFSET_MS": "0"},
                             lease=cfg.leader_lease, renew=cfg.leader_renew,
-                            max_clock_skew=cfg.max_clock_skew).start()
+                            max_clock_skew=cfg.max_clock_skew,
+                            shards=cfg.shards if cfg.lead_shards else 0).start()
 
     @property
     def worker_addrs(self) -> list[str]:
@@ -230,6 +259,9 @@ class _Coordinators:
         return Nemesis(None, None, procs, log, probe, cluster=self.cl)
 
     def check_alive(self) -> None:
+        if self.cl.shards and not self.cl.settled(30.0):
+            raise RuntimeError("the shards are not all held after the nemesis:\n" + "\n".join(
+                c.log_tail(2000) for c in self.cl.coordinators))
         if self.cl.leader(30.0) is None:
             raise RuntimeError("no coordinator leads after the nemesis:\n" + "\n".join(
                 c.log_tail(2000) for c in self.cl.coordinators))
@@ -277,6 +309,9 @@ def run(cfg: Config) -> Outcome:
                  "--client-ca", str(cdir / "ca.pem"))
         admin_creds = client_credentials(cdir, "admin")
     target: _Single | _Coordinators
+    if cfg.lead_shards and cfg.store != "postgres":
+        raise ValueError("lead_shards: needs store postgres")
+    shards = cfg.shards if cfg.lead_shards else 0
     if cfg.store == "postgres":
         if cfg.tls:
             raise ValueError("--tls is not supported with --store postgres")
@@ -300,7 +335,7 @@ def run(cfg: Config) -> Outcome:
                     "seed": cfg.seed * 100 + i, "runs": runs, "deadline_ns": deadline,
                     "hard_stop_ns": hard_stop, "out_dir": str(out), "profile": cfg.profile,
                     "transport": cfg.transport, "snapshots": cfg.snapshots,
-                    "certs": certs}
+                    "certs": certs, "shards": shards}
             files.append(open(out / f"worker-{i}.log", "wb"))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torture.worker", json.dumps(wcfg)],
@@ -316,10 +351,12 @@ def run(cfg: Config) -> Outcome:
             addrs, aliases, first = target.probe_addrs()
             c = Client(f"probe{n % MAX_PROBES}", addrs, probe_out, seed=n,
                        hard_stop_ns=time.monotonic_ns() + int(30e9), transport=cfg.transport,
-                       certs=certs, aliases=aliases)
+                       certs=certs, aliases=aliases, shards=shards)
             c.ep = first
             try:
-                return index_problems(c, {r: c.get_run(r) for r in runs}, n)
+                seen = {r: c.get_run(r) for r in runs}
+                # a coordinator leading some shards lists only theirs
+                return [] if shards else index_problems(c, seen, n)
             finally:
                 c.close()
 
@@ -329,7 +366,7 @@ def run(cfg: Config) -> Outcome:
 
             plan = schedule_pg(cfg.seed, cfg.duration_s, cfg.nemesis, cfg.workers, MAX_TTL_MS,
                                duration_ms(cfg.leader_lease) / 1000,
-                               duration_ms(cfg.max_clock_skew))
+                               duration_ms(cfg.max_clock_skew), shards=cfg.lead_shards)
         else:
             plan = schedule(cfg.seed, cfg.duration_s, cfg.nemesis, cfg.workers, MAX_TTL_MS)
         (out / "schedule.json").write_text(json.dumps([asdict(f) for f in plan], indent=0))
@@ -409,20 +446,41 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
         saved["out"] = out
         saved.setdefault("transport", "unary")  # recorded before there was a choice
         saved.setdefault("snapshots", "")  # recorded before snapshots
+        saved.setdefault("lead_shards", False)
         cfg = Config(**saved)
     runs = [f"t{i}" for i in range(cfg.runs)]
     ops = read_ops(sorted(out.glob("ops-*.jsonl")))
     faults = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()
               if line.strip()]
     # the server's restarts: after a SIGKILL, or (one server) after a clean stop
-    kills = [f for f in faults if f["kind"] in ("kill", "term")]
+    kills = [f for f in faults if f["kind"] in ("kill", "term")
+             and not (cfg.lead_shards and f["kind"] == "term")]  # (a hand-over: no probe)
     liveness = json.loads((out / "liveness.json").read_text())
     pg = cfg.store == "postgres"
     snap = load(out / ("committed.db" if pg else "fencepost.db"))
     extra: list[Violation] = []
     figures: dict[str, Any] = {}
     extends: list[Op] = []
-    if pg:
+    if pg and cfg.lead_shards:
+        from . import sharding
+
+        t = time.perf_counter()
+        stl = sharding.ShardTimeline.load(out / "cluster.jsonl", cfg.shards)
+        extends, extra = sharding.extensions(stl, snap)
+        t_ext = time.perf_counter() - t
+        server_log = "\n".join(f.read_text(errors="replace")
+                               for f in sorted(out.glob("coordinator-*.log")))
+        checked = check_all(ops + extends, runs=runs, kills=kills, snap=snap, liveness=liveness,
+                            liveness_bound_s=cfg.liveness_bound_s, server_log=server_log,
+                            budget=cfg.budget, sharded=True)
+        t = time.perf_counter()
+        moved, attributed = sharding.check_shard_epochs(ops, stl)
+        extra += moved + sharding.check_exits(faults, stl)
+        checked.timings["shard-epochs"] = time.perf_counter() - t + t_ext
+        figures = {**sharding.summary(stl, faults),
+                   "answers_attributed": attributed["attributed"],
+                   "answers_unattributed": attributed["unattributed"]}
+    elif pg:
         from .failover import (
             Timeline,
             check_deposed,
@@ -588,7 +646,7 @@ def _outcome(cfg: Config, ops: list[Op], faults: list[dict[str, Any]], checked: 
     for tp, t in by_tp.items():
         t["clients"] = len(writers.get(tp, ()))
     pg = cfg.store == "postgres"
-    kinds = PG_KINDS if pg else KINDS
+    kinds = SHARD_KINDS if cfg.lead_shards else PG_KINDS if pg else KINDS
     by_kind = {k: sum(1 for f in faults if f["kind"] == k) for k in kinds}
     restarts = by_kind["kill"] + (0 if pg else by_kind["term"])
     clocks = [f for f in faults if f["kind"] == "clock"]

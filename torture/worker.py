@@ -249,7 +249,7 @@ def main(cfg: dict[str, Any]) -> int:
         client = Client(name, cfg["addr"], f, seed=cfg["seed"] * 1000 + t,
                         hard_stop_ns=cfg["hard_stop_ns"],
                         transport=cfg.get("transport", "unary"), snap_out=snap_out,
-                        certs=cfg.get("certs"))
+                        certs=cfg.get("certs"), shards=cfg.get("shards", 0))
         clients.append(client)
         actor = Actor(client, cfg["runs"], cfg["profile"], cfg["deadline_ns"], snapshots)
 

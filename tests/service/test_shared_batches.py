@@ -147,6 +147,62 @@ async def test_a_taker_treats_leases_stored_past_the_floor_as_renewed(url: str) 
         await second.close()
 
 
+async def test_a_take_names_the_revisions_of_its_extensions(url: str) -> None:
+    """Writes no client made: the revisions a take extended leases at are
+    reported (the torture harness tells them from the clients' writes by it)."""
+    clock = ManualClock(1_000_000)
+    runs = [_run_in(3, p) for p in ("a", "b")]
+    first = await _writer(url, clock, {3: _bump(url, 3, "a")})
+    for run in runs:
+        await first.submit(L.Acquire(run, "w", ttl_ms=10_000))
+    first.storage.close()  # a crash
+    clock.advance(1_000)
+    second = Writer(PostgresStorage(url, name="taker", shards=SHARDS), clock)
+    second.storage.lead_shards()  # type: ignore[attr-defined]
+    await second.start()
+    try:
+        second.storage.sharing_state.epochs = {3: _bump(url, 3, "b")}  # type: ignore[attr-defined]
+        done = await second.take(frozenset({3}), {3: 500})
+        assert done.runs == 2
+        with psycopg.connect(url, autocommit=True) as db:
+            got = db.execute("SELECT revision FROM fencepost.changes WHERE revision >= %s "
+                             "ORDER BY revision", (done.first_revision,)).fetchall()
+        assert [r[0] for r in got] == [done.first_revision, done.first_revision + 1]
+        assert {second.state.runs[r].revision for r in runs} == {r[0] for r in got}
+    finally:
+        await second.close()
+
+
+async def test_a_shard_given_up_is_not_checked_by_the_next_flushes(url: str) -> None:
+    """Expiries renewed from memory on a shard since given up are not
+    flushed by its old owner: its batches go on committing on the shards it
+    still holds (they had all failed, the epoch of the shard given up moved)."""
+    clock = ManualClock(1_000_000)
+    storage = PostgresStorage(url, name="flusher", shards=SHARDS)
+    storage.lead_shards()
+    writer = Writer(storage, clock, lease_flush_ms=1_000)
+    await writer.start()
+    try:
+        storage.sharing_state.epochs = {0: _bump(url, 0, "me"), 1: _bump(url, 1, "me")}
+        writer.lead_only(Ownership(SHARDS, {0, 1}, {}))
+        await writer.take(frozenset({0, 1}), {})
+        run = _run_in(0)
+        got = await writer.submit(L.Acquire(run, "w", ttl_ms=2_000))
+        assert isinstance(got, Record)
+        clock.advance(500)
+        await writer.submit(L.Renew(run, "w", got.fencing_token))  # from memory
+        writer.lead_only(Ownership(SHARDS, {1}, {}))
+        await writer.drop(frozenset({0}))
+        storage.sharing_state.epochs = {1: storage.sharing_state.epochs[1]}
+        _bump(url, 0, "other")  # taken by another coordinator
+        clock.advance(5_000)  # a flush is due
+        for i in range(3):
+            done = await writer.submit(L.Acquire(_run_in(1, f"s{i}"), "w", ttl_ms=60_000))
+            assert isinstance(done, Record)
+    finally:
+        await writer.close()
+
+
 def test_a_database_led_by_shards_is_refused_to_a_single_leader(url: str) -> None:
     storage = PostgresStorage(url, shards=SHARDS)
     storage.lead_shards()

@@ -46,17 +46,21 @@ def _clean(outcome: Outcome, tmp_path: Path, name: str) -> str:
 # the PostgreSQL mode: 3 coordinators, and a seed whose schedule holds every
 # kind of fault (torture/nemesis.schedule_pg)
 PG = {"store": "postgres", "coordinators": 3, "seed": 7}
+# three coordinators leading 8 shards apart (--lead-shards): shards move at
+# every SIGKILL, SIGSTOP and SIGTERM (torture/nemesis.SHARD_PROFILES)
+SHARDS = {**PG, "lead_shards": True, "shards": 8}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["plaintext", "mutual-tls", "postgres"])
+@pytest.mark.parametrize("mode", ["plaintext", "mutual-tls", "postgres", "shards"])
 def test_torture_fixed_seed_has_zero_violations(tmp_path: Path, mode: str) -> None:
     """With mutual TLS every client has its own certificate and may only use
     owners under its name; the run must be as clean. On PostgreSQL, three
     coordinators fail over again and again under one history."""
-    pg = mode == "postgres"
-    kw: dict[str, object] = PG if pg else {"tls": mode == "mutual-tls"}
+    pg = mode in ("postgres", "shards")
+    kw: dict[str, object] = (SHARDS if mode == "shards" else PG if pg
+                             else {"tls": mode == "mutual-tls"})
     outcome = _run(tmp_path, duration_s=60.0, transport="mixed", **kw)
     assert outcome.ok, _clean(outcome, tmp_path, mode)
     # both transports carried ledger mutations, on the same runs
@@ -65,7 +69,13 @@ def test_torture_fixed_seed_has_zero_violations(tmp_path: Path, mode: str) -> No
     assert tps["stream"]["ledger_writes"] >= least, tps
     assert tps["unary"]["ledger_writes"] >= least, tps
     faults = outcome.faults["by_kind"]
-    if pg:  # not vacuous: leaders deposed every way, the database crashed and cut off
+    if mode == "shards":  # not vacuous: coordinators struck every way, shards moving
+        cl = outcome.cluster
+        assert faults["kill"] >= 1 and faults["stop"] >= 1 and faults["term"] >= 1, faults
+        assert cl["shards_taken"] >= 10 and cl["shards_handed_over"] >= 3, cl
+        assert cl["shards_given_up"] + cl["shards_lost"] >= 1, cl
+        assert cl["answers_attributed"] >= 1000, cl
+    elif pg:  # not vacuous: leaders deposed every way, the database crashed and cut off
         cl = outcome.cluster
         assert cl["failovers"] >= 3 and cl["leases_extended"] >= 1, cl
         assert faults["kill"] + faults["stop"] + faults["pg-stall"] >= 2, faults

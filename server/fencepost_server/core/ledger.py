@@ -214,6 +214,9 @@ class TakeShards:
 class LeasesExtended:
     runs: int  # ledger leases extended
     others: int  # engine-store claims and keyed locks extended
+    # a take's extensions are revisions first_revision.. +runs-1 (0: none
+    # or not known): a checker tells them from the clients' writes by it
+    first_revision: int = 0
 
 
 def extend_lease(cur: Record, cmd: ExtendLeases, now: int, rev: int) -> Record | None:

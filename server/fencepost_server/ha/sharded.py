@@ -129,8 +129,9 @@ class ShardedLeading:
         self.led = self.led | (shards - self._leaving)
         self.takeovers += len(shards)
         self._publish()
-        log.info("leading shards %s: %d leases extended (%d claims and locks) in %.3f s",
-                 sorted(shards), done.runs, done.others, time.perf_counter() - started)
+        log.info("leading shards %s: %d leases extended (%d claims and locks) in %.3f s, "
+                 "from revision %d", sorted(shards), done.runs, done.others,
+                 time.perf_counter() - started, done.first_revision)
 
     async def _give_up(self, shards: frozenset[int], *, release: bool,
                        handing: bool = False) -> None:

@@ -290,6 +290,9 @@ class Apply:
                         leases.append((k, rec))  # the row lags other changes: all of it
                     else:
                         expiries.append((k, rec))  # the row is current but for the expiry
+                if sharing:  # only the runs still held: a shard given up is not checked
+                    storage.touch_shards({shard_of(k, storage.shards)
+                                          for k, _ in (*leases, *expiries)})
             out.expiries = expiries
             if sharing:  # every changed run's row in this batch: nothing lags
                 out.materialize = [(k, overlay[k]) for k in changed] + [
@@ -450,6 +453,7 @@ class Apply:
         floors made this writer's (storage/shared.py)."""
         n = self.storage.shards
         runs = 0
+        first = st.rev + 1
         for run_id in cmd.run_ids:
             cur = self._current(run_id, st)
             if cur is None:
@@ -473,7 +477,7 @@ class Apply:
                     others += self.engine.extend_leases(
                         self.storage.db, gap, now - gap, shards=(frozenset([shard]), n))
         self.storage.set_lease_floor(cmd.floor, cmd.shards)
-        return L.LeasesExtended(runs, others)
+        return L.LeasesExtended(runs, others, first if runs else 0)
 
     def _check_fence(self, fence: F.Fence, st: _Step) -> None:
         """Raise unless ``fence`` holds right now: a run fence against the

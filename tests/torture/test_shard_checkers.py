@@ -1,0 +1,94 @@
+"""What the torture's mode with coordinators leading shards apart adds to
+the checkers, on small hand-written histories and timelines: a take's lease
+extensions are read at the revisions its log line names; no coordinator
+answers about a shard after its row showed another owner; a partial
+ListRuns says nothing of the runs it leaves out — each with a good and a
+bad variant."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from _hist import op, rec
+
+from fencepost_server.core.shards import shard_of
+from torture.history import EXTEND
+from torture.linearizability import check_run
+from torture.sharding import ShardTimeline, check_exits, check_shard_epochs, extensions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "system"))
+from _history import Change, Snapshot
+
+MS = 1_000_000  # ns
+SHARDS = 8
+S = shard_of("r", SHARDS)
+
+
+def leased(v: int, expires: int, rev: int) -> dict[str, Any]:
+    r = rec(v, rev=rev)
+    r["lease"] = ["A", 0, expires, 1000, 0]
+    return r
+
+
+def _timeline(*extra: dict[str, Any]) -> ShardTimeline:
+    """Coordinator 0 (pid 10) takes the shard of "r" (epoch 1) at 1 ms;
+    coordinator 1 (pid 11) takes it (epoch 2) at 100 ms — the watcher's last
+    poll of epoch 1 sent at 90 ms, epoch 2 seen at 101 ms — and logs at 104 ms
+    that its take extended one lease, at revision 1 << 24."""
+    events: list[dict[str, Any]] = [
+        {"kind": "spawn", "slot": 0, "pid": 10, "t": 0},
+        {"kind": "spawn", "slot": 1, "pid": 11, "t": 0},
+        {"kind": "shard", "shard": S, "epoch": 1, "prev": 0, "pid": 10, "before": 0,
+         "seen": 1 * MS, "t": 1 * MS},
+        {"kind": "shard", "shard": S, "epoch": 2, "prev": 1, "pid": 11, "before": 90 * MS,
+         "seen": 101 * MS, "t": 101 * MS},
+        {"kind": "line", "slot": 1, "pid": 11, "what": "leading-shards", "shards": [S],
+         "leases": 1, "others": 0, "first": 1 << 24, "t": 104 * MS},
+        *extra,
+    ]
+    return ShardTimeline(sorted(events, key=lambda e: e["t"]), SHARDS)
+
+
+def test_a_takes_extension_is_read_at_the_revision_it_names() -> None:
+    v1, v2 = leased(1, 1000, 5), leased(2, 1500, 1 << 24)
+    snap = Snapshot([Change(5, "r", 1, v1, 0), Change(1 << 24, "r", 1, v2, 0)], {}, 0, ["ok"])
+    ops, bad = extensions(_timeline(), snap)
+    assert bad == []
+    assert [(o.f, o.rec, o.a["pre"], o.inv, o.cmp) for o in ops] == [
+        (EXTEND, v2, v1, 90 * MS, 104 * MS)]
+    other = rec(2, rev=1 << 24)  # a client's write, not an extension
+    _, bad = extensions(_timeline(), Snapshot(
+        [Change(5, "r", 1, v1, 0), Change(1 << 24, "r", 1, other, 0)], {}, 0, ["ok"]))
+    assert [v.check for v in bad] == ["shard-epochs"]
+
+
+def test_an_answer_about_a_shard_after_it_moved_away_is_caught() -> None:
+    before = op("get_run", 50, 60, r=rec(1))
+    after = op("get_run", 120, 130, r=rec(1))
+    for o in (before, after):
+        o.ep, o.at = 0, o.inv  # answered by coordinator 0 (pid 10)
+    bad, stats = check_shard_epochs([before, after], _timeline())
+    assert stats == {"attributed": 2, "unattributed": 0}
+    assert len(bad) == 1 and bad[0].ops == [after.brief()]
+    # taken back by pid 10 while the call was out: not a violation
+    back = {"kind": "shard", "shard": S, "epoch": 3, "prev": 2, "pid": 10,
+            "before": 125 * MS, "seen": 140 * MS, "t": 140 * MS}
+    assert check_shard_epochs([after], _timeline(back))[0] == []
+
+
+def test_a_partial_listing_says_nothing_of_the_runs_it_leaves_out() -> None:
+    history = [op("acquire", 0, 1, r=rec(1), owner="A", ttl=1000),
+               op("list", 2, 3, run="*", x={"runs": {}})]
+    assert not check_run(history, "r").ok  # a full listing: "r" was absent
+    history[1].x["partial"] = True
+    assert check_run(history, "r").ok
+
+
+def test_a_coordinator_exits_only_as_the_nemesis_made_it() -> None:
+    tl = _timeline({"kind": "exit", "slot": 0, "pid": 10, "code": 0, "t": 200 * MS},
+                   {"kind": "exit", "slot": 1, "pid": 11, "code": 3, "t": 210 * MS})
+    term = {"kind": "term", "t": 190 * MS, "at": 190 * MS, "slot": 0, "pid": 10, "exit": 0}
+    bad = check_exits([term], tl)
+    assert len(bad) == 1 and "pid 11" in bad[0].message and "code 3" in bad[0].message
