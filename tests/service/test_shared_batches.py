@@ -173,36 +173,6 @@ async def test_a_take_names_the_revisions_of_its_extensions(url: str) -> None:
         await second.close()
 
 
-async def test_a_shard_given_up_is_not_checked_by_the_next_flushes(url: str) -> None:
-    """Expiries renewed from memory on a shard since given up are not
-    flushed by its old owner: its batches go on committing on the shards it
-    still holds (they had all failed, the epoch of the shard given up moved)."""
-    clock = ManualClock(1_000_000)
-    storage = PostgresStorage(url, name="flusher", shards=SHARDS)
-    storage.lead_shards()
-    writer = Writer(storage, clock, lease_flush_ms=1_000)
-    await writer.start()
-    try:
-        storage.sharing_state.epochs = {0: _bump(url, 0, "me"), 1: _bump(url, 1, "me")}
-        writer.lead_only(Ownership(SHARDS, {0, 1}, {}))
-        await writer.take(frozenset({0, 1}), {})
-        run = _run_in(0)
-        got = await writer.submit(L.Acquire(run, "w", ttl_ms=2_000))
-        assert isinstance(got, Record)
-        clock.advance(500)
-        await writer.submit(L.Renew(run, "w", got.fencing_token))  # from memory
-        writer.lead_only(Ownership(SHARDS, {1}, {}))
-        await writer.drop(frozenset({0}))
-        storage.sharing_state.epochs = {1: storage.sharing_state.epochs[1]}
-        _bump(url, 0, "other")  # taken by another coordinator
-        clock.advance(5_000)  # a flush is due
-        for i in range(3):
-            done = await writer.submit(L.Acquire(_run_in(1, f"s{i}"), "w", ttl_ms=60_000))
-            assert isinstance(done, Record)
-    finally:
-        await writer.close()
-
-
 def test_a_database_led_by_shards_is_refused_to_a_single_leader(url: str) -> None:
     storage = PostgresStorage(url, shards=SHARDS)
     storage.lead_shards()
@@ -351,3 +321,37 @@ def test_the_databases_shard_function_follows_the_shard_rule(url: str) -> None:
         got = [db.execute("SELECT fencepost.fencepost_shard(%s, %s)", (k, n)).fetchone()[0]
                for k, n, _ in cases]
     assert got == [want for _, _, want in cases]
+
+
+async def test_a_retaken_shard_holds_nothing_stale_from_a_give_up_cut_short(url: str) -> None:
+    """A coordinator that lost a shard without forgetting it (its give-up
+    failed: the database was down) and later takes it again must decide from
+    what the database holds now, not from the runs left in its memory."""
+    clock = ManualClock(1_000_000)
+    a = await _writer(url, clock, {1: _bump(url, 1, "a")})
+    b: Writer | None = None
+    try:
+        run = _run_in(1, "stale")
+        first = await a.submit(L.Acquire(run, "w", ttl_ms=60_000))
+        assert isinstance(first, Record) and first.fencing_token == 1
+        a.lead_only(Ownership(SHARDS, (), {}))  # lost, and never dropped from memory
+        b = await _writer(url, clock, {1: _bump(url, 1, "b")})
+        cancelled = await b.submit(L.Cancel(run))
+        assert isinstance(cancelled, Record) and cancelled.status is Status.CANCELLED
+        await b.drop(frozenset({1}))
+        epoch = _bump(url, 1, "a")  # a takes it again
+        a.storage.sharing_state.epochs = {1: epoch}  # type: ignore[attr-defined]
+        await a.take(frozenset({1}), {})
+        a.lead_only(Ownership(SHARDS, {1}, {}))
+        assert run not in a.state.runs or a.state.runs[run].status is Status.CANCELLED
+        with pytest.raises(LedgerError) as err:
+            await a.submit(L.Acquire(run, "w2", ttl_ms=60_000))
+        assert err.value.code is not Code.RUN_LEASE_HELD  # refused as finished, not as held
+        with psycopg.connect(url, autocommit=True) as db:
+            stored = db.execute("SELECT status FROM fencepost.runs WHERE run_id = %s",
+                                (run,)).fetchone()
+        assert stored == (int(Status.CANCELLED),)
+    finally:
+        await a.close()
+        if b is not None:
+            await b.close()

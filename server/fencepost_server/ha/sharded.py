@@ -106,7 +106,7 @@ class ShardedLeading:
             except Exception:
                 # the shards stay out of the ownership; their rows run out and
                 # a coordinator takes them (maybe this one, on a later round)
-                log.exception("could not %s shards", kind)
+                log.exception("could not %s shards", "take" if kind == "take" else "give up")
 
     async def _take(self, taken: dict[int, Takeover]) -> None:
         shards = frozenset(taken)
@@ -140,8 +140,9 @@ class ShardedLeading:
         if not shards:
             return
         self.led = self.led - shards
-        self.loaded = self.loaded - shards
+        # (if this raises, they stay loaded: a later take forgets what memory holds first)
         gone = await self.writer.drop(shards)
+        self.loaded = self.loaded - shards
         state = self.storage.sharing_state
         state.epochs = {s: e for s, e in state.epochs.items() if s not in shards}
         self._moved(gone)

@@ -290,9 +290,6 @@ class Apply:
                         leases.append((k, rec))  # the row lags other changes: all of it
                     else:
                         expiries.append((k, rec))  # the row is current but for the expiry
-                if sharing:  # only the runs still held: a shard given up is not checked
-                    storage.touch_shards({shard_of(k, storage.shards)
-                                          for k, _ in (*leases, *expiries)})
             out.expiries = expiries
             if sharing:  # every changed run's row in this batch: nothing lags
                 out.materialize = [(k, overlay[k]) for k in changed] + [

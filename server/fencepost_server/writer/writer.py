@@ -195,8 +195,9 @@ class Writer:
         before any command of theirs is accepted (the caller then widens the
         ownership). ``gaps``: ms each went unled."""
         loop = asyncio.get_running_loop()
+        stale = self._forget(shards)  # what memory still holds of them (a give-up cut short)
         try:
-            loaded = await loop.run_in_executor(self._executor, self.storage.load_shards, shards)
+            loaded = await loop.run_in_executor(self._executor, self._reload, shards, stale)
         except self.storage.ERRORS as exc:  # (the writer's connection: it reconnects next batch)
             raise self.storage._storage_error(exc) from exc
         st = self.state
@@ -214,25 +215,36 @@ class Writer:
         """Forget shards no longer led (the ownership already refuses their
         commands): once every batch before now is answered, their runs leave
         memory. Returns the run ids dropped."""
-        n = self.storage.shards
         # answered (committed or failed with its batch) after every batch before it
         with contextlib.suppress(LedgerError):
             await self.submit(_Barrier())  # type: ignore[arg-type]
+        gone = self._forget(shards)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._forget_rows, gone)
+        return gone
+
+    def _forget(self, shards: frozenset[int]) -> list[str]:
+        """Every run of ``shards`` out of memory (loop): records, index entries,
+        tombstones, renewals to write. Returns their ids."""
+        n = self.storage.shards
         st = self.state
-        gone = [run_id for run_id in st.index if shard_of(run_id, n) in shards]
+        gone = [run_id for run_id in {*st.index, *st.runs} if shard_of(run_id, n) in shards]
         for run_id in gone:
             st.runs.pop(run_id, None)
             st.index.update(run_id, None)
         for run_id in [k for k in st.tombstones if shard_of(k, n) in shards]:
             del st.tombstones[run_id]
         self.renewals.forget(gone)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._forget_rows, gone)
         return gone
 
     def _forget_rows(self, run_ids: list[str]) -> None:
         rows = self.storage.rows
         for run_id in run_ids:
             rows.pop(run_id, None)
+
+    def _reload(self, shards: frozenset[int], stale: list[str]) -> Any:
+        """Writer thread: forget the stale rows' blocks, read the shards anew."""
+        self._forget_rows(stale)
+        return self.storage.load_shards(shards)
 
     @property
     def shard_commands(self) -> list[int]:
