@@ -380,6 +380,8 @@ def check_durability_restarts(ops: list[Op], kills: list[dict[str, Any]],
             p = probes.get(run)
             if p is None or p.st == "unknown":
                 continue
+            if sharded and not p.ok and p.code != "RUN_NOT_FOUND":
+                continue  # not read (its shard still moving: NOT_OWNER), not found gone
             rev = _effect_revision(w) or 0
             seen = p.rec if p.ok else None
             if seen is None:

@@ -213,3 +213,14 @@ def test_a_recreated_run_is_not_mistaken_for_the_one_before() -> None:
         op("acquire", 20, 21, r=rec(1, tok=51, owner="A", rev=46), owner="A", ttl=1000),
         op("renew", 50, 51, r=rec(2, tok=52, owner="B", rev=53), owner="B", token=52, since=1),
     ).get("fencing") == 1
+
+
+def test_a_probe_refused_not_owner_is_not_read_as_the_run_gone() -> None:
+    """Leading shards apart, a probe refused NOT_OWNER (its shard still
+    moving) read nothing; only RUN_NOT_FOUND says the run is gone."""
+    acked = [op("acquire", 0, 1, r=rec(1), owner="A", ttl=1000)]
+    kill = [{"restart": 1, "killed": int(4e6)}]
+    refused = op("get_run", 6, 7, "fail", code="NOT_OWNER", client="probe1", run="r")
+    assert C.check_durability_restarts([*acked, refused], kill, sharded=True) == []
+    gone = C.check_durability_restarts([*acked, _probe(1, 6, None)], kill, sharded=True)
+    assert len(gone) == 1 and "gone" in gone[0].message
