@@ -174,9 +174,6 @@ class ShardedLeading:
         """Renewals from memory only while the shard rows are surely held."""
         return time.monotonic() < self.leases.valid_until
 
-    def epoch_of(self, shard: int) -> int:
-        return self.storage.sharing_state.epochs.get(shard, 0)
-
     async def hand_over_all(self) -> None:
         """A clean stop (SIGTERM), while still answering: no more rounds; every
         shard handed over as to a joining coordinator; the members left, so
