@@ -432,13 +432,9 @@ class Apply:
             if cur is None:
                 continue
             rec = L.extend_lease(cur, cmd, now, st.rev + 1)
-            if rec is None:
-                continue
-            rev = st.rev = st.rev + 1
-            if run_id not in st.changed:
-                st.changed[run_id] = rev
-            _put(st, rev, rec, cur, L.ExtendLeases)
-            runs += 1
+            if rec is not None:
+                _put_next(st, rec, cur, L.ExtendLeases)
+                runs += 1
         others = 0
         if self.engine is not None:
             others = self.engine.extend_leases(self.storage.db, cmd.by_ms, cmd.alive_at)
@@ -459,13 +455,9 @@ class Apply:
             floor = cmd.floors.get(shard, 0)
             rec = L.take_lease(cur, now, st.rev + 1, None if exact(floor) else floor,
                                cmd.gaps.get(shard, 0))
-            if rec is None:
-                continue
-            rev = st.rev = st.rev + 1
-            if run_id not in st.changed:
-                st.changed[run_id] = rev
-            _put(st, rev, rec, cur, L.TakeShards)
-            runs += 1
+            if rec is not None:
+                _put_next(st, rec, cur, L.TakeShards)
+                runs += 1
         others = 0
         if self.engine is not None:
             for shard in sorted(cmd.shards):
@@ -562,6 +554,14 @@ class Apply:
         if changed:
             return taken, next(iter(changed.values())) - 1  # in revision order
         return taken, rev
+
+
+def _put_next(st: _Step, rec: Record, cur: Record | None, cause: type) -> None:
+    """``_put`` at the batch's next revision (a lease a new owner extends)."""
+    rev = st.rev = st.rev + 1
+    if rec.run_id not in st.changed:
+        st.changed[rec.run_id] = rev
+    _put(st, rev, rec, cur, cause)
 
 
 def _put(st: _Step, rev: int, rec: Record, cur: Record | None, cause: type) -> None:
