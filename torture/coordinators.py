@@ -43,6 +43,7 @@ import sqlite3
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -316,71 +317,61 @@ class PgCluster:
                         self.events.write(kind="spawn-failed", slot=c.slot, error=repr(exc))
             self._done.wait(0.05)
 
+    def _polls(self, sql: str) -> Iterator[tuple[int, list[Any], int]]:
+        """Run ``sql`` every WATCH_EVERY_S until the cluster stops: (when the
+        poll was sent, its rows, when it returned), on a connection of its
+        own, opened again after any failure (the failed poll is skipped)."""
+        import psycopg
+
+        conn: Any = None
+        try:
+            while not self._done.is_set():
+                inv = time.monotonic_ns()
+                try:
+                    if conn is None:
+                        conn = psycopg.connect(self.url, autocommit=True, connect_timeout=2,
+                                               application_name=WATCHER_NAME)
+                    rows = conn.execute(sql).fetchall()
+                except psycopg.Error:
+                    if conn is not None:
+                        with contextlib.suppress(Exception):
+                            conn.close()
+                    conn = None
+                else:
+                    yield inv, rows, time.monotonic_ns()
+                self._done.wait(WATCH_EVERY_S)
+        finally:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+
     def _watch(self) -> None:
         """Poll the leader row; record every change of epoch (see the module docstring)."""
         if self.shards:
             self._watch_shards()
             return
-        import psycopg
-
-        conn: Any = None
         last_inv = 0  # when the last poll showing the current epoch was sent
         last_db = 0  # and the database's clock (ms) as it ran
-        while not self._done.is_set():
-            inv = time.monotonic_ns()
-            try:
-                if conn is None:
-                    conn = psycopg.connect(self.url, autocommit=True, connect_timeout=2,
-                                           application_name=WATCHER_NAME)
-                row = conn.execute(
-                    "SELECT epoch, holder, address, (extract(epoch FROM clock_timestamp()) "
-                    "* 1000)::bigint FROM fencepost.fencepost_leader WHERE id = 1").fetchone()
-            except psycopg.Error:
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        conn.close()
-                conn = None
-                self._done.wait(WATCH_EVERY_S)
-                continue
-            cmp = time.monotonic_ns()
-            if row is not None:
-                epoch, holder, address = int(row[0]), str(row[1]), str(row[2])
+        for inv, rows, cmp in self._polls(
+                "SELECT epoch, holder, address, (extract(epoch FROM clock_timestamp()) "
+                "* 1000)::bigint FROM fencepost.fencepost_leader WHERE id = 1"):
+            if rows:
+                epoch, holder, address = int(rows[0][0]), str(rows[0][1]), str(rows[0][2])
                 if epoch != self.epoch:
                     self.events.write(kind="epoch", epoch=epoch, prev=self.epoch, holder=holder,
                                       address=address, before=last_inv, before_db=last_db,
                                       seen=cmp)
                 self.epoch, self.holder = epoch, holder
-                last_db = int(row[3])
+                last_db = int(rows[0][3])
             last_inv = inv
-            self._done.wait(WATCH_EVERY_S)
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
 
     def _watch_shards(self) -> None:
         """Poll the shard rows; record every change of a shard's epoch."""
-        import psycopg
-
-        conn: Any = None
         last_inv = 0
-        while not self._done.is_set():
-            inv = time.monotonic_ns()
-            try:
-                if conn is None:
-                    conn = psycopg.connect(self.url, autocommit=True, connect_timeout=2,
-                                           application_name=WATCHER_NAME)
-                rows = conn.execute(
-                    "SELECT shard, epoch, holder, address, expires_at - (extract(epoch FROM "
-                    "clock_timestamp()) * 1000)::bigint FROM fencepost.fencepost_shards "
-                    "ORDER BY shard").fetchall()
-            except psycopg.Error:
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        conn.close()
-                conn = None
-                self._done.wait(WATCH_EVERY_S)
-                continue
-            cmp = time.monotonic_ns()
+        for inv, rows, cmp in self._polls(
+                "SELECT shard, epoch, holder, address, expires_at - (extract(epoch FROM "
+                "clock_timestamp()) * 1000)::bigint FROM fencepost.fencepost_shards "
+                "ORDER BY shard"):
             owners = {}
             for shard, epoch, holder, address, left in rows:
                 prev = self.owners.get(shard, (0, ""))[0]
@@ -392,10 +383,6 @@ class PgCluster:
                 owners[shard] = (int(epoch), str(holder) if left > 0 else "")
             self.owners = owners
             last_inv = inv
-            self._done.wait(WATCH_EVERY_S)
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
 
     def settled(self, timeout: float) -> bool:
         """Every shard held (per the watcher's last read) by a coordinator

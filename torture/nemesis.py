@@ -490,25 +490,31 @@ class Nemesis:
         """SIGKILL the leader; once another serves, the probes read every run
         through it before any worker may reconnect (as ``kill_restart``: the
         proxies refuse new connections and drop the open ones meanwhile)."""
+        self._kill_then_probe(c, downtime_s, t, lambda: self._wait_leader(30.0),
+                              lambda new: {"leader": None if new is None else new.slot})
+
+    def _kill_then_probe(self, c: Any, downtime_s: float, t: int, back: Callable[[], Any],
+                         extra: Callable[[Any], dict[str, Any]] = lambda _: {}) -> None:
+        """SIGKILL ``c`` with every proxy holding (and none still connected,
+        to a coordinator that takes over); once ``back()`` says the cluster
+        serves again, the probes read every run; record the kill."""
         cl = self.cluster
         for p in self.proxies:
             p.held = True
-        # and none of them still connected either (to a standby that takes over)
         dropped = sum(p.cut() for p in self.proxies)
         try:
             pid = cl.kill(c, downtime_s)
             killed = time.monotonic_ns()
-            new = self._wait_leader(30.0)
+            came = back()
             up = time.monotonic_ns()
             self.restarts += 1
-            found = self.after_restart(self.restarts, killed) if new is not None else []
+            found = self.after_restart(self.restarts, killed) if came else []
         finally:
             for p in self.proxies:
                 p.held = False
         self.record(kind="kill", t=t, slot=c.slot, pid=pid, killed=killed,
-                    up=up if new is not None else None, restart=self.restarts,
-                    downtime_s=downtime_s, leader=None if new is None else new.slot,
-                    dropped=dropped, **({"index": found} if found else {}))
+                    up=up if came else None, restart=self.restarts, downtime_s=downtime_s,
+                    **extra(came), dropped=dropped, **({"index": found} if found else {}))
 
     # -- coordinators leading shards apart ---------------------------------------------
 
@@ -566,23 +572,7 @@ class Nemesis:
         """SIGKILL one coordinator; once every shard is held by a live one,
         the probes read every run through them before any worker may
         reconnect (as ``kill_leader``)."""
-        cl = self.cluster
-        for p in self.proxies:
-            p.held = True
-        dropped = sum(p.cut() for p in self.proxies)
-        try:
-            pid = cl.kill(c, downtime_s)
-            killed = time.monotonic_ns()
-            settled = self._wait_settled(30.0)
-            up = time.monotonic_ns()
-            self.restarts += 1
-            found = self.after_restart(self.restarts, killed) if settled else []
-        finally:
-            for p in self.proxies:
-                p.held = False
-        self.record(kind="kill", t=t, slot=c.slot, pid=pid, killed=killed,
-                    up=up if settled else None, restart=self.restarts,
-                    downtime_s=downtime_s, dropped=dropped, **({"index": found} if found else {}))
+        self._kill_then_probe(c, downtime_s, t, lambda: self._wait_settled(30.0))
 
     def _wait_settled(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
