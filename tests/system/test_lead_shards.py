@@ -333,3 +333,31 @@ def test_a_watch_resumed_from_a_revision_is_refused_as_compacted(
             next(iter(stream))
     assert reason(err.value) == "RUN_REVISION_COMPACTED", err.value
     assert "--lead-shards" in (err.value.details() or "")
+
+
+def test_a_transaction_across_two_coordinators_is_refused_naming_both_shards(
+        coordinators: Coordinators) -> None:
+    import grpc
+
+    from fencepost.v1 import ledger_pb2, ledger_pb2_grpc
+
+    owners = coordinators.wait_balanced(coordinators.procs)
+    a, b = coordinators.procs
+    here = next(r for r in _runs("tx", 200) if owners[shard_of(r, SHARDS)] == a.address)
+    there = next(r for r in _runs("tx", 200) if owners[shard_of(r, SHARDS)] == b.address)
+    tx = ledger_pb2.TransactionRequest(commands=[
+        ledger_pb2.Command(id=1, acquire=ledger_pb2.AcquireRequest(run_id=here, owner="w")),
+        ledger_pb2.Command(id=2, acquire=ledger_pb2.AcquireRequest(run_id=there, owner="w"))])
+    for p in (a, b):
+        with grpc.insecure_channel(p.address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                ledger_pb2_grpc.LedgerStub(ch).Transact(tx, timeout=10)
+        assert reason(err.value) == "RUN_VALIDATION_ERROR", err.value
+        details = err.value.details() or ""
+        other = b if p is a else a
+        assert "commands" in details and other.address in details, details
+        for run in (here, there):
+            assert str(shard_of(run, SHARDS)) in details, details
+    with psycopg.connect(coordinators.url, autocommit=True) as db:  # nothing was done
+        assert db.execute("SELECT count(*) FROM fencepost.runs WHERE run_id IN (%s, %s)",
+                          (here, there)).fetchone() == (0,)
