@@ -166,7 +166,8 @@ class App:
             memory_ok=self.coordinator.memory_ok if pg else None,
             **(hooks.writer_faults(s.fault) if s.test_hooks else {}),
         )
-        reads = self.reads = Reads(storage, lambda: writer.state)
+        reads = self.reads = Reads(storage, lambda: writer.state,
+                                   writer.leads_key if s.lead_shards else None)
         if pg:
             assert isinstance(storage, PostgresStorage)
             # the schema first (standbys need the leader row), then only the

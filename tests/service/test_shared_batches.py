@@ -355,3 +355,32 @@ async def test_a_retaken_shard_holds_nothing_stale_from_a_give_up_cut_short(url:
         await a.close()
         if b is not None:
             await b.close()
+
+
+async def test_reads_answer_only_for_shards_led_now(url: str) -> None:
+    """Runs memory still holds for a shard being given up are never listed or
+    read; nor is anything while the shard rows may have lapsed."""
+    clock = ManualClock(1_000_000)
+    writer = await _writer(url, clock, {0: _bump(url, 0, "a"), 1: _bump(url, 1, "a")})
+    reads = Reads(writer.storage, lambda: writer.state, writer.leads_key)
+    try:
+        kept, leaving = _run_in(0, "keep"), _run_in(1, "leave")
+        for run in (kept, leaving):
+            await writer.submit(L.Acquire(run, "w", ttl_ms=60_000))
+        writer.lead_only(Ownership(SHARDS, {0}, {1: ("other:1", 9)}))  # not dropped yet
+        assert leaving in writer.state.runs
+        page, more = await reads.page_runs(frozenset(), "", 100)
+        assert [r.run_id for r in page] == [kept] and not more
+        with pytest.raises(LedgerError) as err:
+            writer.check_led(leaving)
+        assert err.value.code is Code.NOT_OWNER
+        writer.check_led(kept)
+        sure = False
+        writer.lead_while(lambda: sure)  # the shard rows not renewed in time
+        assert (await reads.page_runs(frozenset(), "", 100))[0] == []
+        with pytest.raises(LedgerError) as err:
+            writer.check_led(kept)
+        assert err.value.code is Code.NOT_OWNER and err.value.metadata["owner"] == ""  # type: ignore[index]
+    finally:
+        await reads.close()
+        await writer.close()

@@ -60,6 +60,7 @@ class ShardedLeading:
         """The writer opens (converting the database the first time); then
         the rounds start. Serving from here on: a shard not led is NOT_OWNER."""
         self.writer.lead_only(Ownership(self.storage.shards, (), {}))
+        self.writer.lead_while(self.memory_ok)
         await self.writer.start()
         self._tasks = [
             asyncio.create_task(self._apply_changes(), name="fencepost-shard-changes"),

@@ -63,9 +63,14 @@ class Reads:
     """Reads over ``storage`` and the committed state ``state()`` returns (the
     writer's, read-only: the writer replaces it when it loads)."""
 
-    def __init__(self, storage: SqlStorage, state: Callable[[], LedgerState]) -> None:
+    def __init__(self, storage: SqlStorage, state: Callable[[], LedgerState],
+                 leads: Callable[[str], bool] | None = None) -> None:
+        """``leads(run_id)``: False for a run this coordinator does not lead
+        right now (leading shards apart): listings leave it out, even while
+        memory still holds it (a shard being given up)."""
         self.storage = storage
         self._state = state
+        self._leads = leads
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencepost-reader")
         self._reader_db: Any = None
         # the last count per shard, and the one in flight (callers share it)
@@ -155,6 +160,8 @@ class Reads:
                 before = chunk[-1]
             else:
                 after = chunk[-1]
+            if self._leads is not None:
+                chunk = [k for k in chunk if self._leads(k)]
             records = await self.read_runs(chunk)
             for k in chunk:
                 rec = records.get(k)  # None: deleted meanwhile

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..clock import Clock
 from ..core import ledger as L
-from ..core.errors import Code, LedgerError
+from ..core.errors import Code, LedgerError, not_owner
 from ..core.placement import Ownership
 from ..core.records import TERMINAL, Record
 from ..core.shards import shard_of
@@ -123,6 +123,7 @@ class Writer:
             before_commit=None if ack_before_commit is None else self._ack_early,
         )
         self._apply.register(_Barrier, lambda db, cmd, now: True)
+        self._sure: Callable[[], bool] = lambda: True  # (lead_while)
         self._on_failed_commit = on_failed_commit
         self._flush_timer: asyncio.Task[None] | None = None
         self._saved_at = -1  # the revision of the saved index entries load() used
@@ -470,12 +471,26 @@ class Writer:
 
     def check_led(self, *keys: str) -> None:
         """Raise NOT_OWNER unless this coordinator leads the shard of every
-        key (a read keyed in another shard)."""
+        key right now (a read keyed in another shard; or in one whose lease
+        this coordinator cannot be sure of: it names no owner, retry soon)."""
         owned = self._apply.ownership
         if owned is not None:
             for key in keys:
                 if (refused := owned.refusal_for_key(key)) is not None:
                     raise refused
+            if not self._sure():
+                shard = shard_of(keys[0], owned.shards) if keys else 0
+                raise not_owner(shard, "", 0)
+
+    def leads_key(self, key: str) -> bool:
+        """Whether this coordinator leads ``key``'s shard right now."""
+        owned = self._apply.ownership
+        return owned is None or (owned.refusal_for_key(key) is None and self._sure())
+
+    def lead_while(self, sure: Callable[[], bool]) -> None:
+        """Leading shards apart: what it leads counts only while ``sure()``
+        (its shard rows renewed recently enough)."""
+        self._sure = sure
 
     @property
     def queue_depth(self) -> int:
