@@ -92,8 +92,8 @@ def extensions(st: ShardTimeline, snap: Any) -> tuple[list[Op], list[Violation]]
         proc = st.tl.find(e["slot"], e["pid"], e["t"])
         inv = proc.spawn if proc is not None else 0
         for s in taken:  # after the last poll that still showed the epoch before the take
-            for m in st.moves.get(s, []):
-                if m["pid"] == e["pid"] and m["seen"] <= e["t"]:
+            for m in st.moves.get(s, []):  # (sent before the take committed: seen may be later)
+                if m["pid"] == e["pid"] and m["before"] <= e["t"]:
                     inv = max(inv, int(m["before"]))
         for rev in range(e["first"], e["first"] + e["leases"]):
             c = by_rev.get(rev)
