@@ -51,7 +51,7 @@ PUBLIC_API = {
 CLIENT_API = {
     "acquire", "address", "cancel", "closed", "default_ttl_ms", "delete", "endpoints", "get",
     "list",
-    "list_all",
+    "list_all", "move_shard",
     "owner", "renewal", "request_resume", "retry", "shard_of", "shards", "statistics", "store",
     "stubs",
     "validate_fence", "watch",

@@ -221,6 +221,10 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
         print(f"fencepost: unknown command {args.command!r}", file=err)
         return EXIT_USAGE
     problem = _resolve_endpoints(args, os.environ)
+    if args.command == "shards" and (args.action or args.shard is not None or args.to):
+        if args.action != "move" or args.shard is None or not args.to:
+            problem = "shards: `fencepost shards` shows the map; `fencepost shards move SHARD " \
+                      "--to ADDR` moves one shard"
     if problem:
         return _usage(args, out, err, problem)
     retry = fencepost.RetryPolicy(
@@ -445,9 +449,6 @@ def _dispatch(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[A
 
 def _move_shard(client: fencepost.SyncClient, args: argparse.Namespace) -> tuple[Any, str]:
     """Pin the shard to ``--to``, then wait until the map shows it led there."""
-    if args.shard is None or not args.to:
-        raise fencepost.ValidationError("shards move: give the shard and --to ADDR",
-                                        field="shard" if args.shard is None else "to")
     before = client.move_shard(args.shard, args.to)
     started = time.monotonic()
     deadline = started + (args.timeout or FAILOVER_TIMEOUT_S)
