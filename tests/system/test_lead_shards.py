@@ -294,6 +294,22 @@ def test_an_operator_moves_one_shard_with_its_leases_kept(coordinators: Coordina
             with pytest.raises(fencepost.ValidationError) as bad:
                 await client.move_shard(SHARDS, b.address)
             assert bad.value.field == "shard"
+            # calls on the shard go on through the move: each is answered, none refused
+            calls = [r for r in _runs("busy", 400) if shard_of(r, SHARDS) == shard][:40]
+            moving = asyncio.Event()
+
+            async def busy() -> int:
+                done = 0
+                for i, run in enumerate(calls):
+                    lease = await client.acquire(run, ttl_ms=30_000)
+                    await lease.finish()
+                    done += 1
+                    if i == 3:
+                        moving.set()
+                return done
+
+            worker = asyncio.create_task(busy())
+            await moving.wait()
             # the CLI an operator uses: it waits until the shard is led there
             out = await asyncio.to_thread(
                 subprocess.run,
@@ -303,6 +319,7 @@ def test_an_operator_moves_one_shard_with_its_leases_kept(coordinators: Coordina
             doc = json.loads(out.stdout)
             assert doc["from"] == a.address and doc["to"] == b.address, doc
             assert coordinators.owners()[shard] == b.address
+            assert await worker == len(calls)
             await asyncio.sleep(4)  # more than a ttl: kept only by renewals on the new owner
             for r, lease in leases.items():
                 assert not lease.is_lost, r

@@ -318,7 +318,9 @@ class Connection:
         router.note(exc)
         if exc.owner:
             return self.line_to(exc.owner)
-        return self.line_for(key)
+        # no owner named: the one asked is taking the shard (or learning who
+        # leads it): ask it again, not the map's (older) owner, which names it
+        return took or self.line_for(key)
 
     def _start_routing(self, why: str) -> Router:
         router = self.router

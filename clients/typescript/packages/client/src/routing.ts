@@ -194,8 +194,15 @@ export class Router {
       const named = this.at(err.owner);
       if (named && named !== from) return named;
     }
-    // no owner named (the shard in transit), or the one that refused: wait for a newer map
-    await sleep(err.owner ? MAP_REFRESH_MS * 2 ** hop : IN_TRANSIT_MS);
+    if (!err.owner) {
+      // the one asked is taking the shard (or learning who leads it): ask it again
+      // shortly, not the map's (older) owner, which would only name it
+      await sleep(IN_TRANSIT_MS);
+      void this.refresh().catch(() => undefined);
+      return from;
+    }
+    // the one that refused named itself: wait for a newer map
+    await sleep(MAP_REFRESH_MS * 2 ** hop);
     await this.refresh().catch(() => undefined);
     const owner = this.count && shard >= 0 && shard < this.count ? this.owners[shard] ?? "" : "";
     return this.at(owner) ?? this.home;
