@@ -212,11 +212,7 @@ def extensions(tl: Timeline, snap: Any) -> tuple[list[Op], list[Violation]]:
     violation for every revision in a takeover's extension block that is not
     one (check 1 of ``check_epochs``)."""
     by_rev = snap.by_revision()
-    prev_of: dict[int, Any] = {}
-    last: dict[str, Any] = {}
-    for c in snap.changes:
-        prev_of[c.revision] = last.get(c.run_id)
-        last[c.run_id] = c
+    prev_of = snap.previous()
     top = snap.changes[-1].revision if snap.changes else 0
     ops: list[Op] = []
     bad: list[Violation] = []

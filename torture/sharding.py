@@ -78,11 +78,7 @@ def extensions(st: ShardTimeline, snap: Any) -> tuple[list[Op], list[Violation]]
     """The takes' lease extensions as ``extend`` operations, and a violation
     for every revision a take names that is not one."""
     by_rev = snap.by_revision()
-    prev_of: dict[int, Any] = {}
-    last: dict[str, Any] = {}
-    for c in snap.changes:
-        prev_of[c.revision] = last.get(c.run_id)
-        last[c.run_id] = c
+    prev_of = snap.previous()
     ops: list[Op] = []
     bad: list[Violation] = []
     for e in st.of("leading-shards"):

@@ -48,6 +48,15 @@ class Snapshot:
     def by_revision(self) -> dict[int, Change]:
         return {c.revision: c for c in self.changes}
 
+    def previous(self) -> dict[int, Change | None]:
+        """Each change's revision -> the change of its run just before it."""
+        out: dict[int, Change | None] = {}
+        last: dict[str, Change] = {}
+        for c in self.changes:
+            out[c.revision] = last.get(c.run_id)
+            last[c.run_id] = c
+        return out
+
     def per_run(self) -> dict[str, list[Change]]:
         out: dict[str, list[Change]] = defaultdict(list)
         for c in self.changes:
