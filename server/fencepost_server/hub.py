@@ -27,6 +27,7 @@ from .clock import Clock
 from .core import ledger as L
 from .core.fence import fences
 from .core.records import Record, Status, is_terminal
+from .core.shards import shard_of
 from .writer import ChangeEvent, Reads, Writer
 
 log = logging.getLogger("fencepost.streams")
@@ -93,6 +94,7 @@ class Stop:
 
     OVERFLOW = "overflow"
     SHUTDOWN = "shutdown"
+    MOVED = "moved"  # a watched shard moved away (limit: ("shard", its index))
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
@@ -448,10 +450,14 @@ class FenceHub:
         for run_id in list(session.tracked):
             self.untrack(session, run_id)
 
-    def moved(self, run_ids: list[str]) -> None:
-        """These runs' shard moved to another coordinator: every stream stops
-        tracking them here without a word of loss (the lease moved with its
-        shard; the client's next renewal is answered NOT_OWNER and follows it)."""
+    def moved(self, shards: frozenset[int], run_ids: list[str]) -> None:
+        """These shards, holding these runs, moved to another coordinator: every
+        stream stops tracking the runs here without a word of loss (the lease
+        moved with its shard; the client's next renewal is answered NOT_OWNER
+        and follows it), and every watch of one of the shards ends NOT_OWNER."""
+        for watch in list(self.watchers):
+            if watch.shards is not None and not shards.isdisjoint(watch.shards):
+                watch.stop.set(Stop.MOVED, ("shard", min(shards & watch.shards)))
         by_run = self.by_run
         for run_id in run_ids:
             sessions = by_run.get(run_id)
@@ -569,9 +575,13 @@ class Watch(Buffered):
     """One WatchRuns subscriber: a bounded queue fed by the change feed. When
     the queue is full the watch is stopped (never the writer)."""
 
-    def __init__(self, run_ids: frozenset[str], limit: int) -> None:
+    def __init__(self, run_ids: frozenset[str], limit: int,
+                 shards: frozenset[int] | None = None, count: int = 0) -> None:
+        """``shards``: a watch by shards, of these among ``count`` (None: every run)."""
         self.run_ids = run_ids
         self.limit = limit
+        self.shards = shards
+        self.count = count
         self.queue: asyncio.Queue[ChangeEvent] = asyncio.Queue()
         self.stop = Stop()
 
@@ -583,6 +593,8 @@ class Watch(Buffered):
             return
         for ev in events:
             if self.run_ids and ev.run_id not in self.run_ids:
+                continue
+            if self.shards is not None and shard_of(ev.run_id, self.count) not in self.shards:
                 continue
             if not self.charge(1):
                 return

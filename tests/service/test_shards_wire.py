@@ -97,6 +97,7 @@ def test_a_database_of_the_previous_schema_gets_the_default_count(new_db: str) -
             conn.run("ALTER TABLE engine_uploads DROP COLUMN started_by")
             conn.run("DROP FUNCTION fencepost_shard")
             conn.run("DELETE FROM meta WHERE key = 'lead_shards'")
+            conn.run("DROP TABLE changes_pruned")
         conn.run("DELETE FROM meta WHERE key = 'shards'")
         conn.run(f"UPDATE fencepost_schema SET version = {previous}" if is_pg
                  else f"PRAGMA user_version={previous}")

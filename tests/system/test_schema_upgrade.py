@@ -23,16 +23,11 @@ PREVIOUS = {
     "sqlite": (sqlite.SCHEMA_VERSION - 1, ["DELETE FROM meta WHERE key = 'shards'",
                                            f"PRAGMA user_version={sqlite.SCHEMA_VERSION - 1}"]),
     "postgres": (postgres.SCHEMA_VERSION - 1, [
-        "ALTER TABLE fencepost_shards DROP COLUMN lease_floor, DROP COLUMN pinned",
-        "DROP SEQUENCE fencepost_revision_blocks",
-        "DROP INDEX changes_by_time",
-        "ALTER TABLE engine_uploads DROP COLUMN started_by",
-        "DROP FUNCTION fencepost_shard",
-        "DELETE FROM meta WHERE key = 'lead_shards'",
+        "DROP TABLE changes_pruned",
         f"UPDATE fencepost_schema SET version = {postgres.SCHEMA_VERSION - 1}"]),
 }
 LAST_STEP = {"sqlite": ["INSERT INTO meta (key, value) VALUES ('shards', 64)"],
-             "postgres": ["ALTER TABLE fencepost_shards ADD COLUMN lease_floor"]}
+             "postgres": ["CREATE TABLE changes_pruned"]}
 # the first start's flags, and the shard count the upgraded database then has
 # (PostgreSQL: a count other than the default, which its new shard rows follow)
 START = {"sqlite": ((), 64), "postgres": (("--shards", "8"), 8)}

@@ -134,6 +134,10 @@ class Ownership:
         shard = shard_of(key, self.shards)
         return None if shard in self.led else self._not_owner(shard)
 
+    def refusal_for_shard(self, shard: int) -> LedgerError | None:
+        """NOT_OWNER when ``shard`` is not led here."""
+        return None if shard in self.led else self._not_owner(shard)
+
     def _not_owner(self, shard: int) -> LedgerError:
         owner, epoch = self.owners.get(shard, ("", 0))
         return not_owner(shard, owner, epoch)

@@ -41,9 +41,9 @@ TAKE_ATTEMPTS = 3  # loading a taken shard; then it is released for another to t
 
 class ShardedLeading:
     def __init__(self, leases: ShardLeases, storage: PostgresStorage, writer: Writer,
-                 moved: Callable[[list[str]], None]) -> None:
-        """``moved``: called with the run ids of shards given up (their
-        KeepAlive tracks end: the lease moved with its shard)."""
+                 moved: Callable[[frozenset[int], list[str]], None]) -> None:
+        """``moved``: called with the shards given up and their run ids (their
+        KeepAlive tracks and watches end: the lease moved with its shard)."""
         self.leases = leases
         self.storage = storage
         self.writer = writer
@@ -146,7 +146,7 @@ class ShardedLeading:
         self.loaded = self.loaded - shards
         state = self.storage.sharing_state
         state.epochs = {s: e for s, e in state.epochs.items() if s not in shards}
-        self._moved(gone)
+        self._moved(shards, gone)
         self.moves += len(shards)
         if release:
             await self.leases.release(shards)

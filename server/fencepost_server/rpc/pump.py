@@ -32,6 +32,13 @@ def stop_error(reason: str | None, limit: tuple[str, int] | None = None) -> Ledg
             "(WatchRuns: resume from the last revision received + 1)",
             metadata={"limit": name, "value": str(value)},
         )
+    if reason == Stop.MOVED:
+        shard = limit[1] if limit else 0
+        return LedgerError(
+            Code.NOT_OWNER,
+            f"shard {shard} moved away from this coordinator: ask the shard map and watch it "
+            "at its owner, after the last revision received in it",
+            metadata={"shard": str(shard), "owner": "", "epoch": "0"})
     return LedgerError(Code.SHUTTING_DOWN, "the server is shutting down; reconnect")
 
 

@@ -13,6 +13,7 @@ from fencepost.v1 import ledger_pb2 as pb
 from ..core import validate
 from ..core.errors import Code, LedgerError, validation
 from ..core.records import KIND_DELETE, MAX_SAFE, Record, out_of_range
+from ..core.shards import shard_of
 from ..hub import FenceHub, Watch
 from ..writer import Writer
 from .convert import record_to_pb
@@ -24,11 +25,14 @@ REPLAY_PAGE = 1000
 
 class History(Protocol):
     """What replay needs: the retained changes in a revision range, oldest
-    first (a read the database could not answer raises STORAGE_UNAVAILABLE)."""
+    first, and (leading shards apart) each shard's highest pruned revision (a
+    read the database could not answer raises STORAGE_UNAVAILABLE)."""
 
     async def read(
         self, from_revision: int, to_revision: int, limit: int
     ) -> list[tuple[int, str, int, Record | None]]: ...
+
+    async def pruned_by_shard(self) -> dict[int, int]: ...
 
 
 def watch_message(
@@ -58,12 +62,23 @@ class WatchHandler:
         for i, rid in enumerate(request.run_ids):
             validate.run_id(rid, f"run_ids[{i}]")
         start = validate.int_range("from_revision", request.from_revision, 0, MAX_SAFE)
-        watch = Watch(frozenset(request.run_ids), limit=self.hub.queue_limit)
+        count = self.writer.storage.shards
+        after = self._shards(request, count)
+        if after is not None:
+            if start:
+                raise validation("from_revision", "must be 0 in a watch by shards (each shard "
+                                 "resumes after its own revision)")
+            self.writer.check_led_shards(sorted(after))
+        watch = Watch(frozenset(request.run_ids), limit=self.hub.queue_limit,
+                      shards=None if after is None else frozenset(after), count=count)
         enter(self.hub, watch, context)
         self.hub.watchers.add(watch)  # subscribe first ...
         self.hub.opened(watch)
         upto = self.writer.state.revision  # ... then read the revision: no gap, no dup
         try:
+            if after is not None:
+                await self._by_shards(watch, after, upto, context)
+                return
             if start and start <= upto and self.writer.storage.sharing:
                 raise LedgerError(
                     Code.RUN_REVISION_COMPACTED,
@@ -84,6 +99,89 @@ class WatchHandler:
         finally:
             self.hub.watchers.discard(watch)
             self.hub.leave(watch)
+
+    @staticmethod
+    def _shards(request: pb.WatchRunsRequest, count: int) -> dict[int, int] | None:
+        """A watch by shards' ``{shard: after_revision}`` (None: a watch by revision)."""
+        if not request.shards:
+            return None
+        after: dict[int, int] = {}
+        for i, c in enumerate(request.shards):
+            shard = validate.int_range(f"shards[{i}].shard", c.shard, 0, count - 1)
+            if shard in after:
+                raise validation(f"shards[{i}].shard", f"shard {shard} is listed twice")
+            after[shard] = validate.int_range(f"shards[{i}].after_revision",
+                                              c.after_revision, 0, MAX_SAFE)
+        return after
+
+    async def _by_shards(self, watch: Watch, after: dict[int, int], upto: int,
+                         context: grpc.aio.ServicerContext) -> None:
+        """A watch by shards: each shard from its own revision (0: from ``upto``,
+        now), refused RUN_REVISION_COMPACTED where its history after that
+        revision is no longer whole."""
+        cursors = {s: rev or upto for s, rev in after.items()}
+        await self._check_retained(cursors)
+        await headers_first(context)
+        await context.write(pb.WatchRunsResponse(cursors=[
+            pb.ShardCursor(shard=s, after_revision=rev) for s, rev in sorted(cursors.items())]))
+        pump = asyncio.create_task(self._pump_shards(watch, cursors, upto, context))
+        await run_until_stopped(watch.stop, pump)
+
+    async def _check_retained(self, cursors: dict[int, int], during: str = "") -> None:
+        """RUN_REVISION_COMPACTED unless every shard's changes after its cursor
+        are all retained (one leader: below ``compacted`` every change is gone;
+        shards led apart: each shard's highest pruned revision)."""
+        if self.writer.storage.sharing:
+            pruned = await self.history.pruned_by_shard()
+        else:
+            pruned = dict.fromkeys(cursors, self.writer.state.compacted)
+        gone = sorted(s for s, rev in cursors.items() if pruned.get(s, 0) > rev)
+        if gone:
+            s = gone[0]
+            raise LedgerError(
+                Code.RUN_REVISION_COMPACTED,
+                f"shards[{s}]: changes after revision {cursors[s]} were pruned from the "
+                f"retained history{during} (pruned up to {pruned[s]}"
+                f"{f', and {len(gone) - 1} other shards' if len(gone) > 1 else ''}); "
+                "re-list and watch from now",
+                metadata={"shard": str(s)})
+
+    async def _pump_shards(self, watch: Watch, cursors: dict[int, int], upto: int,
+                           context: grpc.aio.ServicerContext) -> None:
+        count = watch.count
+        nxt = min(cursors.values()) + 1
+        contiguous = not self.writer.storage.sharing  # shards led apart leave gaps
+        while nxt <= upto:
+            rows = await self.history.read(nxt, upto, REPLAY_PAGE)
+            if contiguous and (not rows or rows[0][0] != nxt):
+                raise LedgerError(
+                    Code.RUN_REVISION_COMPACTED,
+                    f"revision {nxt} was compacted during replay; re-list and watch again")
+            for rev, run_id, kind, rec in rows:
+                shard = shard_of(run_id, count)
+                if rev <= cursors.get(shard, MAX_SAFE):
+                    continue
+                if rec is not None and out_of_range(rec) is not None:
+                    continue  # stored past the bound (by hand): never served
+                if not watch.run_ids or run_id in watch.run_ids:
+                    msg = watch_message(rev, kind, run_id, rec)
+                    msg.shard = shard
+                    await context.write(msg)
+            if not rows:
+                break
+            nxt = rows[-1][0] + 1
+        if not contiguous:  # what was read is whole only if nothing past a cursor went since
+            await self._check_retained(cursors, " during the replay")
+        queue = watch.queue
+        while True:
+            ev = await queue.get()
+            watch.uncharge(1)
+            shard = shard_of(ev.run_id, count)
+            if ev.revision <= cursors[shard]:  # a cursor from the future: not there yet
+                continue
+            msg = watch_message(ev.revision, ev.kind, ev.run_id, ev.record)
+            msg.shard = shard
+            await context.write(msg)
 
     async def _pump(
         self, watch: Watch, start: int, upto: int, context: grpc.aio.ServicerContext

@@ -40,6 +40,11 @@ class HistoryReader:
             for rev, run_id, kind, text in rows
         ]
 
+    def pruned_by_shard(self) -> dict[int, int]:
+        """Where coordinators lead shards apart (PostgreSQL): per shard, the
+        highest revision pruned from its history (absent: none)."""
+        return dict(self._conn().execute("SELECT shard, revision FROM changes_pruned").fetchall())
+
     def run_history(self, run_id: str, limit: int) -> list[tuple[int, int, Record | None]]:
         """The last ``limit`` retained changes of one run, oldest first:
         (revision, kind, record or None)."""

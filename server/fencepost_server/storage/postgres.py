@@ -48,7 +48,7 @@ log = logging.getLogger("fencepost.storage")
 
 RESOLVE_COMMIT_S = 60.0  # how long a COMMIT lost with its connection is asked about
 SCHEMA = "fencepost"
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 _MIGRATE_LOCK = 0x66656E63  # pg_advisory_xact_lock key: "fenc"
 
 _TEXT = 'TEXT COLLATE "C"'  # byte order, as SQLite and the in-memory index sort
@@ -297,6 +297,12 @@ MIGRATIONS: list[list[str]] = [
             % n)::integer $$""",
         "CREATE SEQUENCE fencepost_revision_blocks",
         "INSERT INTO meta (key, value) VALUES ('lead_shards', 0)",
+    ],
+    # 8 -> 9: a watch by shards resumes each shard after its own revision
+    # (rpc/watch.py): with --lead-shards, each shard's highest pruned revision
+    # (revisions are not in commit order across coordinators).
+    [
+        "CREATE TABLE changes_pruned (shard INTEGER PRIMARY KEY, revision BIGINT NOT NULL)",
     ],
 ]
 

@@ -139,6 +139,10 @@ def convert(storage: SqlStorage) -> None:
         try:
             floor = storage.lease_floor()
             db.execute("UPDATE fencepost_shards SET lease_floor = ?", (floor,))
+            # what the last leader pruned, it pruned from every shard
+            db.execute("INSERT INTO changes_pruned SELECT shard, ? FROM fencepost_shards "
+                       "ON CONFLICT (shard) DO NOTHING",
+                       (storage._compacted(db, loaded.revision),))
             db.execute("SELECT setval('fencepost_revision_blocks', ?)",
                        (loaded.revision // BLOCK + 1,))
             db.execute("UPDATE meta SET value = 1 WHERE key = 'lead_shards'")

@@ -707,10 +707,18 @@ class SqlStorage:
                          "LIMIT 1 OFFSET ?", (keep,)).fetchone()
         cutoff = max(row[0] + 1 if row else -1, age_cutoff if age_cutoff is not None else -1)
         if cutoff >= 0:
-            more = db.execute(
-                "DELETE FROM changes WHERE revision IN (SELECT revision FROM changes "
-                "WHERE committed_at < ? ORDER BY committed_at LIMIT ?)", (cutoff, PRUNE_CHUNK),
-            ).rowcount >= PRUNE_CHUNK or more
+            # each shard's highest pruned revision goes with it (a watch by
+            # shards resumes only where its shard's history is whole)
+            deleted = db.execute(
+                "WITH gone AS (DELETE FROM changes WHERE revision IN (SELECT revision "
+                "FROM changes WHERE committed_at < ? ORDER BY committed_at LIMIT ?) "
+                "RETURNING revision, fencepost_shard(run_id, ?::integer) AS shard), "
+                "top AS (INSERT INTO changes_pruned SELECT shard, max(revision) FROM gone "
+                "GROUP BY shard ORDER BY shard ON CONFLICT (shard) DO UPDATE SET revision = "
+                "greatest(changes_pruned.revision, excluded.revision)) "
+                "SELECT count(*) FROM gone", (cutoff, PRUNE_CHUNK, self.shards),
+            ).fetchone()[0]
+            more = deleted >= PRUNE_CHUNK or more
         batch.prune_more = more
 
     @staticmethod

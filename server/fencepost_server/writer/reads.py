@@ -275,6 +275,10 @@ class History:
         """Changes ``from_revision``..``to_revision``, oldest first, at most ``limit``."""
         return await self._call(self._history.read, from_revision, to_revision, limit)
 
+    async def pruned_by_shard(self) -> dict[int, int]:
+        """Where coordinators lead shards apart: each shard's highest pruned revision."""
+        return await self._call(self._history.pruned_by_shard)
+
     async def run_history(self, run_id: str, limit: int) -> list[tuple[int, int, Record | None]]:
         """One run's last ``limit`` retained changes, oldest first."""
         return await self._call(self._history.run_history, run_id, limit)

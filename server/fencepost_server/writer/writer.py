@@ -482,6 +482,17 @@ class Writer:
                 shard = shard_of(keys[0], owned.shards) if keys else 0
                 raise not_owner(shard, "", 0)
 
+    def check_led_shards(self, shards: list[int]) -> None:
+        """Raise NOT_OWNER unless this coordinator leads every one of
+        ``shards`` right now (as ``check_led``, by shard)."""
+        owned = self._apply.ownership
+        if owned is not None:
+            for shard in shards:
+                if (refused := owned.refusal_for_shard(shard)) is not None:
+                    raise refused
+            if shards and not self._sure():
+                raise not_owner(shards[0], "", 0)
+
     def leads_key(self, key: str) -> bool:
         """Whether this coordinator leads ``key``'s shard right now."""
         owned = self._apply.ownership

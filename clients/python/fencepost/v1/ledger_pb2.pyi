@@ -1398,6 +1398,7 @@ class WatchRunsRequest(_message.Message):
 
     RUN_IDS_FIELD_NUMBER: _builtins.int
     FROM_REVISION_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
     from_revision: _builtins.int
     """Replay retained changes with revision >= from_revision first; 0 means
     only changes committed after the watch starts.
@@ -1406,19 +1407,57 @@ class WatchRunsRequest(_message.Message):
     def run_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Only these runs; empty means every run. At most 1000 ids."""
 
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardCursor]:
+        """A watch by shards (docs/SPEC.md §13), where revisions order changes
+        only within a shard: these shards, each resumed after its own revision.
+        Every one must be led by the coordinator asked (else NOT_OWNER naming
+        the first that is not); from_revision must be 0. The stream starts with
+        a message whose `cursors` say where each shard stands, and ends with
+        NOT_OWNER when one of them moves away (watch it at its new owner).
+        """
+
     def __init__(
         self,
         *,
         run_ids: _abc.Iterable[_builtins.str] | None = ...,
         from_revision: _builtins.int = ...,
+        shards: _abc.Iterable[Global___ShardCursor] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_revision", b"from_revision", "run_ids", b"run_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_revision", b"from_revision", "run_ids", b"run_ids", "shards", b"shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchRunsRequest: _TypeAlias = WatchRunsRequest  # noqa: Y015
+
+@_typing.final
+class ShardCursor(_message.Message):
+    """Where a watch by shards stands in one shard."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    AFTER_REVISION_FIELD_NUMBER: _builtins.int
+    shard: _builtins.int
+    after_revision: _builtins.int
+    """Every change to the shard up to this revision was delivered: resume
+    with the changes above it (0: only changes committed after the start).
+    """
+    def __init__(
+        self,
+        *,
+        shard: _builtins.int = ...,
+        after_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_revision", b"after_revision", "shard", b"shard"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardCursor: _TypeAlias = ShardCursor  # noqa: Y015
 
 @_typing.final
 class WatchRunsResponse(_message.Message):
@@ -1428,13 +1467,23 @@ class WatchRunsResponse(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
     RECORD_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
+    CURSORS_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """The change's revision; strictly increasing along a stream."""
     kind: Global___ChangeKind.ValueType
     run_id: _builtins.str
+    shard: _builtins.int
+    """A watch by shards: the run's shard."""
     @_builtins.property
     def record(self) -> _record_pb2.Run:
         """The record as written by this change; absent for DELETE."""
+
+    @_builtins.property
+    def cursors(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardCursor]:
+        """A watch by shards, its first message only (no change: kind
+        UNSPECIFIED): where each shard watched starts.
+        """
 
     def __init__(
         self,
@@ -1443,10 +1492,12 @@ class WatchRunsResponse(_message.Message):
         kind: Global___ChangeKind.ValueType = ...,
         run_id: _builtins.str = ...,
         record: _record_pb2.Run | None = ...,
+        shard: _builtins.int = ...,
+        cursors: _abc.Iterable[Global___ShardCursor] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "record", b"record", "revision", b"revision", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursors", b"cursors", "kind", b"kind", "record", b"record", "revision", b"revision", "run_id", b"run_id", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
