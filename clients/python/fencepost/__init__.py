@@ -74,6 +74,7 @@ from ._shards import ShardInfo, ShardMap, shard_of
 from ._store import ABSENT, AsyncStore, InvalidRunState, Lookup, RunNotFound
 from ._sync import SyncClient, SyncLease, SyncStore, SyncStoreTransaction, SyncStubs
 from ._transaction import StoreTransaction
+from ._watch import WatchCursor
 
 __version__ = "0.1.0"
 
@@ -141,6 +142,7 @@ __all__ = [
     "UnavailableError",
     "UsageError",
     "ValidationError",
+    "WatchCursor",
     "WatchEvent",
     "__version__",
     "can_transition",

@@ -71,6 +71,7 @@ from ._retry import RetryPolicy
 from ._security import TLS, channel_credentials
 from ._shards import ShardInfo, ShardMap, shard_info_from_pb, shard_map_from_pb, shard_of
 from ._store import AsyncStore, fence_of, telling
+from ._watch import WatchCursor, watch_by_shards
 from .v1 import ledger_pb2, ledger_pb2_grpc, record_pb2, run_store_pb2_grpc
 
 if TYPE_CHECKING:
@@ -1092,10 +1093,19 @@ class Client:
         return DeleteResult(fencing_token=resp.fencing_token, revision=resp.revision)
 
     async def watch(
-        self, run_ids: Iterable[str] = (), from_revision: int = 0
+        self, run_ids: Iterable[str] = (), from_revision: int = 0, *,
+        cursor: WatchCursor | None = None,
     ) -> AsyncGenerator[WatchEvent, None]:
         """Every committed change to the runs ``run_ids`` (empty: all runs), in
         revision order, as ``WatchEvent``s, for as long as the iteration goes.
+
+        Where coordinators lead shards apart, revisions order changes only
+        within a shard: the watch is then *by shards*, in revision order per
+        shard, and follows each shard to its new owner by itself. Pass a
+        ``WatchCursor`` to resume exactly where one left off (it is kept
+        current as events are yielded; save ``cursor.encode()`` after
+        handling an event); this works on every deployment, and
+        ``from_revision`` must then be 0.
 
         ``from_revision=0`` starts with the changes committed after the call;
         ``from_revision=N`` first replays every retained change with revision
@@ -1112,6 +1122,17 @@ class Client:
         ids = builtins.list(run_ids)
         if from_revision < 0:
             raise ValueError(f"from_revision must be >= 0 (got {from_revision})")
+        if cursor is not None and from_revision:
+            raise ValueError("from_revision: must be 0 with a cursor (it says where each "
+                             "shard resumes)")
+        if cursor is not None or (not from_revision and await self._connection.owners()):
+            count = (await self._call("Shards", ledger_pb2.ShardsRequest(owners_only=True),
+                                      mutation=False)).shard_count
+            async for event in watch_by_shards(
+                    self._connection, count, ids, WatchCursor() if cursor is None else cursor,
+                    self._retry.total_timeout_s):
+                yield event
+            return
         next_rev = from_revision
         backoff = self._retry.backoffs()
         first = True

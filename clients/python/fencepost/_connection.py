@@ -352,6 +352,18 @@ class Connection:
         owners = sorted({address for address in router.owners if address})
         return owners or None  # no map: the endpoints given, as before routing
 
+    async def shard_lines(self, fresh: bool) -> list[Line | None] | None:
+        """The line to each shard's owner (None: not known now), for a watch
+        by shards, with the map fetched again first when ``fresh``; None while
+        the endpoints given lead every shard (or this client cannot route)."""
+        if await self.owners() is None:
+            return None
+        router = self.router
+        assert router is not None
+        if fresh:
+            await self._fetch_map(router, "")
+        return [self.line_to(address) if address else None for address in router.owners]
+
     async def _refollowed(self, key: str | None, took: Line | None) -> Line | None:
         """The line to ``key``'s owner by a map fetched from the endpoints
         given (at most every MAP_REFRESH_S), when that is another line than

@@ -356,25 +356,30 @@ class ChangeKind(StrEnum):
 class WatchEvent:
     """One committed change, as ``Client.watch`` yields it. ``revision`` is
     server-wide and strictly increasing along a watch (resume from
-    ``revision + 1``)."""
+    ``revision + 1``); in a watch by shards (``WatchCursor``) it increases
+    within ``shard``, the run's shard (None in a watch by revision)."""
 
     revision: int
     kind: ChangeKind
     run_id: str
     record: RunRecord | None = None
+    shard: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"revision", "kind", "run_id", "record"?}``; ``record`` is
-        ``RunRecord.to_dict()`` and absent for a delete."""
+        """``{"revision", "kind", "run_id", "record"?, "shard"?}``; ``record``
+        is ``RunRecord.to_dict()`` and absent for a delete."""
         d: dict[str, Any] = {"revision": self.revision, "kind": self.kind.value,
                              "run_id": self.run_id}
         if self.record is not None:
             d["record"] = self.record.to_dict()
+        if self.shard is not None:
+            d["shard"] = self.shard
         return d
 
 
-def watch_event_from_pb(m: ledger_pb2.WatchRunsResponse) -> WatchEvent:
+def watch_event_from_pb(m: ledger_pb2.WatchRunsResponse, shard: int | None = None) -> WatchEvent:
     """A ``WatchEvent`` from a ``fencepost.v1.WatchRunsResponse``."""
     record = record_from_pb(m.record) if m.HasField("record") else None
     kind = ChangeKind.DELETE if m.kind == ledger_pb2.CHANGE_KIND_DELETE else ChangeKind.PUT
-    return WatchEvent(revision=m.revision, kind=kind, run_id=m.run_id, record=record)
+    return WatchEvent(revision=m.revision, kind=kind, run_id=m.run_id, record=record,
+                      shard=shard)

@@ -82,6 +82,7 @@ from ._store import (
     RunList,
     status_list,
 )
+from ._watch import WatchCursor
 from .v1 import ledger_pb2_grpc, run_store_pb2_grpc
 
 if TYPE_CHECKING:
@@ -586,19 +587,24 @@ class SyncClient:
         return self._portal.run(self._client.shard_of(key))
 
     def watch(
-        self, run_ids: Iterable[str] = (), from_revision: int = 0
+        self, run_ids: Iterable[str] = (), from_revision: int = 0, *,
+        cursor: WatchCursor | None = None,
     ) -> Generator[WatchEvent, None, None]:
         """A blocking iterator over ``Client.watch`` (same behaviour: resumes by
-        itself, raises ``RevisionCompactedError``). ``close()`` it, or break out
-        of the loop, to end the watch; closing the client ends it too."""
+        itself, follows shards, keeps ``cursor`` current, raises
+        ``RevisionCompactedError``). ``close()`` it, or break out of the loop,
+        to end the watch; closing the client ends it too."""
         if from_revision < 0:
             raise ValueError(f"from_revision must be >= 0 (got {from_revision})")
-        return self._events(builtins.list(run_ids), from_revision)
+        if cursor is not None and from_revision:
+            raise ValueError("from_revision: must be 0 with a cursor (it says where each "
+                             "shard resumes)")
+        return self._events(builtins.list(run_ids), from_revision, cursor)
 
     def _events(
-        self, run_ids: builtins.list[str], from_revision: int
+        self, run_ids: builtins.list[str], from_revision: int, cursor: WatchCursor | None
     ) -> Generator[WatchEvent, None, None]:
-        return self._blocking(self._client.watch(run_ids, from_revision))
+        return self._blocking(self._client.watch(run_ids, from_revision, cursor=cursor))
 
 
 # -- the engine store -------------------------------------------------------------------------

@@ -101,25 +101,27 @@ class WatchHandler:
             self.hub.leave(watch)
 
     @staticmethod
-    def _shards(request: pb.WatchRunsRequest, count: int) -> dict[int, int] | None:
-        """A watch by shards' ``{shard: after_revision}`` (None: a watch by revision)."""
+    def _shards(request: pb.WatchRunsRequest, count: int) -> dict[int, int | None] | None:
+        """A watch by shards' ``{shard: after_revision}`` (None: from now), or
+        None for a watch by revision."""
         if not request.shards:
             return None
-        after: dict[int, int] = {}
+        after: dict[int, int | None] = {}
         for i, c in enumerate(request.shards):
             shard = validate.int_range(f"shards[{i}].shard", c.shard, 0, count - 1)
             if shard in after:
                 raise validation(f"shards[{i}].shard", f"shard {shard} is listed twice")
-            after[shard] = validate.int_range(f"shards[{i}].after_revision",
-                                              c.after_revision, 0, MAX_SAFE)
+            after[shard] = validate.int_range(
+                f"shards[{i}].after_revision", c.after_revision, 0, MAX_SAFE
+            ) if c.HasField("after_revision") else None
         return after
 
-    async def _by_shards(self, watch: Watch, after: dict[int, int], upto: int,
+    async def _by_shards(self, watch: Watch, after: dict[int, int | None], upto: int,
                          context: grpc.aio.ServicerContext) -> None:
-        """A watch by shards: each shard from its own revision (0: from ``upto``,
-        now), refused RUN_REVISION_COMPACTED where its history after that
-        revision is no longer whole."""
-        cursors = {s: rev or upto for s, rev in after.items()}
+        """A watch by shards: each shard from its own revision (None: from
+        ``upto``, now), refused RUN_REVISION_COMPACTED where its history after
+        that revision is no longer whole."""
+        cursors = {s: upto if rev is None else rev for s, rev in after.items()}
         await self._check_retained(cursors)
         await headers_first(context)
         await context.write(pb.WatchRunsResponse(cursors=[

@@ -1443,19 +1443,21 @@ class ShardCursor(_message.Message):
     shard: _builtins.int
     after_revision: _builtins.int
     """Every change to the shard up to this revision was delivered: resume
-    with the changes above it (0: only changes committed after the start).
+    with the changes above it. Unset: only changes committed after the start.
     """
     def __init__(
         self,
         *,
         shard: _builtins.int = ...,
-        after_revision: _builtins.int = ...,
+        after_revision: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_after_revision", b"_after_revision", "after_revision", b"after_revision"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_revision", b"after_revision", "shard", b"shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_after_revision", b"_after_revision", "after_revision", b"after_revision", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__after_revision: _TypeAlias = _typing.Literal["after_revision"]  # noqa: Y015
+    _WhichOneofArgType__after_revision: _TypeAlias = _typing.Literal["_after_revision", b"_after_revision"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__after_revision) -> _WhichOneofReturnType__after_revision | None: ...
 
 Global___ShardCursor: _TypeAlias = ShardCursor  # noqa: Y015
 
