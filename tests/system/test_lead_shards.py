@@ -13,6 +13,7 @@ Real ``fencepost serve`` processes over a real PostgreSQL (pgcluster)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import signal
 import subprocess
@@ -350,6 +351,72 @@ def test_a_watch_resumed_from_a_revision_is_refused_as_compacted(
             next(iter(stream))
     assert reason(err.value) == "RUN_REVISION_COMPACTED", err.value
     assert "--lead-shards" in (err.value.details() or "")
+
+
+def test_a_watch_across_coordinators_follows_a_moved_shard_and_resumes_from_its_cursor(
+        coordinators: Coordinators) -> None:
+    owners = coordinators.wait_balanced(coordinators.procs)
+    a, b = coordinators.procs
+    shard = next(s for s, addr in owners.items() if addr == a.address)
+    runs = _runs("cw", 120)
+    assert any(shard_of(r, SHARDS) == shard for r in runs[60:])
+    assert {owners[shard_of(r, SHARDS)] for r in runs} == {a.address, b.address}
+
+    async def go() -> None:
+        async with fencepost.Client(b.address, owner="w", renewal="off") as client:
+            cursor = fencepost.WatchCursor()
+            seen: list[fencepost.WatchEvent] = []
+
+            async def watch(cursor: fencepost.WatchCursor, until: int) -> None:
+                async for ev in client.watch(cursor=cursor):
+                    seen.append(ev)
+                    if len(seen) == until:
+                        return
+
+            # each run: acquire, checkpoint, finish (versions 1-3), while the shard moves
+            watcher = asyncio.create_task(watch(cursor, 3 * len(runs)))
+            for _ in range(500):  # until both coordinators' streams started
+                if len(cursor.revisions) == SHARDS:
+                    break
+                await asyncio.sleep(0.02)
+
+            async def work(run: str) -> None:
+                lease = await client.acquire(run, ttl_ms=30_000)
+                await lease.record_checkpoint("k", 1)
+                await lease.finish()
+
+            async def writers(some: list[str]) -> None:
+                for i in range(0, len(some), 10):
+                    await asyncio.gather(*(work(r) for r in some[i:i + 10]))
+
+            # half while the shard moves, half after (its changes then come from b)
+            writing = asyncio.create_task(writers(runs[:60]))
+            await asyncio.sleep(0.1)
+            await client.move_shard(shard, b.address)
+            await _until(lambda: _led_at(coordinators, shard, b.address), 20)
+            await writing
+            await writers(runs[60:])
+            await asyncio.wait_for(watcher, 30)
+            got = collections.Counter((e.run_id, e.record.version) for e in seen if e.record)
+            assert got == collections.Counter((r, v) for r in runs for v in (1, 2, 3))
+            assert all(e.shard == shard_of(e.run_id, SHARDS) for e in seen)
+            # per shard, in revision order
+            for s in range(SHARDS):
+                revs = [e.revision for e in seen if e.shard == s]
+                assert revs == sorted(revs), s
+            saved = cursor.encode()
+            # written while nobody watched, in shards led by both: exactly these
+            missed = _runs("cw-missed", 30)
+            for r in missed:
+                await client.acquire(r, ttl_ms=30_000)
+            seen.clear()
+            await asyncio.wait_for(watch(fencepost.WatchCursor.decode(saved), len(missed)), 30)
+            assert sorted(e.run_id for e in seen) == sorted(missed)
+    asyncio.run(go())
+
+
+async def _led_at(coordinators: Coordinators, shard: int, address: str) -> None:
+    assert coordinators.owners().get(shard) == address
 
 
 def test_a_transaction_across_two_coordinators_is_refused_naming_both_shards(
