@@ -252,6 +252,8 @@ async def test_the_history_is_pruned_oldest_committed_first_whoever_committed_it
             clock.advance(10)
             await other.submit(L.Acquire(_run_in(1, f"o{i}"), "w"))
         assert len(changes()) == 6
+        with psycopg.connect(url, autocommit=True) as db:
+            revision = dict(db.execute("SELECT run_id, revision FROM fencepost.changes").fetchall())
         clock.advance(10)
         await pruner.submit(L.Acquire(_run_in(0, "last"), "w"))  # prunes (every 4 revisions)
         kept = changes()
@@ -259,6 +261,12 @@ async def test_the_history_is_pruned_oldest_committed_first_whoever_committed_it
         # by revision the pruner would have kept its own three and dropped the other's
         assert [r for r, _ in kept] == [_run_in(1, "o0"), _run_in(1, "o1"), _run_in(1, "o2"),
                                         _run_in(0, "last")]
+        # each shard's highest pruned revision, for a watch by shards resuming in it
+        with psycopg.connect(url, autocommit=True) as db:
+            pruned = dict(db.execute(
+                "SELECT shard, revision FROM fencepost.changes_pruned").fetchall())
+        assert pruned[0] == revision[_run_in(0, "p2")]
+        assert pruned.get(1, 0) < revision[_run_in(1, "o0")]
     finally:
         await other.close()
         await pruner.close()
