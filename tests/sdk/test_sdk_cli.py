@@ -224,6 +224,42 @@ def test_watch_errors(seeded: ServerThread, capsys: pytest.CaptureFixture[str]) 
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "UNAVAILABLE"
 
 
+def test_watch_resumes_from_its_cursor_file(seeded: ServerThread, tmp_path: Path) -> None:
+    cursor = tmp_path / "cursor"
+    with SyncClient(seeded.address, owner="operator") as op:
+        done: list[tuple[int, str, str]] = []
+        t = threading.Thread(target=lambda: done.append(_run_watch(
+            seeded, "--cursor-file", str(cursor), "--limit", "2", "--json")))
+        t.start()
+        for i in range(500):  # changes until the watch printed two
+            if not t.is_alive():
+                break
+            op.acquire(f"cf-warm-{i}")
+            time.sleep(0.01)
+        t.join(10)
+        assert not t.is_alive() and done[0][0] == EXIT_OK, done
+        printed = [json.loads(line) for line in done[0][1].splitlines()]
+        assert len(printed) == 2 and cursor.exists()
+        # written while no watch ran: printed next, right after the last one printed
+        op.acquire("cf-missed-1")
+        op.acquire("cf-missed-2")
+        now = op.get("cf-missed-2").revision
+        after = printed[-1]["revision"]
+        code, out, err = _run_watch(seeded, "--cursor-file", str(cursor), "--limit",
+                                    str(now - after), "--json")
+    assert (code, err) == (EXIT_OK, "")
+    again = [json.loads(line) for line in out.splitlines()]
+    assert [d["revision"] for d in again] == list(range(after + 1, now + 1))
+    assert [d["run_id"] for d in again][-2:] == ["cf-missed-1", "cf-missed-2"]
+    assert all("shard" in d for d in again + printed)
+    cursor.write_text("fpw1:x")
+    code, out, err = _run_watch(seeded, "--cursor-file", str(cursor), "--limit", "1")
+    assert code == EXIT_USAGE and "--cursor-file" in err and "cursor" in err
+    code, _, err = _run_watch(seeded, "--cursor-file", str(tmp_path / "new"),
+                              "--from-revision", "3", "--limit", "1")
+    assert code == EXIT_USAGE and "from_revision" in err
+
+
 def test_watch_compacted_exits_1(make_server: Any) -> None:
     with make_server(history_revisions=3, prune_every_s=0) as srv:
         with SyncClient(srv.address) as client:

@@ -5,7 +5,7 @@
     fencepost cancel RUN_ID [-m MESSAGE]
     fencepost resume RUN_ID
     fencepost delete RUN_ID
-    fencepost watch [RUN_ID ...] [--from-revision N] [--limit N]
+    fencepost watch [RUN_ID ...] [--from-revision N | --cursor-file PATH] [--limit N]
     fencepost ls --engine [--status S]... [--agent A] [--limit N]
     fencepost health [--service NAME]
     fencepost hold RUN_ID [--ttl TTL] [--wait] [--release] [--grace S] -- CMD ARGS...
@@ -27,6 +27,11 @@ none is given) as it happens, one line per change, until Ctrl-C (exit 0) or
 changes from revision N. A dropped stream (server restart, a reader too
 slow) is resumed from the last revision printed, with no change missed or
 repeated; a server unreachable for longer than ``--timeout`` ends it (exit 3).
+``--cursor-file PATH`` watches by shards (docs/SPEC.md §6.2), as it must
+where coordinators lead shards apart: it resumes from the cursor saved in
+PATH (from now when PATH does not exist) and saves the cursor there after
+each change printed, so a watch stopped at any point resumes after the last
+change it printed.
 
 Output. Without ``--json``: key/value lines for one record, a table for
 ``ls`` (times in local time, the lease as time left, or marked ``EXPIRED``
@@ -44,7 +49,8 @@ one document, newline-terminated):
                           may be "UNREACHABLE") and "serving": [address...]
     delete                {"run_id", "deleted": true, "fencing_token", "revision"}
     watch                 one JSON object per line and change (JSON Lines):
-                          {"revision", "kind": "put"|"delete", "run_id", "record"?}
+                          {"revision", "kind": "put"|"delete", "run_id", "record"?,
+                          "shard"? (a watch by shards)}
                           (``record`` as for get; absent for a delete)
 
 Human ``watch`` lines: ``REVISION put RUN_ID STATUS token=N attempt=N
@@ -70,6 +76,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
@@ -211,6 +218,13 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_addr: str) -> None: 
         help="first replay the retained changes from this revision (default 0: only new ones)",
     )
     p.add_argument("--limit", type=positive_int, help="stop after this many changes")
+    p.add_argument(
+        "--cursor-file",
+        type=Path,
+        metavar="PATH",
+        help="watch by shards: resume from the cursor saved in PATH (if it exists) and save "
+        "it there after every change printed",
+    )
 
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -317,6 +331,28 @@ def _guarded(args: argparse.Namespace, out: TextIO, err: TextIO, body: Any) -> i
         return EXIT_REFUSED
 
 
+def _cursor(path: Path | None) -> fencepost.WatchCursor | None:
+    """The cursor saved at ``path`` (a new one when there is none yet);
+    ``ValueError`` naming the file when it holds something else."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return fencepost.WatchCursor()
+    try:
+        return fencepost.WatchCursor.decode(text)
+    except ValueError as bad:
+        raise ValueError(f"--cursor-file {path}: {bad}") from None
+
+
+def _save_cursor(path: Path, cursor: fencepost.WatchCursor) -> None:
+    """Replace the file whole: a watch stopped mid-write leaves the last cursor."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(cursor.encode() + "\n", encoding="utf-8")
+    os.replace(part, path)
+
+
 def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) -> int:
     """Print changes until --limit, Ctrl-C (exit 0 either way) or an error.
 
@@ -332,10 +368,11 @@ def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) 
         if ctrl_c.seen:
             return  # Ctrl-C before the loop ran
         printed = 0
+        cursor = _cursor(args.cursor_file)
         async with fencepost.Client(args.endpoints, retry=retry, **security(args)) as client:
             # aclosing: the stream's call is cancelled here, before the channel
             # closes, not by the generator's finalizer at some later point
-            events = client.watch(args.run_ids, from_revision=args.from_revision)
+            events = client.watch(args.run_ids, from_revision=args.from_revision, cursor=cursor)
             async with contextlib.aclosing(events):
                 async for ev in events:
                     if args.json:
@@ -343,6 +380,8 @@ def _watch(args: argparse.Namespace, retry: fencepost.RetryPolicy, out: TextIO) 
                     else:
                         out.write(fmt.event_text(ev))
                     out.flush()
+                    if cursor is not None:
+                        _save_cursor(args.cursor_file, cursor)
                     printed += 1
                     if args.limit is not None and printed >= args.limit:
                         return
