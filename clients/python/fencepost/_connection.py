@@ -310,7 +310,7 @@ class Connection:
         coordinator did not answer, once routing, goes where a fresh map
         says its shard is led now (None: where it went)."""
         if not isinstance(exc, NotOwnerError):
-            return await self._refollowed(key, took)
+            return await self._refollowed(key)
         router = self._start_routing(exc.message)
         loop = asyncio.get_running_loop()
         if router.stale(exc, loop.time()):
@@ -364,18 +364,19 @@ class Connection:
             await self._fetch_map(router, "")
         return [self.line_to(address) if address else None for address in router.owners]
 
-    async def _refollowed(self, key: str | None, took: Line | None) -> Line | None:
+    async def _refollowed(self, key: str | None) -> Line | None:
         """The line to ``key``'s owner by a map fetched from the endpoints
-        given (at most every MAP_REFRESH_S), when that is another line than
-        the one the call ``took``; None otherwise, or while not routing."""
+        given (at most every MAP_REFRESH_S): the one the call took again
+        while the map still says so (a shard's owner gone quiet is followed
+        within moments of its hand-over, not after the policy's backoff);
+        None while not routing."""
         router = self.router
         if router is None or key is None:
             return None
         loop = asyncio.get_running_loop()
         if loop.time() - router.fetched_at >= MAP_REFRESH_S:
             await self._fetch_map(router, "")
-        now = self.line_for(key)
-        return now if now is not took else None
+        return self.line_for(key)
 
     async def refollow(self) -> None:
         """A coordinator stopped answering (a KeepAlive stream to it broke):

@@ -5,7 +5,8 @@ instead of applying the command twice. With several endpoints, the attempts
 follow the leader (``_endpoints``): a standby's NOT_LEADER is an UNAVAILABLE
 like any other, retried on the endpoint it names. A coordinator's NOT_OWNER
 (it leads other shards than the call's) is not retried there: the call is
-rerouted to the owner it names at once (``Connection``), a few hops at most.
+rerouted to the owner it names at once (``Connection``), a few hops in a row
+at most, then again after a moment (a shard in transit) until the deadline.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ Attempt = Callable[["Endpoint", float | None], Awaitable[T]]
 Reroute = Callable[[FencepostError], Awaitable["tuple[Endpoints, Attempt[T]] | None"]]
 
 # A call refused NOT_OWNER this many times in a row (owners naming each
-# other: a map in flux) raises NotOwnerError.
+# other: a shard mid-move) is tried again after IN_TRANSIT_S, for at most
+# MOVE_WINDOW_S of such refusals; then NotOwnerError (a map that stays wrong).
 MAX_OWNER_HOPS = 3
+MOVE_WINDOW_S = 2.0
 # Between attempts while a shard moves: refused NOT_OWNER with no owner
 # named (being taken or handed over: done within moments), or no answer
 # from its owner (until another takes it over, after the shard lease).
 IN_TRANSIT_S = 0.025
-REROUTED_MAX_S = 0.25
+REROUTED_MAX_S = 0.1  # each attempt then follows a map fetched since (MAP_REFRESH_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +133,10 @@ async def call_with_retry(
     A ``NotOwnerError`` (the coordinator leads other shards) goes to
     ``reroute``: the next attempt goes to the owner it names at once, with the
     same request id, neither counted nor delayed by the policy, at most
-    ``MAX_OWNER_HOPS`` times in a row; with no owner named, after the
-    policy's backoff. Without ``reroute``, or past the bound, it is raised.
+    ``MAX_OWNER_HOPS`` times in a row; with no owner named, or past that
+    bound (owners naming each other mid-move, for up to ``MOVE_WINDOW_S``),
+    after ``IN_TRANSIT_S``, until the deadline. Without ``reroute``, or
+    past the window, it is raised.
     An attempt with no answer goes to ``reroute`` too: the next attempt,
     after the backoff, goes where it says (the shard's owner now).
 
@@ -146,6 +151,7 @@ async def call_with_retry(
     attempts = 0
     hops = 0  # attempts sent straight to a named leader, in a row
     owner_hops = 0  # attempts sent straight to a named shard owner, in a row
+    crossed: float | None = None  # when owners first named each other
     tried: dict[str, str] = {}  # endpoint -> how its last attempt failed
     hint: str | None = None  # the leader the last NOT_LEADER named ("" none)
     unknown: FencepostError | None = None
@@ -174,16 +180,20 @@ async def call_with_retry(
         tried[endpoint.address] = _failure(exc)
         rerouted = final = False
         if isinstance(exc, NotOwnerError):
-            routed = (None if reroute is None or owner_hops >= MAX_OWNER_HOPS
-                      else await reroute(exc))
+            routed = None if reroute is None else await reroute(exc)
             if routed is None:
                 final = True  # the same coordinator would refuse it again
             else:
                 endpoints, attempt = routed
-                if exc.owner:  # at once, as a redirection rather than a retry
-                    owner_hops += 1
+                if exc.owner and owner_hops < MAX_OWNER_HOPS:
+                    owner_hops += 1  # at once, as a redirection rather than a retry
                     attempts -= 1
                     continue
+                # in transit, or owners naming each other mid-move: again shortly
+                if exc.owner:
+                    crossed = loop.time() if crossed is None else crossed
+                    final = loop.time() - crossed > MOVE_WINDOW_S
+                owner_hops = 0
                 rerouted = True
         elif (reroute is not None and exc.grpc_code is grpc.StatusCode.UNAVAILABLE
               and not isinstance(exc, NotLeaderError)):

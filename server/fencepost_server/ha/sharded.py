@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..storage.postgres import PostgresStorage
     from ..writer import Writer
     from .leadership import Takeover
-    from .shards import ShardLeases
+    from .shards import Owner, ShardLeases
 
 log = logging.getLogger("fencepost.shards")
 
@@ -160,12 +160,8 @@ class ShardedLeading:
         self._publish()
 
     def _publish(self) -> None:
-        # a shard held here but not admitted names the member it is handed to,
-        # or no owner while it is being taken here (the client retries shortly)
-        me, to = self.leases.address, self.leases.assigned_to
-        owners = {s: (o.address if o.address != me or s in self.led
-                      else "" if to.get(s, me) == me else to[s], o.epoch)
-                  for s, o in self.leases.owners().items()}
+        owners = named_owners(self.leases.address, self.led, self.leases.assigned_to,
+                              self.leases.owners())
         self.writer.lead_only(Ownership(self.storage.shards, self.led, owners))
         self.writer.leads_shard_zero(0 in self.led)
 
@@ -181,6 +177,7 @@ class ShardedLeading:
         the others take the shards at once (they are told: NOTIFY)."""
         await self._stop_tasks()
         shards = self.loaded
+        self.leases.assign_without_me()  # the refusals name who takes each shard
         self._refuse(list(shards))
         try:
             await self._give_up(shards, release=False, handing=True)
@@ -200,3 +197,19 @@ class ShardedLeading:
         await self._stop_tasks()
         await self.leases.resign()
         await self.leases.close()
+
+
+def named_owners(me: str, led: frozenset[int], assigned_to: dict[int, str],
+                 rows: dict[int, Owner]) -> dict[int, tuple[str, int]]:
+    """The owner a refusal names for each shard (address, epoch): its row's
+    holder; for one held here but not admitted, the member it is handed to;
+    for one on its way here, none (the client asks here again shortly), so
+    two coordinators mid-move never send a client back and forth."""
+    named = {}
+    for s, o in rows.items():
+        if s in led or (o.address != me and assigned_to.get(s) != me):
+            named[s] = (o.address, o.epoch)
+        else:
+            to = assigned_to.get(s, me)
+            named[s] = ("" if to == me else to, o.epoch)
+    return named

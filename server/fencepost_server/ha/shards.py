@@ -122,6 +122,7 @@ class ShardLeases(RowLeases):
         self._owners: dict[int, Owner] = {}
         # shard -> the address of the member the last round assigned it to
         self.assigned_to: dict[int, str] = {}
+        self._last: tuple[list[_Row], list[tuple[str, str]]] | None = None  # the last round's read
         self._process = process_proof()
         # shards given up (release, a lapse seen by run) while a round was
         # out: that round must not count them held again
@@ -187,6 +188,7 @@ class ShardLeases(RowLeases):
                 out.lost.append((gone, "another coordinator took these shards over"))
                 held = {s: e for s, e in held.items() if s in renewed}
         rows, members, now = self._read(db)
+        self._last = (rows, members)
         assigned = self._assign(members, rows)
         at = dict(members)
         self.assigned_to = {s: at.get(m, "") for s, m in enumerate(assigned)}
@@ -223,10 +225,11 @@ class ShardLeases(RowLeases):
         self._owners = {r.shard: Owner(r.holder, r.address, r.epoch) for r in rows}
         return rows, members, now
 
-    def _assign(self, members: list[tuple[str, str]], rows: list[_Row]) -> list[str]:
+    def _assign(self, members: list[tuple[str, str]], rows: list[_Row],
+                leaving: bool = False) -> list[str]:
         """Each shard's member: ``assign``'s, but for a shard an operator moved
         to a live member's address, which goes there (``pin``)."""
-        live = self._members(members, rows)
+        live = self._members(members, rows, leaving)
         assigned = assign(live, self.shards)
         at = {address: identity for identity, address in members if identity in live}
         for r in rows:
@@ -253,18 +256,22 @@ class ShardLeases(RowLeases):
         log.info("shard %d moved to %s (led by %s)", shard, to, r.address or "nobody")
         return Owner(r.holder, r.address, r.epoch)
 
-    def _members(self, members: list[tuple[str, str]], rows: list[_Row]) -> list[str]:
+    def _members(self, members: list[tuple[str, str]], rows: list[_Row],
+                 leaving: bool = False) -> list[str]:
         """The members the assignment is over: the live ones, but for a
         predecessor at this coordinator's address whose process is provably
-        gone (it held shards, and every one names a process that is gone)."""
+        gone (it held shards, and every one names a process that is gone);
+        this one among them unless ``leaving``."""
         out = []
         for identity, address in members:
+            if identity == self.identity and leaving:
+                continue
             if identity != self.identity and address == self.address:
                 procs = {r.process for r in rows if r.holder == identity}
                 if procs and all(process_gone(p) for p in procs):
                     continue
             out.append(identity)
-        return out if self.identity in out else [*out, self.identity]
+        return out if self.identity in out or leaving else [*out, self.identity]
 
     def _takeable(self, row: _Row, now: int) -> bool:
         return (row.expires_at <= now or row.holder == self.identity
@@ -363,6 +370,18 @@ class ShardLeases(RowLeases):
         )
         self._conn().execute(f"NOTIFY {CHANNEL}")  # their new owners take them now
         log.info("released shards %s", _ranges(shards))
+
+    def assign_without_me(self) -> None:
+        """Before a clean stop (no round running): where each shard goes once
+        this member has left, as ``assigned_to``, so that the refusals while
+        it hands them over name the coordinator that will take each."""
+        if self._last is None:
+            return
+        rows, members = self._last
+        if self._members(members, rows, leaving=True):
+            at = dict(members)
+            self.assigned_to = {s: at.get(m, "")
+                                for s, m in enumerate(self._assign(members, rows, True))}
 
     async def resign(self) -> None:
         """Give every held shard up and leave the members (a clean stop)."""
