@@ -23,6 +23,7 @@ import { recordFromPb, statusFromPb, statusToPb, toBigInt, toNumber, type RunRec
 import { backoffDelays, newRequestId, retryPolicy, sleep, withRetry, type AttemptOptions, type CallOptions, type FullRetryPolicy, type RetryPolicy } from "./retry.js";
 import { EngineStoreClient, fencePb } from "./store.js";
 import { CommandChannel, type CommandKind, type Transport as CommandTransport } from "./execute.js";
+import { watchByShards, WatchCursor, type RunChange, type WatchHost } from "./watch.js";
 
 export type { CallOptions };
 
@@ -107,28 +108,34 @@ export interface ShardMap {
   revision: number;
 }
 
-export interface RunChange {
-  revision: number;
-  kind: "put" | "delete";
-  runId: string;
-  /** The record as written; absent for a delete. */
-  record?: RunRecord;
-}
+export type { RunChange };
 
 export interface WatchOptions {
   /** Only these runs (at most 1000); default every run. */
   runIds?: string[];
   /** Replay retained changes from this revision; default: changes after the watch starts. */
   fromRevision?: number;
+  /**
+   * Watch by shards: resume each shard after the cursor's revision for it
+   * (a shard it lacks: from now), updating it in place as each change is
+   * yielded. `fromRevision` must then be unset or 0.
+   */
+  cursor?: WatchCursor;
   /** Ends the iteration. */
   signal?: AbortSignal;
 }
 
-/** The map as routing needs it: each shard's owner address, by index. */
-function ownerMap(resp: ShardsResponse): OwnerMap {
+/** The map as routing needs it: each shard's owner address, by index, and which `from` (that answered) leads. */
+function ownerMap(resp: ShardsResponse, from?: Coordinator): OwnerMap {
   const owners = new Array<string>(resp.shardCount).fill("");
-  for (const s of resp.shards) if (s.index >= 0 && s.index < resp.shardCount) owners[s.index] = s.address;
-  return { shardCount: resp.shardCount, owners };
+  const led = new Array<boolean>(resp.shardCount).fill(false);
+  for (const s of resp.shards) {
+    if (s.index >= 0 && s.index < resp.shardCount) {
+      owners[s.index] = s.address;
+      led[s.index] = s.owner !== ""; // a coordinator names the owner of its own shards alone
+    }
+  }
+  return from ? { shardCount: resp.shardCount, owners, from, led } : { shardCount: resp.shardCount, owners };
 }
 
 /** The order the server lists run ids in: their UTF-8 bytes (JavaScript's `<` compares UTF-16 units). */
@@ -329,20 +336,30 @@ export class FencepostClient {
    * of the home coordinator, else of any other this client has reached (the
    * one given may be the one that went away).
    */
-  private async owners(): Promise<OwnerMap> {
+  private async owners(signal?: AbortSignal): Promise<OwnerMap> {
     // straight to the home coordinator: routing waits for this very fetch
     const others = this.router.coordinators.length > 1;
     try {
       return ownerMap(await withRetry(this.retry, false, (o) => this.stubs.ledger.shards({ ownersOnly: true }, o),
-        others ? { timeoutMs: MAP_ASK_MS } : {}, this.endpoints));
+        { ...(others ? { timeoutMs: MAP_ASK_MS } : {}), ...(signal ? { signal } : {}) }, this.endpoints), this.router.home);
     } catch (e) {
+      if (signal?.aborted) throw e;
       for (const c of this.router.coordinators.slice(1)) {
         try {
-          return ownerMap(await c.stubs.ledger.shards({ ownersOnly: true }, { timeoutMs: MAP_ASK_MS }));
+          return ownerMap(await c.stubs.ledger.shards({ ownersOnly: true }, { timeoutMs: MAP_ASK_MS, ...(signal ? { signal } : {}) }), c);
         } catch { /* the next one */ }
       }
       throw e;
     }
+  }
+
+  private watchHost(): WatchHost {
+    return {
+      map: (signal) => this.owners(signal),
+      home: this.router.home,
+      at: (address) => this.router.coordinator(address),
+      closed: () => this._closed,
+    };
   }
 
   /** A connection, Execute stream and KeepAlive stream to another coordinator (shared as the home one is). */
@@ -609,12 +626,35 @@ export class FencepostClient {
   }
 
   /**
-   * Every committed change, in revision order, as an async iterator. A
-   * dropped stream (or STREAM_TOO_SLOW) is resumed from the last revision
-   * received + 1, with no gap and no duplicate. Throws RevisionCompactedError
-   * when the revision to resume from is no longer retained.
+   * Every committed change, as an async iterator. By revision (a
+   * `fromRevision`, or one coordinator leading every shard): in revision
+   * order, a dropped stream (or STREAM_TOO_SLOW) resumed from the last
+   * revision received + 1, with no gap and no duplicate. By shards (a
+   * `cursor`, or shards led by several coordinators): one stream per owner,
+   * in order within each shard, each shard resumed after the last revision
+   * delivered in it wherever it is led now. Throws RevisionCompactedError
+   * when what it resumes from is no longer retained.
    */
   async *watchRuns(options: WatchOptions = {}): AsyncGenerator<RunChange, void, undefined> {
+    const runIds = options.runIds ?? [];
+    const { cursor, signal } = options;
+    if (cursor !== undefined) {
+      if (!(cursor instanceof WatchCursor)) throw new ValidationError("cursor: not a WatchCursor", { field: "cursor" });
+      if (options.fromRevision) {
+        throw new ValidationError("fromRevision: must be unset or 0 with a cursor (each shard resumes after the cursor's revision)",
+          { field: "fromRevision" });
+      }
+      yield* watchByShards(this.watchHost(), cursor, runIds, await this.owners(signal), signal);
+      return;
+    }
+    if (!options.fromRevision) {
+      // shards led apart: revisions order changes only within a shard, so follow each shard's own
+      const map = await this.owners(signal).catch(() => undefined);
+      if (map && new Set(map.owners.filter((a) => a)).size > 1) {
+        yield* watchByShards(this.watchHost(), new WatchCursor(), runIds, map, signal);
+        return;
+      }
+    }
     let next = options.fromRevision;
     if (next === undefined || next === 0) {
       // Pin the start so a reconnect before the first change leaves no gap.
@@ -622,7 +662,6 @@ export class FencepostClient {
       next = page.revision + 1;
     }
     const delay = backoffDelays(this.retry);
-    const runIds = options.runIds ?? [];
     while (!options.signal?.aborted) {
       try {
         const stream = this.stubs.ledger.watchRuns({ runIds, fromRevision: BigInt(next) },

@@ -1,8 +1,10 @@
 export { FencepostClient, defaultOwner } from "./client.js";
 export type {
-  AcquireOptions, CallOptions, ClientOptions, CommandRequest, CommandResponse, FenceStatus, ListRunsOptions, RunChange, RunPage, ShardInfo, ShardMap, WatchOptions,
+  AcquireOptions, CallOptions, ClientOptions, CommandRequest, CommandResponse, FenceStatus, ListRunsOptions, RunPage, ShardInfo, ShardMap, WatchOptions,
 } from "./client.js";
 export { Lease } from "./lease.js";
+export { WatchCursor } from "./watch.js";
+export type { RunChange } from "./watch.js";
 export { probeServer } from "./probe.js";
 export type { ProbeOptions, ServerDescription } from "./probe.js";
 export type { FenceListener } from "./keepalive.js";

@@ -52,6 +52,9 @@ export interface Coordinator {
 export interface OwnerMap {
   shardCount: number;
   owners: string[];
+  /** The coordinator that answered the map, and by index whether it leads each shard itself. */
+  from?: Coordinator;
+  led?: boolean[];
 }
 
 export class Router {
