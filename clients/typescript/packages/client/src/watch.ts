@@ -173,7 +173,11 @@ export async function* watchByShards(
 
   const pump = async (o: Opened): Promise<void> => {
     try {
-      const shards = o.shards.map((shard) => ({ shard, afterRevision: BigInt(cursor.revisions.get(shard) ?? 0) }));
+      // a shard the cursor lacks is left unset: from now (a cursor's 0 is a real place)
+      const shards = o.shards.map((shard) => {
+        const after = cursor.revisions.get(shard);
+        return after === undefined ? { shard } : { shard, afterRevision: BigInt(after) };
+      });
       for await (const m of o.coordinator.stubs.ledger.watchRuns({ runIds, shards }, { signal: o.ac.signal })) {
         if (o.ac.signal.aborted) return;
         await inbox.put({ from: o, m });
@@ -235,11 +239,13 @@ export async function* watchByShards(
       const m = item.m;
       if (m) {
         if (!o.started) {
-          // the stream's first message: where each of its shards starts (one the cursor lacked, or had
-          // at 0, "from now": the revision it starts after, so a reopen elsewhere leaves no gap)
+          // the stream's first message: where each of its shards starts (one the cursor lacked:
+          // the revision it starts after, so a reopen elsewhere leaves no gap)
           o.started = true;
           o.failures = 0;
-          for (const c of m.cursors) if (!cursor.revisions.get(c.shard)) cursor.revisions.set(c.shard, toNumber(c.afterRevision));
+          for (const c of m.cursors) {
+            if (!cursor.revisions.has(c.shard)) cursor.revisions.set(c.shard, toNumber(c.afterRevision ?? 0n));
+          }
           if (!m.runId) continue;
         }
         const revision = toNumber(m.revision);
