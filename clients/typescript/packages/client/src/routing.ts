@@ -5,7 +5,8 @@
 // shard of its first shard key, over one connection, one Execute stream and
 // one KeepAlive stream per coordinator. A call refused with NOT_OWNER is
 // sent at once, with the same request id, to the owner the refusal names (a
-// few hops at most, then NotOwnerError); a later refusal refreshes the map,
+// few hops in a row, then again every 25 ms for up to 2 s, then NotOwnerError);
+// a later refusal refreshes the map,
 // at most once every MAP_REFRESH_MS. A lease whose renewal is refused with
 // NOT_OWNER is tracked and renewed at the new owner by itself.
 import { Code, type Client } from "@connectrpc/connect";
@@ -29,6 +30,11 @@ export const MAP_REFRESH_MS = 100;
  */
 export const IN_TRANSIT_MS = 25;
 export const IN_TRANSIT_LIMIT_MS = 10_000;
+/**
+ * Past MAX_HOPS in a row (owners naming each other: a shard mid-move), a call
+ * is tried again every IN_TRANSIT_MS for up to this long (ms), then NotOwnerError.
+ */
+export const MOVE_WINDOW_MS = 2_000;
 
 /** The stubs a call can be made on. */
 export interface Stubs {
@@ -160,6 +166,7 @@ export class Router {
     let err = thrown;
     let c = from;
     const since = performance.now();
+    let crossed: number | undefined; // when owners first kept naming each other
     for (let hop = hops; ; ) {
       const refused = fromCallError(err);
       if (!(refused instanceof NotOwnerError)) {
@@ -168,11 +175,18 @@ export class Router {
         throw err;
       }
       const transit = !refused.owner; // counted in time, not in hops
-      if (transit ? performance.now() - since > IN_TRANSIT_LIMIT_MS : hop >= MAX_HOPS) {
-        const why = transit ? `for ${IN_TRANSIT_LIMIT_MS} ms` : `after ${MAX_HOPS} hops between coordinators`;
+      if (!transit && hop >= MAX_HOPS) crossed ??= performance.now();
+      if (transit ? performance.now() - since > IN_TRANSIT_LIMIT_MS
+        : crossed !== undefined && performance.now() - crossed > MOVE_WINDOW_MS) {
+        const why = transit ? `for ${IN_TRANSIT_LIMIT_MS} ms`
+          : `after ${MAX_HOPS} hops between coordinators, for ${MOVE_WINDOW_MS} ms`;
         throw new NotOwnerError(`${refused.message} (still refused ${why})`, {
           metadata: { ...refused.metadata }, cause: refused, ...(refused.grpcCode !== undefined ? { grpcCode: refused.grpcCode } : {}),
         });
+      }
+      if (!transit && hop >= MAX_HOPS) {
+        await sleep(IN_TRANSIT_MS); // a move under way: its new owner serves within moments
+        hop = 0;
       }
       c = await this.refused(refused, c, hop);
       if (!transit) hop++;
