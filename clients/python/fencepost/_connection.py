@@ -56,7 +56,7 @@ Transport = Literal["stream", "unary"]
 
 # A NOT_OWNER fetches the map again at most this often (seconds), unless it
 # names an owner the map does not know.
-MAP_REFRESH_S = 0.1
+MAP_REFRESH_S = 0.05
 # How long one fetch of the map may take, per coordinator asked.
 _MAP_TIMEOUT_S = 5.0
 

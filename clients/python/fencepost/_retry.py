@@ -40,16 +40,17 @@ Attempt = Callable[["Endpoint", float | None], Awaitable[T]]
 # (None: nowhere else).
 Reroute = Callable[[FencepostError], Awaitable["tuple[Endpoints, Attempt[T]] | None"]]
 
-# A call refused NOT_OWNER this many times in a row (owners naming each
-# other: a shard mid-move) is tried again after IN_TRANSIT_S, for at most
-# MOVE_WINDOW_S of such refusals; then NotOwnerError (a map that stays wrong).
+# A call refused NOT_OWNER by an owner naming the one that sent it there, or
+# this many times in a row (owners naming each other: a shard mid-move), is
+# tried again there after IN_TRANSIT_S, for at most MOVE_WINDOW_S of such
+# refusals; then NotOwnerError (a map that stays wrong).
 MAX_OWNER_HOPS = 3
 MOVE_WINDOW_S = 2.0
 # Between attempts while a shard moves: refused NOT_OWNER with no owner
 # named (being taken or handed over: done within moments), or no answer
 # from its owner (until another takes it over, after the shard lease).
 IN_TRANSIT_S = 0.025
-REROUTED_MAX_S = 0.1  # each attempt then follows a map fetched since (MAP_REFRESH_S)
+REROUTED_MAX_S = 0.05  # each attempt then follows a map fetched since (MAP_REFRESH_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +134,11 @@ async def call_with_retry(
     A ``NotOwnerError`` (the coordinator leads other shards) goes to
     ``reroute``: the next attempt goes to the owner it names at once, with the
     same request id, neither counted nor delayed by the policy, at most
-    ``MAX_OWNER_HOPS`` times in a row; with no owner named, or past that
-    bound (owners naming each other mid-move, for up to ``MOVE_WINDOW_S``),
-    after ``IN_TRANSIT_S``, until the deadline. Without ``reroute``, or
-    past the window, it is raised.
+    ``MAX_OWNER_HOPS`` times in a row; with no owner named, or naming back
+    the owner that sent it (owners naming each other mid-move: the one sent
+    to is asked again, for up to ``MOVE_WINDOW_S``), after ``IN_TRANSIT_S``,
+    until the deadline. Without ``reroute``, or past the window, it is
+    raised.
     An attempt with no answer goes to ``reroute`` too: the next attempt,
     after the backoff, goes where it says (the shard's owner now).
 
@@ -152,6 +154,7 @@ async def call_with_retry(
     hops = 0  # attempts sent straight to a named leader, in a row
     owner_hops = 0  # attempts sent straight to a named shard owner, in a row
     crossed: float | None = None  # when owners first named each other
+    named: dict[str, str] = {}  # endpoint -> the owner it named
     tried: dict[str, str] = {}  # endpoint -> how its last attempt failed
     hint: str | None = None  # the leader the last NOT_LEADER named ("" none)
     unknown: FencepostError | None = None
@@ -179,22 +182,27 @@ async def call_with_retry(
             unknown = exc
         tried[endpoint.address] = _failure(exc)
         rerouted = final = False
-        if isinstance(exc, NotOwnerError):
+        if isinstance(exc, NotOwnerError) and exc.owner and reroute is not None and (
+                named.get(exc.owner) == endpoint.address or owner_hops >= MAX_OWNER_HOPS):
+            # owners naming each other: a move under way, this one (named by the one
+            # handing the shard over) takes it within moments: asked again shortly
+            crossed = loop.time() if crossed is None else crossed
+            final = loop.time() - crossed > MOVE_WINDOW_S
+            owner_hops = 0
+            rerouted = True
+        elif isinstance(exc, NotOwnerError):
+            if exc.owner:
+                named[endpoint.address] = exc.owner
             routed = None if reroute is None else await reroute(exc)
             if routed is None:
                 final = True  # the same coordinator would refuse it again
             else:
                 endpoints, attempt = routed
-                if exc.owner and owner_hops < MAX_OWNER_HOPS:
-                    owner_hops += 1  # at once, as a redirection rather than a retry
+                if exc.owner:  # at once, as a redirection rather than a retry
+                    owner_hops += 1
                     attempts -= 1
                     continue
-                # in transit, or owners naming each other mid-move: again shortly
-                if exc.owner:
-                    crossed = loop.time() if crossed is None else crossed
-                    final = loop.time() - crossed > MOVE_WINDOW_S
-                owner_hops = 0
-                rerouted = True
+                rerouted = True  # in transit: asked again shortly
         elif (reroute is not None and exc.grpc_code is grpc.StatusCode.UNAVAILABLE
               and not isinstance(exc, NotLeaderError)):
             # no answer: with routing on, the shard may be led elsewhere now

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fencepost.shards")
 
+# After handing every shard over on SIGTERM, how long a coordinator still
+# answers (NOT_OWNER, naming each shard's new owner) before its streams end.
+LINGER_S = 0.2
 TAKE_ATTEMPTS = 3  # loading a taken shard; then it is released for another to take
 
 
@@ -183,6 +186,8 @@ class ShardedLeading:
             await self._give_up(shards, release=False, handing=True)
         finally:
             await self.leases.resign()
+        if shards:  # still answering a moment: calls on their way are sent on, not cut off
+            await asyncio.sleep(LINGER_S)
 
     async def _stop_tasks(self) -> None:
         for task in self._tasks:

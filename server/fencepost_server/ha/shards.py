@@ -384,14 +384,18 @@ class ShardLeases(RowLeases):
                                 for s, m in enumerate(self._assign(members, rows, True))}
 
     async def resign(self) -> None:
-        """Give every held shard up and leave the members (a clean stop)."""
-        await self.release(list(self.held))
-        await self._call(self._leave)
+        """Leave the members, then give every held shard up (a clean stop): the
+        others' round on the release's NOTIFY already assigns without this one,
+        and takes the shards at once."""
+        held = list(self.held)
+        await self._call(self._leave, not held)
+        await self.release(held)
 
-    def _leave(self) -> None:
+    def _leave(self, notify: bool = True) -> None:
         db = self._conn()
         db.execute("DELETE FROM fencepost_members WHERE identity = ?", (self.identity,))
-        db.execute(f"NOTIFY {CHANNEL}")
+        if notify:
+            db.execute(f"NOTIFY {CHANNEL}")
 
     async def _call(self, fn: Callable[..., None], *args: Any) -> None:
         loop = asyncio.get_running_loop()
