@@ -5,7 +5,8 @@
 // shard of its first shard key, over one connection, one Execute stream and
 // one KeepAlive stream per coordinator. A call refused with NOT_OWNER is
 // sent at once, with the same request id, to the owner the refusal names (a
-// few hops in a row, then again every 25 ms for up to 2 s, then NotOwnerError);
+// few hops in a row; one naming back the coordinator that sent it there is
+// asked again every 25 ms for up to 2 s, then NotOwnerError);
 // a later refusal refreshes the map,
 // at most once every MAP_REFRESH_MS. A lease whose renewal is refused with
 // NOT_OWNER is tracked and renewed at the new owner by itself.
@@ -23,7 +24,7 @@ import { shardOf } from "./shards.js";
 /** A call refused with NOT_OWNER is sent on at most this many times. */
 export const MAX_HOPS = 4;
 /** The shard map is fetched again at most this often (ms). */
-export const MAP_REFRESH_MS = 100;
+export const MAP_REFRESH_MS = 50;
 /**
  * A NOT_OWNER naming no owner (the shard is being taken or handed over, done
  * within moments) is tried again after this long (ms), for up to IN_TRANSIT_LIMIT_MS.
@@ -167,6 +168,7 @@ export class Router {
     let c = from;
     const since = performance.now();
     let crossed: number | undefined; // when owners first kept naming each other
+    const named = new Map<string, string>(); // coordinator -> the owner it named
     for (let hop = hops; ; ) {
       const refused = fromCallError(err);
       if (!(refused instanceof NotOwnerError)) {
@@ -175,7 +177,11 @@ export class Router {
         throw err;
       }
       const transit = !refused.owner; // counted in time, not in hops
-      if (!transit && hop >= MAX_HOPS) crossed ??= performance.now();
+      // naming back the one that sent the call here (owners naming each other mid-move):
+      // this one, named by the one handing the shard over, takes it within moments
+      const back = !transit && (named.get(refused.owner) === c.address || hop >= MAX_HOPS);
+      if (!transit) named.set(c.address, refused.owner);
+      if (back) crossed ??= performance.now();
       if (transit ? performance.now() - since > IN_TRANSIT_LIMIT_MS
         : crossed !== undefined && performance.now() - crossed > MOVE_WINDOW_MS) {
         const why = transit ? `for ${IN_TRANSIT_LIMIT_MS} ms`
@@ -184,12 +190,13 @@ export class Router {
           metadata: { ...refused.metadata }, cause: refused, ...(refused.grpcCode !== undefined ? { grpcCode: refused.grpcCode } : {}),
         });
       }
-      if (!transit && hop >= MAX_HOPS) {
-        await sleep(IN_TRANSIT_MS); // a move under way: its new owner serves within moments
+      if (back) {
+        await sleep(IN_TRANSIT_MS); // asked again where it was sent
         hop = 0;
+      } else {
+        c = await this.refused(refused, c, hop);
+        if (!transit) hop++;
       }
-      c = await this.refused(refused, c, hop);
-      if (!transit) hop++;
       try {
         return await attempt(c);
       } catch (e) {
