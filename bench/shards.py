@@ -62,6 +62,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -407,6 +408,19 @@ class Bench:
                                      {s for s in after if after[s] == joined.address},
                                      prober_was_given_it=False))
                 time.sleep(a.settle)
+                # an operator moves single shards, each out and back (the pins then
+                # match the assignment), with the CLI, which waits until it is led there
+                for i in range(a.operator_moves):
+                    src, dst = f.live[i % len(f.live)], f.live[(i + 1) % len(f.live)]
+                    shard = next(s for s, addr in sorted(after.items()) if addr == src.address)
+                    for there, back in ((src, dst), (dst, src)):
+                        before = f.owners()
+                        t0 = time.monotonic()
+                        cli_s = _operator_move(shard, back.address, there.address)
+                        after = f.owners()
+                        events.append(_event("move", t0, time.monotonic(), before, after,
+                                             {shard}, prober_was_given_it=False, cli_s=cli_s))
+                        time.sleep(a.settle / 2)
                 # the newest one leaves, then the one the prober was given
                 for leaving in (joined, f.live[0]):
                     before = after
@@ -462,6 +476,15 @@ class Bench:
         return _kills_summary(events, res, box, a)
 
 
+def _operator_move(shard: int, to: str, at: str) -> float:
+    """``fencepost shards move`` (it returns once the shard is led there): its seconds."""
+    out = subprocess.run([str(servers.BIN / "fencepost"), "shards", "move", str(shard), "--to", to,
+                          "--addr", at, "--json"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"shards move {shard} --to {to}: {out.stderr or out.stdout}")
+    return float(json.loads(out.stdout)["seconds"])
+
+
 def _event(kind: str, t0: float, balanced: float, before: dict[int, str],
            after: dict[int, str], moved: set[int], **extra: Any) -> dict[str, Any]:
     return {"kind": kind, "t0": t0, "balanced_s": balanced - t0, "moved": sorted(moved),
@@ -510,7 +533,11 @@ def _moves_summary(events: list[dict[str, Any]], res: ProbeResult, box: dict[str
             per[s] = round(ms, 1)
         e["unavailable_ms"] = {s: per[s] for s in e["moved"] if s in per}
         e["moved_pcts_ms"] = pcts([per[s] for s in e["moved"] if s in per])
-    return {"events": events, "moved_shards": len(moved_ms),
+    kinds: dict[str, list[float]] = {}
+    for e in events:
+        kinds.setdefault(e["kind"], []).extend(e["unavailable_ms"].values())
+    return {"events": events, "by_kind_ms": {k: pcts(v) for k, v in kinds.items()},
+            "moved_shards": len(moved_ms),
             "moved_never_answered": missing,
             "unavailable_ms": pcts(moved_ms), "unmoved_baseline_ms": pcts(still_ms),
             "load": _load_info(box, events), **_lost_info(res)}
@@ -612,7 +639,8 @@ def print_summary(s: list[dict[str, Any]], rounds: int) -> None:
 
 def print_moves(m: dict[str, Any]) -> None:
     u, b = m["unavailable_ms"], m["unmoved_baseline_ms"]
-    print(f"\nplanned moves (2 -> 3 join; SIGTERM: 3 -> 2, then 2 -> 1), fleet load "
+    print(f"\nplanned moves (2 -> 3 join; operator moves, out and back; SIGTERM: 3 -> 2, "
+          f"then 2 -> 1), fleet load "
           f"{fmt_rate(m['load'].get('ops_per_s', 0))} ops/s, "
           f"{m['load'].get('errors', '?')} load errors:")
     for e in m["events"]:
@@ -621,9 +649,13 @@ def print_moves(m: dict[str, Any]) -> None:
             print(f"  {e['kind']:<5} {len(e['moved'])} shards moved: none answered again")
             continue
         who = " (the prober's address)" if e["prober_was_given_it"] else ""
+        cli = f" (the CLI waited {e['cli_s'] * 1000:.0f} ms)" if "cli_s" in e else ""
         print(f"  {e['kind']}{who}: {len(e['moved'])} shards moved, rows balanced in "
-              f"{e['balanced_s']:.2f} s; unavailable p50 {pm['p50']:.0f} ms, p99 "
+              f"{e['balanced_s']:.2f} s{cli}; unavailable p50 {pm['p50']:.0f} ms, p99 "
               f"{pm['p99']:.0f} ms, max {pm['max']:.0f} ms")
+    for kind, pk in m.get("by_kind_ms", {}).items():
+        print(f"  all {kind}s: {pk['n']} shards, unavailable p50 {pk['p50']:.0f} ms, "
+              f"p99 {pk['p99']:.0f} ms")
     print(f"  moved shards: {u['n']}, unavailable p50 {u['p50']:.0f} ms, p99 {u['p99']:.0f} ms "
           f"(unmoved shards, same windows: p50 {b['p50']:.0f} ms, p99 {b['p99']:.0f} ms); "
           f"never answered {m['moved_never_answered']}; leases lost {m['leases_lost']} "
@@ -731,6 +763,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--renew", default="300ms", help="shard lease renewal (--leader-renew)")
     p.add_argument("--no-moves", dest="moves", action="store_false",
                    help="skip the planned-move part")
+    p.add_argument("--operator-moves", type=int, default=3,
+                   help="single shards an operator moves (each out and back) in the moves part")
     p.add_argument("--kills", type=int, default=4, help="SIGKILLs in the failover part (0: none)")
     p.add_argument("--kill-coordinators", type=int, default=3,
                    help="coordinators running when one is killed")
@@ -750,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.rounds, args.warmup, args.duration = 1, 0.5, 1.0
         args.shards, args.kills, args.settle = 8, 2, 0.5
+        args.operator_moves = min(args.operator_moves, 1)
         args.coordinators = args.coordinators or "1,2"
         args.clients = args.clients or 16
         args.procs = min(args.procs, 2)

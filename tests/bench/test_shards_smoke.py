@@ -39,7 +39,9 @@ def test_bench_shards_smoke(tmp_path: Path) -> None:
     assert summary[("fleet", 1)]["ratio_to_1"] == 1.0
 
     moves = result["moves"]
-    assert [e["kind"] for e in moves["events"]] == ["join", "leave", "leave"], log
+    assert [e["kind"] for e in moves["events"]] == ["join", "move", "move", "leave", "leave"], log
+    assert all(e["cli_s"] > 0 for e in moves["events"] if e["kind"] == "move"), log
+    assert set(moves["by_kind_ms"]) == {"join", "move", "leave"}, log
     assert all(e["moved"] for e in moves["events"]), log
     assert moves["unavailable_ms"]["n"] > 0 and moves["moved_never_answered"] == 0, log
     assert moves["held"] > 0 and moves["leases_lost"] == 0, log
