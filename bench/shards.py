@@ -328,9 +328,10 @@ class Bench:
         return f
 
     def _drive(self, f: servers.ShardedCoordinators, backend: str, rnd: int,
-               duration: float) -> RunResult:
+               duration: float, clients: int = 0) -> RunResult:
         a = self.args
-        run, _ = drive(f, rnd, clients=a.clients, procs=a.procs, warmup_s=a.warmup,
+        clients = clients or a.clients
+        run, _ = drive(f, rnd, clients=clients, procs=min(a.procs, clients), warmup_s=a.warmup,
                        duration_s=duration, options={})
         return run
 
@@ -378,10 +379,12 @@ class Bench:
 
         def go() -> None:
             try:
-                box["run"] = self._drive(f, SHAPES["fleet"], 0, duration)
+                box["run"] = self._drive(f, SHAPES["fleet"], 0, duration,
+                                         self.args.event_clients)
             except BaseException as exc:
                 box["error"] = exc
 
+        box["clients"] = self.args.event_clients or self.args.clients
         t = threading.Thread(target=go, name=f"load-{tag}", daemon=True)
         t.start()
         box["begin"] = time.monotonic() + 0.2 + self.args.warmup
@@ -493,7 +496,7 @@ def _event(kind: str, t0: float, balanced: float, before: dict[int, str],
 
 
 def _load_info(box: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"window_s": box["end"] - box["begin"]}
+    out: dict[str, Any] = {"window_s": box["end"] - box["begin"], "clients": box["clients"]}
     if "error" in box:
         out["error"] = repr(box["error"])
     run: RunResult | None = box.get("run")
@@ -641,8 +644,8 @@ def print_moves(m: dict[str, Any]) -> None:
     u, b = m["unavailable_ms"], m["unmoved_baseline_ms"]
     print(f"\nplanned moves (2 -> 3 join; operator moves, out and back; SIGTERM: 3 -> 2, "
           f"then 2 -> 1), fleet load "
-          f"{fmt_rate(m['load'].get('ops_per_s', 0))} ops/s, "
-          f"{m['load'].get('errors', '?')} load errors:")
+          f"{fmt_rate(m['load'].get('ops_per_s', 0))} ops/s from {m['load'].get('clients')} "
+          f"clients, {m['load'].get('errors', '?')} load errors:")
     for e in m["events"]:
         pm = e["moved_pcts_ms"]
         if not pm["n"]:
@@ -763,6 +766,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--renew", default="300ms", help="shard lease renewal (--leader-renew)")
     p.add_argument("--no-moves", dest="moves", action="store_false",
                    help="skip the planned-move part")
+    p.add_argument("--event-clients", type=int, default=0,
+                   help="load clients during the moves and kills (default: --clients, which "
+                   "fills the machine; fewer leave room to see the move itself)")
     p.add_argument("--operator-moves", type=int, default=3,
                    help="single shards an operator moves (each out and back) in the moves part")
     p.add_argument("--kills", type=int, default=4, help="SIGKILLs in the failover part (0: none)")
