@@ -777,7 +777,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds after the shards balance before the next move or kill")
     p.add_argument("--probe-interval-ms", type=float, default=50.0,
-                   help="the prober's pause between renewals of each shard's probe lease (shorter: the prober itself fills a core)")
+                   help="the prober's pause between renewals of each shard's probe lease "
+                   "(much shorter: the prober itself fills a core)")
     p.add_argument("--held", type=int, default=2, help="leases held per shard by the prober")
     p.add_argument("--held-ttl-ms", type=int, default=4000,
                    help="their ttl: kept alive only by the SDK's KeepAlive stream")
