@@ -155,8 +155,10 @@ async def watch_by_shards(
             log.info("watch of shards %s ended (%s); resuming each after its revision",
                      sorted(shards)[:8], failed or "closed by the server")
             last_failure = failed
-            if not pending:  # the first to end since all streamed: asked again shortly
+            if stuck_since is None:  # the first to end since all streamed: asked again shortly
                 retry_at, wait = loop.time() + _FIRST_RETRY_S, 2 * _FIRST_RETRY_S
+            elif not pending:  # ended before it streamed: asked again after the backoff
+                retry_at, wait = loop.time() + wait, min(wait * 2, _MAX_RETRY_S)
             pending |= shards
             fresh = True
             if stuck_since is None:
