@@ -365,8 +365,9 @@ class _Watcher:
             shard = shard_of(run_id, self.count)
             upto[shard] = max(upto.get(shard, 0), int(rev))
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"upto": upto}) + "\n")
-        self.proc.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # it is gone: its exit code says why
+            self.proc.stdin.write(json.dumps({"upto": upto}) + "\n")
+            self.proc.stdin.flush()
         try:
             rc = self.proc.wait(CATCH_UP_S + 30)
         except subprocess.TimeoutExpired:
