@@ -2,7 +2,9 @@
 ledger commands and raw compare-and-sets on a few hot runs while a nemesis
 SIGKILLs and restarts the server, SIGSTOPs workers past their ttl, cuts client
 connections and jumps the server's clock; every operation is recorded and the
-history is checked (linearizability, fencing, durability, tokens, liveness).
+history is checked (linearizability, fencing, durability, tokens, liveness);
+a watcher reads the change feed through the SDK all along (watcher.py,
+watching.py).
 
     python -m torture --duration 60 --seed 1          (make torture DURATION=60 SEED=1)
 

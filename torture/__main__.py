@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nemesis", default="default",
                    help="fault mix: default, kills, none (postgres: also stops)")
     p.add_argument("--fault", default="", help="TEST ONLY: run a deliberately broken server "
-                   "(ack-before-commit, fence-ignores-owner; postgres: no-epoch-check); the "
-                   "run must then FAIL")
+                   "(ack-before-commit, fence-ignores-owner, watch-drops-change; postgres: "
+                   "no-epoch-check); the run must then FAIL")
     p.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite",
                    help="sqlite: one server on a file (default); postgres: several "
                    "coordinators on a throwaway PostgreSQL, one leading, the workers "

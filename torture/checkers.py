@@ -31,6 +31,10 @@ renewals               a renewal acknowledged until T (+ lock-delay): no acquisi
                        clock jumps and takeovers (renewals are answered from memory, so
                        the history alone does not hold T)
 answers                every answer is a valid status and says what was asked
+watch                  the SDK's watch by shards, running through every fault and
+                       restarted from saved cursors, delivered every committed change
+                       exactly once, as committed, in revision order per shard
+                       (watching.py)
 =====================  ==============================================================
 """
 
@@ -652,6 +656,7 @@ def check_all(
     server_log: str = "",
     budget: int = 2_000_000,
     sharded: bool = False,
+    watched: Any = None,
 ) -> Checked:
     timings: dict[str, float] = {}
     found: list[Violation] = []
@@ -674,6 +679,10 @@ def check_all(
     if liveness is not None:
         found += timed("liveness", check_liveness, liveness, liveness_bound_s)
     found += timed("answers", check_answers, ops, server_log)
+    if watched is not None and snap is not None:  # (torture/watching.py)
+        from .watching import check_watch
+
+        found += timed("watch", check_watch, watched, snap)
     counts = Counter(v.check for v in found)
     kept: list[Violation] = []
     per: Counter[str] = Counter()

@@ -11,6 +11,10 @@ once; the workers follow each call to its shard's owner, the nemesis
 strikes any coordinator (SIGKILL, SIGSTOP, SIGTERM) and the database, and
 the checkers see one history across every shard move (torture/sharding.py).
 
+In every mode a watcher process (torture/watcher.py) watches every run
+through the SDK from before the workers start to after the liveness phase,
+for the ``watch`` checker (torture/watching.py).
+
 Everything runs on loopback, is bounded in time, and every process started is
 stopped on the way out, failure or not.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -48,10 +53,14 @@ from .nemesis import (
     schedule_pg,
 )
 from .snapshots import check_snapshots
+from .watcher import CATCH_UP_S
+from .watching import Watched
 from .worker import LOCK_DELAY_MS, MAX_TTL_MS
 
 COMPLETED = 4
 MAX_PROBES = 64  # probe clients' certificates (mutual TLS); names are reused past it
+WATCHER = "watch"  # the watcher's client name (its certificate's CN with mutual TLS)
+WATCHER_READY_S = 60.0  # its first watch covers every shard within this
 
 
 @dataclass
@@ -105,6 +114,7 @@ class Outcome:
     server_starts: int
     snapshots: dict[str, Any] = field(default_factory=dict)
     cluster: dict[str, Any] = field(default_factory=dict)  # the PostgreSQL mode's figures
+    watch: dict[str, Any] = field(default_factory=dict)  # the watcher's (torture/watching.py)
 
     @property
     def ok(self) -> bool:
@@ -146,6 +156,7 @@ class Outcome:
             f"  liveness: {len(self.liveness)} runs acquired and finished, slowest "
             f"{max((r['seconds'] for r in self.liveness), default=0):.2f} s",
             *([self._snapshot_line()] if self.snapshots else []),
+            *([self._watch_line()] if self.watch else []),
             f"  violations: {sum(self.violations.values())} "
             + (str(self.violations) if self.violations else ""),
         ]
@@ -173,6 +184,17 @@ class Outcome:
                 f"{c['leases_extended']} leases extended at takeovers; "
                 f"{c['answers_attributed']} answers tied to their coordinator "
                 f"({c['answers_unattributed']} not)")
+
+    def _watch_line(self) -> str:
+        w = self.watch
+        errors = ", ".join(f"{n} {k}" for k, n in w["errors"].items()) or "none"
+        ends = ", ".join(f"{n} {k}" for k, n in w.get("stream_ends", {}).items()) or "none"
+        return (f"  watch: {w['delivered']} changes delivered of {w.get('expected', '?')} "
+                f"committed since it began, over {w['watches']} watches ({w['restarts']} "
+                f"restarts from a saved cursor; the SDK raised: {errors}; streams the SDK "
+                f"resumed: {ends}); {w['shards']} shards; {w['ended'] or 'no end'} "
+                f"{w['catch_up_s'] if w['catch_up_s'] is not None else '-'} s after the last "
+                "committed revisions were read")
 
     def _snapshot_line(self) -> str:
         s = self.snapshots
@@ -209,6 +231,16 @@ class _Single:
 
     def nemesis(self, procs: list[Any], log: Any, probe: Any) -> Nemesis:
         return Nemesis(self.srv, self.proxy, procs, log, probe)
+
+    def committed_tops(self) -> dict[str, int]:
+        """Each run's last committed revision (the server's file, read-only)."""
+        from _proc import connect_ro
+
+        db = connect_ro(self.srv.db_path)
+        try:
+            return dict(db.execute("SELECT run_id, max(revision) FROM changes GROUP BY run_id"))
+        finally:
+            db.close()
 
     def check_alive(self) -> None:
         if self.srv.proc is None or self.srv.proc.poll() is not None:
@@ -258,6 +290,12 @@ class _Coordinators:
     def nemesis(self, procs: list[Any], log: Any, probe: Any) -> Nemesis:
         return Nemesis(None, None, procs, log, probe, cluster=self.cl)
 
+    def committed_tops(self) -> dict[str, int]:
+        """Each run's last committed revision, as PostgreSQL has it now."""
+        with self.cl.pg.connect(self.cl.dbname) as conn:
+            return dict(conn.execute(
+                "SELECT run_id, max(revision) FROM fencepost.changes GROUP BY run_id").fetchall())
+
     def check_alive(self) -> None:
         if self.cl.shards and not self.cl.settled(30.0):
             raise RuntimeError("the shards are not all held after the nemesis:\n" + "\n".join(
@@ -281,6 +319,70 @@ class _Coordinators:
             self.cl.close()
 
 
+class _Watcher:
+    """The watcher process (torture/watcher.py): started, and ready once its
+    watch covers every shard; at the end told each shard's last committed
+    revision, which it reads up to before it exits."""
+
+    def __init__(self, out: Path, addrs: str | list[str], seed: int, certs: str | None,
+                 log: Any) -> None:
+        cfg = {"addr": addrs, "seed": seed, "out_dir": str(out), "certs": certs,
+               "name": WATCHER}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torture.watcher", json.dumps(cfg)], cwd=REPO,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO)))
+        self.log = out / "watch.log"
+        lines: queue.Queue[str] = queue.Queue()
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put("")
+
+        threading.Thread(target=read, name="torture-watcher-out", daemon=True).start()
+        try:
+            line = lines.get(timeout=WATCHER_READY_S)
+        except queue.Empty:
+            line = ""
+        if not line.startswith("ready "):
+            self.kill()
+            raise RuntimeError(f"the watcher did not watch every shard within "
+                               f"{WATCHER_READY_S:.0f} s:\n{self._tail()}")
+        self.count = int(line.split()[1])
+
+    def _tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-3000:]
+        return ""
+
+    def catch_up(self, tops: dict[str, int]) -> None:
+        from fencepost_server.core.shards import shard_of
+
+        upto: dict[int, int] = {}
+        for run_id, rev in tops.items():
+            shard = shard_of(run_id, self.count)
+            upto[shard] = max(upto.get(shard, 0), int(rev))
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it is gone: its exit code says why
+            self.proc.stdin.write(json.dumps({"upto": upto}) + "\n")
+            self.proc.stdin.flush()
+        try:
+            rc = self.proc.wait(CATCH_UP_S + 30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            rc = None
+        if rc != 0:
+            raise RuntimeError(f"the watcher exited {rc}:\n{self._tail()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        with contextlib.suppress(Exception):
+            self.proc.wait(10)
+
+
 def run(cfg: Config) -> Outcome:
     started = time.monotonic()
     out = cfg.out
@@ -288,7 +390,8 @@ def run(cfg: Config) -> Outcome:
     for old in (*out.glob("ops-*.jsonl"), *out.glob("snapshots-*.jsonl"), out / "faults.jsonl",
                 out / "fencepost.db", out / "fencepost.db-wal", out / "fencepost.db-shm",
                 out / "server.log", *out.glob("coordinator-*.log"), out / "cluster.jsonl",
-                out / "committed.db", out / "postgres.log"):
+                out / "committed.db", out / "postgres.log", out / "watch.jsonl",
+                out / "watch.log"):
         old.unlink(missing_ok=True)
     runs = [f"t{i}" for i in range(cfg.runs)]
     args: tuple[str, ...] = ("--test-hooks",)
@@ -300,7 +403,8 @@ def run(cfg: Config) -> Outcome:
         from .certs import client_credentials, torture_certs
 
         names = [f"w{i}.{t}" for i in range(cfg.workers) for t in range(cfg.threads)]
-        names += ["live", "final", "admin", *(f"probe{n}" for n in range(MAX_PROBES))]
+        names += ["live", "final", "admin", WATCHER,
+                  *(f"probe{n}" for n in range(MAX_PROBES))]
         cdir = out / "certs"
         shutil.rmtree(cdir, ignore_errors=True)
         torture_certs(cdir, names)
@@ -325,8 +429,12 @@ def run(cfg: Config) -> Outcome:
     nem_thread: threading.Thread | None = None
     liveness: list[dict[str, Any]] = []
     worker_problems: list[str] = []
+    watcher: _Watcher | None = None
     try:
         target.start()
+        files.append(open(out / "watch.log", "wb"))
+        # before any worker writes: every change committed from here on counts
+        watcher = _Watcher(out, target.worker_addrs, cfg.seed, certs, files[-1])
         now = time.monotonic_ns()
         deadline = now + int(cfg.duration_s * 1e9)
         hard_stop = deadline + int(cfg.drain_s * 1e9)
@@ -415,9 +523,12 @@ def run(cfg: Config) -> Outcome:
                     reader.read_snapshot(r)
             finally:
                 reader.close()
+        watcher.catch_up(target.committed_tops())
         target.stop(worker_problems, faults_log)
     finally:
         stop.set()
+        if watcher is not None:
+            watcher.kill()
         if nemesis is not None:
             nemesis.resume_all()
         for p in procs:
@@ -458,6 +569,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
     liveness = json.loads((out / "liveness.json").read_text())
     pg = cfg.store == "postgres"
     snap = load(out / ("committed.db" if pg else "fencepost.db"))
+    watched = Watched.load(out / "watch.jsonl")  # None: recorded before there was a watcher
     extra: list[Violation] = []
     figures: dict[str, Any] = {}
     extends: list[Op] = []
@@ -472,7 +584,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
                                for f in sorted(out.glob("coordinator-*.log")))
         checked = check_all(ops + extends, runs=runs, kills=kills, snap=snap, liveness=liveness,
                             liveness_bound_s=cfg.liveness_bound_s, server_log=server_log,
-                            budget=cfg.budget, sharded=True)
+                            budget=cfg.budget, sharded=True, watched=watched)
         t = time.perf_counter()
         moved, attributed = sharding.check_shard_epochs(ops, stl)
         extra += moved + sharding.check_exits(faults, stl)
@@ -498,7 +610,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
                                for f in sorted(out.glob("coordinator-*.log")))
         checked = check_all(ops + extends, runs=runs, kills=kills, snap=snap, liveness=liveness,
                             liveness_bound_s=cfg.liveness_bound_s, server_log=server_log,
-                            budget=cfg.budget)
+                            budget=cfg.budget, watched=watched)
         from fencepost_server.config import duration_ms
 
         t = time.perf_counter()
@@ -517,7 +629,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
         checked = check_all(ops, runs=runs, kills=kills, snap=snap, liveness=liveness,
                             liveness_bound_s=cfg.liveness_bound_s,
                             server_log=(out / "server.log").read_text(errors="replace"),
-                            budget=cfg.budget)
+                            budget=cfg.budget, watched=watched)
         extra += [Violation("clean-stop", f"restart #{f['restart']}: the clean stop (SIGTERM) "
                                           f"exited {f.get('exit')}, not 0")
                   for f in kills if f["kind"] == "term" and f.get("exit") != 0]
@@ -540,6 +652,8 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
         outcome.server_starts = figures["coordinator_starts"]
     if cfg.snapshots:
         outcome.snapshots = {"mode": cfg.snapshots, **stats.as_dict()}
+    if watched is not None:
+        outcome.watch = watched.summary()
     (out / "report.json").write_text(json.dumps(asdict(outcome), indent=1, default=str))
     (out / "report.txt").write_text(outcome.summary() + "\n")
     return outcome

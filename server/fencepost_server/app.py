@@ -196,14 +196,17 @@ class App:
         self._history = History(storage.reader)
         guarded: dict[str, Any] = {"authn": authn, "max_message_bytes": s.max_message_bytes,
                                    "gate": self.coordinator.gate}
+        ledger = LedgerService(
+            self.writer, self.hub, self._history, reads=reads,
+            max_tracked_per_stream=s.max_tracked_per_stream,
+            max_inflight_per_stream=s.max_inflight_per_stream,
+            shard_owner=self.shard_owner,
+            move_shard=self._move_shard if s.lead_shards else None,
+        )
+        if s.test_hooks:  # TEST-ONLY: a watch that leaves changes out (hooks.watch_drops)
+            ledger.watch.drops = hooks.watch_drops(s.fault)
         self.server = server(
-            LedgerService(
-                self.writer, self.hub, self._history, reads=reads,
-                max_tracked_per_stream=s.max_tracked_per_stream,
-                max_inflight_per_stream=s.max_inflight_per_stream,
-                shard_owner=self.shard_owner,
-                move_shard=self._move_shard if s.lead_shards else None,
-            ),
+            ledger,
             RunStoreService(self.writer, reads, backend=storage.backend),
             self.engine_store,
             max_concurrent_streams=s.max_concurrent_streams, instrument=instrument, **guarded)

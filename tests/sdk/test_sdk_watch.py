@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from _proxy import Proxy
 
 import fencepost
 from fencepost import ChangeKind, RevisionCompactedError, RunStatus, SyncClient, WatchEvent
+from fencepost.v1 import ledger_pb2 as pb
+from fencepost.v1 import ledger_pb2_grpc
 from fencepost_server.testing.clock import ManualClock
 from fencepost_server.testing.server import ServerThread
 
@@ -195,6 +201,84 @@ async def test_watch_of_an_unreachable_server_gives_up_with_unavailable() -> Non
     async with fencepost.Client("127.0.0.1:1", retry=retry) as client:
         with pytest.raises(fencepost.UnavailableError):
             await anext(client.watch())
+
+
+async def _stop_with_calls_waiting(srv: ServerThread, during: Callable[[], Awaitable[None]],
+                                   ) -> None:
+    """gRPC ends with CANCELLED, not UNAVAILABLE, the calls that reached a
+    server but no handler yet when it stops. Hold the server's loop; send a
+    call that takes the one call gRPC had ready for a handler; run ``during``
+    (the calls it makes now wait in gRPC); stop the gRPC server (they end
+    CANCELLED, the first UNAVAILABLE); start the server again on its port."""
+    held = threading.Event()
+
+    async def hold_then_stop() -> None:  # on the server's loop
+        held.set()
+        time.sleep(1.5)  # noqa: ASYNC251 - the loop held: what arrives waits in gRPC
+        await srv.app.server.stop(0)  # type: ignore[union-attr]
+
+    stopping = threading.Thread(target=srv.call, args=(hold_then_stop,))
+    stopping.start()
+    await asyncio.to_thread(held.wait, WAIT_S)
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        first = ledger_pb2_grpc.LedgerStub(ch).WatchRuns(pb.WatchRunsRequest())
+        await asyncio.sleep(0.2)
+        await during()
+        await asyncio.to_thread(stopping.join, 30)
+        assert await first.code() == grpc.StatusCode.UNAVAILABLE  # it had the handler's place
+    srv.stop()  # (the App: what the gRPC server's stop left)
+    srv.start()  # the same port
+
+
+async def test_a_watch_by_shards_resumes_when_a_stopping_server_cancels_its_new_stream(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A watch whose stream is reopened as its server stops (a coordinator
+    handing its shards over on SIGTERM, say) resumes when the server is back."""
+    srv = ServerThread(tmp_path / "w.db").start()
+    try:
+        with Proxy(srv.address) as proxy:
+            async with fencepost.Client(proxy.address, renewal="off") as client, \
+                    fencepost.Client(srv.address, renewal="off") as writer:
+                cursor = fencepost.WatchCursor()
+                events = Collector(client.watch(cursor=cursor))
+                await watching(srv)
+                await writer.acquire("before")
+                await events.wait_for(1)
+                caplog.set_level(logging.INFO, "fencepost.client")
+
+                async def reopen() -> None:  # the watch's stream reopened, on a new connection
+                    proxy.cut()
+                    proxy.mend()
+                    await asyncio.sleep(0.6)
+
+                await _stop_with_calls_waiting(srv, reopen)
+                await writer.acquire("after")
+                got = await events.wait_for(2)
+                assert [e.run_id for e in got] == ["before", "after"]
+                await events.close()
+    finally:
+        srv.close()
+    ends = [r.getMessage() for r in caplog.records if r.getMessage().startswith("watch ")]
+    assert any("ended (CANCELLED" in m for m in ends), ends
+
+
+async def test_a_read_sent_as_its_server_stops_is_retried(tmp_path: Path) -> None:
+    """A read (here the one a watch starts with) that a stopping server
+    ended CANCELLED is retried, as one that found it gone."""
+    srv = ServerThread(tmp_path / "r.db").start()
+    try:
+        async with fencepost.Client(srv.address, renewal="off") as client:
+            await client.acquire("r")
+            reads: list[asyncio.Task[Any]] = []
+
+            async def read() -> None:
+                reads.append(asyncio.create_task(client.get("r")))
+                await asyncio.sleep(0.6)
+
+            await _stop_with_calls_waiting(srv, read)
+            assert (await asyncio.wait_for(reads[0], 30)).run_id == "r"
+    finally:
+        srv.close()
 
 
 # -- sync ---------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ Across coordinators that lead shards apart: tests/system/test_lead_shards.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -150,6 +152,38 @@ async def test_the_sdk_resumes_a_watch_from_a_saved_cursor(server: ServerThread)
         with pytest.raises(ValueError, match="from_revision"):
             async for _ in client.watch(from_revision=3, cursor=resumed):
                 pass
+
+
+async def test_a_watch_backs_off_while_its_coordinator_is_gone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A watch by shards whose coordinator went away asks again after a
+    growing wait (25 ms, doubling up to 1 s), not every 25 ms, until its
+    retry policy gives up with UnavailableError."""
+    srv = ServerThread(tmp_path / "gone.db").start()
+    try:
+        policy = fencepost.RetryPolicy(total_timeout_s=3.0)
+        async with fencepost.Client(srv.address, renewal="off", retry=policy) as client:
+            cursor = fencepost.WatchCursor()
+
+            async def watch() -> None:
+                async for _ in client.watch(cursor=cursor):
+                    pass
+
+            task = asyncio.create_task(watch())
+            for _ in range(500):  # until every shard's stream started
+                if len(cursor.revisions) == SHARDS or task.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert len(cursor.revisions) == SHARDS
+            caplog.set_level(logging.INFO, "fencepost.client")
+            srv.stop()
+            with pytest.raises(fencepost.UnavailableError):
+                await asyncio.wait_for(task, 30)
+    finally:
+        srv.close()
+    ended = [r for r in caplog.records if r.getMessage().startswith("watch of shards")]
+    # 3 s of 25, 50, 100 ... 1000 ms waits: 9 tries at most (every 25 ms: over 100)
+    assert 1 <= len(ended) <= 12, [r.getMessage() for r in ended[:3]]
 
 
 @pytest.mark.parametrize("text", ["", "fpw2:0=1", "fpw1:0=1,0=2", "fpw1:a=1", "fpw1:1=-2",

@@ -112,3 +112,57 @@ def test_fence_ignores_owner_lets_another_owner_renew_until_stopped(tmp_path: Pa
         srv.close()
     with ServerThread(tmp_path / "f.db") as sound:
         assert renew_as_b(sound.address, run.fencing_token) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _watched_revisions(address: str, request: pb.WatchRunsRequest, upto: int) -> list[int]:
+    """The revisions a WatchRuns stream sends (changes only) until it has sent ``upto``."""
+    got: list[int] = []
+    with grpc.insecure_channel(address) as ch:
+        stream = ledger_pb2_grpc.LedgerStub(ch).WatchRuns(request, timeout=30)
+        for msg in stream:
+            if msg.run_id:
+                got.append(msg.revision)
+            if msg.revision >= upto:
+                stream.cancel()
+                break
+    return got
+
+
+def test_watch_drops_change_leaves_every_hundredth_revision_out(tmp_path: Path) -> None:
+    """The broken build the torture's ``watch`` checker must catch: WatchRuns
+    (by revision and by shards, replayed and live) never sends a change whose
+    revision is 50 modulo 100; without --test-hooks nothing is left out."""
+    made = [0]
+
+    def changes(address: str, n: int) -> None:  # one new run each: one change each
+        with grpc.insecure_channel(address) as ch:
+            ledger = ledger_pb2_grpc.LedgerStub(ch)
+            for _ in range(n):
+                made[0] += 1
+                ledger.Acquire(pb.AcquireRequest(run_id=f"r{made[0]}", owner="o"), timeout=10)
+
+    with ServerThread(tmp_path / "f.db", test_hooks=True, fault="watch-drops-change") as srv:
+        count = srv.writer.storage.shards
+        every = [pb.ShardCursor(shard=s, after_revision=0) for s in range(count)]
+        changes(srv.address, 120)
+        assert _watched_revisions(srv.address, pb.WatchRunsRequest(from_revision=1), 120) == [
+            r for r in range(1, 121) if r != 50]
+        assert _watched_revisions(srv.address, pb.WatchRunsRequest(shards=every), 120) == [
+            r for r in range(1, 121) if r != 50]
+        live: list[int] = []
+        with grpc.insecure_channel(srv.address) as ch:
+            stream = ledger_pb2_grpc.LedgerStub(ch).WatchRuns(
+                pb.WatchRunsRequest(shards=[pb.ShardCursor(shard=s) for s in range(count)]),
+                timeout=30)
+            assert next(stream).cursors  # the stream is open: what follows is live
+            changes(srv.address, 40)
+            for msg in stream:
+                live.append(msg.revision)
+                if msg.revision >= 160:
+                    stream.cancel()
+                    break
+        assert live == [r for r in range(121, 161) if r != 150]
+    with ServerThread(tmp_path / "g.db", fault="watch-drops-change") as sound:
+        changes(sound.address, 60)
+        assert _watched_revisions(sound.address, pb.WatchRunsRequest(from_revision=1), 60) == (
+            list(range(1, 61)))

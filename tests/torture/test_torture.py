@@ -3,7 +3,8 @@ mixed, fenced snapshot writes; on SQLite and on PostgreSQL with three
 coordinators) must find zero violations, the same run with unfenced snapshot
 writes must find stale snapshots, and deliberately broken server builds must
 be caught (the harness can fail) over the unary calls and over the Execute
-stream, and across failovers. Longer runs: ``make torture DURATION=900`` (docs/RELIABILITY.md)."""
+stream, across failovers, and in the change feed the SDK's watch reads
+(every run has a watcher). Longer runs: ``make torture DURATION=900`` (docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,13 @@ def test_torture_fixed_seed_has_zero_violations(tmp_path: Path, mode: str) -> No
     snaps = outcome.snapshots
     assert snaps["mode"] == "fenced" and snaps["writes"] >= (100 if pg else 200), snaps
     assert snaps["refused_stale"] >= (1 if pg else 5) and snaps["stale_accepted"] == 0, snaps
+    # the SDK's watch ran through it all (0 violations: every change delivered once),
+    # its streams ended by the faults and resumed, and it restarted from saved cursors
+    w = outcome.watch
+    assert w["delivered"] >= w["expected"] >= 1000 and w["restarts"] >= 3, w
+    assert w["stream_ends"].get("UNAVAILABLE", 0) >= 1, w
+    if mode == "shards":  # and followed shards to their new owners
+        assert w["stream_ends"].get("NOT_OWNER", 0) >= 1, w
 
 
 @pytest.mark.slow
@@ -138,6 +146,31 @@ def test_unfenced_snapshots_leave_stale_snapshots_behind(tmp_path: Path) -> None
     assert snaps["stale_accepted"] >= 1 and snaps["refused"] == 0, snaps
     assert set(outcome.violations) == {"stale-snapshot"}, outcome.summary()
     assert outcome.violations["stale-snapshot"] == snaps["stale_accepted"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_watch_that_drops_changes_is_caught(tmp_path: Path) -> None:
+    """A server whose WatchRuns never sends one change in a hundred (``--fault
+    watch-drops-change``): the watcher, resuming through the faults and from
+    saved cursors, cannot get them back, and the ``watch`` checker names
+    every one of them and nothing else."""
+    from _history import load
+
+    from fencepost_server.testing.hooks import drops_change
+
+    outcome = _run(tmp_path, duration_s=15.0, fault="watch-drops-change")
+    dropped = {c.revision for c in load(tmp_path / "torture" / "fencepost.db").changes
+               if drops_change(c.revision)}
+    assert dropped, outcome.summary()
+    assert set(outcome.violations) == {"watch"}, outcome.summary()
+    missed = {int(m) for d in outcome.violation_details
+              for m in re.findall(r"^\[watch\] t\d rev (\d+) \(shard \d+\): .* never delivered", d)}
+    assert missed == dropped, outcome.summary()
+    # (the last change of a shard dropped: the catch-up also falls short, and says so)
+    others = [d for d in outcome.violation_details if "never delivered" not in d]
+    assert all("did not reach the last committed revision" in d for d in others), others
+    assert outcome.watch["restarts"] >= 1, outcome.watch
 
 
 @pytest.mark.slow

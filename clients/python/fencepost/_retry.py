@@ -142,6 +142,9 @@ async def call_with_retry(
     An attempt with no answer goes to ``reroute`` too: the next attempt,
     after the backoff, goes where it says (the shard's owner now).
 
+    A read ended CANCELLED is retried as after UNAVAILABLE: gRPC cancels the
+    calls that reached a server but no handler yet when it stops.
+
     For a mutation, once any attempt ended without an answer the outcome is
     unknown, and the final error is ``OutcomeUnknownError`` even when the last
     attempt was refused with STORAGE_UNAVAILABLE or NOT_LEADER (an earlier
@@ -224,7 +227,8 @@ async def call_with_retry(
                         else REROUTED_MAX_S)
         exhausted = (
             final
-            or code is not grpc.StatusCode.UNAVAILABLE
+            or not (code is grpc.StatusCode.UNAVAILABLE
+                    or (code is grpc.StatusCode.CANCELLED and not mutation))
             or (policy.max_attempts is not None and attempts >= policy.max_attempts)
             or loop.time() + delay > deadline
         )

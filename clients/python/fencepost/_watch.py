@@ -36,6 +36,15 @@ _ENTRY = re.compile(r"(0|[1-9][0-9]*)=(0|[1-9][0-9]*)")
 _FIRST_RETRY_S = 0.025
 _MAX_RETRY_S = 1.0
 _QUEUED = 256  # messages read ahead of the caller (then the streams' flow control holds)
+# How a stream may end and be watched again after its cursor: UNAVAILABLE (the
+# server gone or stopping, a shard moved), STREAM_TOO_SLOW, and CANCELLED,
+# which gRPC gives the calls that reached a stopping server before a handler.
+_RESUMED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
+def resumable(exc: FencepostError) -> bool:
+    """Whether a watch stream that ended with ``exc`` is opened again."""
+    return exc.grpc_code in _RESUMED or isinstance(exc, StreamTooSlowError)
 
 
 class WatchCursor:
@@ -147,16 +156,17 @@ async def watch_by_shards(
                 yield watch_event_from_pb(msg, shard=msg.shard)
                 continue
             # a stream ended: its shards are watched again where they are led now
-            if failed is not None and not (failed.grpc_code is grpc.StatusCode.UNAVAILABLE
-                                           or isinstance(failed, StreamTooSlowError)):
+            if failed is not None and not resumable(failed):
                 raise failed
             if isinstance(failed, NotOwnerError):
                 await connection.learn(failed)
             log.info("watch of shards %s ended (%s); resuming each after its revision",
                      sorted(shards)[:8], failed or "closed by the server")
             last_failure = failed
-            if not pending:  # the first to end since all streamed: asked again shortly
+            if stuck_since is None:  # the first to end since all streamed: asked again shortly
                 retry_at, wait = loop.time() + _FIRST_RETRY_S, 2 * _FIRST_RETRY_S
+            elif not pending:  # ended before it streamed: asked again after the backoff
+                retry_at, wait = loop.time() + wait, min(wait * 2, _MAX_RETRY_S)
             pending |= shards
             fresh = True
             if stuck_since is None:

@@ -157,7 +157,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     p.add_argument(
         "--fault",
-        choices=["ack-before-commit", "fence-ignores-owner", "no-epoch-check"],
+        choices=["ack-before-commit", "fence-ignores-owner", "no-epoch-check",
+                 "watch-drops-change"],
         help="TEST ONLY: a deliberately broken build proving the torture checkers can "
         "fail; honoured only with --test-hooks (env FENCEPOST_FAULT)",
     )

@@ -4,6 +4,7 @@ changes the hub offers the watch, each as a WatchRunsResponse."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -53,6 +54,8 @@ class WatchHandler:
         self.writer = writer
         self.hub = hub
         self.history = history
+        # TEST-ONLY broken build (--fault watch-drops-change): revisions never sent
+        self.drops: Callable[[int], bool] | None = None
 
     async def __call__(
         self, request: pb.WatchRunsRequest, context: grpc.aio.ServicerContext
@@ -165,6 +168,8 @@ class WatchHandler:
                     continue
                 if rec is not None and out_of_range(rec) is not None:
                     continue  # stored past the bound (by hand): never served
+                if self.drops is not None and self.drops(rev):
+                    continue
                 if not watch.run_ids or run_id in watch.run_ids:
                     msg = watch_message(rev, kind, run_id, rec)
                     msg.shard = shard
@@ -180,6 +185,8 @@ class WatchHandler:
             watch.uncharge(1)
             shard = shard_of(ev.run_id, count)
             if ev.revision <= cursors[shard]:  # a cursor from the future: not there yet
+                continue
+            if self.drops is not None and self.drops(ev.revision):
                 continue
             msg = watch_message(ev.revision, ev.kind, ev.run_id, ev.record)
             msg.shard = shard
@@ -200,6 +207,8 @@ class WatchHandler:
                 for rev, run_id, kind, rec in rows:
                     if rec is not None and out_of_range(rec) is not None:
                         continue  # stored past the bound (by hand): never served
+                    if self.drops is not None and self.drops(rev):
+                        continue
                     if not watch.run_ids or run_id in watch.run_ids:
                         await context.write(watch_message(rev, kind, run_id, rec))
                 nxt = rows[-1][0] + 1
@@ -208,5 +217,7 @@ class WatchHandler:
             ev = await queue.get()
             watch.uncharge(1)
             if ev.revision < start:  # from_revision in the future: not there yet
+                continue
+            if self.drops is not None and self.drops(ev.revision):
                 continue
             await context.write(watch_message(ev.revision, ev.kind, ev.run_id, ev.record))

@@ -14,8 +14,9 @@ from typing import Any
 from ..core import ledger
 from ..core.placement import Ownership
 
-FAULTS = ("ack-before-commit", "fence-ignores-owner", "no-epoch-check")
+FAULTS = ("ack-before-commit", "fence-ignores-owner", "no-epoch-check", "watch-drops-change")
 ACK_DELAY_S = 0.2  # ack-before-commit: how long an answered batch stays uncommitted
+DROP_EVERY = 100  # watch-drops-change: one revision in this many is never sent to a watch
 
 _HANDLE_COMMANDS = (ledger.Renew, ledger.RecordCheckpoint, ledger.Suspend, ledger.Finish,
                     ledger.Release)
@@ -48,6 +49,17 @@ def ack_before_commit(answer_now: Callable[[], None]) -> None:
     so a SIGKILL in between loses acknowledged writes. Writer thread."""
     answer_now()
     time.sleep(ACK_DELAY_S)
+
+
+def drops_change(revision: int) -> bool:
+    """watch-drops-change: WatchRuns never sends the change at this revision,
+    replayed or live, so a watcher misses it for good."""
+    return revision % DROP_EVERY == DROP_EVERY // 2
+
+
+def watch_drops(fault: str) -> Callable[[int], bool] | None:
+    """The revisions WatchRuns leaves out with ``fault`` (None: none)."""
+    return drops_change if fault == "watch-drops-change" else None
 
 
 def static_ownership(spec: str, shards: int, address: str) -> Ownership:
