@@ -66,6 +66,9 @@ LOST = re.compile(r"lost leadership \(epoch (\S+)\): (.*)")
 TOOK = re.compile(r"took shards (\S+)")
 LEADING_SHARDS = re.compile(r"leading shards \[([\d, ]*)\]: (\d+) leases extended \((\d+) claims "
                             r"and locks\) in \S+ s, from revision (\d+)")
+# a take's lease extensions, committed (logged whether or not it then leads the shards)
+SHARDS_EXTENDED = re.compile(r"shards \[([\d, ]*)\] taken: (\d+) leases extended \((\d+) claims "
+                             r"and locks\), from revision (\d+)")
 GAVE_UP = re.compile(r"(handed over|gave up) shards \[([\d, ]*)\] \((\d+) runs\)")
 LOST_SHARDS = re.compile(r"lost shards (\S+): (.*)")
 HOLDER_PID = re.compile(r"/(\d+)/")
@@ -183,6 +186,9 @@ class Coordinator:
                 self.events.write(**base, what="lost", epoch=m[1], why=m[2].strip())
             elif m := TOOK.search(line):
                 self.events.write(**base, what="took", shards=shard_list(m[1]))
+            elif m := SHARDS_EXTENDED.search(line):
+                self.events.write(**base, what="extended-shards", shards=shard_list(m[1]),
+                                  leases=int(m[2]), others=int(m[3]), first=int(m[4]))
             elif m := LEADING_SHARDS.search(line):
                 self.events.write(**base, what="leading-shards", shards=shard_list(m[1]),
                                   leases=int(m[2]), others=int(m[3]), first=int(m[4]))

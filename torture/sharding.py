@@ -4,9 +4,10 @@ single leader's epoch checks of torture/failover.py.
 
 The coordinators' timeline (``cluster.jsonl``, torture/coordinators.py)
 says which process ran in which slot when, which shards each admitted
-("leading shards", with the leases its take extended and the revision of
-the first), gave up, handed over or lost, and when each shard row's epoch
-moved and to whom (a watcher polls the rows). With it:
+("leading shards"), the leases each take extended and the revision of the
+first (logged as committed: "shards [..] taken"), which it gave up, handed
+over or lost, and when each shard row's epoch moved and to whom (a watcher
+polls the rows). With it:
 
 * **Lease extensions.** A take extends leases (SPEC §13) in writes no
   client made: revisions ``first .. first + leases - 1`` of the line. They
@@ -81,7 +82,7 @@ def extensions(st: ShardTimeline, snap: Any) -> tuple[list[Op], list[Violation]]
     prev_of = snap.previous()
     ops: list[Op] = []
     bad: list[Violation] = []
-    for e in st.of("leading-shards"):
+    for e in st.of("extended-shards"):  # as committed (a take may never lead them)
         if not e["leases"]:
             continue
         taken = set(e["shards"])
@@ -207,7 +208,7 @@ def summary(st: ShardTimeline, faults: list[dict[str, Any]]) -> dict[str, Any]:
         "shards_handed_over": shards_in("handed-over"),
         "shards_given_up": shards_in("gave-up"),
         "shards_lost": shards_in("lost-shards"),
-        "leases_extended": sum(e["leases"] for e in st.of("leading-shards")),
+        "leases_extended": sum(e["leases"] for e in st.of("extended-shards")),
         "kill_to_settled_s": {
             "n": len(settle),
             "median": round(settle[len(settle) // 2], 2) if settle else None,

@@ -39,7 +39,7 @@ PUBLIC_API = {
     "RunSuspendedError", "ShuttingDownError", "StorageFullError", "StorageUnavailableError",
     "StreamTooSlowError",
     "Stubs", "Suspension", "SyncClient", "SyncLease", "SyncStubs", "UnauthenticatedError",
-    "UnavailableError", "ValidationError", "WatchEvent",
+    "UnavailableError", "ValidationError", "WatchCursor", "WatchEvent",
     "__version__", "can_transition", "is_terminal",
     "LockLostError", "StoreTransaction", "SyncStoreTransaction", "NotLeaderError", "NotOwnerError",
     # the middle layers of the error tree, and misuse (fencepost._errors)

@@ -22,6 +22,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -367,14 +368,21 @@ def test_a_watch_across_coordinators_follows_a_moved_shard_and_resumes_from_its_
             cursor = fencepost.WatchCursor()
             seen: list[fencepost.WatchEvent] = []
 
-            async def watch(cursor: fencepost.WatchCursor, until: int) -> None:
+            async def watch(cursor: fencepost.WatchCursor, done: Any) -> None:
                 async for ev in client.watch(cursor=cursor):
                     seen.append(ev)
-                    if len(seen) == until:
+                    if done():
                         return
 
-            # each run: acquire, checkpoint, finish (versions 1-3), while the shard moves
-            watcher = asyncio.create_task(watch(cursor, 3 * len(runs)))
+            finals: dict[str, int] = {}  # each run's last version, once written
+
+            def all_seen() -> bool:
+                got = {(e.run_id, e.record.version) for e in seen if e.record}
+                return len(finals) == len(runs) and all((r, v) in got for r, v in finals.items())
+
+            # each run: acquire, checkpoint, finish, while the shard moves (a take
+            # extending a run's lease is a change of its own: a version more)
+            watcher = asyncio.create_task(watch(cursor, all_seen))
             for _ in range(500):  # until both coordinators' streams started
                 if len(cursor.revisions) == SHARDS:
                     break
@@ -396,9 +404,15 @@ def test_a_watch_across_coordinators_follows_a_moved_shard_and_resumes_from_its_
             await _until(lambda: _led_at(coordinators, shard, b.address), 20)
             await writing
             await writers(runs[60:])
-            await asyncio.wait_for(watcher, 30)
+            for r in runs:
+                finals[r] = (await client.get(r)).version
+            if all_seen():  # nothing more to come: the watch waits on
+                watcher.cancel()
+            else:
+                await asyncio.wait_for(watcher, 30)
             got = collections.Counter((e.run_id, e.record.version) for e in seen if e.record)
-            assert got == collections.Counter((r, v) for r in runs for v in (1, 2, 3))
+            assert got == collections.Counter(
+                (r, v) for r in runs for v in range(1, finals[r] + 1))
             assert all(e.shard == shard_of(e.run_id, SHARDS) for e in seen)
             # per shard, in revision order
             for s in range(SHARDS):
@@ -410,7 +424,8 @@ def test_a_watch_across_coordinators_follows_a_moved_shard_and_resumes_from_its_
             for r in missed:
                 await client.acquire(r, ttl_ms=30_000)
             seen.clear()
-            await asyncio.wait_for(watch(fencepost.WatchCursor.decode(saved), len(missed)), 30)
+            await asyncio.wait_for(watch(fencepost.WatchCursor.decode(saved),
+                                         lambda: len(seen) == len(missed)), 30)
             assert sorted(e.run_id for e in seen) == sorted(missed)
     asyncio.run(go())
 

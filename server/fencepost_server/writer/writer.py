@@ -599,6 +599,11 @@ class Writer:
         if done.renewed:
             self.renewals.committed(done.renewed, self.state.runs)
         for item, answer in zip(batch, done.answers, strict=True):
+            if type(item.cmd) is L.TakeShards and isinstance(answer, L.LeasesExtended):
+                # logged as committed, whether or not the take goes on to lead them
+                log.info("shards %s taken: %d leases extended (%d claims and locks), from "
+                         "revision %d", sorted(item.cmd.shards), answer.runs, answer.others,
+                         answer.first_revision)
             item.deliver(answer)
         if done.events:
             for listener in list(self._listeners):
