@@ -44,7 +44,7 @@ def _timeline(*extra: dict[str, Any]) -> ShardTimeline:
          "seen": 1 * MS, "t": 1 * MS},
         {"kind": "shard", "shard": S, "epoch": 2, "prev": 1, "pid": 11, "before": 90 * MS,
          "seen": 101 * MS, "t": 101 * MS},
-        {"kind": "line", "slot": 1, "pid": 11, "what": "leading-shards", "shards": [S],
+        {"kind": "line", "slot": 1, "pid": 11, "what": "extended-shards", "shards": [S],
          "leases": 1, "others": 0, "first": 1 << 24, "t": 104 * MS},
         *extra,
     ]
