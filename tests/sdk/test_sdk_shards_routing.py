@@ -187,6 +187,30 @@ async def test_owners_naming_each_other_end_in_not_owner_error(
     assert sa.writer.state.revision == 0 and sb.writer.state.revision == 0  # nothing done
 
 
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+async def test_owners_naming_each_other_are_followed_until_one_leads(
+    crossed: tuple[ServerThread, ServerThread], transport: str
+) -> None:
+    """Mid-move, the coordinator giving a shard up names the other, which names
+    it back until it is told: the call goes on following the named owner, a
+    moment apart each time, and lands where the shard ends up led."""
+    sa, sb = crossed
+    run = _key_in({0})
+
+    async def told() -> None:  # A learns it leads shard 0 (B still names A)
+        await asyncio.sleep(0.3)
+        sa.writer.lead_only(placement.Ownership(SHARDS, range(SHARDS),
+                                      dict.fromkeys(range(SHARDS), (sa.address, 2))))
+
+    async with fencepost.Client(sa.address, owner="w", renewal="off",
+                                transport=transport) as client:
+        telling = asyncio.create_task(told())
+        lease = await asyncio.wait_for(client.acquire(run, ttl_ms=30_000), 5)
+        await telling
+        assert lease.fencing_token == 1
+    assert sa.writer.state.runs[run].lease is not None and run not in sb.writer.state.runs
+
+
 def _samples() -> dict[str, Any]:
     """A valid request of each command kind, fenced where it may be."""
     fence = epb.Fence(run_id="fr", fencing_token=1)

@@ -41,8 +41,8 @@ Attempt = Callable[["Endpoint", float | None], Awaitable[T]]
 Reroute = Callable[[FencepostError], Awaitable["tuple[Endpoints, Attempt[T]] | None"]]
 
 # A call refused NOT_OWNER by an owner naming the one that sent it there, or
-# this many times in a row (owners naming each other: a shard mid-move), is
-# tried again there after IN_TRANSIT_S, for at most MOVE_WINDOW_S of such
+# this many times in a row (owners naming each other: a shard mid-move), goes
+# on to the owner named after IN_TRANSIT_S, for at most MOVE_WINDOW_S of such
 # refusals; then NotOwnerError (a map that stays wrong).
 MAX_OWNER_HOPS = 3
 MOVE_WINDOW_S = 2.0
@@ -134,11 +134,11 @@ async def call_with_retry(
     A ``NotOwnerError`` (the coordinator leads other shards) goes to
     ``reroute``: the next attempt goes to the owner it names at once, with the
     same request id, neither counted nor delayed by the policy, at most
-    ``MAX_OWNER_HOPS`` times in a row; with no owner named, or naming back
-    the owner that sent it (owners naming each other mid-move: the one sent
-    to is asked again, for up to ``MOVE_WINDOW_S``), after ``IN_TRANSIT_S``,
-    until the deadline. Without ``reroute``, or past the window, it is
-    raised.
+    ``MAX_OWNER_HOPS`` times in a row; with no owner named (asked again
+    there), or naming back the owner that sent it (owners naming each other
+    mid-move: followed still, for up to ``MOVE_WINDOW_S``), after
+    ``IN_TRANSIT_S``, until the deadline. Without ``reroute``, or past the
+    window, it is raised.
     An attempt with no answer goes to ``reroute`` too: the next attempt,
     after the backoff, goes where it says (the shard's owner now).
 
@@ -185,15 +185,11 @@ async def call_with_retry(
             unknown = exc
         tried[endpoint.address] = _failure(exc)
         rerouted = final = False
-        if isinstance(exc, NotOwnerError) and exc.owner and reroute is not None and (
-                named.get(exc.owner) == endpoint.address or owner_hops >= MAX_OWNER_HOPS):
-            # owners naming each other: a move under way, this one (named by the one
-            # handing the shard over) takes it within moments: asked again shortly
-            crossed = loop.time() if crossed is None else crossed
-            final = loop.time() - crossed > MOVE_WINDOW_S
-            owner_hops = 0
-            rerouted = True
-        elif isinstance(exc, NotOwnerError):
+        if isinstance(exc, NotOwnerError):
+            # owners naming each other (a move under way, one of them not told yet):
+            # followed still, but after a moment each time, until one of them leads it
+            crossing = bool(exc.owner) and (named.get(exc.owner) == endpoint.address
+                                            or owner_hops >= MAX_OWNER_HOPS)
             if exc.owner:
                 named[endpoint.address] = exc.owner
             routed = None if reroute is None else await reroute(exc)
@@ -201,11 +197,15 @@ async def call_with_retry(
                 final = True  # the same coordinator would refuse it again
             else:
                 endpoints, attempt = routed
-                if exc.owner:  # at once, as a redirection rather than a retry
+                if exc.owner and not crossing:  # at once, as a redirection, not a retry
                     owner_hops += 1
                     attempts -= 1
                     continue
-                rerouted = True  # in transit: asked again shortly
+                if crossing:
+                    crossed = loop.time() if crossed is None else crossed
+                    final = loop.time() - crossed > MOVE_WINDOW_S
+                    owner_hops = 0
+                rerouted = True  # in transit or crossing: asked again shortly
         elif (reroute is not None and exc.grpc_code is grpc.StatusCode.UNAVAILABLE
               and not isinstance(exc, NotLeaderError)):
             # no answer: with routing on, the shard may be led elsewhere now

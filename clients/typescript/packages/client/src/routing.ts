@@ -6,7 +6,7 @@
 // one KeepAlive stream per coordinator. A call refused with NOT_OWNER is
 // sent at once, with the same request id, to the owner the refusal names (a
 // few hops in a row; one naming back the coordinator that sent it there is
-// asked again every 25 ms for up to 2 s, then NotOwnerError);
+// followed 25 ms later each time, for up to 2 s, then NotOwnerError);
 // a later refusal refreshes the map,
 // at most once every MAP_REFRESH_MS. A lease whose renewal is refused with
 // NOT_OWNER is tracked and renewed at the new owner by itself.
@@ -177,8 +177,8 @@ export class Router {
         throw err;
       }
       const transit = !refused.owner; // counted in time, not in hops
-      // naming back the one that sent the call here (owners naming each other mid-move):
-      // this one, named by the one handing the shard over, takes it within moments
+      // naming back the one that sent the call here (owners naming each other mid-move,
+      // one of them not told yet): followed still, a moment later each time
       const back = !transit && (named.get(refused.owner) === c.address || hop >= MAX_HOPS);
       if (!transit) named.set(c.address, refused.owner);
       if (back) crossed ??= performance.now();
@@ -191,12 +191,11 @@ export class Router {
         });
       }
       if (back) {
-        await sleep(IN_TRANSIT_MS); // asked again where it was sent
+        await sleep(IN_TRANSIT_MS); // followed still, a moment later: one of them leads it soon
         hop = 0;
-      } else {
-        c = await this.refused(refused, c, hop);
-        if (!transit) hop++;
       }
+      c = await this.refused(refused, c, hop);
+      if (!transit && !back) hop++;
       try {
         return await attempt(c);
       } catch (e) {
