@@ -335,6 +335,11 @@ class App:
         assert self.writer is not None
         return self.writer.state
 
+    @property
+    def history(self) -> History | None:
+        """The runs table and change log, read apart from the writer."""
+        return self._history
+
     async def run_history(self, run_id: str, limit: int) -> list[Any]:
         """One run's retained changes, oldest first (read off the loop)."""
         assert self._history is not None

@@ -434,6 +434,50 @@ async def _led_at(coordinators: Coordinators, shard: int, address: str) -> None:
     assert coordinators.owners().get(shard) == address
 
 
+def test_the_dashboard_lists_every_shards_runs_in_order_with_paging(
+        db_url: str, tmp_path: Path) -> None:
+    web = free_port()
+    group = Coordinators(db_url, tmp_path, 2)
+    a = group.procs[0]
+    a.args = tuple(x if x != "off" else f"127.0.0.1:{web}" for x in a.args)
+    try:
+        for p in group.procs:
+            p.start()
+        owners = group.wait_balanced(group.procs)
+        runs = sorted(_runs("dash", 30))
+        assert {owners[shard_of(r, SHARDS)] for r in runs} == {a.address, group.procs[1].address}
+
+        async def write() -> None:
+            async with fencepost.Client(a.address, owner="w", renewal="off") as client:
+                for r in runs:
+                    await client.acquire(r, ttl_ms=60_000)
+        asyncio.run(write())
+
+        def get(path: str) -> Any:
+            with urllib.request.urlopen(f"http://127.0.0.1:{web}{path}", timeout=10) as resp:
+                return json.loads(resp.read())
+
+        listed: list[str] = []
+        after = ""
+        while True:  # pages of 7, in run-id order, across both coordinators' shards
+            page = get(f"/api/runs?prefix=dash-&limit=7{f'&after={after}' if after else ''}")
+            ids = [d["run_id"] for d in page["runs"]]
+            listed += ids
+            if not page["has_next"]:
+                break
+            after = ids[-1]
+        assert listed == runs
+        back = get(f"/api/runs?prefix=dash-&limit=3&before={runs[4]}")
+        assert [d["run_id"] for d in back["runs"]] == runs[1:4]
+        assert get("/api/runs?prefix=dash-&limit=1")["total"] >= len(runs)
+        # a run led by the other coordinator opens with its record and history
+        elsewhere = next(r for r in runs if owners[shard_of(r, SHARDS)] != a.address)
+        doc = get(f"/api/runs/{elsewhere}")
+        assert doc["run"]["run_id"] == elsewhere and doc["timeline"]
+    finally:
+        group.close()
+
+
 def test_a_transaction_across_two_coordinators_is_refused_naming_both_shards(
         coordinators: Coordinators) -> None:
     import grpc

@@ -40,6 +40,40 @@ class HistoryReader:
             for rev, run_id, kind, text in rows
         ]
 
+    def stored_runs(self, statuses: list[int], owner: str, limit: int, prefix: str,
+                    after: str | None, before: str | None) -> list[Record]:
+        """Up to ``limit`` records of the runs table (every shard's, where
+        coordinators lead shards apart), filtered and paged as ``page_runs``:
+        run-id order past ``after``, or backwards below ``before``."""
+        sql, args = "SELECT record FROM runs WHERE 1 = 1", list[object]()
+        if statuses:
+            sql += f" AND status IN ({','.join('?' * len(statuses))})"
+            args += statuses
+        if owner:
+            sql += " AND owner = ?"
+            args.append(owner)
+        if prefix:
+            sql += " AND substr(run_id, 1, ?) = ?"
+            args += [len(prefix), prefix]
+        if before is not None:
+            sql += " AND run_id < ? ORDER BY run_id DESC"
+            args.append(before)
+        else:
+            if after is not None:
+                sql += " AND run_id > ?"
+                args.append(after)
+            sql += " ORDER BY run_id"
+        rows = self._conn().execute(sql + " LIMIT ?", (*args, limit)).fetchall()
+        return [record_from_dict(_loads(text)) for (text,) in rows]
+
+    def stored_run(self, run_id: str) -> Record | None:
+        row = self._conn().execute("SELECT record FROM runs WHERE run_id = ?",
+                                   (run_id,)).fetchone()
+        return None if row is None else record_from_dict(_loads(row[0]))
+
+    def stored_count(self) -> int:
+        return int(self._conn().execute("SELECT count(*) FROM runs").fetchone()[0])
+
     def pruned_by_shard(self) -> dict[int, int]:
         """Where coordinators lead shards apart (PostgreSQL): per shard, the
         highest revision pruned from its history (absent: none)."""

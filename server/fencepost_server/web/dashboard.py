@@ -64,7 +64,7 @@ from ..core.errors import Code, LedgerError, validation
 from ..core.records import KIND_DELETE, Record, Status
 from ..metrics import CONTENT_TYPE, Metrics
 from ..tls import ContextFiles
-from ..writer import ChangeEvent, Reads, Writer
+from ..writer import ChangeEvent, History, Reads, Writer
 from .queries import engine_doc, record_doc, timeline
 
 log = logging.getLogger("fencepost.web")
@@ -191,6 +191,9 @@ class Source(Protocol):
     def metrics(self) -> Metrics | None: ...
     @property
     def serving(self) -> bool: ...
+
+    @property
+    def history(self) -> History | None: ...
 
     def shard_owner(self) -> tuple[str, str, int]: ...
 
@@ -477,8 +480,16 @@ class Dashboard:
         revision = state.revision
 
         backward = before is not None  # the page before `before`, walking backwards
-        page, more = await reads.page_runs(frozenset(statuses), owner or "", limit,
-                                           prefix=prefix, after=after, before=before)
+        stored = self.source.history if writer.storage.sharing else None
+        if stored is not None:  # every shard's runs, whoever leads them
+            page, more = await stored.stored_runs(frozenset(statuses), owner or "", limit,
+                                                  prefix=prefix, after=after, before=before)
+            # those led here as memory has them (a lease renewed from memory)
+            page = [state.runs.get(r.run_id, r) if writer.leads_key(r.run_id) else r
+                    for r in page]
+        else:
+            page, more = await reads.page_runs(frozenset(statuses), owner or "", limit,
+                                               prefix=prefix, after=after, before=before)
         if backward:
             page.reverse()
             has_prev, has_next = more, True
@@ -489,7 +500,7 @@ class Dashboard:
             "has_prev": has_prev and bool(page),
             "has_next": has_next and bool(page),
             "revision": revision,
-            "total": len(state.index),
+            "total": len(state.index) if stored is None else await stored.stored_count(),
             "now": self.source.clock.now_ms(),
         })
 
@@ -497,6 +508,11 @@ class Dashboard:
         run_id = validate.run_id(request.match_info["run_id"])
         assert self.source.reads is not None
         rec = await self.source.reads.read_run(run_id)
+        stored = self.source.history
+        writer = self.source.writer
+        if (rec is None and stored is not None and writer is not None
+                and writer.storage.sharing and not writer.leads_key(run_id)):
+            rec = await stored.stored_run(run_id)  # led elsewhere: as last committed
         changes = await self.source.run_history(run_id, HISTORY_LIMIT)
         if rec is None and not changes:
             return _error(LedgerError(Code.RUN_NOT_FOUND, f"run {run_id!r} not found"))

@@ -275,6 +275,22 @@ class History:
         """Changes ``from_revision``..``to_revision``, oldest first, at most ``limit``."""
         return await self._call(self._history.read, from_revision, to_revision, limit)
 
+    async def stored_runs(self, statuses: frozenset[Status], owner: str, limit: int, *,
+                          prefix: str = "", after: str | None = None,
+                          before: str | None = None) -> tuple[list[Record], bool]:
+        """``page_runs`` over the runs table: where coordinators lead shards
+        apart, every shard's runs as last committed (a lease renewed from
+        memory elsewhere shows its stored expiry)."""
+        got = await self._call(self._history.stored_runs, sorted(int(s) for s in statuses),
+                               owner, limit + 1, prefix, after, before)
+        return got[:limit], len(got) > limit
+
+    async def stored_run(self, run_id: str) -> Record | None:
+        return await self._call(self._history.stored_run, run_id)
+
+    async def stored_count(self) -> int:
+        return await self._call(self._history.stored_count)
+
     async def pruned_by_shard(self) -> dict[int, int]:
         """Where coordinators lead shards apart: each shard's highest pruned revision."""
         return await self._call(self._history.pruned_by_shard)
