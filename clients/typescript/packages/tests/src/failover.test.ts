@@ -5,13 +5,11 @@
 // lifecycle completes, each command is applied once (token 1, attempt 1),
 // no lease is lost, and the watch goes on with no gap and no duplicate.
 import assert from "node:assert/strict";
-import { spawn, type ChildProcessWithoutNullStreams } from "node:child_process";
-import { dirname, join } from "node:path";
+import type { ChildProcessWithoutNullStreams } from "node:child_process";
 import { createInterface, type Interface } from "node:readline";
-import { fileURLToPath } from "node:url";
 import { after, before, describe, it } from "node:test";
 import { FencepostClient, LeaseLostError, type Lease } from "@fencepost/client";
-import { findFencepostBin } from "@fencepost/client/testing";
+import { startCoordinators } from "./pg-coordinators.js";
 
 const BURST = 20; // acquires in flight when the leader dies
 const WORKERS = 4; // lifecycles running through the failover
@@ -35,16 +33,7 @@ class Group {
   }
 
   static async start(): Promise<Group | string> {
-    const python = join(dirname(findFencepostBin()), "python");
-    const script = join(dirname(fileURLToPath(import.meta.url)), "..", "helpers", "pg_coordinators.py");
-    const child = spawn(python, [script], { stdio: ["pipe", "pipe", "pipe"] });
-    let err = "";
-    child.stderr.on("data", (d) => { err = (err + d).slice(-5000); });
-    const first = await new Promise<string>((resolve, reject) => {
-      const rl = createInterface({ input: child.stdout });
-      rl.once("line", (l) => { rl.close(); resolve(l); });
-      child.once("exit", (code) => reject(new Error(`pg_coordinators exited ${code}: ${err}`)));
-    });
+    const { child, first } = await startCoordinators([]);
     const msg = JSON.parse(first) as { endpoints?: string[]; skip?: string };
     if (msg.skip) return msg.skip;
     return new Group(child, msg.endpoints!);

@@ -12,7 +12,7 @@ import {
 } from "@fencepost/client";
 import { diagnostics } from "@fencepost/client/testing";
 import { FencepostRunStore } from "@fencepost/oma";
-import { Group, until } from "./lead-shards-group.js";
+import { Group, until } from "./pg-coordinators.js";
 
 /** The run as the coordinator at `address` has it (no routing), or the NotOwnerError it answers. */
 async function at(address: string, runId: string): Promise<RunRecord | NotOwnerError> {

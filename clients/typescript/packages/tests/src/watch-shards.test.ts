@@ -9,7 +9,7 @@ import {
   FencepostClient, RevisionCompactedError, UnavailableError, ValidationError, WatchCursor, shardOf, type Lease, type RunChange, type WatchOptions,
 } from "@fencepost/client";
 import { startServer, type TestServer } from "@fencepost/client/testing";
-import { Group, until } from "./lead-shards-group.js";
+import { Group, until } from "./pg-coordinators.js";
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 

@@ -1,7 +1,7 @@
-// Coordinators that lead shards apart on one real PostgreSQL, for the tests:
-// helpers/pg_coordinators.py --lead-shards (the system tests' own harness,
-// 8 shards, a 2 s shard lease renewed every 300 ms), driven over its stdin;
-// EOF stops every coordinator, then PostgreSQL, by pid.
+// Coordinators on one real PostgreSQL, for the tests: helpers/pg_coordinators.py
+// (one leading; with --lead-shards all leading shards apart, 8 shards, a 2 s
+// shard lease renewed every 300 ms), driven over its stdin; EOF stops every
+// coordinator, then PostgreSQL, by pid.
 import assert from "node:assert/strict";
 import { spawn, type ChildProcessWithoutNullStreams } from "node:child_process";
 import { dirname, join } from "node:path";
@@ -20,6 +20,24 @@ export async function until(ok: () => boolean | Promise<boolean>, ms: number, wh
   }
 }
 
+/**
+ * helpers/pg_coordinators.py with `args`, and the first line it writes (what it
+ * started, or why it skipped); it is then driven over its stdin.
+ */
+export async function startCoordinators(args: string[]): Promise<{ child: ChildProcessWithoutNullStreams; first: string }> {
+  const python = join(dirname(findFencepostBin()), "python");
+  const script = join(dirname(fileURLToPath(import.meta.url)), "..", "helpers", "pg_coordinators.py");
+  const child = spawn(python, [script, ...args], { stdio: ["pipe", "pipe", "pipe"] });
+  let err = "";
+  child.stderr.on("data", (d) => { err = (err + d).slice(-5000); });
+  const first = await new Promise<string>((resolve, reject) => {
+    const rl = createInterface({ input: child.stdout });
+    rl.once("line", (l) => { rl.close(); resolve(l); });
+    child.once("exit", (code) => reject(new Error(`pg_coordinators exited ${code}: ${err}`)));
+  });
+  return { child, first };
+}
+
 /** Coordinators on one fresh PostgreSQL database, driven over the helper's stdin. */
 export class Group {
   private waiting: ((line: string) => void)[] = [];
@@ -28,16 +46,7 @@ export class Group {
   }
 
   static async start(): Promise<Group | string> {
-    const python = join(dirname(findFencepostBin()), "python");
-    const script = join(dirname(fileURLToPath(import.meta.url)), "..", "helpers", "pg_coordinators.py");
-    const child = spawn(python, [script, "--lead-shards"], { stdio: ["pipe", "pipe", "pipe"] });
-    let err = "";
-    child.stderr.on("data", (d) => { err = (err + d).slice(-5000); });
-    const first = await new Promise<string>((resolve, reject) => {
-      const rl = createInterface({ input: child.stdout });
-      rl.once("line", (l) => { rl.close(); resolve(l); });
-      child.once("exit", (code) => reject(new Error(`pg_coordinators exited ${code}: ${err}`)));
-    });
+    const { child, first } = await startCoordinators(["--lead-shards"]);
     const msg = JSON.parse(first) as { shards?: number; skip?: string };
     if (msg.skip) return msg.skip;
     return new Group(child, msg.shards!);
