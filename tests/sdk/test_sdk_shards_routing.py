@@ -211,6 +211,44 @@ async def test_owners_naming_each_other_are_followed_until_one_leads(
     assert sa.writer.state.runs[run].lease is not None and run not in sb.writer.state.runs
 
 
+async def test_a_watch_finds_a_shard_whose_owner_the_map_did_not_know(
+    pair: tuple[ServerThread, ServerThread]
+) -> None:
+    """A shard in transit when the watch asked the map (no owner named) is
+    asked of a fresh map until its owner is known, then watched there."""
+    sa, sb = pair
+    both = {s: (sa.address if s in A_LEADS else sb.address, 1) for s in range(SHARDS)}
+    unknown = {**both, 0: ("", 1)}  # both name no owner for shard 0
+    sa.writer.lead_only(placement.Ownership(SHARDS, A_LEADS - {0}, unknown))
+    sb.writer.lead_only(placement.Ownership(SHARDS, B_LEADS, unknown))
+    run = _key_in({0}, "transit")
+    async with fencepost.Client(sb.address, owner="w", renewal="off") as client:
+        cursor = fencepost.WatchCursor()
+
+        async def first() -> fencepost.WatchEvent:
+            async for ev in client.watch(cursor=cursor):
+                return ev
+            raise AssertionError("the watch ended")
+
+        watching = asyncio.create_task(first())
+        for _ in range(200):  # until every shard but 0 is watched
+            if len(cursor.revisions) == SHARDS - 1:
+                break
+            await asyncio.sleep(0.02)
+        assert 0 not in cursor.revisions
+        sa.writer.lead_only(placement.Ownership(SHARDS, A_LEADS, both))  # taken: led at A
+        sb.writer.lead_only(placement.Ownership(SHARDS, B_LEADS, both))
+        for _ in range(200):
+            if 0 in cursor.revisions:
+                break
+            await asyncio.sleep(0.02)
+        async with fencepost.Client(sa.address, owner="w", renewal="off") as writer:
+            lease = await writer.acquire(run, ttl_ms=30_000)  # (not routed by the watch's client)
+        ev = await asyncio.wait_for(watching, 5)
+        assert (ev.run_id, ev.shard, ev.record and ev.record.fencing_token) == (
+            run, 0, lease.fencing_token)
+
+
 def _samples() -> dict[str, Any]:
     """A valid request of each command kind, fenced where it may be."""
     fence = epb.Fence(run_id="fr", fencing_token=1)

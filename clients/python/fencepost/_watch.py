@@ -131,7 +131,7 @@ async def watch_by_shards(
                 for line, shards in placed:
                     start(line, shards)
                     pending -= shards
-                fresh = False
+                fresh = bool(pending)  # the shards no owner was known for: a new map next time
                 if pending:
                     retry_at, wait = loop.time() + wait, min(wait * 2, _MAX_RETRY_S)
             if pending and stuck_since is not None and now - stuck_since > total_timeout_s:
