@@ -583,6 +583,8 @@ class Watch(Buffered):
         self.shards = shards
         self.count = count
         self.queue: asyncio.Queue[ChangeEvent] = asyncio.Queue()
+        # a watch by shards: each queued event's shard, in the queue's order
+        self.shard_of: collections.deque[int] = collections.deque()
         self.stop = Stop()
 
     def drain(self) -> None:
@@ -594,13 +596,19 @@ class Watch(Buffered):
         for ev in events:
             if self.run_ids and ev.run_id not in self.run_ids:
                 continue
-            if self.shards is not None and shard_of(ev.run_id, self.count) not in self.shards:
-                continue
+            shard = -1
+            if self.shards is not None:
+                shard = shard_of(ev.run_id, self.count)
+                if shard not in self.shards:
+                    continue
             if not self.charge(1):
                 return
+            if self.shards is not None:
+                self.shard_of.append(shard)
             self.queue.put_nowait(ev)
 
     def clear(self) -> None:
         while not self.queue.empty():
             self.queue.get_nowait()
+        self.shard_of.clear()
 

@@ -183,7 +183,7 @@ class WatchHandler:
         while True:
             ev = await queue.get()
             watch.uncharge(1)
-            shard = shard_of(ev.run_id, count)
+            shard = watch.shard_of.popleft()  # (computed once, when it was offered)
             if ev.revision <= cursors[shard]:  # a cursor from the future: not there yet
                 continue
             if self.drops is not None and self.drops(ev.revision):
