@@ -43,6 +43,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -503,10 +504,14 @@ def check_liveness(results: list[dict[str, Any]], bound_s: float) -> list[Violat
 # -- the committed history -----------------------------------------------------------------
 
 
-def check_committed(snap: Any, ops: list[Op], sharded: bool = False) -> list[Violation]:
+def check_committed(snap: Any, ops: list[Op], sharded: bool = False,
+                    clock: Callable[[Op, bool], int] | None = None) -> list[Violation]:
     """The server's own history (the ``changes`` table), raw-seam aware.
     ``sharded``: revisions come in blocks, with gaps, and no row holds the
-    last (SPEC §13); each run's changes still follow in revision order."""
+    last (SPEC §13); each run's changes still follow in revision order.
+    ``clock``: with several coordinators, how far ahead of the true time the
+    clock of the one that answered an op ran (ms; ``True``: at its answer, the
+    most; else at its invocation, the least; 0 when not known)."""
     from _history import _check_acquisition
 
     bad: list[Violation] = []
@@ -524,15 +529,20 @@ def check_committed(snap: Any, ops: list[Op], sharded: bool = False) -> list[Vio
             v("revisions are not gap-free")
         if snap.meta_revision != revs[-1]:
             v(f"meta.revision {snap.meta_revision} != last change {revs[-1]}")
-    # (run, token, owner) -> the latest expiry (+ lock-delay) a renewal acknowledged
-    renewed: dict[tuple[str, int, str], tuple[int, Op]] = {}
+    # (run, token, owner) -> the latest expiry (+ lock-delay) a renewal
+    # acknowledged, and how far ahead the clock that acknowledged it ran
+    renewed: dict[tuple[str, int, str], tuple[int, Op, int]] = {}
+    # an acquisition's revision -> how far ahead the clock that granted it ran, at least
+    granted: dict[int, int] = {}
     for o in ops:
         lease = o.rec.get("lease") if o.ok and o.f == "renew" and o.rec else None
         if lease:
             key = (o.run, o.rec["fencing_token"], lease[0])  # type: ignore[index]
             until = lease[2] + lease[4]
             if key not in renewed or renewed[key][0] < until:
-                renewed[key] = (until, o)
+                renewed[key] = (until, o, clock(o, True) if clock else 0)
+        elif clock and o.ok and o.f == "acquire" and o.rec and o.rec.get("revision"):
+            granted[o.rec["revision"]] = clock(o, False)
     raw: dict[str, set[str]] = defaultdict(set)
     for o in ops:
         if o.f == "raw_cas":
@@ -568,8 +578,11 @@ def check_committed(snap: Any, ops: list[Op], sharded: bool = False) -> list[Vio
                 bad.extend(Violation("history", m) for m in _check_acquisition(where, p, rec))
                 plea = p.get("lease")
                 held = renewed.get((c.run_id, p["fencing_token"], plea[0])) if plea else None
+                # a promise from a clock running ahead of the one granting is met once
+                # it is met in true time (a clock ahead expires leases early: allowed)
+                ahead = max(0, held[2] - granted.get(c.revision, 0)) if held else 0
                 if held is not None and rec["lease"][0] != plea[0] and (
-                    rec["lease"][1] < held[0]
+                    rec["lease"][1] < held[0] - ahead
                 ):
                     bad.append(_v("renewals", f"{where}: {rec['lease'][0]!r} granted at "
                                   f"{rec['lease'][1]} the lease a renewal had acknowledged to "
@@ -657,6 +670,7 @@ def check_all(
     budget: int = 2_000_000,
     sharded: bool = False,
     watched: Any = None,
+    clock: Callable[[Op, bool], int] | None = None,
 ) -> Checked:
     timings: dict[str, float] = {}
     found: list[Violation] = []
@@ -674,7 +688,7 @@ def check_all(
     found += timed("durability-restart", check_durability_restarts, ops, kills or [], sharded)
     if snap is not None:
         found += timed("durability-final", check_durability_final, ops, snap)
-        found += timed("history", check_committed, snap, ops, sharded)
+        found += timed("history", check_committed, snap, ops, sharded, clock)
     found += timed("tokens", check_tokens, ops, snap)
     if liveness is not None:
         found += timed("liveness", check_liveness, liveness, liveness_bound_s)

@@ -453,7 +453,8 @@ class PgCluster:
                 self.cont(c)  # it had moved on (sent its next statement) before it stopped
         return False
 
-    def stall(self, identity: str, *, mid_commit: bool, within_s: float = 3.0) -> list[int]:
+    def stall(self, identity: str, *, mid_commit: bool, within_s: float = 3.0,
+              renewals: str = "fencepost-leadership") -> list[int]:
         """Stall a leader's database mid-batch, as a partition that holds its
         packets would: SIGSTOP the PostgreSQL backend of its write session
         once a batch has written everything (idle in transaction after the
@@ -463,7 +464,8 @@ class PgCluster:
         every commit then waits, as on a stalled disk), and the backend of its
         leadership session while it is idle (between renewals: holding no
         lock, so a takeover is not held up by it, only the leader's renewals
-        are). Each state is checked again once the backend is stopped; a stop
+        are; ``renewals``: that session's role, "fencepost-shards" for the
+        shard leases). Each state is checked again once the backend is stopped; a stop
         that came too late is undone at once and tried again. The stopped
         backends' pids ([] when no such moment came within ``within_s``)."""
         query = ("SELECT pid, state, query, xact_start, state_change, backend_xid::text "
@@ -492,9 +494,8 @@ class PgCluster:
                                    and str(r[2]).lstrip().startswith(LAST_WRITE))
             if writer is None:
                 return []
-            renewals = stop_when(conn, f"fencepost-leadership {identity}"[:63],
-                                 lambda r: r[1] == "idle")
-        return [writer] if renewals is None else [writer, renewals]
+            renewer = stop_when(conn, f"{renewals} {identity}"[:63], lambda r: r[1] == "idle")
+        return [writer] if renewer is None else [writer, renewer]
 
     def unstall(self, backends: list[int]) -> None:
         _signal_pids(backends, signal.SIGCONT)

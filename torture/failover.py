@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,33 @@ class Timeline:
     def failovers(self) -> int:
         """Changes of leader: epochs that served, less the first."""
         return max(0, sum(1 for e in self.epochs.values() if e.leading_t is not None) - 1)
+
+
+# -- clocks ----------------------------------------------------------------------------
+
+
+def clock_ahead(tl: Timeline, faults: list[dict[str, Any]]) -> Callable[[Op, bool], int]:
+    """For the renewals check: how far ahead of the true time (ms) the clock of
+    the coordinator process that answered ``op`` ran — by every jump begun
+    before the answer (``True``: the most it can have been), or every jump
+    done before the invocation (the least); 0 when the answer is not tied to
+    one process. A process starts on the true clock; its jumps add up."""
+    jumps: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
+    for f in faults:
+        if f["kind"] == "clock":
+            jumps[(f["slot"], f["pid"])].append((int(f["t"]), int(f["at"]), int(f["offset"])))
+
+    def ahead(op: Op, most: bool) -> int:
+        procs = tl.answered_by(op)
+        if len(procs) != 1:
+            return 0
+        p = procs[0]
+        until = op.cmp if most else (op.at or op.inv)
+        assert until is not None
+        return max((off for begun, done, off in jumps.get((p.slot, p.pid), ())
+                    if p.spawn <= begun and (begun if most else done) <= until), default=0)
+
+    return ahead
 
 
 # -- lease extensions ------------------------------------------------------------------

@@ -22,9 +22,13 @@ leader to aim at: each coordinator fault strikes one coordinator picked by
 the schedule — SIGKILL (its shards are taken once their leases run out; the
 probes read every run once every shard is held by a live coordinator),
 SIGSTOP past the shard lease then SIGCONT (it must find its shards taken),
-and SIGTERM, a planned hand-over (it gives its shards up at once and exits
-0; the supervisor starts it again and the others hand its share back) —
-besides PostgreSQL kills, restarts and session cuts (``SHARD_CUTS``).
+SIGTERM, a planned hand-over (it gives its shards up at once and exits
+0; the supervisor starts it again and the others hand its share back), a
+jump of its clock (past ``--max-clock-skew`` it must give its shards up and
+take none; it is restarted on the true clock ``SKEWED_HOLD_S`` later), and
+a stall of its database sessions past the shard lease (it must find its
+shards taken) — besides PostgreSQL kills, restarts and session cuts
+(``SHARD_CUTS``).
 """
 
 from __future__ import annotations
@@ -78,14 +82,20 @@ PG_CUTS = ("fencepost-writer {id}", "fencepost-leadership {id}", "fencepost-%{id
 # leading shards apart: the shard leases' session instead of the leader's
 SHARD_CUTS = ("fencepost-writer {id}", "fencepost-shards {id}", "fencepost-%{id}",
               "fencepost-writer %")
-SHARD_KINDS = ("kill", "stop", "term", "pause", "cut", "pg-kill", "pg-restart", "pg-cut")
+SHARD_KINDS = ("kill", "stop", "term", "pause", "cut", "clock", "pg-kill", "pg-restart",
+               "pg-cut", "pg-stall")
 SHARD_PROFILES: dict[str, tuple[dict[str, float], float]] = {
-    "default": ({"kill": 0.18, "stop": 0.16, "term": 0.18, "pause": 0.08, "cut": 0.08,
-                 "pg-kill": 0.08, "pg-restart": 0.08, "pg-cut": 0.16}, 3.0),
+    "default": ({"kill": 0.15, "stop": 0.13, "term": 0.15, "pause": 0.07, "cut": 0.07,
+                 "clock": 0.10, "pg-kill": 0.07, "pg-restart": 0.07, "pg-cut": 0.12,
+                 "pg-stall": 0.07}, 3.0),
     "kills": ({"kill": 0.5, "stop": 0.2, "term": 0.3}, 3.0),
     "none": ({}, 0.0),
 }
 CLOCK_SLACK_MS = 250  # past the skew bound by this much, a leader must step down
+# leading shards apart, a coordinator whose clock left the bound stays up holding
+# nothing (its clock never goes back): after this long it is restarted on the true
+# clock, as an operator would once the clock is fixed
+SKEWED_HOLD_S = 12.0
 
 
 @dataclass(frozen=True)
@@ -133,8 +143,9 @@ def schedule_pg(seed: int, duration_s: float, profile: str, workers: int, max_tt
     past it); ``target``: pause: worker index; pg-cut: which sessions (PG_CUTS);
     stop: odd = while the leader's writer has a transaction open (mid-batch);
     pg-stall: odd = mid-batch, even = mid-COMMIT. ``shards``: coordinators
-    leading shards apart (SHARD_PROFILES; term: downtime s; kill, stop and
-    term strike the coordinator ``target`` modulo their number)."""
+    leading shards apart (SHARD_PROFILES; term: downtime s; kill, stop,
+    term, clock and pg-stall strike the coordinator ``target`` modulo their
+    number)."""
     weights, gap = (SHARD_PROFILES if shards else PG_PROFILES)[profile]
     if gap <= 0:
         return []
@@ -291,6 +302,10 @@ class Nemesis:
     cluster: Any = None
     stopped: dict[int, tuple[float, int]] = field(default_factory=dict)
     stalled: list[tuple[float, list[int]]] = field(default_factory=list)  # (resume at, backends)
+    # leading shards apart: the clock bound (ms), and the coordinators whose
+    # clock left it: slot -> (restart at, pid)
+    skew_ms: int = 0
+    skewed: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     @property
     def proxies(self) -> list[Proxy]:
@@ -409,7 +424,7 @@ class Nemesis:
     def inflict_pg(self, fault: Fault, t: int) -> None:
         cl = self.cluster
         kind = fault.kind
-        if cl.shards and kind in ("kill", "stop", "term", "pg-cut"):
+        if cl.shards and kind in ("kill", "stop", "term", "pg-cut", "clock", "pg-stall"):
             self.inflict_shards(fault, t)
             return
         if kind == "cut":
@@ -537,8 +552,36 @@ class Nemesis:
             self.skip(fault, t, "no coordinator was running")
             return
         pid = c.pid
+        # the shards it holds now, as the watcher last read the rows
+        held = sorted(s for s, (_, h) in cl.owners.items() if f"/{pid}/" in h)
         if kind == "kill":
             self.kill_coordinator(c, fault.param, t)
+        elif kind == "clock":
+            try:
+                now = cl.jump_clock(c, int(fault.param))
+            except Exception as exc:  # it may or may not have moved: no expectation
+                self.record(kind="clock-failed", t=t, slot=c.slot, pid=pid,
+                            ms=int(fault.param), error=repr(exc))
+                return
+            if self.skew_ms and c.offset_ms > self.skew_ms and c.slot not in self.skewed:
+                self.skewed[c.slot] = (time.monotonic() + SKEWED_HOLD_S, pid)
+            self.record(kind="clock", t=t, at=time.monotonic_ns(), slot=c.slot, pid=pid,
+                        ms=int(fault.param), offset=c.offset_ms, server_now=now, held=held)
+        elif kind == "pg-stall":
+            identity = next((h for _, h in cl.owners.values() if f"/{pid}/" in h), "")
+            if not identity:
+                self.skip(fault, t, "the coordinator held no shard")
+                return
+            mid_commit = fault.target % 2 == 0
+            backends = cl.stall(identity, mid_commit=mid_commit, within_s=2.0,
+                                renewals="fencepost-shards")
+            if not backends:
+                self.skip(fault, t, "the coordinator wrote nothing within 2 s")
+                return
+            self.stalled.append((time.monotonic() + fault.param, backends))
+            self.record(kind="pg-stall", t=t, at=time.monotonic_ns(), slot=c.slot, pid=pid,
+                        backends=backends, seconds=fault.param, mid_commit=mid_commit,
+                        renewals=len(backends) > 1, held=held)
         elif kind == "stop":
             identity = next((h for _, h in cl.owners.values() if f"/{pid}/" in h), "")
             mid = bool(fault.target % 2) and bool(identity)
@@ -609,6 +652,26 @@ class Nemesis:
         for stall in list(self.stalled):
             if now >= stall[0]:
                 self._unstall(stall)
+        for slot, (at, pid) in list(self.skewed.items()):
+            if now >= at:
+                self._restore_clock(slot, pid)
+
+    def _restore_clock(self, slot: int, pid: int) -> None:
+        """Restart a coordinator whose clock left the bound (SIGTERM: it holds
+        nothing to hand over); the supervisor starts it on the true clock."""
+        c = self.cluster.coordinators[slot]
+        if c.pid == pid and c.stopped:
+            return  # once it is resumed
+        self.skewed.pop(slot, None)
+        if c.pid != pid or not c.running:
+            return  # restarted meanwhile
+        t = time.monotonic_ns()
+        c.signal(signal.SIGTERM)
+        code = None
+        if c.proc is not None:
+            with contextlib.suppress(Exception):
+                code = c.proc.wait(30)
+        self.record(kind="clock-restart", t=t, slot=slot, pid=pid, exit=code)
 
     def _unstall_all(self) -> None:
         for stall in list(self.stalled):
@@ -639,6 +702,8 @@ class Nemesis:
         for slot, (_, pid) in list(self.stopped.items()):
             self._cont_coordinator(slot, pid)
         self._unstall_all()
+        for slot, (_, pid) in list(self.skewed.items()):  # a live cluster for the end
+            self._restore_clock(slot, pid)
         for proc in self.workers:  # belt and braces: nobody stays stopped
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

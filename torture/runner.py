@@ -175,7 +175,10 @@ class Outcome:
                     f"median {k['median']} s, max {k['max']} s over {k['n']}; "
                     f"{c['leases_extended']} leases extended at takes; "
                     f"{c['answers_attributed']} answers tied to their coordinator "
-                    f"({c['answers_unattributed']} not)")
+                    f"({c['answers_unattributed']} not); clock jumps past the bound "
+                    f"{c.get('clock_past_bound', 0)}, within it "
+                    f"{c.get('clock_within_bound', 0)}; stalls with the shard renewals "
+                    f"{c.get('pg_stalls_with_renewals', 0)}")
         k = c["kill_to_serving_s"]
         return (f"  coordinators: {c['epochs']} epochs, {c['failovers']} failovers, "
                 f"{c['coordinator_starts']} processes (exits by code {c['exits_by_code']}); "
@@ -288,7 +291,10 @@ class _Coordinators:
         return list(self.cl.direct), self.cl.aliases, 0 if c is None else c.slot
 
     def nemesis(self, procs: list[Any], log: Any, probe: Any) -> Nemesis:
-        return Nemesis(None, None, procs, log, probe, cluster=self.cl)
+        from fencepost_server.config import duration_ms
+
+        return Nemesis(None, None, procs, log, probe, cluster=self.cl,
+                       skew_ms=duration_ms(self.cfg.max_clock_skew))
 
     def committed_tops(self) -> dict[str, int]:
         """Each run's last committed revision, as PostgreSQL has it now."""
@@ -574,7 +580,10 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
     figures: dict[str, Any] = {}
     extends: list[Op] = []
     if pg and cfg.lead_shards:
+        from fencepost_server.config import duration_ms
+
         from . import sharding
+        from .failover import clock_ahead
 
         t = time.perf_counter()
         stl = sharding.ShardTimeline.load(out / "cluster.jsonl", cfg.shards)
@@ -584,12 +593,15 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
                                for f in sorted(out.glob("coordinator-*.log")))
         checked = check_all(ops + extends, runs=runs, kills=kills, snap=snap, liveness=liveness,
                             liveness_bound_s=cfg.liveness_bound_s, server_log=server_log,
-                            budget=cfg.budget, sharded=True, watched=watched)
+                            budget=cfg.budget, sharded=True, watched=watched,
+                            clock=clock_ahead(stl.tl, faults))
         t = time.perf_counter()
         moved, attributed = sharding.check_shard_epochs(ops, stl)
-        extra += moved + sharding.check_exits(faults, stl)
+        skew = duration_ms(cfg.max_clock_skew)
+        extra += moved + sharding.check_exits(faults, stl) + sharding.check_struck(
+            faults, stl, skew_ms=skew, clock_slack_ms=CLOCK_SLACK_MS)
         checked.timings["shard-epochs"] = time.perf_counter() - t + t_ext
-        figures = {**sharding.summary(stl, faults),
+        figures = {**sharding.summary(stl, faults, skew, CLOCK_SLACK_MS),
                    "answers_attributed": attributed["attributed"],
                    "answers_unattributed": attributed["unattributed"]}
     elif pg:
@@ -598,6 +610,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
             check_deposed,
             check_epochs,
             check_tenures,
+            clock_ahead,
             extensions,
             summary,
         )
@@ -610,7 +623,7 @@ def check_dir(out: Path, cfg: Config | None = None, wall: float = 0.0) -> Outcom
                                for f in sorted(out.glob("coordinator-*.log")))
         checked = check_all(ops + extends, runs=runs, kills=kills, snap=snap, liveness=liveness,
                             liveness_bound_s=cfg.liveness_bound_s, server_log=server_log,
-                            budget=cfg.budget, watched=watched)
+                            budget=cfg.budget, watched=watched, clock=clock_ahead(tl, faults))
         from fencepost_server.config import duration_ms
 
         t = time.perf_counter()

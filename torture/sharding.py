@@ -26,6 +26,15 @@ polls the rows). With it:
   SIGKILLed it (-9), when it was sent SIGTERM (0: it handed its shards
   over; -15 just after a start, before its handlers were set), at the final
   stop, or with 1 (cannot reach the database) while PostgreSQL was down.
+* **shard-faults** (``check_struck``): a coordinator whose clock was jumped
+  more than ``CLOCK_SLACK_MS`` past ``--max-clock-skew`` gives up every
+  shard it held (another process takes each) within ``GIVE_UP_BOUND_S`` and
+  takes none afterwards while it runs (its clock never comes back); one
+  whose database sessions, its shard renewals included, were stalled past
+  the shard lease finds every shard it held taken (a new epoch) within
+  ``GIVE_UP_BOUND_S`` of the stall's end. That nothing it committed or
+  answered came after the take is what shard-epochs, history and the
+  checkers of what clients saw hold already.
 """
 
 from __future__ import annotations
@@ -41,6 +50,13 @@ from fencepost_server.core.shards import shard_of
 from .checkers import Violation, _v
 from .failover import PG_START_GRACE_S, Proc, Timeline, _is_extension
 from .history import EXTEND, Op
+
+# The skew check runs every round (--leader-renew, 400 ms here) and a row runs
+# out within the shard lease (2 s); the rest is a round that waits on a lock
+# or a PostgreSQL restart, on a loaded machine: the leader mode's bound.
+GIVE_UP_BOUND_S = 10.0
+# a round already past its skew check when the clock jumped may still take
+ROUND_BOUND_S = 5.0
 
 
 class ShardTimeline:
@@ -155,7 +171,8 @@ def check_exits(faults: list[dict[str, Any]], st: ShardTimeline) -> list[Violati
         return tl.find(f["slot"], f["pid"], int(f.get("killed") or f.get("at") or f["t"]))
 
     killed = {id(p) for f in faults if f["kind"] == "kill" if (p := proc(f)) is not None}
-    termed = {id(p) for f in faults if f["kind"] == "term" if (p := proc(f)) is not None}
+    termed = {id(p) for f in faults if f["kind"] in ("term", "clock-restart")
+              if (p := proc(f)) is not None}
     final = next((f["t"] for f in faults if f["kind"] == "stop-all"), tl.end)
     pg = [(f["t"], f.get("up") or f["t"]) for f in faults if f["kind"] in ("pg-kill",
                                                                           "pg-restart")]
@@ -187,7 +204,58 @@ def check_exits(faults: list[dict[str, Any]], st: ShardTimeline) -> list[Violati
     return bad
 
 
-def summary(st: ShardTimeline, faults: list[dict[str, Any]]) -> dict[str, Any]:
+# -- clock jumps and stalled sessions ----------------------------------------------------
+
+
+def check_struck(faults: list[dict[str, Any]], st: ShardTimeline, *, skew_ms: int,
+                 clock_slack_ms: int) -> list[Violation]:
+    """See ``shard-faults`` in the module docstring."""
+    bad: list[Violation] = []
+    final = next((f["t"] for f in faults if f["kind"] == "stop-all"), st.tl.end)
+    bound = int(GIVE_UP_BOUND_S * 1e9)
+    unstalled = {tuple(f["backends"]): f["t"] for f in faults if f["kind"] == "pg-unstall"}
+
+    def moved(shard: int, since: int, until: int, away_from: int) -> bool:
+        """The shard's epoch moved (to a process other than ``away_from``)
+        within (since, until], as the watcher saw it."""
+        return any(since < m["seen"] <= until and m["pid"] != away_from
+                   for m in st.moves.get(shard, []))
+
+    for f in faults:
+        if f["kind"] == "clock" and skew_ms and f["offset"] > skew_ms + clock_slack_ms:
+            at = int(f["at"])
+            p = st.tl.find(f["slot"], f["pid"], at)
+            what = (f"coordinator {f['slot']} (pid {f['pid']}), its clock {f['offset']} ms "
+                    f"ahead (--max-clock-skew {skew_ms} ms),")
+            if final >= at + bound:
+                for s in f.get("held", []):
+                    if not moved(s, at, at + bound, f["pid"]):
+                        bad.append(Violation("shard-faults", f"{what} still held shard {s} "
+                                             f"{GIVE_UP_BOUND_S:.0f} s later"))
+            gone = p.exit if p is not None and p.exit is not None else final
+            late = at + int(ROUND_BOUND_S * 1e9)
+            for s, lst in st.moves.items():
+                for m in lst:
+                    if m["pid"] == f["pid"] and late < m["before"] < gone:
+                        bad.append(Violation("shard-faults", f"{what} took shard {s} (epoch "
+                                             f"{m['epoch']}) "
+                                             f"{(m['before'] - at) / 1e9:.1f} s after the jump"))
+        elif f["kind"] == "pg-stall" and f.get("renewals"):
+            end = unstalled.get(tuple(f["backends"]), final)
+            if final < end + bound:
+                continue  # the run ended first
+            for s in f.get("held", []):
+                if not moved(s, int(f["at"]), end + bound, 0):
+                    bad.append(Violation(
+                        "shard-faults", f"coordinator {f['slot']} (pid {f['pid']}) had its "
+                        f"database sessions stalled for {f['seconds']:.1f} s (past the shard "
+                        f"lease), but shard {s} was not taken within "
+                        f"{GIVE_UP_BOUND_S:.0f} s of the stall's end"))
+    return bad
+
+
+def summary(st: ShardTimeline, faults: list[dict[str, Any]], skew_ms: int = 0,
+            clock_slack_ms: int = 0) -> dict[str, Any]:
     """Figures for the report."""
     tl = st.tl
     exits: dict[str, int] = defaultdict(int)
@@ -196,6 +264,7 @@ def summary(st: ShardTimeline, faults: list[dict[str, Any]]) -> dict[str, Any]:
             exits[str(p.code)] += 1
     settle = sorted((f["up"] - f["killed"]) / 1e9 for f in faults
                     if f["kind"] == "kill" and f.get("up"))
+    clocks = [f for f in faults if f["kind"] == "clock"] if skew_ms else []
 
     def shards_in(what: str) -> int:
         return sum(len(e["shards"]) for e in st.of(what))
@@ -209,6 +278,12 @@ def summary(st: ShardTimeline, faults: list[dict[str, Any]]) -> dict[str, Any]:
         "shards_given_up": shards_in("gave-up"),
         "shards_lost": shards_in("lost-shards"),
         "leases_extended": sum(e["leases"] for e in st.of("extended-shards")),
+        # the clock jumps by where they left the coordinator's clock, and the
+        # stalls that caught its shard renewals too
+        "clock_past_bound": sum(1 for f in clocks if f["offset"] > skew_ms + clock_slack_ms),
+        "clock_within_bound": sum(1 for f in clocks if f["offset"] <= skew_ms),
+        "pg_stalls_with_renewals": sum(1 for f in faults
+                                       if f["kind"] == "pg-stall" and f.get("renewals")),
         "kill_to_settled_s": {
             "n": len(settle),
             "median": round(settle[len(settle) // 2], 2) if settle else None,

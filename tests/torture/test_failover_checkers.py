@@ -1,8 +1,9 @@
 """What the torture's PostgreSQL mode adds to the checkers, on small
 hand-written histories and timelines: a takeover's lease extension is a write
 of the register no client made, and the checks that no deposed leader
-committed or served, and that deposed leaders exit — each with a good and a
-bad variant."""
+committed or served, and that deposed leaders exit; a renewal answered on a
+clock that ran ahead is held to in true time — each with a good and a bad
+variant."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from typing import Any
 
 from _hist import op, rec
 
-from torture.failover import Timeline, check_deposed, check_epochs, check_tenures, extensions
+from torture.checkers import check_committed
+from torture.failover import (
+    Timeline,
+    check_deposed,
+    check_epochs,
+    check_tenures,
+    clock_ahead,
+    extensions,
+)
 from torture.history import EXTEND, Op
 from torture.linearizability import check_run
 
@@ -194,3 +203,31 @@ def test_a_fault_is_held_against_the_process_it_struck_not_the_one_alive_when_it
     bad = check_deposed([stop, cont, end], _timeline(*spawned), skew_ms=500,
                         clock_slack_ms=250)
     assert len(bad) == 1 and "pid 12) was SIGSTOPped" in bad[0].message
+
+
+def test_a_renewal_from_a_clock_running_ahead_is_held_to_in_true_time() -> None:
+    """Coordinator 0's clock jumped 3000 ms ahead (at 5 ms); it acknowledged a
+    renewal until 6000 on that clock, i.e. 3000 true. Coordinator 1, on the
+    true clock, granted the run to B at 3100 after the shard moved."""
+    tl = _timeline()
+    jump = {"kind": "clock", "t": 4 * MS, "at": 5 * MS, "slot": 0, "pid": 10, "ms": 3000,
+            "offset": 3000}
+    renewed = leased(1, 6000, rev=1)  # from memory: the history keeps the acquire's 1000
+    ack = _answered("renew", 10, 11, 0, renewed)
+
+    def verdict(at: int, faults: list[dict[str, Any]]) -> list[str]:
+        took = dict(rec(2, tok=2, owner="B", rev=2), attempt=2,
+                    lease=["B", at, at + 1000, 1000, 0])
+        grant = _answered("acquire", 150, 160, 1, took)
+        snap = _snap((1, leased(1, 1000, rev=1), 1), (2, took, 2))
+        return [v.check for v in check_committed(snap, [ack, grant],
+                                                 clock=clock_ahead(tl, faults))
+                if v.check == "renewals"]
+
+    assert verdict(3100, []) == ["renewals"]  # read on one clock: 3100 is before 6000
+    assert verdict(3100, [jump]) == []  # 3000 true: met
+    assert verdict(2900, [jump]) == ["renewals"]  # before it in true time too
+    # coordinator 1's own clock 2000 ms ahead: it had to wait for 5000 on it
+    ahead = {**jump, "slot": 1, "pid": 11, "offset": 2000}
+    assert verdict(3100, [jump, ahead]) == ["renewals"]
+    assert verdict(5000, [jump, ahead]) == []

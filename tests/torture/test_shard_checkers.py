@@ -2,8 +2,9 @@
 the checkers, on small hand-written histories and timelines: a take's lease
 extensions are read at the revisions its log line names; no coordinator
 answers about a shard after its row showed another owner; a partial
-ListRuns says nothing of the runs it leaves out — each with a good and a
-bad variant."""
+ListRuns says nothing of the runs it leaves out; a coordinator whose clock
+left the bound, or whose sessions stalled, loses its shards in time — each
+with a good and a bad variant."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ from _hist import op, rec
 from fencepost_server.core.shards import shard_of
 from torture.history import EXTEND
 from torture.linearizability import check_run
-from torture.sharding import ShardTimeline, check_exits, check_shard_epochs, extensions
+from torture.sharding import (
+    ShardTimeline,
+    check_exits,
+    check_shard_epochs,
+    check_struck,
+    extensions,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "system"))
 from _history import Change, Snapshot
@@ -49,6 +56,14 @@ def _timeline(*extra: dict[str, Any]) -> ShardTimeline:
         *extra,
     ]
     return ShardTimeline(sorted(events, key=lambda e: e["t"]), SHARDS)
+
+
+def _held(*moves: dict[str, Any]) -> ShardTimeline:
+    """Coordinators 0 (pid 10) and 1 (pid 11); pid 10 holds the shard of "r"
+    (epoch 1) from 1 ms; then ``moves``."""
+    return ShardTimeline([{"kind": "spawn", "slot": 0, "pid": 10, "t": 0},
+                          {"kind": "spawn", "slot": 1, "pid": 11, "t": 0},
+                          _move(1, 10, 0, 0.001), *moves], SHARDS)
 
 
 def test_a_takes_extension_is_read_at_the_revision_it_names() -> None:
@@ -92,3 +107,59 @@ def test_a_coordinator_exits_only_as_the_nemesis_made_it() -> None:
     term = {"kind": "term", "t": 190 * MS, "at": 190 * MS, "slot": 0, "pid": 10, "exit": 0}
     bad = check_exits([term], tl)
     assert len(bad) == 1 and "pid 11" in bad[0].message and "code 3" in bad[0].message
+
+
+S_ = 1000 * MS  # a second, in ns
+
+
+def _move(epoch: int, pid: int, before: float, seen: float) -> dict[str, Any]:
+    return {"kind": "shard", "shard": S, "epoch": epoch, "prev": epoch - 1, "pid": pid,
+            "before": int(before * S_), "seen": int(seen * S_), "t": int(seen * S_)}
+
+
+def _jump(at: float, offset: int, pid: int = 10) -> dict[str, Any]:
+    return {"kind": "clock", "t": int(at * S_), "at": int(at * S_), "slot": 0, "pid": pid,
+            "ms": offset, "offset": offset, "held": [S]}
+
+
+def test_a_coordinator_whose_clock_left_the_bound_gives_its_shards_up_and_takes_none() -> None:
+    """Pid 10 holds the shard (epoch 1, from _timeline's first move); its clock
+    jumps 900 ms ahead (bound 500 + slack 250) at 1 s; the run ends at 30 s."""
+    end = {"kind": "stop-all", "t": 30 * S_}
+
+    def bad(*moves: dict[str, Any], offset: int = 900) -> list[str]:
+        return [v.message for v in check_struck([_jump(1, offset), end], _held(*moves),
+                                                skew_ms=500, clock_slack_ms=250)]
+
+    assert bad(_move(2, 11, 3, 3.1)) == []  # taken by pid 11 within the bound
+    kept = bad()
+    assert len(kept) == 1 and f"still held shard {S}" in kept[0]
+    assert len(bad(_move(2, 11, 12, 12.1))) == 1  # taken, but only after 11 s
+    # it took the shard back 8 s after the jump, its clock still ahead
+    back = bad(_move(2, 11, 3, 3.1), _move(3, 10, 9, 9.1))
+    assert len(back) == 1 and "took shard" in back[0] and "8.0 s after the jump" in back[0]
+    # a round past its skew check when the clock jumped may still take
+    assert bad(_move(2, 11, 3, 3.1), _move(3, 10, 1.2, 1.3), _move(4, 11, 4, 4.1)) == []
+    # within the bound (or the slack): nothing is expected
+    assert bad(offset=700) == []
+
+
+def test_a_coordinator_whose_sessions_stalled_past_the_lease_finds_its_shards_taken() -> None:
+    """Pid 10's writer and shard renewals stall at 1 s for 3 s (unstalled at 4 s)."""
+    stall = {"kind": "pg-stall", "t": 1 * S_, "at": 1 * S_, "slot": 0, "pid": 10,
+             "backends": [7, 8], "seconds": 3.0, "mid_commit": True, "renewals": True,
+             "held": [S]}
+    unstall = {"kind": "pg-unstall", "t": 4 * S_, "backends": [7, 8]}
+    end = {"kind": "stop-all", "t": 30 * S_}
+
+    def bad(*moves: dict[str, Any], faults: tuple[dict[str, Any], ...] = (stall, unstall, end),
+            ) -> list[str]:
+        return [v.message for v in check_struck(list(faults), _held(*moves), skew_ms=500,
+                                                clock_slack_ms=250)]
+
+    assert bad(_move(2, 11, 4.1, 4.2)) == []
+    assert bad(_move(2, 10, 5, 5.1)) == []  # a new epoch, even its own after the stall
+    assert len(bad()) == 1
+    assert len(bad(_move(2, 11, 14.5, 14.6))) == 1  # 10.6 s after the stall's end
+    # only the writer stalled: its renewals went on, and so may its shards
+    assert bad(faults=(dict(stall, renewals=False), unstall, end)) == []

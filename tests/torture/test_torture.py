@@ -48,8 +48,10 @@ def _clean(outcome: Outcome, tmp_path: Path, name: str) -> str:
 # kind of fault (torture/nemesis.schedule_pg)
 PG = {"store": "postgres", "coordinators": 3, "seed": 7}
 # three coordinators leading 8 shards apart (--lead-shards): shards move at
-# every SIGKILL, SIGSTOP and SIGTERM (torture/nemesis.SHARD_PROFILES)
-SHARDS = {**PG, "lead_shards": True, "shards": 8}
+# every SIGKILL, SIGSTOP, SIGTERM, clock jump past the bound and stalled
+# session (torture/nemesis.SHARD_PROFILES); seed 5's schedule jumps clocks
+# past the bound and within it, and stalls sessions mid-COMMIT and mid-batch
+SHARDS = {**PG, "lead_shards": True, "shards": 8, "seed": 5}
 
 
 @pytest.mark.slow
@@ -75,6 +77,10 @@ def test_torture_fixed_seed_has_zero_violations(tmp_path: Path, mode: str) -> No
         assert faults["kill"] >= 1 and faults["stop"] >= 1 and faults["term"] >= 1, faults
         assert cl["shards_taken"] >= 10 and cl["shards_handed_over"] >= 3, cl
         assert cl["shards_given_up"] + cl["shards_lost"] >= 1, cl
+        # clocks jumped past the bound (shards given up) and within it, and
+        # sessions stalled with the shard renewals past the lease (shards taken)
+        assert cl["clock_past_bound"] >= 1 and cl["clock_within_bound"] >= 1, cl
+        assert cl["pg_stalls_with_renewals"] >= 1, cl
         assert cl["answers_attributed"] >= 1000, cl
     elif pg:  # not vacuous: leaders deposed every way, the database crashed and cut off
         cl = outcome.cluster
