@@ -15,7 +15,11 @@ polls the rows). With it:
   window the take happened in (after the last poll that still showed the
   shard's older epoch, before the harness read the line); a revision there
   that is not a lease extension of a run in the shards taken is a
-  ``shard-epochs`` violation.
+  ``shard-epochs`` violation. A take whose line never came (its process
+  was killed, or its load failed, after the extension committed) is found
+  by its revision block (each take starts one, SPEC §13): lease
+  extensions at the start of a block no line named, each of a run in a
+  shard such a take took, between that take and the shard's next move.
 * **shard-epochs** (``check_shard_epochs``): no coordinator answered a
   request about a run sent after that run's shard row showed the shard
   taken under a newer epoch by another coordinator (unless it took the
@@ -126,6 +130,67 @@ def extensions(st: ShardTimeline, snap: Any) -> tuple[list[Op], list[Violation]]
                 run=c.run_id, f=EXTEND, inv=inv, cmp=e["t"], st="ok", rec=c.rec,
                 a={"shards": sorted(taken), "by_ms": None, "pre": p.rec}, ep=e["slot"],
             ))
+    more, worse = _unlogged(st, snap)
+    return ops + more, bad + worse
+
+
+BLOCK_BITS = 24  # a block of revisions (storage/shared.py)
+
+
+def _unlogged(st: ShardTimeline, snap: Any) -> tuple[list[Op], list[Violation]]:
+    """The extensions of takes whose "taken" line never came (see the module
+    docstring), as ``extend`` operations between the take (the last poll
+    that still showed the shard's older epoch) and the shard's next move."""
+    named = {e["first"] >> BLOCK_BITS for e in st.of("extended-shards") if e["leases"]}
+    prev_of = snap.previous()
+    # takes not followed by their "taken" line from the same process
+    logged = [(e["pid"], set(e["shards"]), e["t"]) for e in st.of("extended-shards")]
+    unlogged: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in st.of("took"):
+        for s in e["shards"]:
+            if not any(pid == e["pid"] and s in shards and t >= e["t"]
+                       for pid, shards, t in logged):
+                unlogged[s].append(e)
+    ops: list[Op] = []
+    bad: list[Violation] = []
+    block, expect = -1, 0
+    for c in snap.changes:  # in revision order
+        b, offset = c.revision >> BLOCK_BITS, c.revision & ((1 << BLOCK_BITS) - 1)
+        if b != block:
+            block, expect = b, 1
+        if b in named or offset != expect:
+            continue
+        p = prev_of.get(c.revision)
+        if c.kind != 1 or p is None or not _is_extension(p.rec, c.rec, None):
+            expect = 0  # the block's extensions, if any, end here
+            continue
+        expect += 1
+        shard = shard_of(c.run_id, st.shards)
+        windows = []
+        for e in unlogged.get(shard, []):
+            proc = st.tl.find(e["slot"], e["pid"], e["t"])
+            inv = proc.spawn if proc is not None else 0
+            cmp = st.tl.end
+            for m in st.moves.get(shard, []):
+                if m["pid"] == e["pid"] and m["before"] <= e["t"]:
+                    inv = max(inv, int(m["before"]))
+                elif m["seen"] > e["t"]:
+                    cmp = min(cmp, int(m["seen"]))
+            windows.append((inv, cmp, e))
+        if not windows:
+            bad.append(Violation(
+                "shard-epochs", f"revision {c.revision} (a lease extension of {c.run_id}, "
+                f"shard {shard}) starts a revision block no take named, and no take of "
+                "that shard went without its line"))
+            continue
+        inv, cmp = min(w[0] for w in windows), max(w[1] for w in windows)
+        e = windows[-1][2]
+        ops.append(Op(
+            id=f"take{e['slot']}.{e['pid']}:{c.revision}", client=f"coordinator-{e['slot']}",
+            run=c.run_id, f=EXTEND, inv=inv, cmp=cmp, st="ok", rec=c.rec,
+            a={"shards": [shard], "by_ms": None, "pre": p.rec, "unlogged": True},
+            ep=e["slot"],
+        ))
     return ops, bad
 
 

@@ -79,6 +79,30 @@ def test_a_takes_extension_is_read_at_the_revision_it_names() -> None:
     assert [v.check for v in bad] == ["shard-epochs"]
 
 
+def test_a_take_killed_before_its_line_is_found_by_its_revision_block() -> None:
+    """Pid 12 (coordinator 2) takes the shard at 200 ms (the watcher's last
+    poll of epoch 2 sent at 190 ms) and is killed before it logs the take's
+    extension, which commits anyway, at the start of block 5; the shard
+    moves on at 300 ms."""
+    v1, v2 = leased(1, 1000, 5), leased(2, 1500, 1 << 24)
+    v3 = leased(3, 2500, (5 << 24) + 1)
+    took = [{"kind": "spawn", "slot": 2, "pid": 12, "t": 0},
+            {"kind": "line", "slot": 2, "pid": 12, "what": "took", "shards": [S],
+             "t": 200 * MS},
+            {"kind": "shard", "shard": S, "epoch": 3, "prev": 2, "pid": 12,
+             "before": 190 * MS, "seen": 205 * MS, "t": 205 * MS},
+            {"kind": "shard", "shard": S, "epoch": 4, "prev": 3, "pid": 11,
+             "before": 290 * MS, "seen": 300 * MS, "t": 300 * MS}]
+    snap = Snapshot([Change(5, "r", 1, v1, 0), Change(1 << 24, "r", 1, v2, 0),
+                     Change((5 << 24) + 1, "r", 1, v3, 0)], {}, 0, ["ok"])
+    ops, bad = extensions(_timeline(*took), snap)
+    assert bad == []
+    assert [(o.rec, o.a["pre"], o.inv, o.cmp) for o in ops[1:]] == [(v3, v2, 190 * MS, 300 * MS)]
+    # no take went without its line: nothing explains the write
+    ops, bad = extensions(_timeline(), snap)
+    assert len(ops) == 1 and [v.check for v in bad] == ["shard-epochs"]
+
+
 def test_an_answer_about_a_shard_after_it_moved_away_is_caught() -> None:
     before = op("get_run", 50, 60, r=rec(1))
     after = op("get_run", 120, 130, r=rec(1))
