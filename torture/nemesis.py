@@ -547,9 +547,11 @@ class Nemesis:
                 return
             self.record(kind="pg-cut", t=t, pattern=like, connections=n)
             return
-        c = self._running(fault.target)
+        # a stall needs a coordinator with shards to write for
+        c = self._running(fault.target, holding=kind == "pg-stall")
         if c is None:
-            self.skip(fault, t, "no coordinator was running")
+            self.skip(fault, t, "no coordinator was running" + (
+                " with shards" if kind == "pg-stall" else ""))
             return
         pid = c.pid
         # the shards it holds now, as the watcher last read the rows
@@ -569,9 +571,6 @@ class Nemesis:
                         ms=int(fault.param), offset=c.offset_ms, server_now=now, held=held)
         elif kind == "pg-stall":
             identity = next((h for _, h in cl.owners.values() if f"/{pid}/" in h), "")
-            if not identity:
-                self.skip(fault, t, "the coordinator held no shard")
-                return
             mid_commit = fault.target % 2 == 0
             backends = cl.stall(identity, mid_commit=mid_commit, within_s=2.0,
                                 renewals="fencepost-shards")
@@ -601,13 +600,15 @@ class Nemesis:
             self.record(kind="term", t=t, at=time.monotonic_ns(), slot=c.slot, pid=pid,
                         exit=code, downtime_s=fault.param)
 
-    def _running(self, pick: float) -> Any:
-        """A coordinator running now and not stopped: the ``pick``-th (modulo), or
-        the next one after it; None when there is none."""
+    def _running(self, pick: float, holding: bool = False) -> Any:
+        """A coordinator running now and not stopped (``holding``: and holding
+        a shard): the ``pick``-th (modulo), or the next one after it; None
+        when there is none."""
         cs = self.cluster.coordinators
         for i in range(len(cs)):
             c = cs[(int(pick) + i) % len(cs)]
-            if c.running and not c.stopped:
+            if c.running and not c.stopped and (not holding or any(
+                    f"/{c.pid}/" in h for _, h in self.cluster.owners.values())):
                 return c
         return None
 
