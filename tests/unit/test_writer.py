@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -590,3 +591,71 @@ async def test_engine_hooks_are_handed_in_and_a_lock_fence_reaches_them(tmp_path
             assert isinstance(got, L.TransactionDone) and seen == ["k"]
         else:
             assert isinstance(got, LedgerError) and "fence.lock_key" in got.message, got
+
+
+# -- small batches decided on the loop, their COMMIT on the writer's thread -------------
+
+
+class StallingStorage(SqliteStorage):
+    """A real SQLite file whose COMMITs wait for ``go``: a disk that stalls."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.go = threading.Event()
+        self.go.set()
+        self.committing = threading.Event()
+
+    def _commit(self, db: sqlite3.Connection) -> None:
+        self.committing.set()
+        self.go.wait(10)  # bounded: a loop blocked here shows as a failure, not a hang
+        super()._commit(db)
+
+
+async def test_a_stalled_commit_leaves_the_loop_answering_renewals(tmp_path: Path) -> None:
+    """A small batch is decided on the loop, but its COMMIT (the fsync) waits
+    on the writer's thread: a disk that stalls must not stop renewals from
+    memory, which need no disk."""
+    storage = StallingStorage(tmp_path / "s.db")
+    w = Writer(storage, ManualClock())
+    await w.start()
+    try:
+        held = await w.submit(L.Acquire("held", "a", ttl_ms=60_000))
+        storage.go.clear()
+        storage.committing.clear()
+        write = asyncio.create_task(w.submit(L.Acquire("other", "b")))
+        assert await asyncio.to_thread(storage.committing.wait, 5)
+        renewed = await w.submit(L.Renew("held", "a", held.fencing_token))  # type: ignore[union-attr]
+        assert renewed.lease is not None and not write.done()  # type: ignore[union-attr]
+        storage.go.set()
+        assert (await write).lease.owner == "b"  # type: ignore[union-attr]
+    finally:
+        storage.go.set()
+        await w.close()
+
+
+async def test_small_batches_are_decided_on_the_loop_and_large_ones_off_it(
+    tmp_path: Path,
+) -> None:
+    """Up to LOOP_BATCH commands a thread hop costs more than the deciding; a
+    larger batch (or one that copies or prunes) is decided on the writer's thread."""
+    from fencepost_server.writer.writer import LOOP_BATCH
+
+    threads: list[threading.Thread] = []
+
+    def spy(db: sqlite3.Connection, cmd: Bump, now: int) -> Bumped:
+        threads.append(threading.current_thread())
+        return bump(db, cmd, now)
+
+    w = Writer(SqliteStorage(tmp_path / "t.db"), ManualClock())
+    w.register(Bump, spy)
+    await w.start()
+    try:
+        await w.submit(Bump("k"))  # the first batch waits for the start-up check off the loop
+        threads.clear()
+        await w.submit(Bump("k"))
+        assert threads == [threading.main_thread()]
+        threads.clear()
+        await asyncio.gather(*(w.submit(Bump(f"k{i}")) for i in range(2 * LOOP_BATCH)))
+        assert threads and threading.main_thread() not in threads
+    finally:
+        await w.close()

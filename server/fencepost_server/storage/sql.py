@@ -12,7 +12,7 @@ import sqlite3
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -33,6 +33,8 @@ from ..core.records import (
 # from the runs table on demand once it reflects them.
 HOT_STATUSES = (1, 2, 3)  # queued, running, suspended
 COLD_STATUSES = (4, 5, 6)  # completed, failed, cancelled
+
+T = TypeVar("T")
 
 log = logging.getLogger("fencepost.storage")
 
@@ -748,22 +750,70 @@ class SqlStorage:
     def transaction(self) -> Iterator[None]:
         """One batch: BEGIN ... COMMIT, durable when COMMIT returns. On any
         failure rolls back and raises LedgerError(STORAGE_*) for driver errors."""
+        self.prepare(lambda: None)
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+        self.commit_prepared()
+
+    def prepare(self, body: Callable[[], T]) -> T:
+        """BEGIN and run ``body`` in the new transaction, left open for
+        ``commit_prepared`` (or ``abort``). On any failure rolls back and
+        raises, as ``transaction`` does."""
         try:
             db = self._connection()
             try:
                 self._begin(db)
-                yield
+                return body()
+            except BaseException:
+                try:
+                    self._rollback(db)
+                finally:
+                    self._batch_ended()
+                raise
+        except self.ERRORS as exc:
+            raise self._storage_error(exc) from exc
+
+    def commit_prepared(self) -> None:
+        """COMMIT the transaction ``prepare`` opened: durable when it returns."""
+        try:
+            db = self.db
+            try:
                 self._commit(db)
             except BaseException:
-                self._staged.clear()
-                self._touching.clear()
-                self._untouch = False
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
+                self._rollback(db)
                 raise
             self._settle_rows()
         except self.ERRORS as exc:
             raise self._storage_error(exc) from exc
+        finally:
+            self._batch_ended()
+
+    def abort(self) -> None:
+        """Roll back the transaction ``prepare`` opened."""
+        try:
+            self._rollback(self.db)
+        except self.ERRORS as exc:
+            raise self._storage_error(exc) from exc
+        finally:
+            self._batch_ended()
+
+    def _rollback(self, db: Any) -> None:
+        self._staged.clear()
+        self._touching.clear()
+        self._untouch = False
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+
+    def _batch_ended(self) -> None:
+        """A batch's transaction ended, committed or not."""
+
+    def loop_can_prepare(self) -> bool:
+        """Whether the next batch may be prepared on the event loop's thread
+        (never for a database server: every statement is a round trip)."""
+        return False
 
     def _next_block(self) -> int:
         """The block for a new row: the same int object for ``BLOCK_RUNS`` rows."""

@@ -14,7 +14,6 @@ storage/sql.py; this module opens the file, holds its lock, migrates it
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import functools
 import itertools
@@ -23,7 +22,7 @@ import os
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -472,14 +471,15 @@ class SqliteStorage(SqlStorage):
         if self._checkpointer is not None:
             self._checkpointer.due()
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[None]:
-        try:
-            with super().transaction():
-                yield
-        finally:
-            if self._checkpointer is not None:
-                self._checkpointer.release()
+    def _batch_ended(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.release()
+
+    def loop_can_prepare(self) -> bool:
+        """A local file: BEGIN and the statements wait on no server, and on no
+        lock unless the checkpointer asked this batch to copy what it left."""
+        return self._check is None and (
+            self._checkpointer is None or not self._checkpointer.finish_wanted)
 
     def _storage_error(self, exc: BaseException) -> LedgerError:
         code = getattr(exc, "sqlite_errorcode", None)
@@ -612,6 +612,10 @@ class _Checkpointer:
     def due(self) -> None:
         """A commit added frames (called by the writer after each COMMIT)."""
         self._due.set()
+
+    @property
+    def finish_wanted(self) -> bool:
+        return self._finish_wanted and not self._writer_holds
 
     def finish(self, db: sqlite3.Connection) -> None:
         """In the writer, before a batch: when the checkpointer asked, take

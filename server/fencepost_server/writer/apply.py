@@ -150,6 +150,17 @@ class _Step:
             mine.update(saved)  # type: ignore[arg-type]
 
 
+@dataclass(slots=True)
+class Prepared:
+    """A batch decided and written, its transaction not yet committed."""
+
+    st: _Step
+    answers: list[Any]
+    counted: list[int]
+    taken: list[str]
+    mark: int
+
+
 # Called inside the transaction, after the batch is written and before its
 # COMMIT, with (batch, answers, overlay, tombstones, revision, events).
 BeforeCommit = Callable[[list[Item], list[Any], dict[str, Record | None], dict[str, int], int,
@@ -221,6 +232,20 @@ class Apply:
         floor: int | None = None,
     ) -> Applied:
         """Decide every command of the batch in order and commit once."""
+        ready = self.storage.prepare(lambda: self.prepare(batch, committed, now, flush, floor))
+        self.storage.commit_prepared()
+        return self.settle(ready)
+
+    def prepare(
+        self,
+        batch: list[Item],
+        committed: LedgerState,
+        now: int,
+        flush: Any = (),
+        floor: int | None = None,
+    ) -> Prepared:
+        """Decide every command of the batch in order and write it, inside the
+        transaction ``storage.prepare`` opened; ``settle`` once it commits."""
         answered: dict[str, tuple[str, Any]] = {}
         out = Batch(now=now)
         st = _Step(committed, out, committed.revision)
@@ -228,93 +253,99 @@ class Apply:
         storage = self.storage
         sharing = storage.sharing
         counted: list[int] = []  # each command's shards (leading shards apart)
-        with storage.transaction():
-            st.rev = storage.first_revision(st.rev)
-            rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
-            stored_answers = storage.lookup_requests(rids) if rids else {}
-            owned = self.ownership
-            for item in batch:
-                cmd = item.cmd
-                if owned is not None and (refused := owned.refusal(cmd)) is not None:
-                    answers.append(refused)  # not remembered: the owner answers the retry
-                    continue
-                if sharing:  # checked before COMMIT (storage/shared.py), and counted
-                    if type(cmd) is L.TakeShards:
-                        storage.touch_shards(cmd.shards)
-                    else:
-                        keyed = shards_of(cmd, storage.shards) or ()
-                        storage.touch_shards(keyed)
-                        counted.extend(keyed)
-                rid = cmd.request_id
-                fp = ""
-                if rid:
-                    fp = codec.fingerprint(cmd, item.scope)
-                    hit = answered.get(rid)
-                    if hit is None and rid in stored_answers:
-                        stored_fp, stored_answer = stored_answers[rid]
-                        hit = (stored_fp, codec.decode(stored_answer))
-                    if hit is not None:
-                        answers.append(
-                            hit[1]
-                            if hit[0] == fp
-                            else LedgerError(
-                                Code.RUN_VALIDATION_ERROR,
-                                "request_id: already used for a different request",
-                                field="request_id",
-                            )
+        st.rev = storage.first_revision(st.rev)
+        rids = [item.cmd.request_id for item in batch if item.cmd.request_id]
+        stored_answers = storage.lookup_requests(rids) if rids else {}
+        owned = self.ownership
+        for item in batch:
+            cmd = item.cmd
+            if owned is not None and (refused := owned.refusal(cmd)) is not None:
+                answers.append(refused)  # not remembered: the owner answers the retry
+                continue
+            if sharing:  # checked before COMMIT (storage/shared.py), and counted
+                if type(cmd) is L.TakeShards:
+                    storage.touch_shards(cmd.shards)
+                else:
+                    keyed = shards_of(cmd, storage.shards) or ()
+                    storage.touch_shards(keyed)
+                    counted.extend(keyed)
+            rid = cmd.request_id
+            fp = ""
+            if rid:
+                fp = codec.fingerprint(cmd, item.scope)
+                hit = answered.get(rid)
+                if hit is None and rid in stored_answers:
+                    stored_fp, stored_answer = stored_answers[rid]
+                    hit = (stored_fp, codec.decode(stored_answer))
+                if hit is not None:
+                    answers.append(
+                        hit[1]
+                        if hit[0] == fp
+                        else LedgerError(
+                            Code.RUN_VALIDATION_ERROR,
+                            "request_id: already used for a different request",
+                            field="request_id",
                         )
-                        continue
-                answer = self._dispatch(cmd, st, now)
-                if rid:
-                    answered[rid] = (fp, answer)
-                    out.requests.append((rid, fp, answer, now))
-                answers.append(answer)
-            overlay, tombs, events, changed = st.overlay, st.tombs, st.events, st.changed
-            rev = st.rev
-            out.revision = rev
-            taken, mark = ([], rev) if sharing else self._plan_materialization(now, rev, changed)
-            leases: list[tuple[str, Record | None]] = []
-            expiries: list[tuple[str, Record]] = []
-            if flush:  # expiries renewed from memory, into their runs rows
-                skip = set(taken)
-                pending = self.pending
-                for k in flush:
-                    rec = overlay[k] if k in overlay else committed.runs.get(k)
-                    if rec is None or rec.status in TERMINAL or k in skip:
-                        continue
-                    if owned is not None and owned.refusal_for_key(k) is not None:
-                        continue  # a shard given up: its taker extends the lease instead
-                    if sharing:
-                        storage.touch_shards((shard_of(k, storage.shards),))
-                    if k in changed or k in pending:
-                        leases.append((k, rec))  # the row lags other changes: all of it
-                    else:
-                        expiries.append((k, rec))  # the row is current but for the expiry
-            out.expiries = expiries
-            if sharing:  # every changed run's row in this batch: nothing lags
-                out.materialize = [(k, overlay[k]) for k in changed] + [
-                    lease for lease in leases if lease[0] not in changed]
-            elif taken or mark != self.materialized or leases:
-                out.materialize = [
-                    (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
-                ] + leases
-                out.materialized = mark
-            out.lease_floor = floor
-            if self.prunes and (
-                self._prune_more
-                or now - self._last_prune >= self.prune_every_ms
-                or rev - self._pruned_at >= prune_step(self.history_revisions)
-            ):
-                age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
-                out.prune = (
-                    now - self.request_retention_ms,
-                    rev - self.history_revisions + 1,
-                    age_cutoff,
-                    mark,
-                )
-            self.storage.write(out)
-            if self.before_commit is not None:  # TEST-ONLY broken build
-                self.before_commit(batch, answers, overlay, tombs, rev, events)
+                    )
+                    continue
+            answer = self._dispatch(cmd, st, now)
+            if rid:
+                answered[rid] = (fp, answer)
+                out.requests.append((rid, fp, answer, now))
+            answers.append(answer)
+        overlay, tombs, events, changed = st.overlay, st.tombs, st.events, st.changed
+        rev = st.rev
+        out.revision = rev
+        taken, mark = ([], rev) if sharing else self._plan_materialization(now, rev, changed)
+        leases: list[tuple[str, Record | None]] = []
+        expiries: list[tuple[str, Record]] = []
+        if flush:  # expiries renewed from memory, into their runs rows
+            skip = set(taken)
+            pending = self.pending
+            for k in flush:
+                rec = overlay[k] if k in overlay else committed.runs.get(k)
+                if rec is None or rec.status in TERMINAL or k in skip:
+                    continue
+                if owned is not None and owned.refusal_for_key(k) is not None:
+                    continue  # a shard given up: its taker extends the lease instead
+                if sharing:
+                    storage.touch_shards((shard_of(k, storage.shards),))
+                if k in changed or k in pending:
+                    leases.append((k, rec))  # the row lags other changes: all of it
+                else:
+                    expiries.append((k, rec))  # the row is current but for the expiry
+        out.expiries = expiries
+        if sharing:  # every changed run's row in this batch: nothing lags
+            out.materialize = [(k, overlay[k]) for k in changed] + [
+                lease for lease in leases if lease[0] not in changed]
+        elif taken or mark != self.materialized or leases:
+            out.materialize = [
+                (k, overlay[k] if k in overlay else committed.runs.get(k)) for k in taken
+            ] + leases
+            out.materialized = mark
+        out.lease_floor = floor
+        if self._prune_due(now, rev):
+            age_cutoff = now - self.history_max_age_ms if self.history_max_age_ms else None
+            out.prune = (
+                now - self.request_retention_ms,
+                rev - self.history_revisions + 1,
+                age_cutoff,
+                mark,
+            )
+        self.storage.write(out)
+        if self.before_commit is not None:  # TEST-ONLY broken build
+            self.before_commit(batch, answers, overlay, tombs, rev, events)
+        return Prepared(st, answers, counted, taken, mark)
+
+    def settle(self, ready: Prepared) -> Applied:
+        """After the prepared batch's COMMIT: move the bookkeeping, hand back
+        what the loop publishes."""
+        st, out, answers, counted, taken, mark = (
+            ready.st, ready.st.out, ready.answers, ready.counted, ready.taken, ready.mark)
+        storage = self.storage
+        sharing = storage.sharing
+        now = out.now
+        overlay, tombs, events, changed, rev = st.overlay, st.tombs, st.events, st.changed, st.rev
         if counted:
             tally = self.shard_commands or [0] * storage.shards
             for shard in counted:
@@ -524,6 +555,26 @@ class Apply:
         db.execute("RELEASE tx")
         return L.TransactionDone(tuple(results))
 
+    def _prune_due(self, now: int, rev: int) -> bool:
+        return self.prunes and (
+            self._prune_more
+            or now - self._last_prune >= self.prune_every_ms
+            or rev - self._pruned_at >= prune_step(self.history_revisions))
+
+    def _copy_due(self, now: int, rev: int) -> bool:
+        """Whether the pending runs' copying into the runs table is due."""
+        pending = self.pending
+        if not pending:
+            return False
+        first, since = next(iter(pending.values()))
+        return (len(pending) > MAX_PENDING or first < rev - self.history_revisions + 1
+                or since <= now - self.materialize_after_ms)
+
+    def light(self, now: int, rev: int) -> bool:
+        """Whether a batch decided now (the committed revision ``rev``) only
+        decides and writes its commands: no pruning and no copying due."""
+        return not self._prune_due(now, rev) and not self._copy_due(now, rev)
+
     def _plan_materialization(
         self, now: int, rev: int, changed: dict[str, int]
     ) -> tuple[list[str], int]:
@@ -534,20 +585,18 @@ class Apply:
         counting this batch's own changes as pending."""
         pending = self.pending
         taken: list[str] = []
-        if pending:
+        if self._copy_due(now, rev):
             prunable = rev - self.history_revisions + 1
             force = len(pending) > MAX_PENDING
-            first, since = next(iter(pending.values()))
-            if force or first < prunable or since <= now - self.materialize_after_ms:
-                # due: take everything pending for half the delay too, so this
-                # happens in a few batches a second, not in every batch
-                cutoff = now - self.materialize_after_ms // 2
-                for run_id, (first, since) in pending.items():
-                    if len(taken) >= MATERIALIZE_CHUNK or (
-                        since > cutoff and first >= prunable and not force
-                    ):
-                        break
-                    taken.append(run_id)
+            # due: take everything pending for half the delay too, so this
+            # happens in a few batches a second, not in every batch
+            cutoff = now - self.materialize_after_ms // 2
+            for run_id, (first, since) in pending.items():
+                if len(taken) >= MATERIALIZE_CHUNK or (
+                    since > cutoff and first >= prunable and not force
+                ):
+                    break
+                taken.append(run_id)
         if len(taken) < len(pending):
             oldest_left = next(itertools.islice(pending.values(), len(taken), None))[0]
             return taken, oldest_left - 1

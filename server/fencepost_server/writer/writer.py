@@ -3,9 +3,10 @@
 Every write — ledger, raw seam, the engine store — is a command put on one
 bounded queue. One task takes whatever is queued (up to ``max_batch``; when
 the server is short of CPU it first holds the batch up to ``commit_delay_ms``
-for more, commit_delay.py), hands the whole batch to one dedicated thread
-that decides each command in order against the committed state plus the
-batch's own earlier changes, writes the rows and commits once (apply.py);
+for more, commit_delay.py), decides each command in order against the
+committed state plus the batch's own earlier changes, writes the rows and
+commits once (apply.py: a small batch decided on the loop, a larger one on the
+writer's one thread, every COMMIT on that thread);
 only after that commit is durable are the callers answered, the in-memory
 committed state moved and the change feed published. A refused command does
 not disturb its neighbours; a failed commit fails every command of the batch
@@ -18,6 +19,7 @@ Only this module (through the storage's ``open``) opens a write connection.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -40,7 +42,7 @@ from ..storage.sql import (
     LoadedState,
     SqlStorage,
 )
-from .apply import Answer, Applied, Apply, Decide, EngineHooks, Executor, Item
+from .apply import Answer, Apply, Decide, EngineHooks, Executor, Item
 from .commit_delay import CommitDelay
 from .index import RunIndex
 from .renewals import FLUSH_TICK_S, Renewals, RenewRule
@@ -48,6 +50,10 @@ from .state import ChangeEvent, LedgerState, WriterStats
 
 log = logging.getLogger("fencepost.writer")
 
+# A batch up to this many commands (and flushed expiries) is decided on the
+# loop: a thread hop per batch cost more than its deciding (about 1 ms).
+LOOP_BATCH = 64
+COMMIT_WAIT_S = 0.002
 _STOP = object()
 _FLUSH = object()  # queued by the flush timer: commit a flush chunk even when idle
 
@@ -561,9 +567,20 @@ class Writer:
         now = self.clock.now_ms()
         started = time.perf_counter()
         try:
-            done: Applied = await loop.run_in_executor(
-                self._executor, self._apply, batch, self.state, now, flush or (), floor
-            )
+            if self._on_loop(batch, flush):
+                apply, storage = self._apply, self.storage
+                ready = storage.prepare(
+                    lambda: apply.prepare(batch, self.state, now, flush or (), floor))
+                committing = self._executor.submit(storage.commit_prepared)
+                try:  # the loop waits (GIL released) while the disk is quick
+                    committing.result(COMMIT_WAIT_S)
+                except concurrent.futures.TimeoutError:
+                    await asyncio.wrap_future(committing)
+                done = apply.settle(ready)
+            else:
+                done = await loop.run_in_executor(
+                    self._executor, self._apply, batch, self.state, now, flush or (), floor
+                )
         except LedgerError as exc:  # the commit failed: nothing moved
             self.renewals.failed(flush or [])
             self.stats.failed_commits += 1
@@ -611,6 +628,13 @@ class Writer:
                     listener(done.events)
                 except Exception:
                     log.exception("change-feed listener failed")
+
+    def _on_loop(self, batch: list[Item], flush: list[str] | None) -> bool:
+        """Whether to decide and write this batch on the loop's thread, only
+        its COMMIT on the writer's: a small batch on a local file."""
+        return (len(batch) + len(flush or ()) <= LOOP_BATCH and self.ack_before_commit is None
+                and self.storage.loop_can_prepare()
+                and self._apply.light(self.clock.now_ms(), self.state.revision))
 
     def _publish_state(
         self,
