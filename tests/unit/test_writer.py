@@ -633,29 +633,38 @@ async def test_a_stalled_commit_leaves_the_loop_answering_renewals(tmp_path: Pat
         await w.close()
 
 
-async def test_small_batches_are_decided_on_the_loop_and_large_ones_off_it(
+async def test_small_batches_of_ledger_commands_are_decided_on_the_loop(
     tmp_path: Path,
 ) -> None:
-    """Up to LOOP_BATCH commands a thread hop costs more than the deciding; a
-    larger batch (or one that copies or prunes) is decided on the writer's thread."""
+    """Up to LOOP_BATCH ledger commands a thread hop costs more than the
+    deciding; a larger batch, or one with an executor's command (an artifact's
+    chunks, say), is decided on the writer's thread."""
     from fencepost_server.writer.writer import LOOP_BATCH
 
-    threads: list[threading.Thread] = []
+    decided: list[threading.Thread] = []
+    executed: list[threading.Thread] = []
 
-    def spy(db: sqlite3.Connection, cmd: Bump, now: int) -> Bumped:
-        threads.append(threading.current_thread())
+    def spy_decide(*args: Any) -> L.Decision:
+        decided.append(threading.current_thread())
+        return L.decide(*args)
+
+    def spy_bump(db: sqlite3.Connection, cmd: Bump, now: int) -> Bumped:
+        executed.append(threading.current_thread())
         return bump(db, cmd, now)
 
-    w = Writer(SqliteStorage(tmp_path / "t.db"), ManualClock())
-    w.register(Bump, spy)
+    w = Writer(SqliteStorage(tmp_path / "t.db"), ManualClock(), decide=spy_decide)
+    w.register(Bump, spy_bump)
     await w.start()
     try:
-        await w.submit(Bump("k"))  # the first batch waits for the start-up check off the loop
-        threads.clear()
-        await w.submit(Bump("k"))
-        assert threads == [threading.main_thread()]
-        threads.clear()
-        await asyncio.gather(*(w.submit(Bump(f"k{i}")) for i in range(2 * LOOP_BATCH)))
-        assert threads and threading.main_thread() not in threads
+        await w.submit(L.Acquire("first", "o"))  # waits for the start-up check, off the loop
+        decided.clear()
+        await w.submit(L.Acquire("small", "o"))
+        assert decided == [threading.main_thread()]
+        decided.clear()
+        await asyncio.gather(*(w.submit(L.Acquire(f"r{i}", "o")) for i in range(2 * LOOP_BATCH)))
+        assert decided and threading.main_thread() not in decided
+        decided.clear()
+        await asyncio.gather(w.submit(L.Acquire("with-bump", "o")), w.submit(Bump("k")))
+        assert executed and threading.main_thread() not in executed + decided
     finally:
         await w.close()

@@ -161,6 +161,10 @@ class Prepared:
     mark: int
 
 
+# commands whose writes are not one row each: never decided on the loop
+_HEAVY = frozenset({L.Transaction, L.ExtendLeases, L.TakeShards})
+
+
 # Called inside the transaction, after the batch is written and before its
 # COMMIT, with (batch, answers, overlay, tombstones, revision, events).
 BeforeCommit = Callable[[list[Item], list[Any], dict[str, Record | None], dict[str, int], int,
@@ -570,9 +574,16 @@ class Apply:
         return (len(pending) > MAX_PENDING or first < rev - self.history_revisions + 1
                 or since <= now - self.materialize_after_ms)
 
-    def light(self, now: int, rev: int) -> bool:
-        """Whether a batch decided now (the committed revision ``rev``) only
-        decides and writes its commands: no pruning and no copying due."""
+    def light(self, batch: list[Item], now: int, rev: int) -> bool:
+        """Whether the batch, decided now (the committed revision ``rev``), only
+        decides ledger commands in memory and writes their rows: no executor
+        (an artifact's chunks, say), transaction or takeover's extension, and
+        no pruning or copying due."""
+        executors, heavy = self.executors, _HEAVY
+        for item in batch:
+            kind = type(item.cmd)
+            if kind in executors or kind in heavy:
+                return False
         return not self._prune_due(now, rev) and not self._copy_due(now, rev)
 
     def _plan_materialization(

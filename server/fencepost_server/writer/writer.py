@@ -631,10 +631,11 @@ class Writer:
 
     def _on_loop(self, batch: list[Item], flush: list[str] | None) -> bool:
         """Whether to decide and write this batch on the loop's thread, only
-        its COMMIT on the writer's: a small batch on a local file."""
+        its COMMIT on the writer's: a small batch of ledger commands on a
+        local file."""
         return (len(batch) + len(flush or ()) <= LOOP_BATCH and self.ack_before_commit is None
                 and self.storage.loop_can_prepare()
-                and self._apply.light(self.clock.now_ms(), self.state.revision))
+                and self._apply.light(batch, self.clock.now_ms(), self.state.revision))
 
     def _publish_state(
         self,
