@@ -173,3 +173,29 @@ def test_a_failing_checkpoint_is_logged_once_retried_and_loses_nothing(
     ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     assert ro.execute("SELECT count(*) FROM t").fetchone()[0] == 51
     ro.close()
+
+
+def test_a_failed_statement_in_a_transaction_is_a_storage_error_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """What a batch's statements raise reaches the writer as STORAGE_*, as a
+    failed COMMIT does, and the transaction is rolled back."""
+    from fencepost_server.core.errors import Code, LedgerError
+
+    st = SqliteStorage(tmp_path / "e.db")
+    st.open()
+    try:
+        db = st.db
+        with st.transaction():
+            _table(db)
+        with pytest.raises(LedgerError) as ei, st.transaction():
+            db.execute("INSERT INTO t (k, v) VALUES ('kept?', 1)")
+            db.execute("INSERT INTO no_such_table VALUES (1)")
+        assert ei.value.code is Code.STORAGE_UNAVAILABLE
+        assert not db.in_transaction
+        assert db.execute("SELECT count(*) FROM t").fetchone()[0] == 0
+        with st.transaction():  # the next batch goes on
+            db.execute("INSERT INTO t (k, v) VALUES ('next', 1)")
+        assert db.execute("SELECT count(*) FROM t").fetchone()[0] == 1
+    finally:
+        st.close()

@@ -753,8 +753,10 @@ class SqlStorage:
         self.prepare(lambda: None)
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             self.abort()
+            if isinstance(exc, self.ERRORS):
+                raise self._storage_error(exc) from exc
             raise
         self.commit_prepared()
 

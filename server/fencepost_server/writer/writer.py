@@ -53,6 +53,8 @@ log = logging.getLogger("fencepost.writer")
 # A batch up to this many commands (and flushed expiries) is decided on the
 # loop: a thread hop per batch cost more than its deciding (about 1 ms).
 LOOP_BATCH = 64
+# The loop waits this long for such a batch's COMMIT (the GIL released), then
+# awaits it: a stalled disk stops the loop no longer than this.
 COMMIT_WAIT_S = 0.002
 _STOP = object()
 _FLUSH = object()  # queued by the flush timer: commit a flush chunk even when idle
