@@ -569,7 +569,7 @@ class Writer:
         now = self.clock.now_ms()
         started = time.perf_counter()
         try:
-            if self._on_loop(batch, flush):
+            if self._on_loop(batch, flush, now):
                 apply, storage = self._apply, self.storage
                 ready = storage.prepare(
                     lambda: apply.prepare(batch, self.state, now, flush or (), floor))
@@ -631,13 +631,13 @@ class Writer:
                 except Exception:
                     log.exception("change-feed listener failed")
 
-    def _on_loop(self, batch: list[Item], flush: list[str] | None) -> bool:
+    def _on_loop(self, batch: list[Item], flush: list[str] | None, now: int) -> bool:
         """Whether to decide and write this batch on the loop's thread, only
         its COMMIT on the writer's: a small batch of ledger commands on a
         local file."""
         return (len(batch) + len(flush or ()) <= LOOP_BATCH and self.ack_before_commit is None
                 and self.storage.loop_can_prepare()
-                and self._apply.light(batch, self.clock.now_ms(), self.state.revision))
+                and self._apply.light(batch, now, self.state.revision))
 
     def _publish_state(
         self,
